@@ -1,0 +1,5 @@
+import sys
+
+from lowp.cli import main
+
+sys.exit(main())

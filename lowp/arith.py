@@ -1,0 +1,112 @@
+"""Emulated arithmetic: every operation correctly rounded to a chosen format.
+
+``Arith("fp16")`` behaves like a machine whose only floating-point type is fp16: each ``add``,
+``mul``, ``div``, ``sqrt`` ... is computed once in a wider *container* and rounded once to the
+format. This is exact emulation, not an approximation: for +, -, *, / and sqrt, rounding the
+correctly rounded container result again to a p-bit format gives the correctly rounded p-bit
+result whenever the container has at least ``2p + 2`` significand bits (Figueroa, "When is
+double rounding innocuous?", SIGNUM 1995). fp32 (24 bits) therefore serves formats up to 11
+bits (fp16, bf16, fp8, DLFloat16) as long as the range fits; fp64 serves up to 25 bits.
+
+Values are plain tensors in the container dtype that hold format values, so an ``Arith`` can be
+mixed with torch code that only moves, compares or selects them (those are exact).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lowp.formats import FloatFormat, get_format
+from lowp.rounding import fits_in, quantize
+
+__all__ = ["Arith"]
+
+
+class Arith:
+    """Arithmetic rounded to ``format`` after every operation (round to nearest even by default).
+
+    Example::
+
+        >>> import torch
+        >>> a = Arith("fp16")
+        >>> x = a.cast(torch.tensor([60000.0]))
+        >>> a.mul(x, x)          # overflows like real fp16
+        tensor([inf])
+    """
+
+    def __init__(self, format: "str | torch.dtype | FloatFormat", mode: str = "nearest_even", *,
+                 generator: torch.Generator | None = None) -> None:
+        self.format = get_format(format)
+        self.mode = mode
+        self.generator = generator
+        p = self.format.precision
+        fp32 = get_format("fp32")
+        if 2 * p + 2 <= fp32.precision and fits_in(self.format, fp32):
+            self.dtype = torch.float32
+        elif 2 * p + 2 <= get_format("fp64").precision and fits_in(self.format, get_format("fp64")):
+            self.dtype = torch.float64
+        else:
+            raise ValueError(f"format: {self.format.name} is too wide to emulate exactly (needs 2p+2 <= 53)")
+
+    def __repr__(self) -> str:
+        return f"Arith({self.format.name!r}, mode={self.mode!r}, container={self.dtype})"
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        """Round a container value to the format (one rounding)."""
+        return quantize(x, self.format, self.mode, generator=self.generator)
+
+    def cast(self, x: "torch.Tensor | float") -> torch.Tensor:
+        """Bring any value into the container, rounded once to the format (a float64 input is
+        rounded from float64 directly, never through float32)."""
+        t = torch.as_tensor(x)
+        if not t.is_floating_point():
+            t = t.to(torch.float64)
+        if t.dtype != torch.float64:
+            t = t.to(self.dtype)
+        return quantize(t, self.format, self.mode, generator=self.generator).to(self.dtype)
+
+    def _op(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+        return self.round(fn(*(torch.as_tensor(a, dtype=self.dtype) for a in args)))
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._op(torch.add, a, b)
+
+    def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._op(torch.sub, a, b)
+
+    def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._op(torch.mul, a, b)
+
+    def div(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._op(torch.div, a, b)
+
+    def sqrt(self, a: torch.Tensor) -> torch.Tensor:
+        """Correctly rounded square root. torch's CPU ``sqrt`` is not correctly rounded (seen on
+        torch 2.13 with MKL, in fp32 and fp64), so it is taken in float64, whose few-ulp error
+        cannot move a result across a rounding boundary of a format of <= 24 bits: the square root
+        of a p-bit number lies at least about 2**-2p relative away from every midpoint."""
+        a64 = torch.as_tensor(a).to(torch.float64)
+        return quantize(torch.sqrt(a64), self.format, self.mode, generator=self.generator).to(self.dtype)
+
+    def square(self, a: torch.Tensor) -> torch.Tensor:
+        return self._op(torch.square, a)
+
+    def neg(self, a: torch.Tensor) -> torch.Tensor:
+        return -torch.as_tensor(a, dtype=self.dtype)
+
+    def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:
+        """``a * 2**k`` rounded to the format (exact unless it leaves the normal range)."""
+        a = torch.as_tensor(a, dtype=self.dtype)
+        k = torch.as_tensor(k, dtype=torch.float64)
+        half = torch.floor(k / 2)
+        return self.round(a * torch.exp2(half).to(self.dtype) * torch.exp2(k - half).to(self.dtype))
+
+    def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Left-to-right sequential sum along ``dim``, rounding after every addition (stagnates in
+        long low-precision sums; see :mod:`lowp.summation` for the compensated ones)."""
+        x = torch.as_tensor(x, dtype=self.dtype).movedim(dim, -1)
+        acc = torch.zeros(x.shape[:-1], dtype=self.dtype, device=x.device)
+        for i in range(x.shape[-1]):
+            acc = self.add(acc, x[..., i])
+        return acc

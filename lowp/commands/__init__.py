@@ -1,0 +1,1 @@
+"""One module per ``lowp`` subcommand (see :mod:`lowp.cli`)."""

@@ -1,0 +1,211 @@
+"""Rounding to a number format: ``quantize(x, format, mode)`` as a pure torch function.
+
+The result holds exactly the values of ``format`` but stays in ``x``'s own dtype (the
+*container*). Rounding is done once, from the container value, so there is no double
+rounding as long as the format fits in the container: fewer mantissa bits and an
+exponent range inside it. fp32 holds every format here up to 23 mantissa bits and 8
+exponent bits (bf16, fp16, tf32, fp8, DLFloat16, fp6, fp4); fp64 holds fp32. A format
+that does not fit raises an error naming the container it needs.
+
+Method: with ``e = floor(log2|x|)`` and the format's quantum exponent
+``q = max(e, emin) - mantissa_bits``, the scaled magnitude ``n = |x| * 2**-q`` is exact
+and has at most ``mantissa_bits + 1`` integer bits. ``floor(n)`` and ``frac = n - floor(n)``
+are exact, so every rounding mode is a decision on ``frac`` followed by an exact rescale.
+
+Modes:
+    ``nearest_even`` (IEEE default), ``nearest_away``, ``toward_zero``, ``up`` (toward +inf),
+    ``down`` (toward -inf), ``odd`` (round to odd: truncate, set the last bit if inexact;
+    used to make a later rounding free of double-rounding errors), ``stochastic``
+    (round up with probability ``frac``; with ``rand_bits = k`` the decision uses k random
+    bits as hardware does, rounding up with probability ``floor(frac * 2**k) / 2**k``).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+import torch
+
+from lowp.formats import FloatFormat, get_format
+
+RoundingMode = Literal["nearest_even", "nearest_away", "toward_zero", "up", "down", "odd", "stochastic"]
+
+MODES: tuple[str, ...] = ("nearest_even", "nearest_away", "toward_zero", "up", "down", "odd", "stochastic")
+_MODE_ALIASES = {"nearest": "nearest_even", "rne": "nearest_even", "rna": "nearest_away", "rtz": "toward_zero",
+                 "truncate": "toward_zero", "ru": "up", "rd": "down", "sr": "stochastic"}
+
+__all__ = ["quantize", "quantize_ste", "MODES", "RoundingMode", "container_for", "fits_in", "canonical_mode"]
+
+
+def canonical_mode(mode: str) -> str:
+    """The canonical name of a rounding mode (``"rne"`` -> ``"nearest_even"``)."""
+    name = _MODE_ALIASES.get(mode, mode)
+    if name not in MODES:
+        raise ValueError(f"mode: unknown rounding mode {mode!r}; expected one of {', '.join(MODES)}")
+    return name
+
+
+def fits_in(fmt: FloatFormat, container: FloatFormat) -> bool:
+    """True when every value of ``fmt`` (and every rounding boundary) is exact in ``container``."""
+    return (fmt.mantissa_bits <= container.mantissa_bits and fmt.emax <= container.emax
+            and fmt.emin - fmt.mantissa_bits >= container.emin - container.mantissa_bits)
+
+
+def container_for(fmt: "str | torch.dtype | FloatFormat") -> torch.dtype:
+    """The narrowest of float32/float64 that can hold ``fmt`` without double rounding."""
+    fmt = get_format(fmt)
+    return torch.float32 if fits_in(fmt, get_format("fp32")) else torch.float64
+
+
+def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: str = "nearest_even", *,
+             generator: torch.Generator | None = None, rand_bits: int | None = None,
+             native: bool = True) -> torch.Tensor:
+    """Round ``x`` to ``format``; return values of that format in ``x``'s dtype.
+
+    Args:
+        x: a floating tensor (fp16/bf16 inputs are rounded through fp32, exactly).
+        format: a :class:`~lowp.formats.FloatFormat`, a name such as ``"fp8_e4m3fn"`` or a dtype.
+        mode: one of :data:`MODES` (aliases: ``nearest``, ``rne``, ``rtz``, ``sr`` ...).
+        generator: random source for ``stochastic`` (seed it for reproducible results).
+        rand_bits: random bits per stochastic decision (default: the container's precision,
+            24 for fp32 and 53 for fp64, which is exact and unbiased).
+        native: allow torch's own cast when it gives the same answer (the format has a torch
+            dtype, round-to-nearest-even, the same overflow policy, and an fp32 or narrower
+            input). ``native=False`` always runs the emulation.
+
+    Special values follow the format: NaN stays NaN (also for formats without a NaN code,
+    whose data can hold none); ±inf stays ±inf in IEEE formats and becomes NaN or ±max by the
+    overflow policy elsewhere; -0 becomes +0 in fnuz formats; without subnormals, results
+    below the smallest normal flush to (signed) zero.
+    """
+    fmt = get_format(format)
+    mode = canonical_mode(mode)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
+    if rand_bits is not None and mode != "stochastic":
+        raise ValueError("rand_bits: only meaningful with mode='stochastic'")
+    if x.dtype in (torch.float32, torch.float64):
+        container = x
+    elif x.dtype in (torch.float16, torch.bfloat16):
+        container = x.float()
+    else:
+        raise TypeError(f"x: dtype {x.dtype} cannot be used as a container; use float32 or float64")
+    cfmt = get_format(container.dtype)
+    if not fits_in(fmt, cfmt):
+        need = "float64" if fits_in(fmt, get_format("fp64")) else "no torch dtype"
+        raise ValueError(f"format: {fmt.name} does not fit in a {container.dtype} container without double "
+                         f"rounding; pass x as {need}")
+    if native and mode == "nearest_even" and _native_cast_matches(fmt) and container.dtype == torch.float32:
+        out = container.to(fmt.torch_dtype).to(container.dtype)
+    else:
+        out = _round(container, fmt, mode, generator, rand_bits)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.exp2(exponent.to(dtype))
+
+
+def _scale(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x * 2**k`` exactly, in two steps so no power of two overflows the container."""
+    half = torch.div(k, 2, rounding_mode="floor")
+    return x * _pow2(half, x.dtype) * _pow2(k - half, x.dtype)
+
+
+def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Generator | None,
+           rand_bits: int | None) -> torch.Tensor:
+    cfmt = get_format(x.dtype)
+    mag = x.abs()
+    negative = torch.signbit(x)
+    _, exp = torch.frexp(mag)                      # mag = f * 2**exp, f in [0.5, 1)
+    q = torch.clamp(exp - 1, min=fmt.emin) - fmt.mantissa_bits
+    n = _scale(mag, -q)                            # exact: at most mantissa_bits + 1 integer bits
+    whole = torch.floor(n)
+    frac = n - whole                               # exact
+    if mode == "stochastic":
+        k = cfmt.precision if rand_bits is None else int(rand_bits)
+        if not 1 <= k <= cfmt.precision:
+            raise ValueError(f"rand_bits: expected an int in [1, {cfmt.precision}] for a {x.dtype} container, got {rand_bits}")
+        u = torch.floor(torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) * 2.0**k)
+        up = u + torch.floor(frac * 2.0**k) >= 2.0**k
+    else:
+        odd = torch.remainder(whole, 2) == 1
+        inexact = frac != 0
+        if mode == "nearest_even":
+            up = (frac > 0.5) | ((frac == 0.5) & odd)
+        elif mode == "nearest_away":
+            up = frac >= 0.5
+        elif mode == "toward_zero":
+            up = torch.zeros_like(inexact)
+        elif mode == "odd":
+            up = inexact & ~odd
+        else:  # directed: away from zero in magnitude when the sign points that way
+            away = ~negative if mode == "up" else negative
+            up = inexact & away
+    rounded = _scale(whole + up.to(x.dtype), q)
+    rounded = _apply_range(rounded, mag, negative, fmt, mode)
+    out = torch.where(negative, -rounded, rounded)
+    if not fmt.has_negative_zero:
+        out = torch.where(out == 0, torch.zeros_like(out), out)
+    return out
+
+
+def _apply_range(rounded: torch.Tensor, mag: torch.Tensor, negative: torch.Tensor, fmt: FloatFormat,
+                 mode: str) -> torch.Tensor:
+    """Overflow policy, flush-to-zero without subnormals, and special inputs (on magnitudes)."""
+    big = torch.tensor(fmt.max, dtype=rounded.dtype, device=rounded.device)
+    policy_value = {"inf": float("inf"), "nan": float("nan"), "saturate": fmt.max}[fmt.overflow or "saturate"]
+    if mode in ("toward_zero", "odd"):
+        toward = torch.ones_like(negative)
+    elif mode == "up":
+        toward = negative
+    elif mode == "down":
+        toward = ~negative
+    else:
+        toward = torch.zeros_like(negative)
+    overflow_value = torch.where(toward, big, torch.full_like(rounded, policy_value))
+    inf_value = torch.full_like(rounded, float("inf") if fmt.has_inf else policy_value)
+    out = torch.where(rounded > big, overflow_value, rounded)
+    if not fmt.subnormals:
+        out = torch.where(out < fmt.min_normal, torch.zeros_like(out), out)
+    out = torch.where(torch.isinf(mag), inf_value, out)
+    return torch.where(torch.isnan(mag), mag, out)
+
+
+@lru_cache(maxsize=None)
+def _native_cast_matches(fmt: FloatFormat) -> bool:
+    """Whether ``x.to(fmt.torch_dtype)`` implements exactly this format and overflow policy.
+
+    torch's policy for a dtype has changed between releases (float8_e4m3fn overflow gave NaN in
+    some and saturates in 2.13), so it is probed, not assumed.
+    """
+    dtype = fmt.torch_dtype
+    if dtype is None:
+        return False
+    probe = torch.tensor([fmt.max * 4.0, float("inf")], dtype=torch.float32)
+    try:
+        got = probe.to(dtype).float()
+    except (RuntimeError, TypeError):
+        return False
+    want = _round(probe, fmt, "nearest_even", None, None)
+    return bool(torch.equal(torch.isnan(got), torch.isnan(want))
+                and torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)))
+
+
+class _QuantizeSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmt, mode, generator, rand_bits):  # type: ignore[override]
+        return quantize(x, fmt, mode, generator=generator, rand_bits=rand_bits)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None, None, None, None
+
+
+def quantize_ste(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: str = "nearest_even", *,
+                 generator: torch.Generator | None = None, rand_bits: int | None = None) -> torch.Tensor:
+    """:func:`quantize` in the forward pass, identity in the backward pass (straight-through
+    estimator), for quantization-aware training and fake-quantized activations."""
+    return _QuantizeSTE.apply(x, get_format(format), mode, generator, rand_bits)
