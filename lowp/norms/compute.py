@@ -1,0 +1,139 @@
+"""Where a norm's arithmetic happens: an emulated format (:class:`lowp.arith.Arith`) or a torch dtype.
+
+Every method in :mod:`lowp.norms.methods` is written once against the small interface shared by
+:class:`~lowp.arith.Arith` and :class:`Native` (``cast, add, sub, mul, div, sqrt, scale2, sum``),
+so the same algorithm runs on an emulated "fp16-only" machine on the CPU and natively in a torch
+dtype. On top of that interface this module gives the error-free transformations the robust
+method needs (Knuth's TwoSum, Dekker's FastTwoSum, Veltkamp splitting and Dekker's TwoProduct;
+see Muller et al., *Handbook of Floating-Point Arithmetic*, 2nd ed., ch. 4) and ``logb``, the
+exact exponent extraction of IEEE 754 (``logB``), which hardware does on the exponent field.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowp.arith import Arith
+from lowp.formats import FloatFormat, get_format
+
+__all__ = ["Native", "Ops", "make_ops", "logb", "two_sum", "fast_two_sum", "split", "two_square",
+           "ZERO_EXPONENT"]
+
+#: Exponent given to zeros by :func:`logb`: so small that scaling anything by ``2**(2*ZERO_EXPONENT)``
+#: gives 0, yet harmless in integer arithmetic.
+ZERO_EXPONENT = -(2**20)
+
+
+def _ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x * 2**k`` in ``x``'s dtype with two power-of-two factors, so no factor overflows."""
+    k = torch.as_tensor(k, dtype=torch.float64, device=x.device)
+    half = torch.floor(k / 2)
+    return x * torch.exp2(half).to(x.dtype) * torch.exp2(k - half).to(x.dtype)
+
+
+class Native:
+    """Arithmetic done by torch in ``dtype`` itself, one rounding per elementwise operation.
+
+    torch computes an fp16/bf16 elementwise op in fp32 and rounds once; fp32 has more than
+    ``2p + 2`` bits for both, so +, -, *, / are correctly rounded (same argument as
+    :class:`~lowp.arith.Arith`). ``sum`` is sequential in ``dtype`` (not torch's fp32-accumulated
+    reduction), so ``Native(torch.float16)`` is a machine whose only type is fp16.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"compute: a native compute dtype must be float16, bfloat16, float32 or float64, got {dtype}")
+        self.dtype = dtype
+        self.format = get_format(dtype)
+
+    def __repr__(self) -> str:
+        return f"Native({self.dtype})"
+
+    def cast(self, x: "torch.Tensor | float") -> torch.Tensor:
+        return torch.as_tensor(x).to(self.dtype)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.add(a, b)
+
+    def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.sub(a, b)
+
+    def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.mul(a, b)
+
+    def div(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.div(a, b)
+
+    def sqrt(self, a: torch.Tensor) -> torch.Tensor:
+        """Square root rounded once to ``dtype`` (taken in float64, whose result is close enough to
+        never cross a rounding boundary of fp32 or narrower; fp64 uses torch's own)."""
+        if self.dtype == torch.float64:
+            return torch.sqrt(a)
+        return torch.sqrt(a.to(torch.float64)).to(self.dtype)
+
+    def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:
+        """``a * 2**k`` rounded once to ``dtype`` (IEEE 754 scaleB)."""
+        wide = torch.float64
+        return _ldexp(a.to(wide), torch.as_tensor(k, device=a.device)).to(self.dtype)
+
+    def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Left-to-right sum along ``dim`` rounding to ``dtype`` after every addition."""
+        x = x.movedim(dim, -1)
+        acc = torch.zeros(x.shape[:-1], dtype=self.dtype, device=x.device)
+        for i in range(x.shape[-1]):
+            acc = acc + x[..., i]
+        return acc
+
+
+Ops = "Arith | Native"
+
+
+def make_ops(compute: "str | torch.dtype | FloatFormat | Arith | Native") -> "Arith | Native":
+    """``Native`` for a torch dtype, ``Arith`` (exact emulation) for a format name or FloatFormat."""
+    if isinstance(compute, (Arith, Native)):
+        return compute
+    if isinstance(compute, torch.dtype):
+        return Native(compute)
+    if isinstance(compute, (str, FloatFormat)):
+        return Arith(get_format(compute))
+    raise TypeError(f"compute: expected a torch dtype, a format name or a FloatFormat, got {type(compute).__name__}")
+
+
+def logb(a: torch.Tensor) -> torch.Tensor:
+    """``floor(log2|a|)`` as int64 (exact, IEEE 754 logB); zeros give :data:`ZERO_EXPONENT`."""
+    _, e = torch.frexp(a.to(torch.float64))
+    return torch.where(a == 0, torch.full_like(e, ZERO_EXPONENT, dtype=torch.int64), e.to(torch.int64) - 1)
+
+
+def two_sum(ops: Ops, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Knuth's TwoSum: ``s = fl(a + b)`` and the exact error ``a + b - s`` (6 operations, any order)."""
+    s = ops.add(a, b)
+    bb = ops.sub(s, a)
+    err = ops.add(ops.sub(a, ops.sub(s, bb)), ops.sub(b, bb))
+    return s, err
+
+
+def fast_two_sum(ops: Ops, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dekker's FastTwoSum, exact when ``|a| >= |b|`` (or ``a`` is 0): ``s = fl(a+b)``, ``b - (s - a)``."""
+    s = ops.add(a, b)
+    return s, ops.sub(b, ops.sub(s, a))
+
+
+def split(ops: Ops, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Veltkamp's splitting ``a = hi + lo`` with ``hi`` on ``p - s`` bits and ``lo`` on ``s - 1`` bits
+    (``s = ceil(p/2)``, constant ``2**s + 1``), so products of halves are exact in the format."""
+    fmt: FloatFormat = ops.format
+    c = ops.mul(ops.cast(float(2 ** math.ceil(fmt.precision / 2) + 1)), a)
+    hi = ops.sub(c, ops.sub(c, a))
+    return hi, ops.sub(a, hi)
+
+
+def two_square(ops: Ops, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dekker's TwoProduct for ``a*a``: ``p = fl(a*a)`` and the exact error ``a*a - p``, valid
+    while nothing underflows (``a`` in [1, 2) is always safe for the formats here)."""
+    p = ops.mul(a, a)
+    hi, lo = split(ops, a)
+    cross = ops.mul(hi, lo)
+    err = ops.add(ops.add(ops.sub(ops.mul(hi, hi), p), ops.add(cross, cross)), ops.mul(lo, lo))
+    return p, err
