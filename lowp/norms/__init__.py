@@ -6,6 +6,7 @@ of :data:`METHODS` with every operation in a chosen (native or emulated) format;
 forward and backward never overflow or underflow in fp16/bf16. See docs/norms.md.
 """
 from lowp.norms.methods import METHODS
+from lowp.norms.modules import LayerNorm, RMSNorm
 from lowp.norms.norm import vector_norm
 
-__all__ = ["vector_norm", "METHODS"]
+__all__ = ["vector_norm", "METHODS", "RMSNorm", "LayerNorm"]
