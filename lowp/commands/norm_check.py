@@ -1,0 +1,71 @@
+"""``lowp norm-check``: every L2-norm method x format x case family against the exact result."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "measure the L2-norm methods (naive, seed 002's, Blue's, robust) per format: ulp error, overflow, underflow"
+
+DEFAULT_SPECS = "fp16,bf16,dlfloat16,e4m3:fp16,e5m2:fp16,e4m3:bf16"
+COLUMNS = ["method", "input", "compute", "family", "rows", "max_ulp", "correctly_rounded_%", "faithful_%",
+           "overflow", "underflow"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--formats", default=DEFAULT_SPECS,
+                        help="comma-separated INPUT[:COMPUTE] formats; compute defaults to the input format "
+                             f"(default: {DEFAULT_SPECS})")
+    parser.add_argument("--methods", default="naive,max_scaled,two_segment,blue,robust",
+                        help="comma-separated methods")
+    parser.add_argument("--rows", type=int, default=400, help="rows per random family (default 400)")
+    parser.add_argument("--n-long", type=int, default=4096, help="length of the long vectors (default 4096)")
+    parser.add_argument("--exhaustive", action="store_true", help="add the exhaustive n=1 family (all values)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--markdown", metavar="PATH", help="also write the table as markdown to PATH")
+    parser.add_argument("--csv", metavar="PATH", help="also write the table as CSV to PATH")
+
+
+def _parse_specs(text: str) -> list[tuple[str, str]]:
+    from lowp.formats import get_format
+
+    specs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, compute = item.partition(":")
+        fmt, cfmt = get_format(name), get_format(compute or name)
+        specs.append((fmt.name, cfmt.name))
+    if not specs:
+        raise ValueError("--formats: expected at least one format")
+    return specs
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowp.norms.cases import case_families
+    from lowp.norms.check import score
+    from lowp.norms.methods import METHODS
+    from lowp.report import csv_text, markdown_table, text_table
+
+    try:
+        specs = _parse_specs(args.formats)
+    except ValueError as exc:
+        raise SystemExit(f"lowp norm-check: {exc}") from exc
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"lowp norm-check: --methods: unknown {', '.join(unknown)}; expected {', '.join(METHODS)}")
+    if args.rows < 4 or args.n_long < 2:
+        raise SystemExit("lowp norm-check: --rows must be >= 4 and --n-long >= 2")
+    table = []
+    for fmt, compute in specs:
+        for case in case_families(fmt, rows=args.rows, n_long=args.n_long, seed=args.seed,
+                                  exhaustive=args.exhaustive):
+            for method in methods:
+                s = score(case, method, fmt, compute)
+                table.append([method, fmt, compute, case.family, s.rows, round(s.max_ulp, 3),
+                              round(100 * s.correctly_rounded, 2), round(100 * s.faithful, 2), s.overflow,
+                              s.underflow])
+    print(text_table(COLUMNS, table))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(COLUMNS, table) + "\n")
+    if args.csv:
+        Path(args.csv).write_text(csv_text(COLUMNS, table))
+    return 0
