@@ -122,3 +122,16 @@ def test_torch_layernorm_cancels_where_ours_does_not():
     # recorded in docs/norms.md: torch 2.13 CPU gives hundreds of ulps here
     theirs = ulp_error(torch.nn.LayerNorm(256).half()(x).double(), ref.detach(), torch.float16).max()
     assert theirs > ours
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.float16, 60000.0), (torch.bfloat16, 2.0**100), (torch.bfloat16, 2.0**-130)])
+def test_layernorm_constant_rows_with_tiny_eps_give_the_bias(dtype, value):
+    """Variance 0 and eps = 1e-12: after scaling eps must not underflow to 0 (0 * inf = NaN)."""
+    ln = LayerNorm(64, eps=1e-12).to(dtype)
+    with torch.no_grad():
+        ln.bias.fill_(0.25)
+    x = torch.full((3, 64), value, dtype=dtype, requires_grad=True)
+    y = ln(x)
+    assert torch.equal(y, torch.full_like(y, 0.25))
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()

@@ -26,41 +26,78 @@ from torch.autograd.function import once_differentiable
 from lowp.formats import get_format
 from lowp.norms.native import ldexp, needs_rescale, row_exponent
 
-__all__ = ["RMSNorm", "LayerNorm", "normalize_rows"]
+__all__ = ["RMSNorm", "LayerNorm", "row_statistics", "normalized"]
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _stats(rows: torch.Tensor, eps: float, center: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Centered (or not) rows and ``r = 1/sqrt(mean(rows**2) + eps)`` in rows' dtype."""
+def _stats(rows: torch.Tensor, eps: "float | torch.Tensor", center: bool, opmath: torch.dtype
+           ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(mu, r)`` per row: the corrected two-pass mean (``None`` unless ``center``) and
+    ``r = 1/sqrt(mean((rows - mu)**2) + eps)``, in ``opmath``."""
+    n = rows.shape[-1]
+    if not center:  # torch reduces fp16/bf16 rows in opmath without an opmath copy
+        norm = torch.linalg.vector_norm(rows, dim=-1, dtype=opmath)
+        return None, torch.rsqrt(norm * norm / n + eps)
+    wide = rows.to(opmath)
+    mu = wide.mean(-1, keepdim=True)
+    mu = mu + (wide - mu).mean(-1, keepdim=True)
+    d = wide - mu
+    return mu.squeeze(-1), torch.rsqrt(torch.linalg.vecdot(d, d) / n + eps)
+
+
+def _rescaled_statistics(rows: torch.Tensor, eps: float, center: bool
+                         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Statistics of opmath rows after exact power-of-two scaling. ``E1`` from the largest
+    magnitude (and ``sqrt eps``) makes the mean safe to form; for LayerNorm a second exponent
+    ``E2`` from the largest deviation brings the deviations near 1, so a row of large, nearly
+    (or exactly) equal values neither overflows nor loses ``eps`` to underflow."""
+    eps64 = torch.full(rows.shape[:-1], float(eps), dtype=torch.float64)
+    e = row_exponent(rows.abs().amax(-1), eps64)
+    z = ldexp(rows, -e.unsqueeze(-1))
+    mu = None
     if center:
-        mu = rows.mean(-1, keepdim=True)
-        mu = mu + (rows - mu).mean(-1, keepdim=True)
-        rows = rows - mu
-    ms = torch.linalg.vecdot(rows, rows) / rows.shape[-1]
-    return rows, torch.rsqrt(ms + eps)
+        mu = z.mean(-1, keepdim=True)
+        mu = mu + (z - mu).mean(-1, keepdim=True)
+        e2 = row_exponent((z - mu).abs().amax(-1), ldexp(eps64, -2 * e))
+        mu, z, e = ldexp(mu.squeeze(-1), -e2), ldexp(z - mu, -e2.unsqueeze(-1)), e + e2
+    eps_scaled = ldexp(eps64, -2 * e).to(rows.dtype)
+    r = torch.rsqrt(torch.linalg.vecdot(z, z) / rows.shape[-1] + eps_scaled)
+    return mu, r, e
 
 
-def normalize_rows(rows: torch.Tensor, eps: float, center: bool, in_dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(xhat, r, E)``: ``xhat = (x - mu) * r`` (``mu = 0`` unless ``center``) for the opmath
-    rows ``rows``, with ``r`` the reciprocal root of the row statistics of ``x * 2**-E``."""
-    d, r = _stats(rows, eps, center)
+def row_statistics(rows: torch.Tensor, eps: float, center: bool
+                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(mu, r, E)`` for rows of any float dtype: with ``z = x * 2**-E`` (exact),
+    ``xhat = (z - mu) * r`` is the normalized row. ``E`` is 0 except on rows that need rescaling."""
+    opmath = _opmath(rows.dtype)
+    mu, r = _stats(rows, eps, center, opmath)
     e = torch.zeros(rows.shape[:-1], dtype=torch.int64, device=rows.device)
-    ms_n = rows.shape[-1] / (r * r) if rows.numel() else r
-    bad = (needs_rescale(ms_n, rows.shape[-1], rows.dtype, get_format(in_dtype)) | (r == 0)) \
-        & torch.isfinite(rows).all(-1)
+    n = rows.shape[-1]
+    sumsq = n / (r * r)  # n * (mean square + eps): what squares lost to underflow are compared with
+    bad = (needs_rescale(sumsq, n, opmath, get_format(rows.dtype)) | (r == 0)) & torch.isfinite(rows).all(-1)
     if bool(bad.any()):
-        sub = rows[bad]
-        e_bad = row_exponent(sub.abs().amax(-1), eps)
-        eps_scaled = ldexp(torch.full(e_bad.shape, float(eps), dtype=torch.float64), -2 * e_bad)
-        d_bad, r_bad = _stats(ldexp(sub, -e_bad.unsqueeze(-1)), 0.0, center)
-        r_bad = torch.rsqrt(1 / (r_bad * r_bad) + eps_scaled.to(rows.dtype))
-        d, r, e = d.clone(), r.clone(), e.clone()
-        d[bad], r[bad], e[bad] = d_bad, r_bad, e_bad
-    return d * r.unsqueeze(-1), r, e
+        mu_bad, r_bad, e_bad = _rescaled_statistics(rows[bad].to(opmath), eps, center)
+        r, e = r.clone(), e.clone()
+        r[bad], e[bad] = r_bad, e_bad
+        if center:
+            mu = mu.clone()
+            mu[bad] = mu_bad
+    return mu, r, e
+
+
+def normalized(rows: torch.Tensor, mu: torch.Tensor | None, r: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``xhat = (x * 2**-E - mu) * r`` in opmath (the scaling only touches rescaled rows)."""
+    z = rows.to(r.dtype) if mu is not None else rows
+    if bool((e != 0).any()):
+        z = z.to(r.dtype).clone()
+        scaled = e != 0
+        z[scaled] = ldexp(z[scaled], -e[scaled].unsqueeze(-1))
+    if mu is not None:
+        z = z - mu.unsqueeze(-1)
+    return torch.mul(z, r.unsqueeze(-1))  # fp16/bf16 * opmath promotes: one pass
 
 
 class _NormFunction(torch.autograd.Function):
@@ -70,28 +107,29 @@ class _NormFunction(torch.autograd.Function):
         n = 1
         for s in shape[len(shape) - ndim:]:
             n *= s
-        opmath = _opmath(x.dtype)
-        rows = x.reshape(-1, n).to(opmath)
-        xhat, r, e = normalize_rows(rows, eps, center, x.dtype)
-        y = xhat
+        rows = x.reshape(-1, n)
+        mu, r, e = row_statistics(rows, eps, center)
+        y = normalized(rows, mu, r, e)
         if weight is not None:
-            y = y * weight.reshape(-1).to(opmath)
+            y = y * weight.reshape(-1)
         if bias is not None:
-            y = y + bias.reshape(-1).to(opmath)
-        ctx.save_for_backward(xhat, r, e, weight)
+            y = y + bias.reshape(-1)
+        ctx.save_for_backward(rows, mu, r, e, weight)
         ctx.center, ctx.shape, ctx.has_bias = center, shape, bias is not None
         return y.to(x.dtype).reshape(shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
-        xhat, r, e, weight = ctx.saved_tensors
+        rows, mu, r, e, weight = ctx.saved_tensors
+        xhat = normalized(rows, mu if ctx.center else None, r, e)
         g = grad.reshape(xhat.shape).to(xhat.dtype)
         gw = g * weight.reshape(-1).to(xhat.dtype) if weight is not None else g
         inner = gw - xhat * torch.linalg.vecdot(gw, xhat).unsqueeze(-1) / xhat.shape[-1]
         if ctx.center:
             inner = inner - gw.mean(-1, keepdim=True)
-        dx = ldexp(inner * r.unsqueeze(-1), -e.unsqueeze(-1)).to(grad.dtype).reshape(ctx.shape)
+        dx = ldexp(inner * r.unsqueeze(-1), -e.unsqueeze(-1)) if bool((e != 0).any()) else inner * r.unsqueeze(-1)
+        dx = dx.to(grad.dtype).reshape(ctx.shape)
         dweight = dbias = None
         if weight is not None and ctx.needs_input_grad[1]:
             dweight = (g * xhat).sum(0).to(weight.dtype).reshape(weight.shape)

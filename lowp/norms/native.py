@@ -32,10 +32,11 @@ def ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return x * torch.exp2(half).to(x.dtype) * torch.exp2(k - half).to(x.dtype)
 
 
-def row_exponent(absmax: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per row, ``E = floor(log2(max(absmax, sqrt|eps|)))`` (0 for an all-zero row with eps = 0)."""
-    root = abs(eps) ** 0.5
-    ref = torch.clamp(absmax.to(torch.float64), min=root) if root > 0 else absmax.to(torch.float64)
+def row_exponent(absmax: torch.Tensor, eps: "float | torch.Tensor") -> torch.Tensor:
+    """Per row, ``E = floor(log2(max(absmax, sqrt|eps|)))`` (0 for an all-zero row with eps = 0);
+    ``eps`` is a float or a float64 tensor with one value per row."""
+    root = torch.as_tensor(eps, dtype=torch.float64).abs().sqrt()
+    ref = torch.maximum(absmax.to(torch.float64), root)
     e = logb(ref)
     return torch.where(ref == 0, torch.zeros_like(e), e)
 
@@ -62,13 +63,15 @@ def wide_norm(rows: torch.Tensor, eps: float, compute: torch.dtype, out_fmt: Flo
     fp16/bf16 rows) with exact row scaling where needed; one rounding to ``out_fmt`` at the end."""
     n = rows.shape[-1]
     eps_c = torch.tensor(eps, dtype=compute)
-    wide = rows.to(compute)
-    sumsq = torch.linalg.vecdot(wide, wide) + eps_c
+    norm = torch.linalg.vector_norm(rows, dim=-1, dtype=compute)  # no widened copy of the rows
+    # squaring the fp32 root again costs ~2**-23 relative, far below an fp16/bf16 ulp
+    sumsq = norm * norm + eps_c
     bad = needs_rescale(sumsq, n, compute, out_fmt) & torch.isfinite(rows).all(-1)
+    root = norm if eps == 0 else torch.sqrt(sumsq)
     if not bool(bad.any()):
-        return _round_out(torch.sqrt(sumsq), out_fmt, out_dtype)
-    out = torch.sqrt(sumsq).to(torch.float64)
-    sub = wide[bad]
+        return _round_out(root, out_fmt, out_dtype)
+    out = root.to(torch.float64)
+    sub = rows[bad].to(compute)
     e = row_exponent(sub.abs().amax(-1), eps)
     scaled = ldexp(sub, -e.unsqueeze(-1))
     eps_scaled = ldexp(torch.full(e.shape, float(eps), dtype=torch.float64), -2 * e).to(compute)
