@@ -201,3 +201,29 @@ def test_bad_arguments_raise_clear_errors():
         vector_norm(torch.ones(2, 0, dtype=torch.float16))
     with pytest.raises(ValueError, match="dimension"):
         vector_norm(torch.tensor(1.0))
+
+
+# ---- lowp norm-check ------------------------------------------------------------------------
+
+def test_norm_check_command_writes_markdown_and_csv(tmp_path, capsys):
+    from lowp.cli import main
+
+    md, csv = tmp_path / "n.md", tmp_path / "n.csv"
+    assert main(["norm-check", "--formats", "fp16,e4m3:bf16", "--methods", "naive,robust", "--rows", "8",
+                 "--n-long", "64", "--markdown", str(md), "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "robust" in out and "fp8_e4m3fn" in out
+    lines = csv.read_text().splitlines()
+    assert lines[0].startswith("method,input,compute,family")
+    robust_rows = [line.split(",") for line in lines[1:] if line.startswith("robust")]
+    assert robust_rows and all(float(r[5]) < 1 for r in robust_rows)  # max_ulp column
+    assert md.read_text().startswith("| method |")
+
+
+def test_norm_check_rejects_bad_arguments():
+    from lowp.cli import main
+
+    with pytest.raises(SystemExit, match="methods"):
+        main(["norm-check", "--methods", "nope"])
+    with pytest.raises((SystemExit, ValueError)):
+        main(["norm-check", "--formats", "notaformat"])
