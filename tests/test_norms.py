@@ -201,6 +201,8 @@ def test_bad_arguments_raise_clear_errors():
         vector_norm(torch.ones(2, 0, dtype=torch.float16))
     with pytest.raises(ValueError, match="dimension"):
         vector_norm(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="too narrow"):
+        vector_norm(torch.tensor([[1.0, 2.0]]), compute="fp4_e2m1", format="fp4_e2m1")
 
 
 # ---- lowp norm-check ------------------------------------------------------------------------

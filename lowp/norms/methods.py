@@ -16,7 +16,7 @@ from lowp.formats import FloatFormat
 from lowp.norms.compute import ZERO_EXPONENT, Ops, fast_two_sum, logb, two_square, two_sum
 
 __all__ = ["naive", "max_scaled", "two_segment", "blue", "robust", "METHODS", "seed_thresholds",
-           "blue_constants"]
+           "blue_constants", "check_robust_format"]
 
 
 def _masked_sum(ops: Ops, terms: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -209,10 +209,20 @@ def _dw_sqrt(ops: Ops, hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor
     return fast_two_sum(ops, r, corr)
 
 
+def check_robust_format(fmt: FloatFormat) -> None:
+    """``robust`` needs, in the compute format, exact squares of significands in [1, 2) (their last
+    bit, ``2**-2(p-1)``, must be representable) and room for a partial sum below 16."""
+    smallest = fmt.min_subnormal if fmt.subnormals else fmt.min_normal
+    if 2.0 ** (-2 * (fmt.precision - 1)) < smallest or fmt.max < 16:
+        raise ValueError(f"compute: {fmt.name} is too narrow for method='robust' (needs exact squares of "
+                         f"[1, 2) significands and a maximum of at least 16)")
+
+
 def robust(ops: Ops, a: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """lowp's method: exact power-of-two scaling per element, exact squares, pairwise
     double-word accumulation with an integer exponent, eps added with TwoSum, double-word
     square root; returns ``(r_hi + r_lo) * 2**k`` exactly (float64) for one final rounding."""
+    check_robust_format(ops.format)
     hi, lo, k = sum_of_squares(ops, a)
     eps_row = eps.expand(hi.shape)
     ek = torch.div(logb(eps_row), 2, rounding_mode="floor")
