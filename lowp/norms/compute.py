@@ -11,6 +11,7 @@ exact exponent extraction of IEEE 754 (``logB``), which hardware does on the exp
 from __future__ import annotations
 
 import math
+from typing import Union
 
 import torch
 
@@ -86,7 +87,7 @@ class Native:
         return acc
 
 
-Ops = "Arith | Native"
+Ops = Union[Arith, Native]  # anything with the Arith interface
 
 
 def make_ops(compute: "str | torch.dtype | FloatFormat | Arith | Native") -> "Arith | Native":
