@@ -75,7 +75,7 @@ def test_robust_exhaustive_fp16_with_eps_is_correctly_rounded():
 
 @pytest.mark.parametrize("fmt,compute", [("fp16", "fp16"), ("bf16", "bf16"), ("e4m3", "fp16"), ("e5m2", "fp16"),
                                          ("e4m3", "bf16"), ("e5m2", "bf16"), ("dlfloat16", "dlfloat16"),
-                                         ("fp16", None), ("bf16", None)])
+                                         ("fp16", None), ("bf16", None), ("e4m3", None), ("e5m2", None)])
 def test_robust_is_faithful_never_spuriously_overflows_or_underflows(fmt, compute):
     total = cr = 0.0
     for case in case_families(fmt, rows=300, n_long=2048, seed=7, exhaustive=False):
@@ -85,6 +85,13 @@ def test_robust_is_faithful_never_spuriously_overflows_or_underflows(fmt, comput
         total += s.rows
         cr += s.correctly_rounded * s.rows
     assert cr / total >= 0.99
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_robust_goal_with_65536_long_vectors(fmt):
+    for case in case_families(fmt, rows=1000, n_long=65536, seed=11, exhaustive=False):
+        s = score(case, "robust", fmt, fmt)
+        assert s.max_ulp < 1 and s.overflow == 0 and s.underflow == 0 and s.correctly_rounded >= 0.99, case.family
 
 
 def test_robust_long_vectors_up_to_65536():

@@ -73,13 +73,14 @@ def two_segment(ops: Ops, a: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     big = a > beta_h
     small = (a < beta_l) & (a > 0)
     # overflow segment
-    k_big = ops.sqrt(_masked_sum(ops, ops.mul(*(2 * [ops.div(a, torch.where(xhat == 0, xhat + 1, xhat))])), big))
+    ratio_big = ops.div(a, torch.where(xhat == 0, torch.ones_like(xhat), xhat))
+    k_big = ops.sqrt(_masked_sum(ops, ops.mul(ratio_big, ratio_big), big))
     q_over = ops.add(_masked_sum(ops, sq, ~big), eps)
     t = ops.mul(k_big, xhat.squeeze(-1))
     over = ops.add(t, ops.div(q_over, ops.add(t, t)))
     # underflow segment
     xt = torch.where(small, a, zero).amax(dim=-1, keepdim=True)
-    ratio = ops.div(a, torch.where(xt == 0, xt + 1, xt))
+    ratio = ops.div(a, torch.where(xt == 0, torch.ones_like(xt), xt))
     k_small = ops.sqrt(_masked_sum(ops, ops.mul(ratio, ratio), small))
     q = ops.sqrt(ops.add(_masked_sum(ops, sq, ~small), eps))
     gamma = ops.div(ops.mul(k_small, xt.squeeze(-1)), q)

@@ -15,6 +15,7 @@ import torch
 
 from lowp.formats import FloatFormat, get_format
 from lowp.norms.compute import logb
+from lowp.rounding import quantize
 
 __all__ = ["row_exponent", "ldexp", "needs_rescale", "wide_norm", "opmath_dtype"]
 
@@ -50,11 +51,9 @@ def needs_rescale(sumsq: torch.Tensor, n: int, compute: torch.dtype, out_fmt: Fl
 
 
 def _round_out(value: torch.Tensor, out_fmt: FloatFormat, out_dtype: torch.dtype) -> torch.Tensor:
-    """One rounding of ``value`` to the output format, returned in ``out_dtype``."""
-    from lowp.rounding import quantize
-    if out_fmt.torch_dtype == out_dtype and value.dtype == torch.float32:
-        return value.to(out_dtype)
-    return quantize(value.to(torch.float64), out_fmt).to(out_dtype)
+    """One rounding of ``value`` to the output format (lowp's exact quantize, which uses torch's
+    cast only where it is known to match), returned in ``out_dtype``."""
+    return quantize(value, out_fmt).to(out_dtype)
 
 
 def wide_norm(rows: torch.Tensor, eps: float, compute: torch.dtype, out_fmt: FloatFormat,
