@@ -20,11 +20,17 @@ from lowp.norms import RMSNorm, vector_norm
 
 
 def best_time(fn, repeat: int) -> float:
+    """Best wall time of ``repeat`` calls after one warm-up (CUDA work is synchronized)."""
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     fn()
+    sync()
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return min(times)
 
@@ -34,12 +40,13 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--emulated-rows", type=int, default=64)
+    parser.add_argument("--device", default="cpu", help="device for the native path (e.g. cuda)")
     args = parser.parse_args()
     n = args.size
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, shape ({n}, {n})")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}, shape ({n}, {n})")
     for dtype in (torch.float16, torch.bfloat16):
-        x = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
-        ours_rms = RMSNorm(n, eps=1e-6).to(dtype)
+        x = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype).to(args.device)
+        ours_rms = RMSNorm(n, eps=1e-6).to(dtype).to(args.device)
         with torch.no_grad():
             timings = {
                 "torch rms_norm": best_time(lambda: torch.nn.functional.rms_norm(x, (n,), ours_rms.weight, 1e-6), args.repeat),
@@ -52,7 +59,7 @@ def main() -> None:
         print(f"\n{str(dtype).replace('torch.', '')} native path")
         for name, t in timings.items():
             print(f"  {name:26s} {t * 1e3:8.2f} ms   {t / base:5.2f}x torch rms_norm")
-        small = x[: args.emulated_rows]
+        small = x[: args.emulated_rows].cpu()
         fmt = "fp16" if dtype == torch.float16 else "bf16"
         for label, compute in ((f"emulated {fmt}", fmt), (f"native {fmt}-only", dtype)):
             t = best_time(lambda: vector_norm(small, compute=compute), 1)

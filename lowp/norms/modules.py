@@ -24,7 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lowp.formats import get_format
-from lowp.norms.native import ldexp, needs_rescale, row_exponent
+from lowp.norms.native import ldexp, needs_rescale, row_exponent, rows_to_rescale
 
 __all__ = ["RMSNorm", "LayerNorm", "row_statistics", "normalized"]
 
@@ -77,7 +77,7 @@ def row_statistics(rows: torch.Tensor, eps: float, center: bool
     e = torch.zeros(rows.shape[:-1], dtype=torch.int64, device=rows.device)
     n = rows.shape[-1]
     sumsq = n / (r * r)  # n * (mean square + eps): what squares lost to underflow are compared with
-    bad = (needs_rescale(sumsq, n, opmath, get_format(rows.dtype)) | (r == 0)) & torch.isfinite(rows).all(-1)
+    bad = rows_to_rescale(rows, needs_rescale(sumsq, n, opmath, get_format(rows.dtype)) | (r == 0))
     if bool(bad.any()):
         mu_bad, r_bad, e_bad = _rescaled_statistics(rows[bad].to(opmath), eps, center)
         r, e = r.clone(), e.clone()
@@ -109,11 +109,11 @@ class _NormFunction(torch.autograd.Function):
             n *= s
         rows = x.reshape(-1, n)
         mu, r, e = row_statistics(rows, eps, center)
-        y = normalized(rows, mu, r, e)
+        y = normalized(rows, mu, r, e)  # a fresh opmath tensor: update it in place
         if weight is not None:
-            y = y * weight.reshape(-1)
+            y.mul_(weight.reshape(-1))
         if bias is not None:
-            y = y + bias.reshape(-1)
+            y.add_(bias.reshape(-1))
         ctx.save_for_backward(rows, mu, r, e, weight)
         ctx.center, ctx.shape, ctx.has_bias = center, shape, bias is not None
         return y.to(x.dtype).reshape(shape)

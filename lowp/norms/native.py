@@ -17,7 +17,7 @@ from lowp.formats import FloatFormat, get_format
 from lowp.norms.compute import logb
 from lowp.rounding import quantize
 
-__all__ = ["row_exponent", "ldexp", "needs_rescale", "wide_norm", "opmath_dtype"]
+__all__ = ["row_exponent", "ldexp", "needs_rescale", "rows_to_rescale", "wide_norm", "opmath_dtype"]
 
 
 def opmath_dtype(fmt: FloatFormat) -> torch.dtype:
@@ -50,6 +50,18 @@ def needs_rescale(sumsq: torch.Tensor, n: int, compute: torch.dtype, out_fmt: Fl
     return ~torch.isfinite(sumsq) | (sumsq < floor)
 
 
+def rows_to_rescale(rows: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """``candidates`` minus the rows holding inf or NaN (those results are already right). Only
+    candidate rows are inspected: a full ``isfinite`` pass costs as much as the norm itself."""
+    if not bool(candidates.any()):
+        return candidates
+    idx = torch.nonzero(candidates).flatten()
+    keep = torch.isfinite(rows[idx]).all(-1)
+    out = torch.zeros_like(candidates)
+    out[idx[keep]] = True
+    return out
+
+
 def _round_out(value: torch.Tensor, out_fmt: FloatFormat, out_dtype: torch.dtype) -> torch.Tensor:
     """One rounding of ``value`` to the output format (lowp's exact quantize, which uses torch's
     cast only where it is known to match), returned in ``out_dtype``."""
@@ -65,7 +77,7 @@ def wide_norm(rows: torch.Tensor, eps: float, compute: torch.dtype, out_fmt: Flo
     norm = torch.linalg.vector_norm(rows, dim=-1, dtype=compute)  # no widened copy of the rows
     # squaring the fp32 root again costs ~2**-23 relative, far below an fp16/bf16 ulp
     sumsq = norm * norm + eps_c
-    bad = needs_rescale(sumsq, n, compute, out_fmt) & torch.isfinite(rows).all(-1)
+    bad = rows_to_rescale(rows, needs_rescale(sumsq, n, compute, out_fmt))
     root = norm if eps == 0 else torch.sqrt(sumsq)
     if not bool(bad.any()):
         return _round_out(root, out_fmt, out_dtype)
