@@ -13,7 +13,8 @@ COLUMNS = ["method", "input", "compute", "family", "rows", "max_ulp", "correctly
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", default=DEFAULT_SPECS,
-                        help="comma-separated INPUT[:COMPUTE] formats; compute defaults to the input format "
+                        help="comma-separated INPUT[:COMPUTE] formats; COMPUTE is a format emulated exactly "
+                             "(default: the input format) or 'native' for the fp32-opmath native path "
                              f"(default: {DEFAULT_SPECS})")
     parser.add_argument("--methods", default="naive,max_scaled,two_segment,blue,robust",
                         help="comma-separated methods")
@@ -26,21 +27,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_specs(text: str) -> list[tuple[str, str]]:
+    """``[(input format, compute format name or "native")]`` from ``"fp16,e4m3:bf16,bf16:native"``."""
     from lowp.formats import get_format
 
     specs = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, compute = item.partition(":")
-        fmt, cfmt = get_format(name), get_format(compute or name)
-        specs.append((fmt.name, cfmt.name))
+        fmt = get_format(name)
+        specs.append((fmt.name, "native" if compute == "native" else get_format(compute or name).name))
     if not specs:
         raise ValueError("--formats: expected at least one format")
     return specs
 
 
 def run(args: argparse.Namespace) -> int:
-    from lowp.norms.cases import case_families
-    from lowp.norms.check import score
+    import torch
+
     from lowp.norms.methods import METHODS
     from lowp.report import csv_text, markdown_table, text_table
 
@@ -54,18 +56,32 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"lowp norm-check: --methods: unknown {', '.join(unknown)}; expected {', '.join(METHODS)}")
     if args.rows < 4 or args.n_long < 2:
         raise SystemExit("lowp norm-check: --rows must be >= 4 and --n-long >= 2")
-    table = []
-    for fmt, compute in specs:
-        for case in case_families(fmt, rows=args.rows, n_long=args.n_long, seed=args.seed,
-                                  exhaustive=args.exhaustive):
-            for method in methods:
-                s = score(case, method, fmt, compute)
-                table.append([method, fmt, compute, case.family, s.rows, round(s.max_ulp, 3),
-                              round(100 * s.correctly_rounded, 2), round(100 * s.faithful, 2), s.overflow,
-                              s.underflow])
+    # thousands of tiny tensor ops: torch's thread pool only adds overhead here (5x on a busy 2-core box)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        table = _measure(specs, methods, args)
+    finally:
+        torch.set_num_threads(threads)
     print(text_table(COLUMNS, table))
     if args.markdown:
         Path(args.markdown).write_text(markdown_table(COLUMNS, table) + "\n")
     if args.csv:
         Path(args.csv).write_text(csv_text(COLUMNS, table))
     return 0
+
+
+def _measure(specs: list[tuple[str, str]], methods: list[str], args: argparse.Namespace) -> list[list[object]]:
+    from lowp.norms.cases import case_families
+    from lowp.norms.check import score
+
+    table: list[list[object]] = []
+    for fmt, compute in specs:
+        for case in case_families(fmt, rows=args.rows, n_long=args.n_long, seed=args.seed,
+                                  exhaustive=args.exhaustive):
+            for method in methods:
+                s = score(case, method, fmt, None if compute == "native" else compute)
+                table.append([method, fmt, compute, case.family, s.rows, round(s.max_ulp, 3),
+                              round(100 * s.correctly_rounded, 2), round(100 * s.faithful, 2), s.overflow,
+                              s.underflow])
+    return table
