@@ -218,7 +218,7 @@ def test_norm_check_command_writes_markdown_and_csv(tmp_path, capsys):
     from lowp.cli import main
 
     md, csv = tmp_path / "n.md", tmp_path / "n.csv"
-    assert main(["norm-check", "--formats", "fp16,e4m3:bf16", "--methods", "naive,robust", "--rows", "8",
+    assert main(["norm-check", "--formats", "fp16,e4m3:bf16,bf16:native", "--methods", "naive,robust", "--rows", "8",
                  "--n-long", "64", "--markdown", str(md), "--csv", str(csv)]) == 0
     out = capsys.readouterr().out
     assert "robust" in out and "fp8_e4m3fn" in out
