@@ -87,6 +87,7 @@ def test_robust_is_faithful_never_spuriously_overflows_or_underflows(fmt, comput
     assert cr / total >= 0.99
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp16", "bf16"])
 def test_robust_goal_with_65536_long_vectors(fmt):
     for case in case_families(fmt, rows=1000, n_long=65536, seed=11, exhaustive=False):
