@@ -237,3 +237,14 @@ def test_norm_check_rejects_bad_arguments():
         main(["norm-check", "--methods", "nope"])
     with pytest.raises((SystemExit, ValueError)):
         main(["norm-check", "--formats", "notaformat"])
+
+
+def test_float32_inputs_use_float64_opmath_without_overflow():
+    x = torch.tensor([[1e30, 1e30], [1e-40, 1e-40], [3.0, 4.0]], dtype=torch.float32)
+    got = vector_norm(x)
+    assert got.dtype == torch.float32
+    want = torch.linalg.vector_norm(x.double(), dim=-1).float()  # fp64 is exact enough here
+    assert torch.equal(got, want)
+    # torch 2.13's own fp32 norm squares in fp32: [inf, 0] for the first two rows
+    theirs = torch.linalg.vector_norm(x[:2], dim=-1)
+    assert not torch.equal(theirs, want[:2])

@@ -54,7 +54,7 @@ def _rescaled_statistics(rows: torch.Tensor, eps: float, center: bool
     magnitude (and ``sqrt eps``) makes the mean safe to form; for LayerNorm a second exponent
     ``E2`` from the largest deviation brings the deviations near 1, so a row of large, nearly
     (or exactly) equal values neither overflows nor loses ``eps`` to underflow."""
-    eps64 = torch.full(rows.shape[:-1], float(eps), dtype=torch.float64)
+    eps64 = torch.full(rows.shape[:-1], float(eps), dtype=torch.float64, device=rows.device)
     e = row_exponent(rows.abs().amax(-1), eps64)
     z = ldexp(rows, -e.unsqueeze(-1))
     mu = None

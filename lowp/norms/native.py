@@ -36,7 +36,7 @@ def ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def row_exponent(absmax: torch.Tensor, eps: "float | torch.Tensor") -> torch.Tensor:
     """Per row, ``E = floor(log2(max(absmax, sqrt|eps|)))`` (0 for an all-zero row with eps = 0);
     ``eps`` is a float or a float64 tensor with one value per row."""
-    root = torch.as_tensor(eps, dtype=torch.float64).abs().sqrt()
+    root = torch.as_tensor(eps, dtype=torch.float64, device=absmax.device).abs().sqrt()
     ref = torch.maximum(absmax.to(torch.float64), root)
     e = logb(ref)
     return torch.where(ref == 0, torch.zeros_like(e), e)
@@ -73,7 +73,7 @@ def wide_norm(rows: torch.Tensor, eps: float, compute: torch.dtype, out_fmt: Flo
     """``sqrt(sum rows**2 + eps)`` along the last dimension, computed in ``compute`` (fp32 for
     fp16/bf16 rows) with exact row scaling where needed; one rounding to ``out_fmt`` at the end."""
     n = rows.shape[-1]
-    eps_c = torch.tensor(eps, dtype=compute)
+    eps_c = torch.tensor(eps, dtype=compute, device=rows.device)
     norm = torch.linalg.vector_norm(rows, dim=-1, dtype=compute)  # no widened copy of the rows
     # squaring the fp32 root again costs ~2**-23 relative, far below an fp16/bf16 ulp
     sumsq = norm * norm + eps_c
@@ -85,7 +85,7 @@ def wide_norm(rows: torch.Tensor, eps: float, compute: torch.dtype, out_fmt: Flo
     sub = rows[bad].to(compute)
     e = row_exponent(sub.abs().amax(-1), eps)
     scaled = ldexp(sub, -e.unsqueeze(-1))
-    eps_scaled = ldexp(torch.full(e.shape, float(eps), dtype=torch.float64), -2 * e).to(compute)
+    eps_scaled = ldexp(torch.full(e.shape, float(eps), dtype=torch.float64, device=e.device), -2 * e).to(compute)
     root = torch.sqrt(torch.linalg.vecdot(scaled, scaled) + eps_scaled)
     out[bad] = ldexp(root.to(torch.float64), e)
     return _round_out(out, out_fmt, out_dtype)

@@ -69,7 +69,7 @@ def vector_norm(x: torch.Tensor, dim: int = -1, *, eps: float = 0.0, method: str
         return wide_norm(rows.to(container) if rows.dtype.itemsize == 1 else rows, float(eps), ops.dtype,
                          in_fmt, x.dtype)
     values = ops.cast(rows.to(container)).abs()
-    eps_c = quantize(torch.tensor(float(eps), dtype=torch.float64), ops.format).to(values.dtype)
+    eps_c = quantize(torch.tensor(float(eps), dtype=torch.float64, device=values.device), ops.format).to(values.dtype)
     if method == "robust":
         finite = torch.isfinite(values)
         result = METHODS[method](ops, torch.where(finite, values, torch.zeros_like(values)), eps_c)
