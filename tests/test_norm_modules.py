@@ -135,3 +135,13 @@ def test_layernorm_constant_rows_with_tiny_eps_give_the_bias(dtype, value):
     assert torch.equal(y, torch.full_like(y, 0.25))
     y.sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_float32_rows_beyond_the_square_range():
+    """fp32 rows whose squares overflow or underflow fp32: torch 2.13 returns 0 for [1e30, 1e30]."""
+    x = torch.tensor([[1e30, 1e30], [1e-40, 1e-40], [3e38, -3e38]])
+    y = RMSNorm(2, eps=0.0)(x)
+    assert torch.allclose(y, torch.sign(x), rtol=1e-6, atol=0)
+    x = torch.tensor([[1e30, -1e30], [1e-40, -1e-40], [3e38, -3e38]])  # equal values would be 0/0
+    z = LayerNorm(2, eps=0.0)(x)
+    assert torch.allclose(z, torch.sign(x), rtol=1e-6, atol=0)
