@@ -95,6 +95,21 @@ def test_robust_goal_with_65536_long_vectors(fmt):
         assert s.max_ulp < 1 and s.overflow == 0 and s.underflow == 0 and s.correctly_rounded >= 0.99, case.family
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_robust_lengths_that_are_not_powers_of_two(fmt):
+    from lowp.norms.cases import log_uniform
+
+    f = get_format(fmt)
+    g = torch.Generator().manual_seed(5)
+    for n in (3, 5, 7, 100, 1000):
+        rows = log_uniform((50, n), f.min_subnormal, f.max / n, f, g)
+        x, _ = as_input(rows, f)
+        got = vector_norm(x, compute=fmt, eps=2.0**-12).double()
+        _, rounded = exact_norm(rows, 2.0**-12, fmt)
+        assert (got == rounded).double().mean() >= 0.98, n
+        assert (torch.isfinite(got) == torch.isfinite(rounded)).all(), n
+
+
 def test_robust_long_vectors_up_to_65536():
     g = torch.Generator().manual_seed(3)
     rows = torch.stack([torch.ones(65536, dtype=torch.float64),
