@@ -4,35 +4,8 @@ import pytest
 import torch
 
 from lowp.norms import LayerNorm, RMSNorm
+from lowp.norms.module_check import module_scores, reference_norm
 from lowp.ulp import ulp_error
-
-
-def _reference(x, weight, bias, eps, center):
-    """The textbook formula in float64 on the (exact) upcast inputs, with autograd."""
-    x64 = x.detach().double().requires_grad_()
-    d = x64 - x64.mean(-1, keepdim=True) if center else x64
-    y = d / torch.sqrt((d * d).mean(-1, keepdim=True) + eps) * weight.detach().double()
-    if bias is not None:
-        y = y + bias.detach().double()
-    return x64, y
-
-
-def _hard_rows(dtype):
-    """Rows that overflow, underflow or cancel in the plain formula (256 wide)."""
-    g = torch.Generator().manual_seed(1)
-    info = torch.finfo(dtype)
-    big_exp = 14 if dtype == torch.float16 else 120
-    small_exp = -20 if dtype == torch.float16 else -120
-    k = torch.randint(small_exp, big_exp, (64, 1), generator=g).float()
-    center = 1000.0 if dtype == torch.float16 else 2.0**60
-    return {
-        "normal": torch.randn(32, 256, generator=g),
-        "near-max": info.max * (1 - torch.rand(32, 256, generator=g) * 0.01),
-        "near-equal": center * (1 + torch.randint(-3, 4, (32, 256), generator=g).float() / 2048),
-        "zeros": torch.zeros(4, 256),
-        "scaled": torch.randn(64, 256, generator=g) * torch.exp2(k),
-        "tiny": torch.randn(32, 256, generator=g) * info.smallest_normal * 8,
-    }
 
 
 @pytest.mark.parametrize("cls,torch_cls", [(RMSNorm, torch.nn.RMSNorm), (LayerNorm, torch.nn.LayerNorm)])
@@ -80,43 +53,23 @@ def test_bad_input_shape_and_dtype():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("cls", [RMSNorm, LayerNorm])
-def test_hard_inputs_forward_within_2_ulp_and_backward_accurate(dtype, cls):
-    center = cls is LayerNorm
-    eps = 1e-12
-    checked = 0
-    for name, rows in _hard_rows(dtype).items():
-        x = rows.to(dtype)
-        m = cls(256, eps=eps).to(dtype)
-        with torch.no_grad():
-            m.weight.copy_(torch.rand(256) + 0.5)
-            if center:
-                m.bias.copy_(torch.randn(256) * 0.1)
-        xg = x.clone().requires_grad_()
-        y = m(xg)
-        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-        y.backward(gy)
-        x64, ref = _reference(x, m.weight, m.bias if center else None, eps, center)
-        ref.backward(gy.double())
-        err = ulp_error(y.double(), ref.detach(), dtype)
-        assert err.max() <= 2, (name, float(err.max()))
-        gref = x64.grad
-        rows_in_range = (gref.abs() <= torch.finfo(dtype).max).all(-1)
-        checked += int(rows_in_range.sum())
-        if not rows_in_range.any():  # fp16 zero rows with eps=1e-12: the true gradient is 1e6 > 65504
-            continue
-        got = xg.grad.double()[rows_in_range]
-        want = gref[rows_in_range]
-        assert torch.isfinite(got).all(), name
-        scale = want.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
-        assert ((got - want).abs() / scale).max() <= 2 * torch.finfo(dtype).eps, name
-    assert checked >= 150
+@pytest.mark.parametrize("center", [False, True])
+def test_hard_inputs_forward_within_2_ulp_and_backward_accurate(dtype, center):
+    scores = module_scores(dtype, center)
+    for s in scores:
+        assert s.max_ulp <= 2, s
+        assert s.grad_finite, s
+        assert s.grad_error <= 2 * torch.finfo(dtype).eps, s
+    # fp16 zero rows with eps = 1e-12 have a true gradient of 1e6 > 65504: nothing to compare there
+    assert sum(s.grad_rows for s in scores) >= 150
+    # the same rows break torch 2.13's own modules somewhere (hundreds of ulps, or inf)
+    assert max(s.torch_max_ulp for s in scores) > 2 or (dtype == torch.float16 and not center)
 
 
 def test_torch_layernorm_cancels_where_ours_does_not():
     """fp16 values near 65504 (or large nearly equal ones): the documented failure of the native op."""
     x = (65504 * (1 - torch.rand(16, 256, generator=torch.Generator().manual_seed(3)) * 0.01)).half()
-    _, ref = _reference(x, torch.ones(256), torch.zeros(256), 1e-5, True)
+    _, ref = reference_norm(x, torch.ones(256), torch.zeros(256), 1e-5, True)
     ours = ulp_error(LayerNorm(256).half()(x).double(), ref.detach(), torch.float16).max()
     assert ours <= 2
     # recorded in docs/norms.md: torch 2.13 CPU gives hundreds of ulps here

@@ -7,6 +7,8 @@ from pathlib import Path
 HELP = "measure the L2-norm methods (naive, seed 002's, Blue's, robust) per format: ulp error, overflow, underflow"
 
 DEFAULT_SPECS = "fp16,bf16,dlfloat16,e4m3:fp16,e5m2:fp16,e4m3:bf16"
+MODULE_COLUMNS = ["module", "dtype", "rows", "lowp_max_ulp", "torch_max_ulp", "lowp_grad_rel_error",
+                  "grad_rows_checked"]
 COLUMNS = ["method", "input", "compute", "family", "rows", "max_ulp", "correctly_rounded_%", "faithful_%",
            "overflow", "underflow"]
 
@@ -22,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-long", type=int, default=4096, help="length of the long vectors (default 4096)")
     parser.add_argument("--exhaustive", action="store_true", help="add the exhaustive n=1 family (all values)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modules", action="store_true",
+                        help="also measure RMSNorm/LayerNorm forward and backward (lowp and torch) in fp16 and bf16")
     parser.add_argument("--markdown", metavar="PATH", help="also write the table as markdown to PATH")
     parser.add_argument("--csv", metavar="PATH", help="also write the table as CSV to PATH")
 
@@ -64,11 +68,30 @@ def run(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
     print(text_table(COLUMNS, table))
+    markdown = markdown_table(COLUMNS, table) + "\n"
+    if args.modules:
+        module_table = _measure_modules()
+        print("\n" + text_table(MODULE_COLUMNS, module_table))
+        markdown += "\n" + markdown_table(MODULE_COLUMNS, module_table) + "\n"
     if args.markdown:
-        Path(args.markdown).write_text(markdown_table(COLUMNS, table) + "\n")
+        Path(args.markdown).write_text(markdown)
     if args.csv:
         Path(args.csv).write_text(csv_text(COLUMNS, table))
     return 0
+
+
+def _measure_modules() -> list[list[object]]:
+    import torch
+
+    from lowp.norms.module_check import module_scores
+
+    table: list[list[object]] = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for center, name in ((False, "RMSNorm"), (True, "LayerNorm")):
+            for s in module_scores(dtype, center):
+                table.append([name, str(dtype).replace("torch.", ""), s.case, round(s.max_ulp, 3),
+                              round(s.torch_max_ulp, 3), f"{s.grad_error:.2e}", s.grad_rows])
+    return table
 
 
 def _measure(specs: list[tuple[str, str]], methods: list[str], args: argparse.Namespace) -> list[list[object]]:
