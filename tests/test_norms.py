@@ -235,9 +235,10 @@ def test_norm_check_command_writes_markdown_and_csv(tmp_path, capsys):
 
     md, csv = tmp_path / "n.md", tmp_path / "n.csv"
     assert main(["norm-check", "--formats", "fp16,e4m3:bf16,bf16:native", "--methods", "naive,robust", "--rows", "8",
-                 "--n-long", "64", "--markdown", str(md), "--csv", str(csv)]) == 0
+                 "--n-long", "64", "--markdown", str(md), "--csv", str(csv), "--modules"]) == 0
     out = capsys.readouterr().out
     assert "robust" in out and "fp8_e4m3fn" in out
+    assert "LayerNorm" in out and "| module |" in md.read_text()
     lines = csv.read_text().splitlines()
     assert lines[0].startswith("method,input,compute,family")
     robust_rows = [line.split(",") for line in lines[1:] if line.startswith("robust")]
