@@ -261,6 +261,3 @@ def test_float32_inputs_use_float64_opmath_without_overflow():
     assert got.dtype == torch.float32
     want = torch.linalg.vector_norm(x.double(), dim=-1).float()  # fp64 is exact enough here
     assert torch.equal(got, want)
-    # torch 2.13's own fp32 norm squares in fp32: [inf, 0] for the first two rows
-    theirs = torch.linalg.vector_norm(x[:2], dim=-1)
-    assert not torch.equal(theirs, want[:2])
