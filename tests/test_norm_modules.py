@@ -92,3 +92,20 @@ def test_float32_rows_beyond_the_square_range():
     x = torch.tensor([[1e30, -1e30], [1e-40, -1e-40], [3e38, -3e38]])  # equal values would be 0/0
     z = LayerNorm(2, eps=0.0)(x)
     assert torch.allclose(z, torch.sign(x), rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_matches_cpu_on_hard_rows(dtype):
+    """The native path on CUDA (not run on the CPU-only CI) gives the CPU's results within 1 ulp."""
+    from lowp.norms import vector_norm
+    from lowp.norms.module_check import hard_rows
+
+    for rows in hard_rows(dtype).values():
+        x = rows.to(dtype)
+        for module in (RMSNorm(256, eps=1e-12), LayerNorm(256, eps=1e-12)):
+            module = module.to(dtype)
+            cpu = module(x).double()
+            gpu = module.cuda()(x.cuda()).double().cpu()
+            assert (ulp_error(gpu, cpu, dtype) <= 1).all()
+        assert (ulp_error(vector_norm(x.cuda()).double().cpu(), vector_norm(x).double(), dtype) <= 1).all()
