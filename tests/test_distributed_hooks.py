@@ -67,6 +67,31 @@ def _worker(rank, world_size):
             losses.append(float(loss.detach()))
         params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
         out["hooks"][name] = {"grads": first, "losses": losses, "params": params, "stats": first_stats}
+    out["fsdp"] = _fsdp_grads(rank, world_size)
+    return out
+
+
+def _fsdp_grads(rank, world_size):
+    """FSDP2 ``fully_shard`` with bf16 params: every rank's local bf16 grads (all-gathered) and the
+    reduced grad shards for ``reduce_dtype`` None (falls back to bf16) and float32."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    x, y = _batch(rank, 0)
+    plain = _model().to(torch.bfloat16)
+    torch.nn.functional.mse_loss(plain(x.to(torch.bfloat16)).float(), y).backward()
+    local = torch.cat([p.grad.float().reshape(-1) for p in plain.parameters()])
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    out = {"local": torch.stack(gathered)}
+    mesh = init_device_mesh("cpu", (world_size,))
+    for reduce_dtype in (None, torch.float32):
+        model = _model()
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                     reduce_dtype=reduce_dtype))
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
+        out[str(reduce_dtype)] = [p.grad.full_tensor().float().reshape(-1) for p in model.parameters()]
     return out
 
 
@@ -149,6 +174,25 @@ def test_hook_stats_describe_the_gradients(group_results):
     spread_sq = sum(s.spread_rms**2 * s.numel for s in stats.values())
     assert spread_sq == pytest.approx(float(local.double().var(0, unbiased=True).sum()), rel=1e-3)
     assert all(s.world_size == R for s in stats.values())
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_reduce_dtype_none_reduces_in_bf16_and_float32_fixes_it(group_results):
+    from lowp.distributed.advisor import check_reduce_dtype
+    from lowp.rounding import quantize
+
+    R, results = group_results
+    fsdp = results[0]["fsdp"]
+    exact = fsdp["local"].double().mean(0)
+    silent = torch.cat(fsdp["None"]).double()
+    fixed = torch.cat(fsdp["torch.float32"]).double()
+    assert torch.equal(quantize(silent, "bf16"), silent)              # the None policy's grads are bf16 values
+    err_silent, err_fixed = (silent - exact).abs(), (fixed - exact).abs()
+    scale = fsdp["local"].double().abs().mean(0)
+    assert (err_fixed <= R * 2.0**-24 * scale + 2.0**-24 * exact.abs() + 1e-12).all()
+    assert (err_silent <= R * 2.0**-8 * scale + 1e-12).all()
+    assert float(err_silent.max()) > 100 * float(err_fixed.max())
+    assert check_reduce_dtype(None, torch.bfloat16) and not check_reduce_dtype(torch.float32, torch.bfloat16)
 
 
 def _dies(rank, world_size):

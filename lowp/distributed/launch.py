@@ -61,7 +61,7 @@ def run_local_group(fn: Callable[..., Any], world_size: int, *args: Any, backend
 
     ``timeout_s`` is the process-group timeout (a collective waiting on a dead or hung peer
     raises after it); ``join_timeout_s`` (default ``3 * timeout_s + 30``) bounds the whole call:
-    ranks still running then are terminated, as are ranks still running ``timeout_s + 5`` seconds
+    ranks still running then are terminated, as are ranks still running ``timeout_s + 1`` seconds
 after another rank failed. Raises :class:`GroupFailure` if any rank failed.
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -82,7 +82,7 @@ after another rank failed. Raises :class:`GroupFailure` if any rank failed.
             rank, status, payload = results.get(timeout=0.2)
             reports[rank] = (status, pickle.loads(payload))
             if status == "error":     # the others get one more process-group timeout to notice
-                deadline = min(deadline, time.monotonic() + timeout_s + 5)
+                deadline = min(deadline, time.monotonic() + timeout_s + 1)
         except queue.Empty:
             if all(not p.is_alive() for p in procs) and results.empty():
                 break
