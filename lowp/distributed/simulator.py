@@ -46,7 +46,7 @@ from lowp.formats import FloatFormat, get_format
 from lowp.rounding import _native_cast_matches, canonical_mode, quantize
 
 __all__ = ["ALGORITHMS", "AVERAGING", "Rounder", "ReduceConfig", "reduce", "accumulate", "exact_reduce",
-           "GaussianGrads", "ErrorStats", "measure_error", "ring_order"]
+           "GaussianGrads", "ErrorStats", "measure_error"]
 
 ALGORITHMS: tuple[str, ...] = ("ring", "tree", "alltoall", "exact")
 AVERAGING: tuple[str, ...] = ("sum", "pre_divide", "post_divide", "premultiply")
@@ -120,13 +120,21 @@ class ReduceConfig:
         return f"{self.algorithm}/{self.format.name}{sr}/{self.average}"
 
 
-def ring_order(world_size: int, offset: int, count: int, total: int) -> torch.Tensor:
-    """``[R, count]`` rank indices: row k is the rank added at hop k for elements
-    ``offset .. offset+count-1`` of a ``total``-element tensor (NCCL chunking: chunk
-    ``c = j * R // total`` starts at rank ``c + 1``)."""
-    j = torch.arange(offset, offset + count, dtype=torch.int64)
-    start = (j * world_size) // total + 1
-    return (start[None, :] + torch.arange(world_size, dtype=torch.int64)[:, None]) % world_size
+def _ring_sum(x: torch.Tensor, prepare: Callable[[torch.Tensor], torch.Tensor], rnd: Rounder, offset: int,
+              total: int) -> torch.Tensor:
+    """NCCL ring order: element ``j`` of chunk ``c = (offset + j) * R // total`` adds the ranks
+    ``c + 1, c + 2, ..., c`` (mod R). Rows are fetched and prepared hop by hop (cache-sized
+    work instead of a permuted copy of the whole ``[R, N]`` tensor)."""
+    R, n = x.shape
+    j = torch.arange(offset, offset + n, dtype=torch.int64)
+    flat = ((j * R) // total + 1) % R * n + torch.arange(n, dtype=torch.int64)
+    x = x.contiguous()
+    acc = prepare(x.take(flat))
+    for _ in range(1, R):
+        flat += n
+        flat[flat >= R * n] -= R * n
+        acc = rnd(acc + prepare(x.take(flat)))
+    return acc
 
 
 def _sequential_sum(rows: torch.Tensor, rnd: Rounder) -> torch.Tensor:
@@ -169,20 +177,24 @@ def reduce(x: torch.Tensor, config: ReduceConfig = ReduceConfig(), *, offset: in
     if generator is None and config.rounding == "stochastic":
         generator = torch.Generator().manual_seed(config.seed)
     rnd = Rounder(config.fmt, config.rounding, generator)
-    y = rnd(x.to(rnd.container))
-    if config.average == "pre_divide":
-        y = rnd(y / R)
-    elif config.average == "premultiply":
-        y = rnd(y * rnd.scalar(1.0 / R))
+    scale = rnd.scalar(1.0 / R) if config.average == "premultiply" else None
+
+    def prepare(rows: torch.Tensor) -> torch.Tensor:
+        """A rank's contribution: its values in the wire format, pre-divided or premultiplied."""
+        y = rnd(rows.to(rnd.container))
+        if config.average == "pre_divide":
+            return rnd(y / R)
+        return rnd(y * scale) if scale is not None else y
+
     if config.algorithm == "alltoall":
-        s = y.to(torch.float32).sum(dim=0)
+        s = prepare(x).to(torch.float32).sum(dim=0)
         if config.average == "post_divide":
             s = s / R
         return rnd(s.to(rnd.container)).to(torch.float64)
     if config.algorithm == "ring":
-        s = _sequential_sum(y.gather(0, ring_order(R, offset, x.shape[1], total)), rnd)
+        s = _ring_sum(x, prepare, rnd, offset, total)
     else:
-        s = _pairwise_sum(y, rnd)
+        s = _pairwise_sum(prepare(x), rnd)
     if config.average == "post_divide":
         s = rnd(s / R)
     return s.to(torch.float64)
@@ -231,13 +243,13 @@ class GaussianGrads:
     outlier_scale: float = 1.0
 
     def sample(self, world_size: int, count: int, generator: torch.Generator) -> torch.Tensor:
-        z = torch.randn(world_size, count, generator=generator, dtype=torch.float64)
-        x = self.mean + self.sigma * z
+        """``[world_size, count]`` values of ``fmt`` (float32 container; float64 for wider formats)."""
+        fmt = get_format(self.fmt)
+        dtype = torch.float64 if fmt.precision > 24 else torch.float32
+        x = torch.randn(world_size, count, generator=generator, dtype=dtype).mul_(self.sigma).add_(self.mean)
         for r in self.outlier_ranks:
             x[r % world_size] *= self.outlier_scale
-        fmt = get_format(self.fmt)
-        container = torch.float64 if fmt.precision > 24 else torch.float32
-        return quantize(x.to(container) if container == torch.float32 else x, fmt).to(torch.float64)
+        return quantize(x, fmt)
 
 
 @dataclass(frozen=True)
