@@ -28,8 +28,9 @@ def test_hop_in_container_is_correctly_rounded(fmt):
     g = torch.Generator().manual_seed(1)
     a = rnd(torch.randn(20000, generator=g, dtype=torch.float64).to(rnd.container) * 3)
     b = rnd(torch.randn(20000, generator=g, dtype=torch.float64).to(rnd.container) * 2.0 ** torch.randint(-12, 4, (20000,), generator=g))
-    got = rnd(a + b).double()
+    got = rnd(a + b).double()                     # the simulator's hop, in its container arithmetic
     want = quantize(a.double() + b.double(), fmt, native=False)
+    assert torch.equal(rnd(a / 3).double(), quantize(a.double() / 3, fmt, native=False))
     assert torch.equal(got, want)
 
 

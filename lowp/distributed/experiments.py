@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import torch
 
 from lowp.distributed import model
-from lowp.distributed.simulator import (GaussianGrads, ReduceConfig, Rounder, accumulate, exact_reduce,
-                                        measure_error, reduce)
+from lowp.distributed.simulator import GaussianGrads, ReduceConfig, accumulate, exact_reduce, measure_error, reduce
+from lowp.rounding import quantize
 
 __all__ = ["one_thread", "SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "microbatch_table", "fp16_table",
            "fp8_table", "premultiply_table", "outlier_table"]
@@ -48,14 +48,13 @@ def seed_grid(world_sizes: Sequence[int] = SEED_WORLD_SIZES, sigmas: Sequence[fl
         headers += [f"{alg}/sigma", f"{alg}_model"]
     headers.append("ring/noise")
     gen = torch.Generator().manual_seed(seed)
-    rnd = Rounder(fmt)
     rows = []
     for R in world_sizes:
         x = torch.cat([GaussianGrads(s, fmt=fmt).sample(R, elements, gen) for s in sigmas], dim=1)
         exact = exact_reduce(x)
         results = {alg: reduce(x, ReduceConfig(alg, fmt)) for alg in dict.fromkeys(("ring", *algorithms))}
         errors = {alg: (got - exact).view(len(sigmas), elements) for alg, got in results.items()}
-        seed_err = (results["ring"] - rnd(exact.to(rnd.container)).double()).view(len(sigmas), elements)
+        seed_err = (results["ring"] - quantize(exact, fmt, native=False)).view(len(sigmas), elements)
         for i, s in enumerate(sigmas):
             row: list[object] = [R, s, float(seed_err[i].std()) / s]
             for alg in algorithms:

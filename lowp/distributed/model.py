@@ -54,20 +54,37 @@ def _normal_mass(lo: torch.Tensor, hi: torch.Tensor, mean: float, std: float) ->
     return (cdf((hi - mean) / std) - cdf((lo - mean) / std)) + (cdf((-lo - mean) / std) - cdf((-hi - mean) / std))
 
 
+def _expected_ulp_sq(stds: torch.Tensor, means: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """``E[ulp(S_k)**2]`` for a batch of ``S_k ~ N(means[k], stds[k]**2)`` (float64 tensors).
+
+    ``P(|S| < 2**e)`` at every binade edge gives the mass of each binade; binades below ``emin``
+    share the subnormal ulp ``2**(emin - m)``; a zero std is a point mass at the mean.
+    """
+    e = torch.arange(fmt.emin, fmt.emax + 2, dtype=torch.float64)
+    edge = torch.exp2(e)[None, :]
+    s, m = stds.clamp_min(1e-300)[:, None], means[:, None]
+    below = torch.special.ndtr((edge - m) / s) - torch.special.ndtr((-edge - m) / s)   # P(|S| < 2**e)
+    ulp_sq = torch.exp2(2 * (e - fmt.mantissa_bits))
+    spread = (below[:, 1:] - below[:, :-1]) @ ulp_sq[:-1] + below[:, 0] * ulp_sq[0]
+    _, point_exp = torch.frexp(means.abs())
+    point = torch.exp2(2 * (torch.clamp(point_exp - 1, min=fmt.emin) - fmt.mantissa_bits).to(torch.float64))
+    return torch.where(stds > 0, spread, point)
+
+
 def expected_ulp_sq(std: float, fmt: "str | FloatFormat", mean: float = 0.0) -> float:
     """``E[ulp(S)**2]`` for ``S ~ N(mean, std**2)``, ulp of ``fmt`` (a power of two per binade)."""
-    fmt = get_format(fmt)
     if std < 0:
         raise ValueError(f"std: expected >= 0, got {std}")
-    if std == 0:
-        return float(math.ldexp(1.0, max(math.frexp(abs(mean))[1] - 1, fmt.emin) - fmt.mantissa_bits) ** 2) if mean \
-            else math.ldexp(1.0, 2 * (fmt.emin - fmt.mantissa_bits))
-    e = torch.arange(fmt.emin, fmt.emax + 1, dtype=torch.float64)
-    lo, hi = torch.exp2(e), torch.exp2(e + 1)
-    mass = _normal_mass(lo, hi, mean, std)
-    below = float(_normal_mass(torch.zeros(1, dtype=torch.float64), lo[:1], mean, std)[0])
-    ulp_sq = torch.exp2(2 * (e - fmt.mantissa_bits))
-    return float((mass * ulp_sq).sum()) + below * math.ldexp(1.0, 2 * (fmt.emin - fmt.mantissa_bits))
+    return float(_expected_ulp_sq(torch.tensor([float(std)], dtype=torch.float64),
+                                  torch.tensor([float(mean)], dtype=torch.float64), get_format(fmt))[0])
+
+
+def _sum_ulp_sq(counts: torch.Tensor, a: float, sigma: float, mean: float, fmt: "str | FloatFormat",
+                weights: torch.Tensor | None = None) -> float:
+    """``sum_k w_k E[ulp(S_k)**2]`` for partial sums of ``counts[k]`` terms ``a x``, ``x ~ N(mean, sigma**2)``."""
+    counts = counts.to(torch.float64)
+    values = _expected_ulp_sq(counts.sqrt() * a * sigma, counts * a * mean, get_format(fmt))
+    return float(values.sum() if weights is None else (values * weights).sum())
 
 
 def ulp_constant(fmt: "str | FloatFormat" = "bf16", std: float = 1.0) -> float:
@@ -103,7 +120,7 @@ def ring_error_std(world_size: int, sigma: float, fmt: "str | FloatFormat" = "bf
     ``S_k ~ N(k a mean, k a**2 sigma**2)`` with ``a = 1/R`` (pre-divide) or 1 (sum)."""
     _check(world_size, sigma)
     a = _scale(world_size, average)
-    var = sum(expected_ulp_sq(math.sqrt(k) * a * sigma, fmt, k * a * mean) for k in range(2, world_size + 1)) / 12
+    var = _sum_ulp_sq(torch.arange(2, world_size + 1), a, sigma, mean, fmt) / 12
     return math.sqrt(var + _division_var(world_size, sigma, fmt, mean, average))
 
 
@@ -112,12 +129,12 @@ def tree_error_std(world_size: int, sigma: float, fmt: "str | FloatFormat" = "bf
     """Predicted std for pairwise summation: level l rounds ``floor(n_l / 2)`` sums of ``2**l`` terms."""
     _check(world_size, sigma)
     a = _scale(world_size, average)
-    var, rows, terms = 0.0, world_size, 1
+    pairs, terms, rows = [], [], world_size
     while rows > 1:
-        pairs = rows // 2
-        terms *= 2
-        var += pairs * expected_ulp_sq(math.sqrt(terms) * a * sigma, fmt, terms * a * mean) / 12
-        rows = pairs + rows % 2
+        pairs.append(rows // 2)
+        terms.append(2 ** len(pairs))
+        rows = rows // 2 + rows % 2
+    var = _sum_ulp_sq(torch.tensor(terms), a, sigma, mean, fmt, torch.tensor(pairs, dtype=torch.float64)) / 12
     return math.sqrt(var + _division_var(world_size, sigma, fmt, mean, average))
 
 

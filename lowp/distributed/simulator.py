@@ -27,10 +27,12 @@ wire format, then the sum; what torch's DDP default hook and seed 003 do); ``"po
 ``src/device/reduce_kernel.h``). When R is not a power of two, ``fl(1/R) != 1/R`` and every
 result is scaled by ``R * fl(1/R)``.
 
-Rounding: the hop ``fl(a + b)`` is computed in a wider container (fp32 for formats of at most
-11 significand bits, fp64 otherwise) and rounded once to the format. For round-to-nearest
-this equals the correctly rounded sum because the container has at least ``2p + 2`` bits
-(Figueroa, "When is double rounding innocuous?", SIGNUM 1995). Stochastic rounding to bf16
+Rounding: with round-to-nearest, bf16/fp16/fp32 values live in their own torch dtype and the
+hop is torch's own ``a + b`` (on CPU computed in fp32 and rounded once; fp32 natively). Other
+formats (fp8, custom) are held in fp32 (at most 11 significand bits) or fp64 and each result is
+rounded with :func:`lowp.rounding.quantize`. Both equal the correctly rounded operation because
+the wider precision has at least ``2p + 2`` bits (Figueroa, "When is double rounding
+innocuous?", SIGNUM 1995). Stochastic rounding to bf16
 works in fp32 (the sum of two bf16 values is exact there unless their exponents differ by more
 than 16; then the rounding probability is off by less than 2**-16), to other formats in fp64.
 """
@@ -52,6 +54,8 @@ ALGORITHMS: tuple[str, ...] = ("ring", "tree", "alltoall", "exact")
 AVERAGING: tuple[str, ...] = ("sum", "pre_divide", "post_divide", "premultiply")
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 DEFAULT_CHUNK_BUDGET = 1 << 22   # elements (R x columns) processed at once
+# dtypes whose CPU add/div/mul are computed in fp32 (or natively) and rounded once: exact emulation
+NATIVE_ARITHMETIC = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 class Rounder:
@@ -73,9 +77,12 @@ class Rounder:
         self.generator = generator
         stochastic = rounding == "stochastic"
         self._bf16_sr = stochastic and self.fmt == get_format("bf16")
-        wide = (stochastic and not self._bf16_sr) or self.fmt.precision > 11
-        self.container = torch.float64 if wide else torch.float32
         self._native = not stochastic and self.fmt.torch_dtype is not None and _native_cast_matches(self.fmt)
+        if self._native and self.fmt.torch_dtype in NATIVE_ARITHMETIC:
+            self.container = self.fmt.torch_dtype
+        else:
+            wide = (stochastic and not self._bf16_sr) or self.fmt.precision > 11
+            self.container = torch.float64 if wide else torch.float32
         self._mode = canonical_mode(rounding if stochastic else "nearest_even")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,17 +130,16 @@ class ReduceConfig:
 def _ring_sum(x: torch.Tensor, prepare: Callable[[torch.Tensor], torch.Tensor], rnd: Rounder, offset: int,
               total: int) -> torch.Tensor:
     """NCCL ring order: element ``j`` of chunk ``c = (offset + j) * R // total`` adds the ranks
-    ``c + 1, c + 2, ..., c`` (mod R). Rows are fetched and prepared hop by hop (cache-sized
-    work instead of a permuted copy of the whole ``[R, N]`` tensor)."""
+    ``c + 1, c + 2, ..., c`` (mod R). Rows are fetched and prepared hop by hop from the rows
+    stacked twice (so the rank index needs no modulo), never as a permuted copy."""
     R, n = x.shape
+    twice = torch.cat([x, x]).to(rnd.container)
     j = torch.arange(offset, offset + n, dtype=torch.int64)
-    flat = ((j * R) // total + 1) % R * n + torch.arange(n, dtype=torch.int64)
-    x = x.contiguous()
-    acc = prepare(x.take(flat))
+    flat = ((j * R) // total + 1) * n + torch.arange(n, dtype=torch.int64)
+    acc = prepare(twice.take(flat))
     for _ in range(1, R):
         flat += n
-        flat[flat >= R * n] -= R * n
-        acc = rnd(acc + prepare(x.take(flat)))
+        acc = rnd(acc + prepare(twice.take(flat)))
     return acc
 
 
@@ -293,7 +299,7 @@ def measure_error(world_size: int, elements: int, grads: GaussianGrads, config: 
     data_gen = torch.Generator().manual_seed(seed)
     round_gen = torch.Generator().manual_seed(seed + 1)
     sample = sampler or grads.sample
-    ref_round = Rounder(config.fmt)
+    ref_fmt = get_format(config.fmt)
     width = max(1, chunk_budget // world_size)
     sums = torch.zeros(6, dtype=torch.float64)   # err, err^2, seed_err, seed_err^2, exact, zeros
     for offset in range(0, elements, width):
@@ -302,7 +308,7 @@ def measure_error(world_size: int, elements: int, grads: GaussianGrads, config: 
         got = reduce(x, config, offset=offset, total=elements, generator=round_gen)
         exact = exact_reduce(x, config.average)
         err = got - exact
-        seed_err = got - ref_round(exact.to(ref_round.container)).to(torch.float64)
+        seed_err = got - quantize(exact, ref_fmt, native=False)
         zeros = ((got == 0) & (exact != 0)).to(torch.float64)
         sums += torch.stack([err.sum(), (err * err).sum(), seed_err.sum(), (seed_err * seed_err).sum(),
                              exact.sum(), zeros.sum()])
