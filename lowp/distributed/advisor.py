@@ -119,7 +119,7 @@ def advise(stats: BucketStats, dtype: "str | torch.dtype" = "bf16", algorithm: s
                  "after dividing by R; use a loss scale, sum_then_divide_hook, or bf16/fp32")
     if underflow > 0.01:
         w.append(f"{100 * underflow:.1f} % of g/R underflow to zero in {fmt.name}; divide after the sum in fp32")
-    if abs(pre_bias) > 2.0**-fmt.precision:
+    if abs(pre_bias) > BIAS_WARN:
         w.append(f"premultiply by fl(1/{R}) in {fmt.name} scales every gradient by {1 + pre_bias:.5f}; "
                  "divide after the sum in fp32")
     if fmt.bits <= 8 and average in ("pre_divide", "premultiply", "post_divide") and R >= 16:
