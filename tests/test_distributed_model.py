@@ -39,7 +39,9 @@ def test_simulator_agrees_with_model_within_15_percent_on_seed_grid(algorithm):
     for R in SEED_WORLD_SIZES:
         # a 2**k change of sigma scales every value exactly, so two powers of two and 0.01 cover the grid
         for sigma in (SEED_SIGMAS[0], SEED_SIGMAS[-1], 0.01) if R <= 64 else (0.01,):
-            sim = measure_error(R, 4096, GaussianGrads(sigma), ReduceConfig(algorithm), seed=R).std
+            # short rings have few, discrete-valued errors: more elements keep the estimate's noise ~2 %
+            elements = 16384 if R <= 8 else 4096
+            sim = measure_error(R, elements, GaussianGrads(sigma), ReduceConfig(algorithm), seed=R).std
             model = reduction_error_std(algorithm, R, sigma, "bf16")
             worst = max(worst, abs(sim / model - 1))
     assert worst < 0.15
