@@ -1,9 +1,9 @@
 """DDP comm hooks in real gloo process groups (spawned CPU processes, 127.0.0.1 only).
 
 One spawned group per world size runs every hook; the parent checks the results against fp64
-references and the simulator, so the multi-process start-up cost is paid twice, not per hook.
+references and the simulator, so the multi-process start-up cost is paid once per world size,
+not per hook. World size 2 runs by default, world size 4 with ``-m slow``.
 """
-import math
 import os
 import time
 
@@ -95,7 +95,7 @@ def _fsdp_grads(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)])
 def group_results(request):
     return request.param, run_local_group(_worker, request.param, timeout_s=30)
 
@@ -153,7 +153,7 @@ def test_sum_then_divide_hook_within_recursive_summation_bound(group_results):
 
 @pytest.mark.timeout(240)
 def test_training_under_each_hook_tracks_fp32(group_results):
-    R, results, _, _ = group_results[0], group_results[1], None, None
+    R, results = group_results
     ref = results[0]["hooks"]["default"]
     for name in HOOK_NAMES:
         run = results[0]["hooks"][name]
@@ -243,4 +243,3 @@ def test_launcher_and_state_reject_bad_arguments():
         run_local_group(_dies, 2, timeout_s=0)
     with pytest.raises(ValueError, match="wire_dtype"):
         ReduceState(wire_dtype=torch.float8_e4m3fn)
-    assert math.isfinite(1.0)
