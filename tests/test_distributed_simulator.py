@@ -34,6 +34,14 @@ def test_hop_in_container_is_correctly_rounded(fmt):
     assert torch.equal(got, want)
 
 
+def test_float64_inputs_are_rounded_once():
+    """torch's float64 -> bf16 cast double-rounds through fp32; the simulator must not."""
+    x = torch.tensor([[1 + 2**-8 + 2**-40], [0.0]], dtype=torch.float64)
+    assert x[0].to(torch.bfloat16).item() == 1.0               # the torch behaviour worked around
+    assert reduce(x, ReduceConfig("ring", "bf16", average="sum")).item() == 1 + 2**-7
+    assert reduce(x, ReduceConfig("tree", "fp16", average="sum")).item() == 1 + 2**-8
+
+
 def test_ring_matches_elementwise_reference_with_nccl_chunk_order():
     R, N = 5, 23
     w = _bf16_grads(R, N)

@@ -28,7 +28,9 @@ wire format, then the sum; what torch's DDP default hook and seed 003 do); ``"po
 result is scaled by ``R * fl(1/R)``.
 
 Rounding: with round-to-nearest, bf16/fp16/fp32 values live in their own torch dtype and the
-hop is torch's own ``a + b`` (on CPU computed in fp32 and rounded once; fp32 natively). Other
+hop is torch's own ``a + b`` (on CPU computed in fp32 and rounded once; fp32 natively). Inputs
+given in float64 are rounded with the emulation, because torch's float64 -> bf16/fp16 cast goes
+through fp32 and double-rounds (``1 + 2**-8 + 2**-40`` becomes 1.0 instead of ``1 + 2**-7``). Other
 formats (fp8, custom) are held in fp32 (at most 11 significand bits) or fp64 and each result is
 rounded with :func:`lowp.rounding.quantize`. Both equal the correctly rounded operation because
 the wider precision has at least ``2p + 2`` bits (Figueroa, "When is double rounding
@@ -86,8 +88,10 @@ class Rounder:
         self._mode = canonical_mode(rounding if stochastic else "nearest_even")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native:
+        if self._native and (x.dtype != torch.float64 or self.fmt.precision > 24):
             return x.to(self.fmt.torch_dtype).to(self.container)
+        if self._native:   # torch casts float64 -> bf16/fp16 through fp32: a double rounding
+            return quantize(x, self.fmt, native=False).to(self.container)
         if self._bf16_sr:
             noise = torch.randint(0, 1 << 16, x.shape, generator=self.generator, dtype=torch.int32)
             bits = (x.contiguous().view(torch.int32) + noise) & ~0xFFFF
@@ -121,10 +125,6 @@ class ReduceConfig:
     @property
     def format(self) -> FloatFormat:
         return get_format(self.fmt)
-
-    def label(self) -> str:
-        sr = "+SR" if self.rounding == "stochastic" else ""
-        return f"{self.algorithm}/{self.format.name}{sr}/{self.average}"
 
 
 def _ring_sum(x: torch.Tensor, prepare: Callable[[torch.Tensor], torch.Tensor], rnd: Rounder, offset: int,
