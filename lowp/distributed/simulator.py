@@ -92,11 +92,12 @@ class Rounder:
             return x.to(self.fmt.torch_dtype).to(self.container)
         if self._native:   # torch casts float64 -> bf16/fp16 through fp32: a double rounding
             return quantize(x, self.fmt, native=False).to(self.container)
-        if self._bf16_sr:
+        if self._bf16_sr:   # float64 inputs are first rounded to fp32 (off by < 2**-16 ulp in probability)
+            x = x.to(torch.float32)
             noise = torch.randint(0, 1 << 16, x.shape, generator=self.generator, dtype=torch.int32)
             bits = (x.contiguous().view(torch.int32) + noise) & ~0xFFFF
             return torch.where(torch.isfinite(x), bits.view(torch.float32), x)
-        return quantize(x, self.fmt, self._mode, generator=self.generator, native=False)
+        return quantize(x, self.fmt, self._mode, generator=self.generator, native=False).to(self.container)
 
     def scalar(self, value: float) -> float:
         """``fl(value)`` of a Python float (nearest-even, whatever the rounding mode)."""
@@ -133,7 +134,7 @@ def _ring_sum(x: torch.Tensor, prepare: Callable[[torch.Tensor], torch.Tensor], 
     ``c + 1, c + 2, ..., c`` (mod R). Rows are fetched and prepared hop by hop from the rows
     stacked twice (so the rank index needs no modulo), never as a permuted copy."""
     R, n = x.shape
-    twice = torch.cat([x, x]).to(rnd.container)
+    twice = torch.cat([x, x])
     j = torch.arange(offset, offset + n, dtype=torch.int64)
     flat = ((j * R) // total + 1) * n + torch.arange(n, dtype=torch.int64)
     acc = prepare(twice.take(flat))
@@ -183,11 +184,13 @@ def reduce(x: torch.Tensor, config: ReduceConfig = ReduceConfig(), *, offset: in
     if generator is None and config.rounding == "stochastic":
         generator = torch.Generator().manual_seed(config.seed)
     rnd = Rounder(config.fmt, config.rounding, generator)
+    if x.dtype != rnd.container:
+        x = rnd(x)      # the compression to the wire format, once and correctly rounded
     scale = rnd.scalar(1.0 / R) if config.average == "premultiply" else None
 
     def prepare(rows: torch.Tensor) -> torch.Tensor:
         """A rank's contribution: its values in the wire format, pre-divided or premultiplied."""
-        y = rnd(rows.to(rnd.container))
+        y = rnd(rows)
         if config.average == "pre_divide":
             return rnd(y / R)
         return rnd(y * scale) if scale is not None else y
@@ -196,7 +199,7 @@ def reduce(x: torch.Tensor, config: ReduceConfig = ReduceConfig(), *, offset: in
         s = prepare(x).to(torch.float32).sum(dim=0)
         if config.average == "post_divide":
             s = s / R
-        return rnd(s.to(rnd.container)).to(torch.float64)
+        return rnd(s).to(torch.float64)
     if config.algorithm == "ring":
         s = _ring_sum(x, prepare, rnd, offset, total)
     else:
@@ -228,7 +231,7 @@ def accumulate(micro: torch.Tensor, fmt: "str | FloatFormat" = "bf16", rounding:
     """
     _check_grads(micro, "micro")
     rnd = Rounder(fmt, rounding, generator)
-    y = rnd(micro.to(rnd.container))
+    y = rnd(micro)
     if average:
         y = rnd(y / micro.shape[0])
     return _sequential_sum(y, rnd).to(torch.float64)
