@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lowp.cli import main
-from lowp.distributed.advisor import BucketStats, advise, check_reduce_dtype
+from lowp.distributed.advisor import BucketStats, advise, advise_buckets, check_reduce_dtype
 from lowp.distributed.experiments import one_thread
 from lowp.distributed.simulator import GaussianGrads, ReduceConfig, measure_error
 
@@ -47,6 +47,13 @@ def test_fp8_averaging_at_large_r_and_premultiply_bias_are_flagged():
     pre = advise(BucketStats(2048, 6, mean_rms=0.0, spread_rms=0.5), "fp8_e5m2", "alltoall", average="premultiply")
     assert pre.premultiply_bias == pytest.approx(-0.0625)
     assert any("premultiply" in w for w in pre.warnings)
+
+
+def test_advise_buckets_covers_every_recorded_bucket():
+    stats = {1: BucketStats(100, 1024, 0.01, 0.01), 0: BucketStats(100, 1024, 0.0, 0.01)}
+    advice = advise_buckets(stats, "bf16", "ring")
+    assert list(advice) == [0, 1]
+    assert advice[0].ok and not advice[1].ok
 
 
 def test_reduce_dtype_fallback_is_flagged():

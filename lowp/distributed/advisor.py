@@ -18,7 +18,7 @@ import torch
 from lowp.distributed import model
 from lowp.formats import get_format
 
-__all__ = ["BucketStats", "Advice", "advise", "check_reduce_dtype"]
+__all__ = ["BucketStats", "Advice", "advise", "advise_buckets", "check_reduce_dtype"]
 
 NOISE_RATIO_WARN = 0.1     # error above 10 % of the sampling noise is worth a look
 BIAS_WARN = 0.01           # 1 % systematic shrinkage of the mean gradient
@@ -128,3 +128,10 @@ def advise(stats: BucketStats, dtype: "str | torch.dtype" = "bf16", algorithm: s
     if fmt.name == "fp16" and stats.absmax * R > fmt.max / 2 and average in ("sum", "post_divide"):
         w.append(f"fp16 sum may overflow: sum of |g| reaches {stats.absmax * R:.3g} (max {fmt.max:g})")
     return advice
+
+
+def advise_buckets(stats: dict[int, BucketStats], dtype: "str | torch.dtype" = "bf16", algorithm: str = "ring",
+                   average: str = "pre_divide", rounding: str = "nearest",
+                   loss_scale: float | None = None) -> dict[int, Advice]:
+    """:func:`advise` for every bucket a hook recorded (``ReduceState.stats``), by bucket index."""
+    return {index: advise(s, dtype, algorithm, average, rounding, loss_scale) for index, s in sorted(stats.items())}
