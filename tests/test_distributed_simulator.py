@@ -176,3 +176,14 @@ def test_bf16_stochastic_rounding_bit_trick_is_unbiased_and_exact_on_grid():
     assert float(rnd(-x).mean()) == pytest.approx(-float(x[0]), rel=1e-4)
     grid = quantize(torch.randn(1000), "bf16")
     assert torch.equal(rnd(grid), grid)
+
+
+def test_fp8_stochastic_rounding_ring_is_unbiased():
+    """Generic (emulated) stochastic rounding: 64 equal addends in e4m3 stall under nearest
+    rounding (2**4 = 16 terms) but stay unbiased with SR."""
+    x = torch.full((64, 512), 0.5)
+    nearest = reduce(x, ReduceConfig("ring", "fp8_e4m3fn", average="sum"))
+    sr = reduce(x, ReduceConfig("ring", "fp8_e4m3fn", rounding="stochastic", average="sum", seed=2))
+    assert float(nearest[0]) < 0.5 * 32
+    assert float(sr.mean()) == pytest.approx(32.0, rel=0.03)
+    assert set(sr.unique().tolist()) <= set(quantize(sr, "fp8_e4m3fn").tolist())
