@@ -1,0 +1,14 @@
+"""Low-precision gradient reduction: simulate it, model its error, fix it in real collectives.
+
+- :mod:`lowp.distributed.simulator` — R simulated ranks, ring / tree / all-to-all reductions with
+  every hop rounded to a lowp format (nearest or stochastic), four averaging schemes.
+- :mod:`lowp.distributed.model` — closed-form error model (why seed 003's bf16 ring error does
+  not grow with R) and the regimes where it does hurt.
+- :mod:`lowp.distributed.hooks` — DDP communication hooks for ``torch.distributed``.
+- :mod:`lowp.distributed.advisor` — per-bucket statistics in, predicted error and warnings out.
+"""
+from lowp.distributed.simulator import (ALGORITHMS, AVERAGING, ErrorStats, GaussianGrads, ReduceConfig, accumulate,
+                                        exact_reduce, measure_error, reduce)
+
+__all__ = ["ALGORITHMS", "AVERAGING", "ErrorStats", "GaussianGrads", "ReduceConfig", "accumulate", "exact_reduce",
+           "measure_error", "reduce"]

@@ -1,0 +1,137 @@
+"""Advice on a gradient-reduction set-up from cheap per-bucket statistics.
+
+Input: :class:`BucketStats` (what :mod:`lowp.distributed.hooks` records with
+``collect_stats=True``, or numbers you know), the world size, the reduction dtype, the
+algorithm and the averaging scheme. Output: an :class:`Advice` with the predicted error
+(from :mod:`lowp.distributed.model`), its ratio to the gradient's own sampling noise
+``spread / sqrt(R)`` (what decides whether training notices), the stagnation bias (from a small
+simulation with the bucket's mean and spread, since it is not Gaussian), the underflow fraction
+and warnings for risky set-ups.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from lowp.distributed import model
+from lowp.formats import get_format
+
+__all__ = ["BucketStats", "Advice", "advise", "advise_buckets", "check_reduce_dtype"]
+
+NOISE_RATIO_WARN = 0.1     # error above 10 % of the sampling noise is worth a look
+BIAS_WARN = 0.01           # 1 % systematic shrinkage of the mean gradient
+
+
+@dataclass(frozen=True)
+class BucketStats:
+    """Statistics of one gradient bucket across R ranks.
+
+    ``mean_rms``: rms over elements of the across-rank mean; ``spread_rms``: rms over elements of
+    the across-rank standard deviation; ``underflow_fraction``: fraction of per-rank values with
+    ``|g / R|`` below half the wire format's smallest subnormal; ``absmax``: largest ``|g|``
+    divided by R (sum over ranks of the local maxima / R, an upper bound's scale).
+    """
+
+    numel: int
+    world_size: int
+    mean_rms: float
+    spread_rms: float
+    underflow_fraction: float = 0.0
+    absmax: float = 0.0
+
+
+@dataclass
+class Advice:
+    """Predicted behaviour of one reduction set-up; ``warnings`` lists what to change."""
+
+    algorithm: str
+    dtype: str
+    world_size: int
+    error_std: float
+    sampling_noise: float
+    stagnation_bias: float
+    underflow_fraction: float
+    premultiply_bias: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def error_to_noise(self) -> float:
+        return self.error_std / self.sampling_noise if self.sampling_noise > 0 else math.inf
+
+    @property
+    def ok(self) -> bool:
+        return not self.warnings
+
+
+def _stagnation_bias(stats: BucketStats, fmt: str, algorithm: str, average: str, rounding: str) -> float:
+    """Relative shrinkage of the mean: simulate 2048 elements with the bucket's mean and spread."""
+    from lowp.distributed.simulator import GaussianGrads, ReduceConfig, measure_error
+
+    if stats.mean_rms == 0 or algorithm == "alltoall":
+        return 0.0
+    grads = GaussianGrads(stats.spread_rms, mean=stats.mean_rms, fmt="fp32")
+    result = measure_error(stats.world_size, 2048, grads, ReduceConfig(algorithm, fmt, rounding, average))
+    return result.relative_bias
+
+
+def check_reduce_dtype(requested: torch.dtype | None, param_dtype: torch.dtype | None) -> list[str]:
+    """FSDP's ``reduce_dtype=None`` silently reduces in ``param_dtype`` (bf16 with the usual policy)."""
+    if requested is None and param_dtype in (torch.bfloat16, torch.float16):
+        return [f"reduce_dtype is None, so gradients are reduced in param_dtype={param_dtype}; "
+                "set MixedPrecisionPolicy(reduce_dtype=torch.float32) or use an fp32-accumulating hook"]
+    return []
+
+
+def advise(stats: BucketStats, dtype: "str | torch.dtype" = "bf16", algorithm: str = "ring",
+           average: str = "pre_divide", rounding: str = "nearest", loss_scale: float | None = None) -> Advice:
+    """Predict the error of reducing a bucket with these statistics and flag risky set-ups.
+
+    ``loss_scale``: the loss scale in use (``None`` = no loss scaling); only consulted for fp16.
+    """
+    if not isinstance(stats, BucketStats):
+        raise TypeError(f"stats: expected BucketStats, got {type(stats).__name__}")
+    if stats.world_size < 1 or stats.numel < 1:
+        raise ValueError(f"stats: world_size and numel must be positive, got {stats.world_size}, {stats.numel}")
+    fmt = get_format(dtype)
+    R, sigma, mu = stats.world_size, stats.spread_rms, stats.mean_rms
+    model_average = "sum" if average == "sum" else "pre_divide"
+    error = model.reduction_error_std(algorithm, R, sigma, fmt, 0.0, model_average)
+    if average == "sum":
+        error /= R          # compare on the scale of the mean
+    noise = model.sampling_noise(R, sigma) if sigma > 0 else 0.0
+    pre_bias = model.premultiply_bias(R, fmt) if average == "premultiply" else 0.0
+    underflow = stats.underflow_fraction or (model.underflow_fraction(R, sigma, fmt, mu)
+                                             if average in ("pre_divide", "premultiply") and sigma > 0 else 0.0)
+    bias = _stagnation_bias(stats, fmt.name, algorithm, average if average != "post_divide" else "sum", rounding)
+    advice = Advice(algorithm, fmt.name, R, error, noise, bias, underflow, pre_bias)
+    w = advice.warnings
+    if fmt.precision < 24 and advice.error_to_noise > NOISE_RATIO_WARN:
+        w.append(f"{algorithm} reduction in {fmt.name}: error is {advice.error_to_noise:.2f} x the sampling noise "
+                 f"at R={R}; accumulate in fp32 (alltoall_fp32_hook or reduce_dtype=float32)")
+    if abs(bias) > BIAS_WARN:
+        w.append(f"stagnation: the mean gradient comes out {100 * bias:+.1f} % off (ranks agree in sign and "
+                 f"{fmt.name} drops addends below half an ulp of the running sum); use fp32 accumulation or "
+                 "stochastic rounding")
+    if fmt.name == "fp16" and loss_scale is None:
+        w.append("fp16 reduction without loss scaling: small gradients lose precision or flush to zero "
+                 "after dividing by R; use a loss scale, sum_then_divide_hook, or bf16/fp32")
+    if underflow > 0.01:
+        w.append(f"{100 * underflow:.1f} % of g/R underflow to zero in {fmt.name}; divide after the sum in fp32")
+    if abs(pre_bias) > BIAS_WARN:
+        w.append(f"premultiply by fl(1/{R}) in {fmt.name} scales every gradient by {1 + pre_bias:.5f}; "
+                 "divide after the sum in fp32")
+    if fmt.bits <= 8 and average in ("pre_divide", "premultiply", "post_divide") and R >= 16:
+        w.append(f"fp8 ({fmt.name}) averaging at R={R}: per-hop rounding with {fmt.precision} significant bits; "
+                 "send fp8 but accumulate and average in fp32")
+    if fmt.name == "fp16" and stats.absmax * R > fmt.max / 2 and average in ("sum", "post_divide"):
+        w.append(f"fp16 sum may overflow: sum of |g| reaches {stats.absmax * R:.3g} (max {fmt.max:g})")
+    return advice
+
+
+def advise_buckets(stats: dict[int, BucketStats], dtype: "str | torch.dtype" = "bf16", algorithm: str = "ring",
+                   average: str = "pre_divide", rounding: str = "nearest",
+                   loss_scale: float | None = None) -> dict[int, Advice]:
+    """:func:`advise` for every bucket a hook recorded (``ReduceState.stats``), by bucket index."""
+    return {index: advise(s, dtype, algorithm, average, rounding, loss_scale) for index, s in sorted(stats.items())}

@@ -1,0 +1,83 @@
+"""The advisor's predictions against the simulator, and its warnings for risky set-ups."""
+import pytest
+import torch
+
+from lowp.cli import main
+from lowp.distributed.advisor import BucketStats, advise, advise_buckets, check_reduce_dtype
+from lowp.distributed.experiments import one_thread
+from lowp.distributed.simulator import GaussianGrads, ReduceConfig, measure_error
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with one_thread():
+        yield
+
+
+def test_bf16_ring_zero_mean_is_fine_and_prediction_matches_simulation():
+    R, sigma = 256, 0.01
+    advice = advise(BucketStats(numel=4096, world_size=R, mean_rms=0.0, spread_rms=sigma), "bf16", "ring")
+    sim = measure_error(R, 4096, GaussianGrads(sigma), ReduceConfig("ring", "bf16"))
+    assert advice.ok, advice.warnings
+    assert advice.error_to_noise == pytest.approx(sim.error_to_noise, rel=0.15)
+    assert advice.error_to_noise < 0.05
+
+
+def test_bf16_ring_with_consistent_sign_flags_stagnation():
+    advice = advise(BucketStats(4096, 1024, mean_rms=0.01, spread_rms=0.01), "bf16", "ring")
+    assert advice.stagnation_bias < -0.1
+    assert any("stagnation" in w for w in advice.warnings)
+    fixed = advise(BucketStats(4096, 1024, mean_rms=0.01, spread_rms=0.01), "bf16", "alltoall")
+    assert fixed.stagnation_bias == 0.0 and not any("stagnation" in w for w in fixed.warnings)
+
+
+def test_fp16_without_loss_scaling_and_underflow_are_flagged():
+    advice = advise(BucketStats(4096, 1024, mean_rms=0.0, spread_rms=1e-5), "fp16", "ring")
+    assert advice.underflow_fraction > 0.9
+    assert any("loss scaling" in w for w in advice.warnings)
+    assert any("underflow" in w for w in advice.warnings)
+    scaled = advise(BucketStats(4096, 8, mean_rms=0.0, spread_rms=1e-2), "fp16", "alltoall", loss_scale=1024.0)
+    assert scaled.ok, scaled.warnings
+
+
+def test_fp8_averaging_at_large_r_and_premultiply_bias_are_flagged():
+    fp8 = advise(BucketStats(2048, 64, mean_rms=0.0, spread_rms=0.5), "fp8_e4m3fn", "ring")
+    assert any("fp8" in w for w in fp8.warnings)
+    assert fp8.error_to_noise > 0.1
+    pre = advise(BucketStats(2048, 6, mean_rms=0.0, spread_rms=0.5), "fp8_e5m2", "alltoall", average="premultiply")
+    assert pre.premultiply_bias == pytest.approx(-0.0625)
+    assert any("premultiply" in w for w in pre.warnings)
+
+
+def test_advise_buckets_covers_every_recorded_bucket():
+    stats = {1: BucketStats(100, 1024, 0.01, 0.01), 0: BucketStats(100, 1024, 0.0, 0.01)}
+    advice = advise_buckets(stats, "bf16", "ring")
+    assert list(advice) == [0, 1]
+    assert advice[0].ok and not advice[1].ok
+
+
+def test_reduce_dtype_fallback_is_flagged():
+    assert "param_dtype" in check_reduce_dtype(None, torch.bfloat16)[0]
+    assert check_reduce_dtype(torch.float32, torch.bfloat16) == []
+    assert check_reduce_dtype(None, torch.float32) == []
+
+
+def test_advisor_rejects_bad_input():
+    with pytest.raises(TypeError, match="stats"):
+        advise({"numel": 3}, "bf16")
+    with pytest.raises(ValueError, match="stats"):
+        advise(BucketStats(0, 4, 0.0, 1.0))
+    with pytest.raises(ValueError, match="algorithm"):
+        advise(BucketStats(10, 4, 0.0, 1.0), "bf16", "mesh")
+
+
+def test_reduce_sim_command_writes_tables_and_plots(tmp_path, capsys):
+    assert main(["reduce-sim", "--out", str(tmp_path), "--only", "seed", "--only", "premultiply",
+                 "--max-world-size", "16", "--elements", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "Seed 003 grid" in out and "premultiply" in out
+    assert (tmp_path / "seed003_error_vs_R.png").stat().st_size > 10_000
+    lines = (tmp_path / "seed.csv").read_text().splitlines()
+    assert len(lines) == 1 + 4 * 5          # R = 2, 4, 8, 16 x five sigmas
+    with pytest.raises(ValueError, match="--elements"):
+        main(["reduce-sim", "--out", str(tmp_path), "--elements", "0"])

@@ -1,0 +1,245 @@
+"""DDP comm hooks in real gloo process groups (spawned CPU processes, 127.0.0.1 only).
+
+One spawned group per world size runs every hook; the parent checks the results against fp64
+references and the simulator, so the multi-process start-up cost is paid once per world size,
+not per hook. World size 2 runs by default, world size 4 with ``-m slow``.
+"""
+import os
+import time
+
+import pytest
+import torch
+
+from lowp.distributed.launch import GroupFailure, run_local_group
+from lowp.distributed.simulator import ReduceConfig, reduce
+from lowp.ulp import ulp
+
+HOOK_NAMES = ["fp32", "alltoall", "stochastic", "sum_then_divide"]
+STEPS = 5
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 16, generator=g)
+    return x, torch.randn(8, 4, generator=g) + 0.5 * rank
+
+
+def _flat_grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _worker(rank, world_size):
+    """Per hook: the grads DDP produces with the hook, every rank's local grads, and a short
+    training run (losses and final parameters)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lowp.distributed.hooks import HOOKS, ReduceState
+
+    out = {"local": None, "hooks": {}}
+    base = _model()
+    x, y = _batch(rank, 0)
+    torch.nn.functional.mse_loss(base(x), y).backward()
+    local = _flat_grads(base)
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    out["local"] = torch.stack(gathered)
+    for name in ["default"] + HOOK_NAMES:
+        model = DDP(_model(), bucket_cap_mb=0.001)     # several buckets
+        state = ReduceState(collect_stats=True, seed=3)
+        if name != "default":
+            model.register_comm_hook(state, HOOKS[name])
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses, first, first_stats = [], None, None
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = _batch(rank, step)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if step == 0:
+                first, first_stats = _flat_grads(model.module).clone(), dict(state.stats)
+            opt.step()
+            losses.append(float(loss.detach()))
+        params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+        out["hooks"][name] = {"grads": first, "losses": losses, "params": params, "stats": first_stats}
+    out["fsdp"] = _fsdp_grads(rank, world_size)
+    return out
+
+
+def _fsdp_grads(rank, world_size):
+    """FSDP2 ``fully_shard`` with bf16 params: every rank's local bf16 grads (all-gathered) and the
+    reduced grad shards for ``reduce_dtype`` None (falls back to bf16) and float32."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    x, y = _batch(rank, 0)
+    plain = _model().to(torch.bfloat16)
+    torch.nn.functional.mse_loss(plain(x.to(torch.bfloat16)).float(), y).backward()
+    local = torch.cat([p.grad.float().reshape(-1) for p in plain.parameters()])
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    out = {"local": torch.stack(gathered)}
+    mesh = init_device_mesh("cpu", (world_size,))
+    for reduce_dtype in (None, torch.float32):
+        model = _model()
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                     reduce_dtype=reduce_dtype))
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
+        out[str(reduce_dtype)] = [p.grad.full_tensor().float().reshape(-1) for p in model.parameters()]
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)])
+def group_results(request):
+    return request.param, run_local_group(_worker, request.param, timeout_s=30)
+
+
+def _exact_mean(group_results):
+    R, results = group_results
+    local = results[0]["local"]
+    for r in range(R):
+        assert torch.equal(results[r]["local"], local)     # every rank gathered the same grads
+    return R, results, local.double().mean(0), local
+
+
+@pytest.mark.timeout(240)
+def test_fp32_hook_matches_exact_mean(group_results):
+    R, results, exact, local = _exact_mean(group_results)
+    for r in range(R):
+        got = results[r]["hooks"]["fp32"]["grads"].double()
+        assert ((got - exact).abs() <= R * 2.0**-24 * local.abs().double().mean(0) + 1e-12).all()
+
+
+@pytest.mark.timeout(240)
+def test_alltoall_hook_is_bit_exact_with_simulator(group_results):
+    R, results, exact, local = _exact_mean(group_results)
+    sim = reduce(local, ReduceConfig("alltoall", "bf16", average="post_divide"))
+    for r in range(R):
+        assert torch.equal(results[r]["hooks"]["alltoall"]["grads"].double(), sim)
+    # and therefore inside the simulator's error bound: R compressions + one final rounding
+    bound = (ulp(local.double(), "bf16") / 2).sum(0) / R + ulp(exact, "bf16") / 2 + 1e-12
+    assert ((sim - exact).abs() <= bound).all()
+
+
+@pytest.mark.timeout(240)
+def test_stochastic_hook_within_one_ulp_per_rank_and_unbiased(group_results):
+    R, results, exact, local = _exact_mean(group_results)
+    got = results[0]["hooks"]["stochastic"]["grads"].double()
+    for r in range(1, R):
+        assert torch.equal(results[r]["hooks"]["stochastic"]["grads"].double(), got)
+    bound = ulp(local.double(), "bf16").sum(0) / R + ulp(exact, "bf16") / 2 + 1e-12
+    assert ((got - exact).abs() <= bound).all()
+    nearest = results[0]["hooks"]["alltoall"]["grads"].double()
+    assert not torch.equal(got, nearest)                   # it did round stochastically
+
+
+@pytest.mark.timeout(240)
+def test_sum_then_divide_hook_within_recursive_summation_bound(group_results):
+    R, results, exact, local = _exact_mean(group_results)
+    u = 2.0**-8
+    for r in range(R):
+        got = results[r]["hooks"]["sum_then_divide"]["grads"].double()
+        # compression (u per term) + at most R - 1 rounded additions (gamma_{R-1} = (R-1) u / (1 - (R-1) u))
+        gamma = (R - 1) * u / (1 - (R - 1) * u)
+        bound = (u + gamma * (1 + u)) * local.double().abs().sum(0) / R + 1e-12
+        assert ((got - exact).abs() <= bound).all()
+
+
+@pytest.mark.timeout(240)
+def test_training_under_each_hook_tracks_fp32(group_results):
+    R, results = group_results
+    ref = results[0]["hooks"]["default"]
+    for name in HOOK_NAMES:
+        run = results[0]["hooks"][name]
+        for r in range(1, R):
+            assert torch.equal(results[r]["hooks"][name]["params"], run["params"])   # replicas agree
+        tol = 1e-6 if name == "fp32" else 3e-3
+        assert torch.allclose(run["params"], ref["params"], atol=tol, rtol=0), name
+        assert run["losses"] == pytest.approx(ref["losses"], rel=1e-2)
+
+
+@pytest.mark.timeout(240)
+def test_hook_stats_describe_the_gradients(group_results):
+    R, results, exact, local = _exact_mean(group_results)
+    stats = results[0]["hooks"]["fp32"]["stats"]
+    assert sum(s.numel for s in stats.values()) == local.shape[1]
+    total_mean_sq = sum(s.mean_rms**2 * s.numel for s in stats.values())
+    assert total_mean_sq == pytest.approx(float((exact**2).sum()), rel=1e-4)
+    spread_sq = sum(s.spread_rms**2 * s.numel for s in stats.values())
+    assert spread_sq == pytest.approx(float(local.double().var(0, unbiased=True).sum()), rel=1e-3)
+    assert all(s.world_size == R for s in stats.values())
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_reduce_dtype_none_reduces_in_bf16_and_float32_fixes_it(group_results):
+    from lowp.distributed.advisor import check_reduce_dtype
+    from lowp.rounding import quantize
+
+    R, results = group_results
+    fsdp = results[0]["fsdp"]
+    exact = fsdp["local"].double().mean(0)
+    silent = torch.cat(fsdp["None"]).double()
+    fixed = torch.cat(fsdp["torch.float32"]).double()
+    assert torch.equal(quantize(silent, "bf16"), silent)              # the None policy's grads are bf16 values
+    err_silent, err_fixed = (silent - exact).abs(), (fixed - exact).abs()
+    scale = fsdp["local"].double().abs().mean(0)
+    assert (err_fixed <= R * 2.0**-24 * scale + 2.0**-24 * exact.abs() + 1e-12).all()
+    assert (err_silent <= R * 2.0**-8 * scale + 1e-12).all()
+    assert float(err_silent.max()) > 100 * float(err_fixed.max())
+    assert check_reduce_dtype(None, torch.bfloat16) and not check_reduce_dtype(torch.float32, torch.bfloat16)
+
+
+def _dies(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(4))
+
+
+def _hangs(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(120)
+    dist.all_reduce(torch.ones(4))
+
+
+@pytest.mark.timeout(90)
+def test_hung_rank_makes_the_others_fail_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(GroupFailure) as info:
+        run_local_group(_hangs, 2, timeout_s=3, join_timeout_s=25)
+    elapsed = time.monotonic() - start
+    assert elapsed < 40
+    assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
+    assert "terminated" in info.value.ranks[1]
+    assert info.value.ranks[0] != info.value.ranks[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_dead_rank_makes_the_others_fail():
+    start = time.monotonic()
+    with pytest.raises(GroupFailure) as info:
+        run_local_group(_dies, 2, timeout_s=5, join_timeout_s=25)
+    assert time.monotonic() - start < 40
+    assert "exit code 3" in info.value.ranks[1]
+    assert "rank 0" in str(info.value)
+
+
+def test_launcher_and_state_reject_bad_arguments():
+    from lowp.distributed.hooks import ReduceState
+
+    with pytest.raises(ValueError, match="world_size"):
+        run_local_group(_dies, 0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        run_local_group(_dies, 2, timeout_s=0)
+    with pytest.raises(ValueError, match="wire_dtype"):
+        ReduceState(wire_dtype=torch.float8_e4m3fn)
