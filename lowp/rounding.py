@@ -84,8 +84,11 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
-    if rand_bits is not None and mode != "stochastic":
-        raise ValueError("rand_bits: only meaningful with mode='stochastic'")
+    if rand_bits is not None:
+        if mode != "stochastic":
+            raise ValueError("rand_bits: only meaningful with mode='stochastic'")
+        if isinstance(rand_bits, bool) or not isinstance(rand_bits, int):
+            raise TypeError(f"rand_bits: expected an int or None, got {type(rand_bits).__name__}")
     if x.dtype in (torch.float32, torch.float64):
         container = x
     elif x.dtype in (torch.float16, torch.bfloat16):
@@ -120,7 +123,10 @@ def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Genera
     mag = x.abs()
     negative = torch.signbit(x)
     _, exp = torch.frexp(mag)                      # mag = f * 2**exp, f in [0.5, 1)
-    q = torch.clamp(exp - 1, min=fmt.emin) - fmt.mantissa_bits
+    if fmt.subnormals:
+        q = torch.clamp(exp - 1, min=fmt.emin) - fmt.mantissa_bits
+    else:                                          # below min_normal the neighbours are 0 and min_normal
+        q = torch.where(exp - 1 < fmt.emin, fmt.emin, exp - 1 - fmt.mantissa_bits)
     n = _scale(mag, -q)                            # exact: at most mantissa_bits + 1 integer bits
     whole = torch.floor(n)
     frac = n - whole                               # exact
@@ -154,7 +160,7 @@ def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Genera
 
 def _apply_range(rounded: torch.Tensor, mag: torch.Tensor, negative: torch.Tensor, fmt: FloatFormat,
                  mode: str) -> torch.Tensor:
-    """Overflow policy, flush-to-zero without subnormals, and special inputs (on magnitudes)."""
+    """Overflow policy and special inputs (on magnitudes)."""
     big = torch.tensor(fmt.max, dtype=rounded.dtype, device=rounded.device)
     policy_value = {"inf": float("inf"), "nan": float("nan"), "saturate": fmt.max}[fmt.overflow or "saturate"]
     if mode in ("toward_zero", "odd"):
@@ -168,8 +174,6 @@ def _apply_range(rounded: torch.Tensor, mag: torch.Tensor, negative: torch.Tenso
     overflow_value = torch.where(toward, big, torch.full_like(rounded, policy_value))
     inf_value = torch.full_like(rounded, float("inf") if fmt.has_inf else policy_value)
     out = torch.where(rounded > big, overflow_value, rounded)
-    if not fmt.subnormals:
-        out = torch.where(out < fmt.min_normal, torch.zeros_like(out), out)
     out = torch.where(torch.isinf(mag), inf_value, out)
     return torch.where(torch.isnan(mag), mag, out)
 
