@@ -143,9 +143,9 @@ def test_scale2_and_modes():
     x = a.cast(torch.tensor([1.5, 3.0, 1.0]))
     assert a.scale2(x, torch.tensor([-24, 16, 200])).tolist() == [2.0**-24 * 2, float("inf"), float("inf")]
     assert a.scale2(x, -3).tolist() == [1.5 / 8, 3.0 / 8, 1.0 / 8]
-    down = Arith("fp16", "toward_zero")
-    one = torch.tensor([1.0])
-    assert down.div(one, torch.tensor([10.0])).item() < Arith("fp16").div(one, torch.tensor([10.0])).item()
+    one, three = torch.tensor([1.0]), torch.tensor([3.0])
+    third_up, third_down = Arith("fp16", "up").div(one, three).item(), Arith("fp16", "down").div(one, three).item()
+    assert third_down < 1 / 3 < third_up and third_up - third_down == 2.0**-12
     sr = Arith("bf16", "stochastic", generator=torch.Generator().manual_seed(0))
     draws = sr.add(torch.full((20000,), 256.0), torch.full((20000,), 0.5))
     assert set(draws.unique().tolist()) == {256.0, 258.0}
