@@ -22,7 +22,7 @@ Modes:
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -100,11 +100,140 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
         need = "float64" if fits_in(fmt, get_format("fp64")) else "no torch dtype"
         raise ValueError(f"format: {fmt.name} does not fit in a {container.dtype} container without double "
                          f"rounding; pass x as {need}")
+    if rand_bits is not None and not 1 <= rand_bits <= cfmt.precision:
+        raise ValueError(f"rand_bits: expected an int in [1, {cfmt.precision}] for a {container.dtype} container, "
+                         f"got {rand_bits}")
     if native and mode == "nearest_even" and _native_cast_matches(fmt) and container.dtype == torch.float32:
         out = container.to(fmt.torch_dtype).to(container.dtype)
     else:
-        out = _round(container, fmt, mode, generator, rand_bits)
+        out = _round_bits(container, fmt, mode, generator, rand_bits)
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+_CHUNK = 1 << 18  # elements per step of the bit path: its temporaries stay in cache
+
+
+class _Bits(NamedTuple):
+    """Constants of the bit path for one (format, container) pair: container magnitudes as
+    integers, with the format's quantum ``2**shift`` units in its normal range."""
+    int_dtype: torch.dtype
+    width: int          # 32 or 64
+    shift: int          # container mantissa bits - format mantissa bits
+    max_bits: int       # the format's max, as container bits
+    inf_bits: int
+    policy_bits: int    # what an overflow becomes: inf, NaN or max
+    min_normal_bits: int
+
+    @property
+    def magnitude_mask(self) -> int:
+        return (1 << (self.width - 1)) - 1
+
+
+@lru_cache(maxsize=None)
+def _bits_for(fmt: FloatFormat, dtype: torch.dtype) -> _Bits:
+    int_dtype = {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+
+    def bits_of(value: float) -> int:
+        return int(torch.tensor(value, dtype=dtype).view(int_dtype).item())
+
+    policy = {"inf": float("inf"), "nan": float("nan"), "saturate": fmt.max}[fmt.overflow or "saturate"]
+    return _Bits(int_dtype, torch.finfo(dtype).bits, get_format(dtype).mantissa_bits - fmt.mantissa_bits,
+                 bits_of(fmt.max), bits_of(float("inf")), bits_of(abs(policy)), bits_of(fmt.min_normal))
+
+
+def _round_bits(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Generator | None,
+                rand_bits: int | None) -> torch.Tensor:
+    """Rounding on the container's bits, in cache-sized chunks, ~20x faster than :func:`_round`.
+
+    In the format's normal range its quantum is ``2**shift`` units of the container's magnitude
+    bits for every element, so each mode is a few integer operations with a constant shift (a
+    carry out of the mantissa moves into the exponent, which is the right answer). Nonzero
+    magnitudes below the format's ``min_normal`` have a quantum that no longer matches the
+    container's binades; they go through the value-space method :func:`_round`. Masks are
+    applied arithmetically (``r + m * (v - r)``) because torch's CPU ``where`` is ~30x slower.
+    """
+    c = _bits_for(fmt, x.dtype)
+    flat = x.reshape(-1)
+    out = torch.empty_like(flat)
+    out_bits = out.view(c.int_dtype)
+    mag_buf = torch.empty(min(flat.numel(), _CHUNK), dtype=c.int_dtype, device=x.device)
+    sign_buf = torch.empty_like(mag_buf)
+    # with the container's own emin the bit path is exact down to 0 (same subnormal grid)
+    exact_to_zero = fmt.subnormals and fmt.emin == get_format(x.dtype).emin
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start:start + _CHUNK]
+        bits = chunk.view(c.int_dtype)
+        mag = torch.bitwise_and(bits, c.magnitude_mask, out=mag_buf[:bits.numel()])
+        sign = torch.bitwise_xor(bits, mag, out=sign_buf[:bits.numel()])
+        r = _round_magnitudes(mag, bits, c, mode, generator, rand_bits)
+        if int(mag.max()) > c.max_bits:
+            r = _apply_range_bits(r, mag, bits, c, fmt, mode)
+        if not fmt.has_negative_zero:
+            sign *= (r != 0).to(c.int_dtype)
+        torch.bitwise_or(r, sign, out=out_bits[start:start + _CHUNK])
+        if exact_to_zero:
+            continue
+        below = mag.sub_(1).bitwise_and_(c.magnitude_mask)  # 0 -> the largest value: zeros stay on this path
+        if int(below.min()) < c.min_normal_bits - 1:
+            index = (below < c.min_normal_bits - 1).nonzero().squeeze(1)
+            tiny = _round(chunk.index_select(0, index), fmt, mode, generator, rand_bits)
+            out[start:start + _CHUNK].index_copy_(0, index, tiny)
+    return out.reshape(x.shape)
+
+
+def _round_magnitudes(mag: torch.Tensor, bits: torch.Tensor, c: _Bits, mode: str,
+                      generator: torch.Generator | None, rand_bits: int | None) -> torch.Tensor:
+    """Round integer magnitudes to multiples of ``2**shift`` (modes decided on the low bits)."""
+    shift, unit = c.shift, 1 << c.shift
+    low_mask, keep = unit - 1, c.magnitude_mask & ~(unit - 1)
+    if shift == 0:
+        return mag.clone()
+    if mode == "nearest_even":  # add half - 1, plus 1 more when the kept part is odd, then truncate
+        return (mag >> shift).bitwise_and_(1).add_(mag).add_(unit // 2 - 1).bitwise_and_(keep)
+    if mode == "nearest_away":
+        return (mag + unit // 2).bitwise_and_(keep)
+    if mode == "toward_zero":
+        return mag & keep
+    if mode == "stochastic":  # add `shift` uniform random low bits, then truncate: P(up) = low / unit
+        return _random_low_bits(mag, c, generator, rand_bits).add_(mag).bitwise_and_(keep)
+    inexact = (mag & low_mask).add_(low_mask) >> shift  # 1 when any low bit is set
+    if mode == "odd":
+        return (mag & keep).bitwise_or_(inexact << shift)
+    negative = -(bits >> (c.width - 1))                 # 1 for negative values
+    away = negative if mode == "down" else 1 - negative
+    return (mag & keep).add_(inexact.mul_(away) << shift)
+
+
+def _random_low_bits(mag: torch.Tensor, c: _Bits, generator: torch.Generator | None,
+                     rand_bits: int | None) -> torch.Tensor:
+    """``shift`` random low bits per element, of which only the top ``rand_bits`` may be nonzero
+    (so rounding up has probability ``floor(frac * 2**k) / 2**k``)."""
+    n = mag.numel()
+    words = torch.randint(-2**63, 2**63 - 1, ((n + 1) // 2 if c.width == 32 else n,), dtype=torch.int64,
+                          generator=generator, device=mag.device).view(c.int_dtype)[:n]
+    k = min(c.shift, c.shift if rand_bits is None else rand_bits)
+    top_k = (words >> (c.width - k)).bitwise_and_((1 << k) - 1)
+    return top_k << (c.shift - k)
+
+
+def _apply_range_bits(r: torch.Tensor, mag: torch.Tensor, bits: torch.Tensor, c: _Bits, fmt: FloatFormat,
+                      mode: str) -> torch.Tensor:
+    """Overflow policy and inf/NaN inputs on integer magnitudes (same rules as :func:`_apply_range`)."""
+    over = (r > c.max_bits).to(c.int_dtype)
+    if mode in ("toward_zero", "odd"):
+        target: "torch.Tensor | int" = c.max_bits
+    elif mode in ("up", "down"):
+        negative = -(bits >> (c.width - 1))
+        to_max = negative if mode == "up" else 1 - negative
+        target = to_max * (c.max_bits - c.policy_bits) + c.policy_bits
+    else:
+        target = c.policy_bits
+    r = r + over * (target - r)
+    special_value = mag  # NaN stays NaN; inf stays inf, or follows the policy without an inf code
+    if not fmt.has_inf:
+        special_value = mag + (mag == c.inf_bits).to(c.int_dtype) * (c.policy_bits - c.inf_bits)
+    special = (mag >= c.inf_bits).to(c.int_dtype)
+    return r + special * (special_value - r)
 
 
 def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -119,6 +248,7 @@ def _scale(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Generator | None,
            rand_bits: int | None) -> torch.Tensor:
+    """Rounding in value space (the method of the module docstring); any magnitude, any format."""
     cfmt = get_format(x.dtype)
     mag = x.abs()
     negative = torch.signbit(x)
@@ -131,9 +261,7 @@ def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Genera
     whole = torch.floor(n)
     frac = n - whole                               # exact
     if mode == "stochastic":
-        k = cfmt.precision if rand_bits is None else int(rand_bits)
-        if not 1 <= k <= cfmt.precision:
-            raise ValueError(f"rand_bits: expected an int in [1, {cfmt.precision}] for a {x.dtype} container, got {rand_bits}")
+        k = cfmt.precision if rand_bits is None else rand_bits
         u = torch.floor(torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) * 2.0**k)
         up = u + torch.floor(frac * 2.0**k) >= 2.0**k
     else:

@@ -11,11 +11,12 @@ import torch
 
 from lowp.codec import all_values
 from lowp.formats import PRESETS, custom_format, get_format
-from lowp.rounding import MODES, canonical_mode, container_for, fits_in, quantize, quantize_ste
+from lowp.rounding import MODES, _round, canonical_mode, container_for, fits_in, quantize, quantize_ste
 from rounding_reference import bits_equal, neighbours, probe_points, reference_round, stochastic_up_probability
 
 DETERMINISTIC = [m for m in MODES if m != "stochastic"]
-ENUMERABLE = [name for name, f in PRESETS.items() if f.bits <= 19]  # every preset but fp64, fp32
+# every preset but fp64, fp32; tf32 (2**19 codes, 2M probe points) has its own, slow-marked test
+ENUMERABLE = [name for name, f in PRESETS.items() if f.bits <= 16]
 TORCH_DTYPES = ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz"]
 # lowp format -> ml_dtypes type (with the overflow policy ml_dtypes uses)
 ML_DTYPES = {
@@ -56,6 +57,25 @@ def test_every_mode_matches_reference_on_every_value_and_midpoint(name, mode):
     got = quantize(x, fmt, mode, native=False)
     assert got.dtype == torch.float32
     _assert_bits_equal(got, reference_round(x, fmt, mode), x, f"{name} {mode}")
+
+
+@pytest.mark.parametrize("mode", ["nearest_even", pytest.param("nearest_away", marks=pytest.mark.slow),
+                                  pytest.param("toward_zero", marks=pytest.mark.slow), "up",
+                                  pytest.param("down", marks=pytest.mark.slow), pytest.param("odd", marks=pytest.mark.slow)])
+def test_tf32_every_value_and_midpoint(mode):
+    fmt = get_format("tf32")
+    x = probe_points(fmt, torch.float32)
+    _assert_bits_equal(quantize(x, fmt, mode), reference_round(x, fmt, mode), x, f"tf32 {mode}")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3fn", "fp16"])
+@pytest.mark.parametrize("mode", DETERMINISTIC)
+def test_value_space_method_matches_reference(name, mode):
+    """The value-space method (used by quantize for magnitudes below the format's min_normal)
+    checked on its own over every probe point."""
+    fmt = get_format(name)
+    x = probe_points(fmt, torch.float32)
+    _assert_bits_equal(_round(x, fmt, mode, None, None), reference_round(x, fmt, mode), x, f"{name} {mode}")
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3fn", "fp6_e3m2"])
