@@ -4,6 +4,7 @@ from __future__ import annotations
 import doctest
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,3 +270,9 @@ def test_inf_and_nan_propagate():
     assert math.isnan(kahan_sum(x, format="fp16").item())  # inf - inf in the compensation: IEEE NaN
     assert math.isnan(pairwise_sum(torch.tensor([1.0, float("nan")])).item())
     assert sequential_sum(torch.tensor([60000.0, 60000.0]), format="fp16").item() == float("inf")
+
+
+def test_docs_summation_doctest():
+    path = Path(__file__).resolve().parents[1] / "docs" / "summation.md"
+    result = doctest.testfile(str(path), module_relative=False, verbose=False)
+    assert result.attempted >= 7 and result.failed == 0
