@@ -71,14 +71,9 @@ def overflow_value(x: torch.Tensor, fmt: FloatFormat, mode: str) -> torch.Tensor
     toward zero (toward_zero, odd; up for negatives, down for positives)."""
     policy = {"inf": float("inf"), "nan": float("nan"), "saturate": fmt.max}[fmt.overflow]
     negative = x < 0
-    if mode in ("toward_zero", "odd"):
-        to_max = torch.ones_like(negative)
-    elif mode == "up":
-        to_max = negative
-    elif mode == "down":
-        to_max = ~negative
-    else:
-        to_max = torch.zeros_like(negative)
+    always = torch.ones_like(negative)
+    rounds_toward_zero = {"toward_zero": always, "odd": always, "up": negative, "down": ~negative}
+    to_max = rounds_toward_zero.get(mode, ~always)
     mag = torch.where(to_max, torch.full_like(x, fmt.max), torch.full_like(x, policy))
     return torch.where(negative, -mag, mag)
 
