@@ -160,6 +160,7 @@ def _round_bits(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.G
     sign_buf = torch.empty_like(mag_buf)
     # with the container's own emin the bit path is exact down to 0 (same subnormal grid)
     exact_to_zero = fmt.subnormals and fmt.emin == get_format(x.dtype).emin
+    small: list[torch.Tensor] = []  # indices left to the value-space method
     for start in range(0, flat.numel(), _CHUNK):
         chunk = flat[start:start + _CHUNK]
         bits = chunk.view(c.int_dtype)
@@ -173,11 +174,18 @@ def _round_bits(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.G
         torch.bitwise_or(r, sign, out=out_bits[start:start + _CHUNK])
         if exact_to_zero:
             continue
-        below = mag.sub_(1).bitwise_and_(c.magnitude_mask)  # 0 -> the largest value: zeros stay on this path
-        if int(below.min()) < c.min_normal_bits - 1:
-            index = (below < c.min_normal_bits - 1).nonzero().squeeze(1)
-            tiny = _round(chunk.index_select(0, index), fmt, mode, generator, rand_bits)
-            out[start:start + _CHUNK].index_copy_(0, index, tiny)
+        lowest = int(mag.min())
+        if lowest >= c.min_normal_bits:
+            continue
+        if lowest == 0:  # zeros are exact on this path: look for small magnitudes among the others
+            below = mag.sub_(1).bitwise_and_(c.magnitude_mask)  # 0 -> the largest value
+            is_small = below < c.min_normal_bits - 1
+        else:
+            is_small = mag < c.min_normal_bits
+        small.append(is_small.nonzero().squeeze(1) + start)
+    if small:  # one value-space call for all chunks: its fixed cost is paid once
+        index = torch.cat(small)
+        out.index_copy_(0, index, _round(flat.index_select(0, index), fmt, mode, generator, rand_bits))
     return out.reshape(x.shape)
 
 

@@ -59,6 +59,24 @@ def test_every_mode_matches_reference_on_every_value_and_midpoint(name, mode):
     _assert_bits_equal(got, reference_round(x, fmt, mode), x, f"{name} {mode}")
 
 
+@pytest.mark.parametrize("name", ["fp16", "fp8_e4m3fn", "dlfloat16"])
+def test_many_chunks_mixing_zeros_tiny_normal_and_special_values(name):
+    """Over 2**18 elements the bit path works chunk by chunk and sends magnitudes below min_normal
+    to the value-space method; shuffled probe points (zeros, subnormals, specials everywhere) over
+    two chunks check the bookkeeping."""
+    fmt = get_format(name)
+    points = probe_points(fmt, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    shuffled = points[torch.randperm(len(points), generator=gen)]
+    x = torch.cat([shuffled[:200_000], torch.zeros(70_000), shuffled[-100_000:]])  # chunk 2 starts at 262,144
+    for mode in ("nearest_even", "up", "odd"):
+        _assert_bits_equal(quantize(x, fmt, mode, native=False), reference_round(x, fmt, mode), x, f"{name} {mode}")
+    draws = quantize(x, fmt, "stochastic", generator=gen)
+    _, lo, hi, _, _ = neighbours(x, fmt)
+    finite = torch.isfinite(x) & (x.abs() <= fmt.max)
+    assert bool(((draws.double() == lo) | (draws.double() == hi))[finite].all())
+
+
 @pytest.mark.parametrize("mode", ["nearest_even", pytest.param("nearest_away", marks=pytest.mark.slow),
                                   pytest.param("toward_zero", marks=pytest.mark.slow), "up",
                                   pytest.param("down", marks=pytest.mark.slow), pytest.param("odd", marks=pytest.mark.slow)])
