@@ -10,6 +10,8 @@ format would have with an unbounded exponent); picking it means overflow, settle
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from lowp.codec import all_values, encode
@@ -18,6 +20,7 @@ from lowp.formats import FloatFormat
 _F64 = torch.float64
 
 
+@lru_cache(maxsize=64)
 def grid(fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted values with the two beyond-range points, and the parity (last code bit) of each."""
     vals = all_values(fmt)
