@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import lowp.summation as summation
+from lowp.arith import Arith
 from lowp.codec import all_values
 from lowp.formats import custom_format, get_format
 from lowp.summation import (METHODS, fast_two_sum, kahan_sum, neumaier_sum, pairwise_sum, sequential_sum, split,
@@ -73,9 +74,9 @@ def test_two_sum_and_fast_two_sum_exact_in_emulated_formats(name):
     b = vals[torch.randint(len(vals), (50_000,), generator=gen)]
     s, e = two_sum(a, b, name)
     exact = a + b  # exact in float64 for these formats
-    assert s.equal(summation.Arith(name).add(a, b))
+    assert s.equal(Arith(name).add(a, b))
     assert (s.double() + e.double()).equal(exact)
-    assert summation.Arith(name).round(e).equal(e)  # e is a value of the format
+    assert Arith(name).round(e).equal(e)  # e is a value of the format
     big, small = torch.where(a.abs() >= b.abs(), a, b), torch.where(a.abs() >= b.abs(), b, a)
     s2, e2 = fast_two_sum(big, small, name)
     assert s2.equal(s) and (s2.double() + e2.double()).equal(exact)
@@ -90,7 +91,7 @@ def test_split_halves_are_exact_and_short():
     a = _random_fp32(5000, 4, spread=20)
     hi, lo = split(a)
     assert (hi.double() + lo.double()).equal(a.double())
-    assert torch.equal(summation.Arith(custom_format(8, 11)).round(hi.double()).float(), hi)  # 12 bits
+    assert torch.equal(Arith(custom_format(8, 11)).round(hi.double()).float(), hi)  # 12 bits
     assert bool((lo.abs() <= a.abs() * 2.0**-12).all())
 
 
@@ -113,13 +114,13 @@ def test_two_prod_exact_in_emulated_fp16():
     b = vals[torch.randint(len(vals), (50_000,), generator=gen)]
     p, e = two_prod(a, b, "fp16")
     assert (p.double() + e.double()).equal(a * b)
-    assert p.equal(summation.Arith("fp16").mul(a.float(), b.float()))
+    assert p.equal(Arith("fp16").mul(a.float(), b.float()))
 
 
 # ---- sums: the stagnation example and Kahan in fp16 ----------------------------------------
 def test_sequential_fp16_sum_of_uniforms_stagnates_at_2048():
     x = torch.rand(10_000, generator=torch.Generator().manual_seed(0))
-    exact = _fsum(summation.Arith("fp16").cast(x))
+    exact = _fsum(Arith("fp16").cast(x))
     assert 4900 < exact < 5100
     assert sequential_sum(x, format="fp16").item() == 2048.0
     assert sequential_sum(x.half()).item() == 2048.0  # native fp16 arithmetic agrees
@@ -128,7 +129,7 @@ def test_sequential_fp16_sum_of_uniforms_stagnates_at_2048():
 def test_kahan_fp16_within_two_units_of_roundoff():
     u = get_format("fp16").unit_roundoff
     for seed in range(3):
-        x = summation.Arith("fp16").cast(torch.rand(10_000, generator=torch.Generator().manual_seed(seed)))
+        x = Arith("fp16").cast(torch.rand(10_000, generator=torch.Generator().manual_seed(seed)))
         exact = _fsum(x)
         got = kahan_sum(x, format="fp16").item()
         assert abs(got - exact) / exact <= 2 * u
@@ -147,7 +148,7 @@ def test_neumaier_fails_when_its_compensation_stagnates_in_fp16():
     """Neumaier accumulates the lost low parts separately; in fp16 that compensation itself reaches
     2048 and stagnates (n*u = 4.9 > 1: the O(n u^2) term is no longer small). Kahan feeds the error
     back into every term and does not suffer from this."""
-    x = summation.Arith("fp16").cast(torch.rand(10_000, generator=torch.Generator().manual_seed(0)))
+    x = Arith("fp16").cast(torch.rand(10_000, generator=torch.Generator().manual_seed(0)))
     exact = _fsum(x)
     assert abs(neumaier_sum(x, format="fp16").item() - exact) > 500
     assert abs(kahan_sum(x, format="fp16").item() - exact) < 5
@@ -199,7 +200,7 @@ def test_emulated_low_precision_bounds(name):
     fmt = get_format(name)
     u = fmt.unit_roundoff
     n = 60 if name == "bf16" else 400
-    ar = summation.Arith(name)
+    ar = Arith(name)
     for seed in range(4):
         x = ar.cast(torch.randn(n, generator=torch.Generator().manual_seed(seed)) + 0.1)
         exact, cond = _fsum(x), _condition(x)
@@ -239,7 +240,7 @@ def test_native_fp32_pairwise_and_sequential_match_plain_loops():
 def test_stochastic_rounding_sum_is_unbiased_where_nearest_stagnates():
     """Stochastic rounding in fp16: the sum of 10,000 U(0,1) no longer stagnates; the mean over 20
     seeds lies within 5 standard errors of the exact sum."""
-    x = summation.Arith("fp16").cast(torch.rand(10_000, generator=torch.Generator().manual_seed(0)))
+    x = Arith("fp16").cast(torch.rand(10_000, generator=torch.Generator().manual_seed(0)))
     exact = _fsum(x)
     runs = summation.sum(x.expand(20, -1), method="sequential", format="fp16", mode="stochastic",
                          generator=torch.Generator().manual_seed(1))  # 20 independent sums at once
