@@ -81,8 +81,10 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
 
     Special values follow the format: NaN stays NaN (also for formats without a NaN code,
     whose data can hold none); ±inf stays ±inf in IEEE formats and becomes NaN or ±max by the
-    overflow policy elsewhere; -0 becomes +0 in fnuz formats; without subnormals, results
-    below the smallest normal flush to (signed) zero.
+    overflow policy elsewhere; -0 becomes +0 in fnuz formats; without subnormals, magnitudes
+    below the smallest normal round (by the mode) to 0 or to the smallest normal.
+    A float16/bfloat16 ``x`` is rounded in float32 and the result cast back, which is exact only
+    when the format fits in x's dtype; otherwise a ValueError asks for a float32 ``x``.
     """
     fmt = get_format(format)
     mode = canonical_mode(mode)
@@ -98,6 +100,9 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
     if x.dtype in (torch.float32, torch.float64):
         container = x
     elif x.dtype in (torch.float16, torch.bfloat16):
+        if not fits_in(fmt, get_format(x.dtype)):
+            raise ValueError(f"format: {fmt.name} values are not all representable in x's dtype {x.dtype}, "
+                             f"so the result cannot keep it; pass x.float()")
         container = x.float()
     else:
         raise TypeError(f"x: dtype {x.dtype} cannot be used as a container; use float32 or float64")

@@ -179,6 +179,10 @@ def test_half_and_bfloat16_inputs_keep_their_dtype():
     assert y.float().equal(quantize(x.float(), "fp8_e5m2"))
     h = torch.linspace(-3, 3, 101, dtype=torch.float16)
     assert quantize(h, "fp16").equal(h)
+    with pytest.raises(ValueError, match="representable in x's dtype"):
+        quantize(h, "bf16")  # bf16 values (e.g. 1e-6, 1e30) do not all exist in fp16
+    with pytest.raises(ValueError, match="representable in x's dtype"):
+        quantize(x, "fp16")
 
 
 # ---- against ml_dtypes ------------------------------------------------------------------------
