@@ -224,7 +224,7 @@ _METHODS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def sum(x: torch.Tensor, dim: int = -1, method: str = "kahan", format: FormatSpec = None, *,
+def sum(x: torch.Tensor, dim: int = -1, method: Method = "kahan", format: FormatSpec = None, *,
         mode: str = "nearest_even", generator: torch.Generator | None = None) -> torch.Tensor:
     """Sum ``x`` along ``dim`` with ``method`` (one of :data:`METHODS`), every operation rounded
     to ``format`` (native arithmetic of ``x``'s dtype when None) with rounding ``mode``."""
