@@ -226,13 +226,17 @@ def _round_magnitudes(mag: torch.Tensor, bits: torch.Tensor, c: _Bits, mode: str
 
 def _random_low_bits(mag: torch.Tensor, c: _Bits, generator: torch.Generator | None,
                      rand_bits: int | None) -> torch.Tensor:
-    """``shift`` random low bits per element, of which only the top ``rand_bits`` may be nonzero
-    (so rounding up has probability ``floor(frac * 2**k) / 2**k``)."""
+    """``shift`` random low bits per element, of which only the top ``k = min(shift, rand_bits)``
+    may be nonzero (so rounding up has probability ``floor(frac * 2**k) / 2**k``). Random 64-bit
+    words are cut into 16-, 32- or 64-bit pieces, as few bits per element as k allows."""
     n = mag.numel()
-    words = torch.randint(-2**63, 2**63 - 1, ((n + 1) // 2 if c.width == 32 else n,), dtype=torch.int64,
-                          generator=generator, device=mag.device).view(c.int_dtype)[:n]
-    k = min(c.shift, c.shift if rand_bits is None else rand_bits)
-    top_k = (words >> (c.width - k)).bitwise_and_((1 << k) - 1)
+    k = c.shift if rand_bits is None else min(c.shift, rand_bits)
+    piece_bits = 16 if k <= 16 else 32 if k <= 32 else 64
+    pieces = torch.randint(-2**63, 2**63 - 1, (-(-n * piece_bits // 64),), dtype=torch.int64,
+                           generator=generator, device=mag.device)
+    piece_dtype = {16: torch.int16, 32: torch.int32, 64: torch.int64}[piece_bits]
+    words = pieces.view(piece_dtype)[:n].to(c.int_dtype)  # sign-extended: only the low piece_bits count
+    top_k = (words >> (piece_bits - k)).bitwise_and_((1 << k) - 1)
     return top_k << (c.shift - k)
 
 
