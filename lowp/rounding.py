@@ -133,7 +133,7 @@ class _Bits(NamedTuple):
     max_bits: int       # the format's max, as container bits
     inf_bits: int
     policy_bits: int    # what an overflow becomes: inf, NaN or max
-    min_normal_bits: int
+    min_normal_bits: int  # below this magnitude (nonzero) the value-space method takes over
 
     @property
     def magnitude_mask(self) -> int:
@@ -148,8 +148,11 @@ def _bits_for(fmt: FloatFormat, dtype: torch.dtype) -> _Bits:
         return int(torch.tensor(value, dtype=dtype).view(int_dtype).item())
 
     policy = {"inf": float("inf"), "nan": float("nan"), "saturate": fmt.max}[fmt.overflow or "saturate"]
-    return _Bits(int_dtype, torch.finfo(dtype).bits, get_format(dtype).mantissa_bits - fmt.mantissa_bits,
-                 bits_of(fmt.max), bits_of(float("inf")), bits_of(abs(policy)), bits_of(fmt.min_normal))
+    container = get_format(dtype)
+    # the constant shift needs both the format and the container in their normal ranges
+    both_normal = max(fmt.min_normal, container.min_normal)
+    return _Bits(int_dtype, torch.finfo(dtype).bits, container.mantissa_bits - fmt.mantissa_bits,
+                 bits_of(fmt.max), bits_of(float("inf")), bits_of(abs(policy)), bits_of(both_normal))
 
 
 def _round_bits(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Generator | None,

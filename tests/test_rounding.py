@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lowp.codec import all_values
-from lowp.formats import PRESETS, custom_format, get_format
+from lowp.formats import PRESETS, FloatFormat, custom_format, get_format
 from lowp.rounding import MODES, _native_cast_matches, _round, canonical_mode, container_for, fits_in, quantize, quantize_ste
 from rounding_reference import bits_equal, neighbours, probe_points, reference_round, stochastic_up_probability
 
@@ -413,3 +413,13 @@ def test_cuda_matches_reference_and_torch_cuda_cast(name):
     _, lo, hi, _, _ = neighbours(x, fmt)
     inside = torch.isfinite(x) & (x.abs() <= fmt.max)
     assert bool(((draws == lo) | (draws == hi))[inside].all())
+
+
+@pytest.mark.parametrize("bias", [130, 140, 145])
+def test_custom_bias_normal_range_reaching_below_float32_normals(bias):
+    """With a bias above 127 the format's normals start inside float32's subnormals, where the
+    container's bit layout no longer matches the format's quantum."""
+    fmt = FloatFormat(f"e8m3b{bias}", 8, 3, bias=bias)
+    x = probe_points(fmt, torch.float32)
+    for mode in DETERMINISTIC:
+        _assert_bits_equal(quantize(x, fmt, mode), reference_round(x, fmt, mode), x, f"{fmt} {mode}")
