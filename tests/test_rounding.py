@@ -385,6 +385,8 @@ def test_mode_aliases():
 
 def test_empty_and_shaped_inputs():
     assert quantize(torch.empty(0), "fp16", native=False).shape == (0,)
+    scalar = quantize(torch.tensor(1 + 2.0**-9), "bf16", "up", native=False)
+    assert scalar.shape == () and scalar.item() == 1 + 2.0**-7
     x = torch.randn(3, 4, 5)
     assert quantize(x, "bf16", "up").shape == (3, 4, 5)
     assert quantize(x.transpose(0, 2), "bf16", native=False).equal(  # non-contiguous input
