@@ -7,10 +7,16 @@ exponent range inside it. fp32 holds every format here up to 23 mantissa bits an
 exponent bits (bf16, fp16, tf32, fp8, DLFloat16, fp6, fp4); fp64 holds fp32. A format
 that does not fit raises an error naming the container it needs.
 
-Method: with ``e = floor(log2|x|)`` and the format's quantum exponent
-``q = max(e, emin) - mantissa_bits``, the scaled magnitude ``n = |x| * 2**-q`` is exact
-and has at most ``mantissa_bits + 1`` integer bits. ``floor(n)`` and ``frac = n - floor(n)``
-are exact, so every rounding mode is a decision on ``frac`` followed by an exact rescale.
+Methods (both exact; docs/formats.md has the details and the measurements):
+
+* bit path (:func:`_round_bits`), for magnitudes in the format's normal range: the container's
+  magnitude bits as an integer, where the format's quantum is ``2**s`` units with the same
+  ``s = container_mantissa_bits - mantissa_bits`` for every element; each mode is a few integer
+  operations (about 2-7 ns/element on one CPU core, against ~70 for the value-space method).
+* value-space method (:func:`_round`), for nonzero magnitudes below the format's ``min_normal``:
+  with ``e = floor(log2|x|)`` and the quantum exponent ``q = max(e, emin) - mantissa_bits``,
+  ``n = |x| * 2**-q`` is exact and has at most ``mantissa_bits + 1`` integer bits; ``floor(n)``
+  and ``frac = n - floor(n)`` are exact, so every mode is a decision on ``frac``.
 
 Modes:
     ``nearest_even`` (IEEE default), ``nearest_away``, ``toward_zero``, ``up`` (toward +inf),
@@ -22,7 +28,7 @@ Modes:
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -75,8 +81,10 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
 
     Special values follow the format: NaN stays NaN (also for formats without a NaN code,
     whose data can hold none); ±inf stays ±inf in IEEE formats and becomes NaN or ±max by the
-    overflow policy elsewhere; -0 becomes +0 in fnuz formats; without subnormals, results
-    below the smallest normal flush to (signed) zero.
+    overflow policy elsewhere; -0 becomes +0 in fnuz formats; without subnormals, magnitudes
+    below the smallest normal round (by the mode) to 0 or to the smallest normal.
+    A float16/bfloat16 ``x`` is rounded in float32 and the result cast back, which is exact only
+    when the format fits in x's dtype; otherwise a ValueError asks for a float32 ``x``.
     """
     fmt = get_format(format)
     mode = canonical_mode(mode)
@@ -84,11 +92,17 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
-    if rand_bits is not None and mode != "stochastic":
-        raise ValueError("rand_bits: only meaningful with mode='stochastic'")
+    if rand_bits is not None:
+        if mode != "stochastic":
+            raise ValueError("rand_bits: only meaningful with mode='stochastic'")
+        if isinstance(rand_bits, bool) or not isinstance(rand_bits, int):
+            raise TypeError(f"rand_bits: expected an int or None, got {type(rand_bits).__name__}")
     if x.dtype in (torch.float32, torch.float64):
         container = x
     elif x.dtype in (torch.float16, torch.bfloat16):
+        if not fits_in(fmt, get_format(x.dtype)):
+            raise ValueError(f"format: {fmt.name} values are not all representable in x's dtype {x.dtype}, "
+                             f"so the result cannot keep it; pass x.float()")
         container = x.float()
     else:
         raise TypeError(f"x: dtype {x.dtype} cannot be used as a container; use float32 or float64")
@@ -97,11 +111,156 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
         need = "float64" if fits_in(fmt, get_format("fp64")) else "no torch dtype"
         raise ValueError(f"format: {fmt.name} does not fit in a {container.dtype} container without double "
                          f"rounding; pass x as {need}")
+    if rand_bits is not None and not 1 <= rand_bits <= cfmt.precision:
+        raise ValueError(f"rand_bits: expected an int in [1, {cfmt.precision}] for a {container.dtype} container, "
+                         f"got {rand_bits}")
     if native and mode == "nearest_even" and _native_cast_matches(fmt) and container.dtype == torch.float32:
         out = container.to(fmt.torch_dtype).to(container.dtype)
     else:
-        out = _round(container, fmt, mode, generator, rand_bits)
+        out = _round_bits(container, fmt, mode, generator, rand_bits)
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+_CHUNK = 1 << 18  # elements per step of the bit path: its temporaries stay in cache
+
+
+class _Bits(NamedTuple):
+    """Constants of the bit path for one (format, container) pair: container magnitudes as
+    integers, with the format's quantum ``2**shift`` units in its normal range."""
+    int_dtype: torch.dtype
+    width: int          # 32 or 64
+    shift: int          # container mantissa bits - format mantissa bits
+    max_bits: int       # the format's max, as container bits
+    inf_bits: int
+    policy_bits: int    # what an overflow becomes: inf, NaN or max
+    min_normal_bits: int  # below this magnitude (nonzero) the value-space method takes over
+
+    @property
+    def magnitude_mask(self) -> int:
+        return (1 << (self.width - 1)) - 1
+
+
+@lru_cache(maxsize=None)
+def _bits_for(fmt: FloatFormat, dtype: torch.dtype) -> _Bits:
+    int_dtype = {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+
+    def bits_of(value: float) -> int:
+        return int(torch.tensor(value, dtype=dtype).view(int_dtype).item())
+
+    policy = {"inf": float("inf"), "nan": float("nan"), "saturate": fmt.max}[fmt.overflow or "saturate"]
+    container = get_format(dtype)
+    # the constant shift needs both the format and the container in their normal ranges
+    both_normal = max(fmt.min_normal, container.min_normal)
+    return _Bits(int_dtype, torch.finfo(dtype).bits, container.mantissa_bits - fmt.mantissa_bits,
+                 bits_of(fmt.max), bits_of(float("inf")), bits_of(abs(policy)), bits_of(both_normal))
+
+
+def _round_bits(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Generator | None,
+                rand_bits: int | None) -> torch.Tensor:
+    """Rounding on the container's bits, in cache-sized chunks, ~20x faster than :func:`_round`.
+
+    In the format's normal range its quantum is ``2**shift`` units of the container's magnitude
+    bits for every element, so each mode is a few integer operations with a constant shift (a
+    carry out of the mantissa moves into the exponent, which is the right answer). Nonzero
+    magnitudes below the format's ``min_normal`` have a quantum that no longer matches the
+    container's binades; they go through the value-space method :func:`_round`. Masks are
+    applied arithmetically (``r + m * (v - r)``) because torch's CPU ``where`` is ~30x slower.
+    """
+    c = _bits_for(fmt, x.dtype)
+    flat = x.reshape(-1)
+    out = torch.empty_like(flat)
+    out_bits = out.view(c.int_dtype)
+    step = _CHUNK if x.device.type == "cpu" else max(flat.numel(), 1)  # accelerators: one pass
+    mag_buf = torch.empty(min(flat.numel(), step), dtype=c.int_dtype, device=x.device)
+    sign_buf = torch.empty_like(mag_buf)
+    # with the container's own emin the bit path is exact down to 0 (same subnormal grid)
+    exact_to_zero = fmt.subnormals and fmt.emin == get_format(x.dtype).emin
+    small: list[torch.Tensor] = []  # indices left to the value-space method
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start:start + step]
+        bits = chunk.view(c.int_dtype)
+        mag = torch.bitwise_and(bits, c.magnitude_mask, out=mag_buf[:bits.numel()])
+        sign = torch.bitwise_xor(bits, mag, out=sign_buf[:bits.numel()])
+        r = _round_magnitudes(mag, bits, c, mode, generator, rand_bits)
+        if int(mag.max()) > c.max_bits:
+            r = _apply_range_bits(r, mag, bits, c, fmt, mode)
+        if not fmt.has_negative_zero:
+            sign *= (r != 0).to(c.int_dtype)
+        torch.bitwise_or(r, sign, out=out_bits[start:start + step])
+        if exact_to_zero:
+            continue
+        lowest = int(mag.min())
+        if lowest >= c.min_normal_bits:
+            continue
+        if lowest == 0:  # zeros are exact on this path: look for small magnitudes among the others
+            below = mag.sub_(1).bitwise_and_(c.magnitude_mask)  # 0 -> the largest value
+            is_small = below < c.min_normal_bits - 1
+        else:
+            is_small = mag < c.min_normal_bits
+        small.append(is_small.nonzero().squeeze(1) + start)
+    if small:  # one value-space call for all chunks: its fixed cost is paid once
+        index = torch.cat(small)
+        out.index_copy_(0, index, _round(flat.index_select(0, index), fmt, mode, generator, rand_bits))
+    return out.reshape(x.shape)
+
+
+def _round_magnitudes(mag: torch.Tensor, bits: torch.Tensor, c: _Bits, mode: str,
+                      generator: torch.Generator | None, rand_bits: int | None) -> torch.Tensor:
+    """Round integer magnitudes to multiples of ``2**shift`` (modes decided on the low bits)."""
+    shift, unit = c.shift, 1 << c.shift
+    low_mask, keep = unit - 1, c.magnitude_mask & ~(unit - 1)
+    if shift == 0:
+        return mag.clone()
+    if mode == "nearest_even":  # add half - 1, plus 1 more when the kept part is odd, then truncate
+        return (mag >> shift).bitwise_and_(1).add_(mag).add_(unit // 2 - 1).bitwise_and_(keep)
+    if mode == "nearest_away":
+        return (mag + unit // 2).bitwise_and_(keep)
+    if mode == "toward_zero":
+        return mag & keep
+    if mode == "stochastic":  # add `shift` uniform random low bits, then truncate: P(up) = low / unit
+        return _random_low_bits(mag, c, generator, rand_bits).add_(mag).bitwise_and_(keep)
+    inexact = (mag & low_mask).add_(low_mask) >> shift  # 1 when any low bit is set
+    if mode == "odd":
+        return (mag & keep).bitwise_or_(inexact << shift)
+    negative = -(bits >> (c.width - 1))                 # 1 for negative values
+    away = negative if mode == "down" else 1 - negative
+    return (mag & keep).add_(inexact.mul_(away) << shift)
+
+
+def _random_low_bits(mag: torch.Tensor, c: _Bits, generator: torch.Generator | None,
+                     rand_bits: int | None) -> torch.Tensor:
+    """``shift`` random low bits per element, of which only the top ``k = min(shift, rand_bits)``
+    may be nonzero (so rounding up has probability ``floor(frac * 2**k) / 2**k``). Random 64-bit
+    words are cut into 16-, 32- or 64-bit pieces, as few bits per element as k allows."""
+    n = mag.numel()
+    k = c.shift if rand_bits is None else min(c.shift, rand_bits)
+    piece_bits = 16 if k <= 16 else 32 if k <= 32 else 64
+    pieces = torch.randint(-2**63, 2**63 - 1, (-(-n * piece_bits // 64),), dtype=torch.int64,
+                           generator=generator, device=mag.device)
+    piece_dtype = {16: torch.int16, 32: torch.int32, 64: torch.int64}[piece_bits]
+    words = pieces.view(piece_dtype)[:n].to(c.int_dtype)  # sign-extended: only the low piece_bits count
+    top_k = (words >> (piece_bits - k)).bitwise_and_((1 << k) - 1)
+    return top_k << (c.shift - k)
+
+
+def _apply_range_bits(r: torch.Tensor, mag: torch.Tensor, bits: torch.Tensor, c: _Bits, fmt: FloatFormat,
+                      mode: str) -> torch.Tensor:
+    """Overflow policy and inf/NaN inputs on integer magnitudes (same rules as :func:`_apply_range`)."""
+    over = (r > c.max_bits).to(c.int_dtype)
+    if mode in ("toward_zero", "odd"):
+        target: "torch.Tensor | int" = c.max_bits
+    elif mode in ("up", "down"):
+        negative = -(bits >> (c.width - 1))
+        to_max = negative if mode == "up" else 1 - negative
+        target = to_max * (c.max_bits - c.policy_bits) + c.policy_bits
+    else:
+        target = c.policy_bits
+    r = r + over * (target - r)
+    special_value = mag  # NaN stays NaN; inf stays inf, or follows the policy without an inf code
+    if not fmt.has_inf:
+        special_value = mag + (mag == c.inf_bits).to(c.int_dtype) * (c.policy_bits - c.inf_bits)
+    special = (mag >= c.inf_bits).to(c.int_dtype)
+    return r + special * (special_value - r)
 
 
 def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -116,18 +275,20 @@ def _scale(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Generator | None,
            rand_bits: int | None) -> torch.Tensor:
+    """Rounding in value space (the method of the module docstring); any magnitude, any format."""
     cfmt = get_format(x.dtype)
     mag = x.abs()
     negative = torch.signbit(x)
     _, exp = torch.frexp(mag)                      # mag = f * 2**exp, f in [0.5, 1)
-    q = torch.clamp(exp - 1, min=fmt.emin) - fmt.mantissa_bits
+    if fmt.subnormals:
+        q = torch.clamp(exp - 1, min=fmt.emin) - fmt.mantissa_bits
+    else:                                          # below min_normal the neighbours are 0 and min_normal
+        q = torch.where(exp - 1 < fmt.emin, fmt.emin, exp - 1 - fmt.mantissa_bits)
     n = _scale(mag, -q)                            # exact: at most mantissa_bits + 1 integer bits
     whole = torch.floor(n)
     frac = n - whole                               # exact
     if mode == "stochastic":
-        k = cfmt.precision if rand_bits is None else int(rand_bits)
-        if not 1 <= k <= cfmt.precision:
-            raise ValueError(f"rand_bits: expected an int in [1, {cfmt.precision}] for a {x.dtype} container, got {rand_bits}")
+        k = cfmt.precision if rand_bits is None else rand_bits
         u = torch.floor(torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) * 2.0**k)
         up = u + torch.floor(frac * 2.0**k) >= 2.0**k
     else:
@@ -154,7 +315,7 @@ def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Genera
 
 def _apply_range(rounded: torch.Tensor, mag: torch.Tensor, negative: torch.Tensor, fmt: FloatFormat,
                  mode: str) -> torch.Tensor:
-    """Overflow policy, flush-to-zero without subnormals, and special inputs (on magnitudes)."""
+    """Overflow policy and special inputs (on magnitudes)."""
     big = torch.tensor(fmt.max, dtype=rounded.dtype, device=rounded.device)
     policy_value = {"inf": float("inf"), "nan": float("nan"), "saturate": fmt.max}[fmt.overflow or "saturate"]
     if mode in ("toward_zero", "odd"):
@@ -168,8 +329,6 @@ def _apply_range(rounded: torch.Tensor, mag: torch.Tensor, negative: torch.Tenso
     overflow_value = torch.where(toward, big, torch.full_like(rounded, policy_value))
     inf_value = torch.full_like(rounded, float("inf") if fmt.has_inf else policy_value)
     out = torch.where(rounded > big, overflow_value, rounded)
-    if not fmt.subnormals:
-        out = torch.where(out < fmt.min_normal, torch.zeros_like(out), out)
     out = torch.where(torch.isinf(mag), inf_value, out)
     return torch.where(torch.isnan(mag), mag, out)
 
