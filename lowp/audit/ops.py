@@ -90,7 +90,7 @@ def _all_pairs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _nonzero_divisor(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    return np.broadcast_to(y != 0, np.broadcast(x, y).shape)
+    return np.broadcast_to(y != 0, np.broadcast(x, y).shape).copy()
 
 
 _B = BinaryOp
