@@ -164,20 +164,26 @@ class PrecisionMonitor:
             return
         key = (module, phase, tensor)
         rec = self.records.get(key) or self.records.setdefault(key, TensorRecord(module, phase, tensor))
-        a = t.detach().abs().float() if t.dtype != torch.float64 else t.detach().abs()
-        finite = torch.isfinite(a)
-        nonzero = finite & (a > 0)
+        a = t.detach().abs()
+        a = a if a.dtype in (torch.float32, torch.float64) else a.float()
+        fa = torch.nan_to_num(a, nan=0.0, posinf=0.0)  # finite magnitudes, non-finite ones as 0
+        nonzero = fa > 0
+        stats = torch.stack([
+            torch.isnan(a).sum(), torch.isinf(a).sum(), (fa >= self._overflow_at).sum(),
+            (nonzero & (fa <= self._underflow_at)).sum(),
+            (nonzero & (fa > self._underflow_at) & (fa < self._normal_at)).sum(),
+        ]).to(torch.float64)
+        extremes = torch.stack([fa.max(), torch.where(nonzero, fa, torch.full_like(fa, math.inf)).min()]).double()
+        nan, inf, overflow, underflow, subnormal, amax, min_nonzero = torch.cat([stats, extremes]).tolist()  # one sync
         rec.calls += 1
         rec.numel += a.numel()
-        rec.nan += int(torch.isnan(a).sum())
-        rec.inf += int(torch.isinf(a).sum())
-        fa = torch.where(finite, a, torch.zeros_like(a))
-        rec.amax = max(rec.amax, float(fa.max()))
-        if bool(nonzero.any()):
-            rec.min_nonzero = min(rec.min_nonzero, float(torch.where(nonzero, a, torch.full_like(a, math.inf)).min()))
-        rec.overflow += int((finite & (a >= self._overflow_at)).sum())
-        rec.underflow += int((nonzero & (a <= self._underflow_at)).sum())
-        rec.subnormal += int((nonzero & (a > self._underflow_at) & (a < self._normal_at)).sum())
+        rec.nan += int(nan)
+        rec.inf += int(inf)
+        rec.overflow += int(overflow)
+        rec.underflow += int(underflow)
+        rec.subnormal += int(subnormal)
+        rec.amax = max(rec.amax, amax)
+        rec.min_nonzero = min(rec.min_nonzero, min_nonzero)
 
     def advise(self, rec: TensorRecord) -> list[str]:
         """Recommendations for one record: keep in fp32, or rescale by a power of two."""
