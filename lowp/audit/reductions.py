@@ -1,9 +1,11 @@
 """Audit of reductions over vectors of length 10 to 1e6.
 
-Inputs are random format values (fixed seed) from a distribution that suits the op: ``U(0, 1)``
-for sum/mean/cumsum/norm (all positive, so a low-precision running sum stagnates),
-``N(1, 0.1)`` for var (a mean offset that punishes one-pass formulas), ``N(0, 3)`` for the
-softmax family, ``1 + 0.01 N(0, 1)`` for prod. The exact value is computed in float64
+Inputs are random format values (fixed seed) from a distribution that suits the op:
+``U(0, 1/16)`` for sum/mean/cumsum (all positive, so a low-precision running sum stagnates, and
+the total of 1e6 of them, ~31000, still fits fp16), ``U(0, 1)`` for norm (the sum of squares of
+1e6 of them overflows an fp16 accumulator although the norm, ~577, fits), ``N(1, 0.1)`` for var
+(a mean offset that punishes one-pass formulas), ``N(0, 3)`` for the softmax family and
+``1 + 0.001 N(0, 1)`` for prod (the product of 1e6 stays near 1). The exact value is computed in float64
 (``math.fsum`` for sums). Methods: ``native`` (torch in fp16/bf16; torch's CPU reductions
 already accumulate in fp32), ``opmath`` (fp32, rounded once) and ``lowformat``: a vector engine
 with :data:`LANES` lanes, each accumulating a contiguous block sequentially in the format, the
@@ -34,12 +36,14 @@ DEFAULT_LENGTHS = (10, 1000, 100_000, 1_000_000)
 def reduction_input(op: str, n: int, fmt: FloatFormat, seed: int = 0) -> torch.Tensor:
     """The audit's input vector for ``op`` (float64 holding values of ``fmt``)."""
     g = torch.Generator().manual_seed(seed)
-    if op in ("sum", "mean", "cumsum", "norm"):
+    if op in ("sum", "mean", "cumsum"):
+        x = torch.rand(n, generator=g, dtype=torch.float64) / 16
+    elif op == "norm":
         x = torch.rand(n, generator=g, dtype=torch.float64)
     elif op == "var":
         x = 1 + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
     elif op == "prod":
-        x = 1 + 0.01 * torch.randn(n, generator=g, dtype=torch.float64)
+        x = 1 + 0.001 * torch.randn(n, generator=g, dtype=torch.float64)
     else:
         x = 3 * torch.randn(n, generator=g, dtype=torch.float64)
     return quantize(x, fmt, native=False)
