@@ -54,7 +54,9 @@ def error_stats(computed: torch.Tensor, exact: torch.Tensor, fmt: FloatFormat,
     ±0 equal); ``overflow``: ±inf/NaN computed where the correct result is finite;
     ``underflow_to_zero``: zero computed where the correct result is not zero; ``nan_mismatch`` /
     ``inf_mismatch``: NaN (resp. ±inf) in exactly one of computed and correct, or infinities of
-    opposite sign. ``worst_index`` is the flat position of the largest ulp error. Mean and p99 ulp include infinite errors (p99 can be inf), mean_ulp is over
+    opposite sign. A result equal to the correctly rounded one counts at most 0.5 ulp even where
+    the format flushes to zero (no subnormals) or saturates, which is farther from the exact value.
+    ``worst_index`` is the flat position of the largest ulp error. Mean and p99 ulp include infinite errors (p99 can be inf), mean_ulp is over
     finite errors only.
     """
     c = computed.to(torch.float64).flatten()
@@ -66,7 +68,7 @@ def error_stats(computed: torch.Tensor, exact: torch.Tensor, fmt: FloatFormat,
     nan_c, nan_r = torch.isnan(c), torch.isnan(r)
     same = (c == r) | (nan_c & nan_r)
     e = ulp_error(c, t, fmt)
-    e = torch.where(same & torch.isinf(t), torch.zeros_like(e), e)  # saturating formats: exact beyond float64
+    e = torch.where(same, e.clamp(max=0.5), e)  # the format's own rounding (flush, saturate) is never an error
     finite_e = e[torch.isfinite(e)]
     k = max(1, math.ceil(0.99 * n))
     p99 = float(torch.kthvalue(e, k).values)

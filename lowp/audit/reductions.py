@@ -5,9 +5,10 @@ Inputs are random format values (fixed seed) from a distribution that suits the 
 the total of 1e6 of them, ~31000, still fits fp16), ``U(0, 1)`` for norm (the sum of squares of
 1e6 of them overflows an fp16 accumulator although the norm, ~577, fits), ``N(1, 0.1)`` for var
 (a mean offset that punishes one-pass formulas), ``N(0, 3)`` for the softmax family and
-``1 + 0.001 N(0, 1)`` for prod (the product of 1e6 stays near 1). The exact value is computed in float64
-(``math.fsum`` for sums). Methods: ``native`` (torch in fp16/bf16; torch's CPU reductions
-already accumulate in fp32), ``opmath`` (fp32, rounded once) and ``lowformat``: a vector engine
+``exp(4 eps N(0, 1))`` for prod (factors a few ulps from 1 whose product of 1e6 stays in
+range). The exact value is computed in float64
+(``math.fsum`` for sums). Methods: ``native`` (torch in fp16/bf16; its CPU sum accumulates
+in fp32, its prod does not), ``opmath`` (fp32, rounded once) and ``lowformat``: a vector engine
 with :data:`LANES` lanes, each accumulating a contiguous block sequentially in the format, the
 lane results combined by a pairwise tree, every operation rounded to the format. cumsum in that
 model is a blocked scan: a sequential scan per lane, an exclusive scan of the lane totals, and
@@ -43,7 +44,7 @@ def reduction_input(op: str, n: int, fmt: FloatFormat, seed: int = 0) -> torch.T
     elif op == "var":
         x = 1 + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
     elif op == "prod":
-        x = 1 + 0.001 * torch.randn(n, generator=g, dtype=torch.float64)
+        x = torch.exp(4 * fmt.eps * torch.randn(n, generator=g, dtype=torch.float64))
     else:
         x = 3 * torch.randn(n, generator=g, dtype=torch.float64)
     return quantize(x, fmt, native=False)

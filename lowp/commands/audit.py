@@ -87,7 +87,7 @@ def write_outputs(rows: list[dict[str, object]], out: Path) -> None:
     columns = list(dict.fromkeys(c for r in rows for c in r))
     (out / "audit.csv").write_text(csv_text(columns, [[r.get(c) for c in columns] for r in rows]))
     (out / "audit.json").write_text(json.dumps(rows, indent=1, default=str))
-    parts = ["## summary: max ulp error (percent correctly rounded)\n\n" + markdown_table(*pivot(rows))]
+    parts = ["## summary: max ulp error (number of results not correctly rounded)\n\n" + markdown_table(*pivot(rows))]
     for kind in dict.fromkeys(str(r["kind"]) for r in rows):
         sub = [r for r in rows if r["kind"] == kind]
         cols = [c for c in TABLE_COLUMNS if any(c in r for r in sub)]
@@ -97,12 +97,13 @@ def write_outputs(rows: list[dict[str, object]], out: Path) -> None:
 
 def pivot(rows: list[dict[str, object]]) -> tuple[list[str], list[list[object]]]:
     """Headers and rows of a compact table: one row per (kind, op[, length]), one column per
-    (format, method), cells ``"max_ulp (pct correct)"``."""
+    (format, method), cells ``"max_ulp (number of results not correctly rounded)"``."""
     cols = list(dict.fromkeys(f"{r['format']} {r['method']}" for r in rows))
     table: dict[tuple, dict[str, str]] = {}
     for r in rows:
         key = (r["kind"], r["op"], r.get("length", ""))
-        table.setdefault(key, {})[f"{r['format']} {r['method']}"] = f"{r['max_ulp']:.3g} ({100 * r['frac_correct']:.2f}%)"
+        wrong = round(int(r["n"]) * (1 - float(r["frac_correct"])))  # type: ignore[call-overload]
+        table.setdefault(key, {})[f"{r['format']} {r['method']}"] = f"{r['max_ulp']:.6g} ({wrong})"
     body = [[op if not length else f"{op} n={length}", *(cells.get(c, "-") for c in cols)]
             for (kind, op, length), cells in table.items()]
     return ["op", *cols], body
