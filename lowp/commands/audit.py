@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="3.4 table: use every k-th float32 value (1 = all 335M, ~70 s)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for audit.csv, audit.json and audit.md (created if missing)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: the audit's tensors are small and extra OpenMP threads "
+                             "only help on an idle machine)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
@@ -40,8 +43,13 @@ def run(args: argparse.Namespace) -> int:
     from lowp.audit.ops import BINARY_OPS, UNARY_OPS
     from lowp.audit.reductions import REDUCTIONS, audit_reductions
     from lowp.audit.unary import audit_unary
+    import torch
+
     from lowp.report import text_table
 
+    if args.threads < 1:
+        raise SystemExit(f"lowp audit: --threads: expected a positive int, got {args.threads}")
+    torch.set_num_threads(args.threads)
     kinds = _csv_list(args.kinds)
     bad = [k for k in kinds if k not in KINDS]
     if bad:
