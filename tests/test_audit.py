@@ -19,6 +19,15 @@ from lowp.formats import get_format
 FP16 = get_format("fp16")
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The audit's tensors are small; two OpenMP threads on a shared 2-core machine are ~10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _row(rows, op, fmt, method):
     return next(r for r in rows if r["op"] == op and r["format"] == fmt and r["method"] == method)
 
