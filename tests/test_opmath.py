@@ -91,7 +91,11 @@ def test_emulated_format_outputs_are_rounded_to_it():
     x = torch.linspace(0.1, 3.0, 50)
     with opmath_ops("fp8_e4m3fn"):
         y = torch.exp(x)
+        tie = torch.tensor([1.0]) + torch.tensor([0.0625])  # operators are ops too: 1.0625 ties to 1.0
+        acc = torch.tensor([1.0])
+        acc += torch.tensor([0.0625])  # in-place ops pass through unrounded
     assert torch.equal(y, quantize(torch.exp(x), "fp8_e4m3fn"))
+    assert tie.item() == 1.0 and acc.item() == 1.0625
 
     @opmath(format="fp8_e5m2")
     def f(v):

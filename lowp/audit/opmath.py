@@ -140,6 +140,16 @@ _PASS_THROUGH = {"to", "type", "half", "bfloat16", "float", "double", "copy_", "
                  "ones_like", "full_like", "fill_", "zero_"}
 
 
+_IN_PLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                     "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+
+
+def _passes_through(name: str) -> bool:
+    """Data movement, conversion, inspection and in-place ops (``add_``, ``__iadd__``) run unchanged."""
+    in_place = (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
+    return in_place or name in _PASS_THROUGH
+
+
 class _OpmathMode(TorchFunctionMode):
     def __init__(self, format: FloatFormat | None) -> None:
         super().__init__()
@@ -148,7 +158,7 @@ class _OpmathMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _PASS_THROUGH or name.endswith("_"):
+        if _passes_through(name):
             return func(*args, **kwargs)
         floats = _low_dtypes((args, kwargs))
         storage = _storage_for(floats, self.format) if floats else None
