@@ -120,6 +120,8 @@ def test_binary_audit_on_all_fp8_pairs():
         assert _row(rows, op, "fp8_e4m3fn", "lowformat")["frac_correct"] == 1.0
     assert _row(rows, "hypot", "fp8_e4m3fn", "lowformat")["max_ulp"] > 1  # squares lose range and precision
     assert grid(FP16, 100).numel() == 100
+    with pytest.raises(ValueError, match="methods"):
+        audit_binary(["add"], methods=["fast"])
     with pytest.raises(ValueError, match="points"):
         grid(FP16, 1)
 
@@ -139,6 +141,8 @@ def test_reduction_audit_opmath_beats_lowformat_on_long_sums():
     assert _row(rows, "softmax", "bf16", "opmath")["n"] == 1_000_000
     with pytest.raises(ValueError, match="ops"):
         audit_reductions(["median"])
+    with pytest.raises(ValueError, match="methods"):
+        audit_reductions(["sum"], methods=["fast"])
     with pytest.raises(ValueError, match="lengths"):
         audit_reductions(["sum"], lengths=[1])
 

@@ -16,7 +16,7 @@ import torch
 from lowp.audit.lowformat import LowFormatMath
 from lowp.audit.metrics import correctly_rounded, error_stats, near_midpoint
 from lowp.audit.ops import BinaryOp, get_binary
-from lowp.audit.unary import METHODS
+from lowp.audit.unary import METHODS, check_methods
 from lowp.codec import all_values
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
@@ -49,7 +49,7 @@ def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatF
     """One row per (op, format, method) over all grid pairs in the op's domain."""
     from tqdm import tqdm
 
-    methods = tuple(methods)
+    methods = check_methods(methods)
     rows: list[dict[str, object]] = []
     jobs = [(op, get_format(f)) for f in formats for op in get_binary(ops)]
     for op, fmt in tqdm(jobs, desc="binary audit", unit="op", disable=not progress):

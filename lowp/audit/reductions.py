@@ -24,7 +24,7 @@ import torch
 
 from lowp.audit.lowformat import LowFormatMath
 from lowp.audit.metrics import correctly_rounded, error_stats
-from lowp.audit.unary import METHODS
+from lowp.audit.unary import METHODS, check_methods
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
 
@@ -144,6 +144,7 @@ def audit_reductions(ops: "Iterable[str] | None" = None, formats: Iterable["str 
     """One row per (op, format, method, length)."""
     from tqdm import tqdm
 
+    methods = check_methods(methods)
     names = list(REDUCTIONS if ops is None else ops)
     unknown = [n for n in names if n not in _TORCH]
     if unknown:

@@ -25,9 +25,18 @@ from lowp.codec import all_values
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
 
-__all__ = ["METHODS", "audit_unary", "unary_inputs", "native_result", "opmath_result"]
+__all__ = ["METHODS", "check_methods", "audit_unary", "unary_inputs", "native_result", "opmath_result"]
 
 METHODS = ("native", "opmath", "lowformat")
+
+
+def check_methods(methods: Iterable[str]) -> tuple[str, ...]:
+    """The methods as a tuple; ValueError naming the unknown ones."""
+    methods = tuple(methods)
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"methods: unknown {bad}; expected some of {METHODS}")
+    return methods
 
 
 def unary_inputs(op: UnaryOp, fmt: FloatFormat) -> torch.Tensor:
@@ -78,10 +87,7 @@ def audit_unary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFo
 
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"stride: expected a positive int, got {stride!r}")
-    methods = tuple(methods)
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"methods: unknown {bad}; expected some of {METHODS}")
+    methods = check_methods(methods)
     fmts = [get_format(f) for f in formats]
     chosen = get_unary(ops)
     rows: list[dict[str, object]] = []
