@@ -104,3 +104,12 @@ def test_doctor_prints_report(capsys):
     assert main(["doctor", "--format", "bf16"]) == 0
     with pytest.raises(SystemExit):
         main(["doctor", "--format", "nope"])
+
+
+def test_include_filter_and_forward_only():
+    model = DemoModel()
+    x, y = demo_batch()
+    with PrecisionMonitor(model, "fp16", backward=False, include=lambda name: name.startswith("block.mlp")) as mon:
+        run_demo(model, x, y)
+    assert mon.records and all(k[0].startswith("block.mlp") and k[1] == "forward" for k in mon.records)
+    assert mon.loss_scale_log2() is None

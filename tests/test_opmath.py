@@ -107,3 +107,16 @@ def test_emulated_format_outputs_are_rounded_to_it():
 def test_opmath_rejects_non_callable():
     with pytest.raises(TypeError, match="fn"):
         opmath(42)
+
+
+def test_decorator_on_float8_storage_rounds_back_to_float8():
+    x = torch.tensor([0.5, 1.0, 2.0, 3.0]).to(torch.float8_e4m3fn)
+
+    @opmath
+    def softplus(v):
+        return torch.log1p(torch.exp(v))
+
+    got = softplus(x)
+    assert got.dtype == torch.float8_e4m3fn
+    want = quantize(torch.log1p(torch.exp(x.double())), "fp8_e4m3fn", native=False)
+    assert torch.equal(got.double(), want)
