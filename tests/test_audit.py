@@ -9,6 +9,7 @@ from lowp.audit import reference as ref
 from lowp.audit.binary import audit_binary, grid
 from lowp.audit.lowformat import LowFormatMath
 from lowp.audit.metrics import error_stats, near_midpoint
+from lowp.audit.ops import UNARY_OPS
 from lowp.audit.reductions import LANES, audit_reductions, blocked_cumsum, lane_reduce
 from lowp.audit.seed_tables import conversion_errors, family_table, math_vs_fp32
 from lowp.audit.unary import audit_unary
@@ -187,3 +188,18 @@ def test_full_exhaustive_unary_audit():
             assert r["max_ulp"] < 0.51, r
         if r["method"] == "lowformat" and r["op"] in ("exp", "log2", "erf", "atan"):
             assert r["frac_correct"] == 1.0, r
+
+
+def test_settle_ties_decides_near_midpoint_references_in_high_precision():
+    from lowp.audit.ties import MP_UNARY, settle_ties
+
+    # x - tanh(x) = x + 1 - tiny for x << 0: float64 says exactly x + 1, a midpoint of fp16 in [2048, 4096]
+    x = torch.tensor([-4096.0, -4094.0, 4094.0], dtype=torch.float64)
+    exact = x - torch.tanh(x)
+    assert near_midpoint(exact, FP16).all()
+    settled = settle_ties(MP_UNARY["tanh_shrink"], (x,), exact, FP16)
+    assert settled.tolist() == [-4096.0, -4094.0, 4094.0]  # the tiny tail pushes past the tie toward x
+    # exp2(-25) = 2**-25 is an exact tie between 0 and 2**-24: round to even (0)
+    tie = torch.tensor([2.0**-25], dtype=torch.float64)
+    assert settle_ties(MP_UNARY["exp2"], (torch.tensor([-25.0], dtype=torch.float64),), tie, FP16).item() == 0.0
+    assert set(MP_UNARY) == set(UNARY_OPS)

@@ -21,6 +21,7 @@ import torch
 from lowp.audit.lowformat import LowFormatMath
 from lowp.audit.metrics import correctly_rounded, error_stats, near_midpoint
 from lowp.audit.ops import UnaryOp, get_unary
+from lowp.audit.ties import MP_UNARY, settle_ties
 from lowp.codec import all_values
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
@@ -80,9 +81,14 @@ def _results(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat, methods: Iterable[s
 
 def audit_unary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFormat"] = ("fp16", "bf16"),
                 methods: Iterable[str] = METHODS, stride: int = 1, progress: bool = False) -> list[dict[str, object]]:
-    """Audit unary ops exhaustively (``stride > 1``: every stride-th input only); one row per (op, format, method) with :func:`error_stats`
-    fields, the input with the largest ulp error (``worst_input``, ``worst_got``, ``worst_want``), plus ``near_midpoint`` (inputs whose float64 reference is too close to a rounding
-    midpoint to be trusted; 0 for ops with an exact or correctly rounded reference)."""
+    """Audit unary ops exhaustively (``stride > 1``: every stride-th input only).
+
+    One row per (op, format, method) with the :func:`error_stats` fields, the input with the
+    largest ulp error (``worst_input``, ``worst_got``, ``worst_want``) and ``near_midpoint``: the
+    inputs whose float64 reference lay too close to a rounding midpoint to decide the correct
+    rounding, which :func:`lowp.audit.ties.settle_ties` then decided in high precision (0 for ops
+    whose float64 reference is exact or correctly rounded).
+    """
     from tqdm import tqdm
 
     if not isinstance(stride, int) or stride < 1:
@@ -96,11 +102,13 @@ def audit_unary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFo
         x = unary_inputs(op, fmt)[::stride]
         exact = reference(op, x)
         correct = correctly_rounded(exact, fmt)
-        doubtful = 0 if op.exact_reference else int(near_midpoint(exact, fmt).sum())
+        doubtful = torch.zeros_like(exact, dtype=torch.bool) if op.exact_reference else near_midpoint(exact, fmt)
+        if doubtful.any():
+            correct[doubtful] = settle_ties(MP_UNARY[op.name], (x[doubtful],), exact[doubtful], fmt)
         for method, got in _results(op, x, fmt, methods):
             stats = error_stats(got, exact, fmt, correct)
             worst = stats.pop("worst_index")
             rows.append({"kind": "unary", "op": op.name, "format": fmt.name, "method": method, **stats,
-                         "near_midpoint": doubtful, "worst_input": float(x[worst]), "worst_got": float(got[worst]),
+                         "near_midpoint": int(doubtful.sum()), "worst_input": float(x[worst]), "worst_got": float(got[worst]),
                          "worst_want": float(correct[worst])})
     return rows
