@@ -16,6 +16,7 @@ import torch
 from lowp.audit.lowformat import LowFormatMath
 from lowp.audit.metrics import correctly_rounded, error_stats, near_midpoint
 from lowp.audit.ops import BinaryOp, get_binary
+from lowp.audit.ties import MP_BINARY, settle_ties
 from lowp.audit.unary import METHODS, check_methods
 from lowp.codec import all_values
 from lowp.formats import FloatFormat, get_format
@@ -46,7 +47,8 @@ def _lowformat(op: str, x: torch.Tensor, y: torch.Tensor, low: LowFormatMath) ->
 
 def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFormat"] = ("fp16", "bf16"),
                  methods: Iterable[str] = METHODS, points: int = 384, progress: bool = False) -> list[dict[str, object]]:
-    """One row per (op, format, method) over all grid pairs in the op's domain."""
+    """One row per (op, format, method) over all grid pairs in the op's domain; near-midpoint
+    references are settled in high precision as in :func:`lowp.audit.unary.audit_unary`."""
     from tqdm import tqdm
 
     methods = check_methods(methods)
@@ -60,7 +62,9 @@ def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatF
         with np.errstate(all="ignore"):
             exact = torch.from_numpy(np.asarray(op.reference(x.numpy(), y.numpy()), dtype=np.float64))
         correct = correctly_rounded(exact, fmt)
-        doubtful = 0 if op.exact_reference else int(near_midpoint(exact, fmt).sum())
+        doubtful = torch.zeros_like(exact, dtype=torch.bool) if op.exact_reference else near_midpoint(exact, fmt)
+        if doubtful.any():
+            correct[doubtful] = settle_ties(MP_BINARY[op.name], (x[doubtful], y[doubtful]), exact[doubtful], fmt)
         for method in methods:
             got = _compute(op, method, x, y, fmt)
             if got is None:
@@ -68,7 +72,7 @@ def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatF
             stats = error_stats(got, exact, fmt, correct)
             worst = stats.pop("worst_index")
             rows.append({"kind": "binary", "op": op.name, "format": fmt.name, "method": method, **stats,
-                         "near_midpoint": doubtful, "worst_input": f"({float(x[worst])!r}, {float(y[worst])!r})",
+                         "near_midpoint": int(doubtful.sum()), "worst_input": f"({float(x[worst])!r}, {float(y[worst])!r})",
                          "worst_got": float(got[worst]), "worst_want": float(correct[worst])})
     return rows
 

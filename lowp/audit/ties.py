@@ -19,7 +19,7 @@ import torch
 from lowp.formats import FloatFormat
 from lowp.rounding import quantize
 
-__all__ = ["MP_UNARY", "settle_ties"]
+__all__ = ["MP_UNARY", "MP_BINARY", "settle_ties"]
 
 _mp = mpmath.mp
 MpFn = Callable[[mpmath.mpf], mpmath.mpf]
@@ -54,6 +54,11 @@ MP_UNARY: dict[str, MpFn] = {
     "gelu": lambda x: x / 2 * _mp.erfc(-x / _mp.sqrt(2)), "gelu_tanh": _gelu_tanh,
     "softplus": lambda x: _mp.log1p(_mp.exp(x)), "softsign": lambda x: x / (1 + abs(x)),
     "tanh_shrink": _tanh_shrink,
+}
+
+MP_BINARY: dict[str, Callable[[mpmath.mpf, mpmath.mpf], mpmath.mpf]] = {
+    "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y, "div": lambda x, y: x / y,
+    "pow": _mp.power, "atan2": _mp.atan2, "hypot": _mp.hypot,
 }
 
 
