@@ -42,6 +42,30 @@ def test_counts_match_torch_cast_to_fp16():
     assert rec.range_log2 == pytest.approx(math.log2(rec.amax / rec.min_nonzero))
 
 
+@pytest.mark.parametrize("name", ["bf16", "dlfloat16", "fp8_e4m3fn", "fp8_e5m2"])
+def test_counts_match_lowp_rounding(name):
+    from lowp.formats import get_format
+    from lowp.rounding import quantize
+
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(1)
+    lo, hi = math.log2(fmt.min_subnormal if fmt.subnormals else fmt.min_normal) - 3, min(math.log2(fmt.max) + 2, 127.99)  # stay finite in fp32
+    mags = torch.exp2(torch.empty(20000, dtype=torch.float64).uniform_(lo, hi, generator=g))
+    low_ulp = 2.0 ** (fmt.emin - fmt.mantissa_bits)
+    top_ulp = 2.0 ** (fmt.emax - fmt.mantissa_bits)
+    ties = torch.tensor([fmt.max + top_ulp / 2, low_ulp / 2, fmt.min_normal - low_ulp / 2], dtype=torch.float64)
+    values = torch.cat([mags, ties]).float()
+    model = nn.Sequential(Emit(values))
+    with PrecisionMonitor(model, fmt, backward=False) as mon:
+        model(torch.zeros(1))
+    rec = _record(mon, "0")
+    unbounded = fmt.with_overflow("nan") if fmt.overflow == "saturate" else fmt  # make overflow visible
+    q = quantize(values.double(), unbounded, native=False)
+    assert rec.overflow == int((~torch.isfinite(q)).sum())
+    assert rec.underflow == int(((q == 0) & (values != 0)).sum())
+    assert rec.subnormal == int(((q != 0) & (q.abs() < fmt.min_normal)).sum())
+
+
 def test_nan_inf_counts_and_advice():
     values = torch.tensor([70000.0, 1.0, math.nan, math.inf, 1e-9])
     model = nn.Sequential(Emit(values))

@@ -7,10 +7,12 @@ values that would **overflow** (round beyond the format's largest value), **unde
 (non-zero values that round to zero; values that were zero already do not count) or become
 **subnormal** (lose precision) when cast to the target format, plus NaN and inf counts.
 
-Rounding thresholds for round-to-nearest-even: a magnitude overflows when it is at least
-``max + ulp(max)/2``, underflows when at most ``min_subnormal/2`` (the tie goes to the even
-value, zero), and is subnormal in between and ``min_normal - min_subnormal/2``. For formats
-without subnormals everything below ``min_normal`` counts as underflow.
+Rounding thresholds for round-to-nearest-even, with ``u_top``/``u_low`` the spacing in the top
+and bottom binade: a magnitude overflows beyond ``max + u_top/2`` (the midpoint itself overflows
+when ``max`` has an odd last bit, as in IEEE formats, not in e4m3fn), underflows to zero at or
+below ``u_low/2`` (without subnormals: below ``min_normal - u_low/2``, everything that would
+round to a flushed value) and is subnormal between that and ``min_normal - u_low/2``. Saturating
+formats count overflow the same way: the values are clamped, not kept.
 
 Hooks exist only inside ``with PrecisionMonitor(model):`` (or between :meth:`attach` and
 :meth:`detach`), so a model runs at full speed when the monitor is off.
@@ -98,9 +100,14 @@ class PrecisionMonitor:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         fmt = self.format
         top_ulp = 2.0 ** (fmt.emax - fmt.mantissa_bits)
-        self._overflow_at = fmt.max + top_ulp / 2 if fmt.overflow != "saturate" else math.inf
-        self._underflow_at = fmt.min_subnormal / 2 if fmt.subnormals else fmt.min_normal / 2
-        self._normal_at = fmt.min_normal - fmt.min_subnormal / 2 if fmt.subnormals else fmt.min_normal / 2
+        low_ulp = 2.0 ** (fmt.emin - fmt.mantissa_bits)
+        # Midpoints, and whether round-to-nearest-even sends the midpoint itself across (the tie
+        # goes to the neighbour with an even last bit: ±max is odd in IEEE formats, even in e4m3fn).
+        self._overflow_at = fmt.max + top_ulp / 2
+        self._overflow_tie = int(fmt.max / top_ulp) % 2 == 1
+        self._underflow_at = low_ulp / 2 if fmt.subnormals else fmt.min_normal - low_ulp / 2
+        self._underflow_tie = fmt.subnormals  # 0 is even; without subnormals the tie goes up to min_normal
+        self._normal_at = fmt.min_normal - low_ulp / 2  # the tie goes up to min_normal (even)
 
     # -- hooks ----------------------------------------------------------------------------
     @property
@@ -168,11 +175,10 @@ class PrecisionMonitor:
         a = a if a.dtype in (torch.float32, torch.float64) else a.float()
         fa = torch.nan_to_num(a, nan=0.0, posinf=0.0)  # finite magnitudes, non-finite ones as 0
         nonzero = fa > 0
-        stats = torch.stack([
-            torch.isnan(a).sum(), torch.isinf(a).sum(), (fa >= self._overflow_at).sum(),
-            (nonzero & (fa <= self._underflow_at)).sum(),
-            (nonzero & (fa > self._underflow_at) & (fa < self._normal_at)).sum(),
-        ]).to(torch.float64)
+        over = _beyond(fa, self._overflow_at, self._overflow_tie)
+        under = nonzero & ~_beyond(fa, self._underflow_at, not self._underflow_tie)
+        sub = nonzero & ~under & (fa < self._normal_at) if self.format.subnormals else torch.zeros_like(under)
+        stats = torch.stack([torch.isnan(a).sum(), torch.isinf(a).sum(), over.sum(), under.sum(), sub.sum()]).double()
         extremes = torch.stack([fa.max(), torch.where(nonzero, fa, torch.full_like(fa, math.inf)).min()]).double()
         nan, inf, overflow, underflow, subnormal, amax, min_nonzero = torch.cat([stats, extremes]).tolist()  # one sync
         rec.calls += 1
@@ -240,6 +246,11 @@ class PrecisionMonitor:
         text = text_table(REPORT_COLUMNS, self.report_rows())
         return text + "\n\nRecommendations (target " + self.format.name + "):\n" + (
             "\n".join("- " + r for r in recs) if recs else "- none: every recorded tensor fits the format")
+
+
+def _beyond(x: torch.Tensor, threshold: float, inclusive: bool) -> torch.Tensor:
+    """``x >= threshold`` or ``x > threshold`` (exact: the thresholds are dyadic and fit fp32)."""
+    return x >= threshold if inclusive else x > threshold
 
 
 def _tensors(obj: object, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
