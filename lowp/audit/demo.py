@@ -1,0 +1,71 @@
+"""A tiny transformer-style model and inputs that provoke fp16 problems, for ``lowp doctor``.
+
+The block has unscaled attention scores (``q @ k^T`` without ``1/sqrt(d)``), so large inputs make
+the scores overflow fp16's 65504, and the loss is multiplied by a small factor, so gradients
+underflow fp16 (values below 2**-25 become zero) -- the two classic reasons for loss scaling and
+for keeping some modules in fp32.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+__all__ = ["DemoModel", "demo_batch", "run_demo"]
+
+
+class Scores(nn.Module):
+    """Attention scores ``q @ k^T`` (a module so hooks see them)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q @ k.transpose(-2, -1)
+
+
+class DemoBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
+        self.scores = Scores()
+        self.softmax = nn.Softmax(dim=-1)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        x = x + self.softmax(self.scores(q, k)) @ v
+        return x + self.mlp(self.norm(x))
+
+
+class DemoModel(nn.Module):
+    """Embedding projection, one attention+MLP block, and a linear head."""
+
+    def __init__(self, features: int = 16, width: int = 32, classes: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.block = DemoBlock(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)))
+
+
+def demo_batch(batch: int = 4, tokens: int = 8, features: int = 16, scale: float = 300.0,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``scale * N(0, 1)`` (large enough to overflow fp16 attention scores) and class labels."""
+    g = torch.Generator().manual_seed(seed)
+    x = scale * torch.randn(batch, tokens, features, generator=g)
+    y = torch.randint(0, 8, (batch, tokens), generator=g)
+    return x, y
+
+
+def run_demo(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_factor: float = 1e-6) -> torch.Tensor:
+    """One forward and backward pass; the loss is scaled by ``loss_factor`` so gradients are tiny."""
+    logits = model(x)
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) * loss_factor
+    with warnings.catch_warnings():  # full backward hooks warn when the input needs no grad
+        warnings.simplefilter("ignore", UserWarning)
+        loss.backward()
+    return loss.detach()

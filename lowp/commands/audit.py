@@ -1,0 +1,140 @@
+"""``lowp audit``: ulp audit of unary, binary and reduction ops in low precision, three ways."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HELP = "audit op precision (ulp error vs correctly rounded fp64) for fp16/bf16/fp8: native, opmath and low-format"
+
+TABLE_COLUMNS = ["kind", "op", "format", "method", "length", "n", "max_ulp", "mean_ulp", "p99_ulp", "frac_correct",
+                 "max_rel", "overflow", "underflow_to_zero", "nan_mismatch", "inf_mismatch", "near_midpoint"]
+KINDS = ("unary", "binary", "reductions")
+
+
+def _csv_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--formats", default="fp16,bf16",
+                        help="comma-separated formats (fp16, bf16 natively; fp8_e4m3fn, fp8_e5m2, dlfloat16 emulated)")
+    parser.add_argument("--ops", default=None, help="comma-separated op names (default: every op of the chosen kinds)")
+    parser.add_argument("--kinds", default="unary,binary,reductions", help="comma-separated subset of " + ",".join(KINDS))
+    parser.add_argument("--methods", default="native,opmath,lowformat", help="comma-separated methods")
+    parser.add_argument("--no-exhaustive", dest="stride", action="store_const", const=16, default=1,
+                        help="unary: every 16th input instead of every finite value (default: exhaustive)")
+    parser.add_argument("--points", type=int, default=384, help="binary: grid points per axis (default 384)")
+    parser.add_argument("--lengths", default="10,1000,100000,1000000", help="reductions: comma-separated lengths")
+    parser.add_argument("--seed-tables", action="store_true",
+                        help="also reproduce seed 004's appendix 3.3 and 3.4 tables")
+    parser.add_argument("--conversion-stride", type=int, default=97,
+                        help="3.4 table: use every k-th float32 value (1 = all 335M, ~70 s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for audit.csv, audit.json and audit.md (created if missing)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: the audit's tensors are small and extra OpenMP threads "
+                             "only help on an idle machine)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowp.audit.binary import audit_binary
+    from lowp.audit.ops import BINARY_OPS, UNARY_OPS
+    from lowp.audit.reductions import REDUCTIONS, audit_reductions
+    from lowp.audit.unary import audit_unary
+    import torch
+
+    from lowp.report import text_table
+
+    if args.threads < 1:
+        raise SystemExit(f"lowp audit: --threads: expected a positive int, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    kinds = _csv_list(args.kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise SystemExit(f"lowp audit: --kinds: unknown {bad}; expected some of {', '.join(KINDS)}")
+    ops = _csv_list(args.ops) if args.ops else None
+    if ops is not None:
+        known = set(UNARY_OPS) | set(BINARY_OPS) | set(REDUCTIONS)
+        unknown = [o for o in ops if o not in known]
+        if unknown:
+            raise SystemExit(f"lowp audit: --ops: unknown {unknown}; expected names from {', '.join(sorted(known))}")
+    formats, methods, progress = _csv_list(args.formats), _csv_list(args.methods), not args.no_progress
+
+    def pick(table: object) -> "list[str] | None":
+        return None if ops is None else [o for o in ops if o in table]  # type: ignore[operator]
+
+    rows: list[dict[str, object]] = []
+    try:
+        if "unary" in kinds and pick(UNARY_OPS) != []:
+            rows += audit_unary(pick(UNARY_OPS), formats, methods, stride=args.stride, progress=progress)
+        if "binary" in kinds and pick(BINARY_OPS) != []:
+            rows += audit_binary(pick(BINARY_OPS), formats, methods, points=args.points, progress=progress)
+        if "reductions" in kinds and pick(REDUCTIONS) != []:
+            lengths = [int(float(v)) for v in _csv_list(args.lengths)]
+            rows += audit_reductions(pick(REDUCTIONS), formats, methods, lengths=lengths, progress=progress)
+    except ValueError as exc:
+        raise SystemExit(f"lowp audit: {exc}") from exc
+    print(text_table(TABLE_COLUMNS, [[r.get(c) for c in TABLE_COLUMNS] for r in rows]))
+    print("\nulp errors against the float64 reference; <= 0.5 means correctly rounded. native: torch kernel in the "
+          "format's dtype; opmath: fp32 compute, one rounding; lowformat: every step rounded to the format.")
+    if args.seed_tables:
+        print("\n" + seed_tables_text(args.conversion_stride))
+    if args.out is not None:
+        write_outputs(rows, args.out)
+        print(f"\nwrote {args.out / 'audit.csv'}, audit.json, audit.md")
+    return 0
+
+
+def write_outputs(rows: list[dict[str, object]], out: Path) -> None:
+    """audit.csv, audit.json and audit.md (one table per kind) under ``out``."""
+    from lowp.report import csv_text, markdown_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(c for r in rows for c in r))
+    (out / "audit.csv").write_text(csv_text(columns, [[r.get(c) for c in columns] for r in rows]))
+    (out / "audit.json").write_text(json.dumps(rows, indent=1, default=str))
+    parts = ["## summary: max ulp error (number of results not correctly rounded)\n\n" + markdown_table(*pivot(rows))]
+    for kind in dict.fromkeys(str(r["kind"]) for r in rows):
+        sub = [r for r in rows if r["kind"] == kind]
+        cols = [c for c in TABLE_COLUMNS if any(c in r for r in sub)]
+        parts.append(f"## {kind}\n\n" + markdown_table(cols, [[r.get(c) for c in cols] for r in sub]))
+    (out / "audit.md").write_text("# lowp audit\n\n" + "\n\n".join(parts) + "\n")
+
+
+def pivot(rows: list[dict[str, object]]) -> tuple[list[str], list[list[object]]]:
+    """Headers and rows of a compact table: one row per (kind, op[, length]), one column per
+    (format, method), cells ``"max_ulp (number of results not correctly rounded)"``."""
+    cols = list(dict.fromkeys(f"{r['format']} {r['method']}" for r in rows))
+    table: dict[tuple, dict[str, str]] = {}
+    for r in rows:
+        key = (r["kind"], r["op"], r.get("length", ""))
+        wrong = round(int(r["n"]) * (1 - float(r["frac_correct"])))  # type: ignore[call-overload]
+        table.setdefault(key, {})[f"{r['format']} {r['method']}"] = f"{r['max_ulp']:.6g} ({wrong})"
+    body = [[op if not length else f"{op} n={length}", *(cells.get(c, "-") for c in cols)]
+            for (kind, op, length), cells in table.items()]
+    return ["op", *cols], body
+
+
+def seed_tables_text(conversion_stride: int) -> str:
+    """Seed 004's appendix 3.3 and 3.4 tables, measured, next to the seed's printed values."""
+    from lowp.audit.seed_tables import SEED_33, SEED_34, conversion_errors, family_table, math_vs_fp32
+    from lowp.report import text_table
+
+    fams = family_table(math_vs_fp32())
+    rows33 = [r + ["|", *SEED_33[r[0]]] for r in fams]
+    head33 = ["family (fp16 kernel vs fp32 kernel)", "max_abs", "max_rel", "mean_abs", "mean_rel", "|",
+              "seed max_abs", "seed max_rel", "seed mean_abs", "seed mean_rel"]
+    rows34 = []
+    for key, sub in (("with_subnormals", True), ("normals_only", False)):
+        e = conversion_errors(sub, stride=conversion_stride)
+        rows34.append([key, e["max_abs"], e["max_rel"], e["mean_abs"], e["mean_rel"], e["mean_abs_uniform"],
+                       e["mean_rel_uniform"], "|", *SEED_34[key]])
+    head34 = ["fp32 -> fp16", "max_abs", "max_rel", "mean_abs", "mean_rel", "mean_abs (uniform)", "mean_rel (uniform)",
+              "|", "seed max_abs", "seed max_rel", "seed mean_abs", "seed mean_rel"]
+    return ("Seed 004 appendix 3.3, measured over every finite fp16 input in each op's domain:\n"
+            + text_table(head33, rows33)
+            + f"\n\nSeed 004 appendix 3.4, every {conversion_stride}-th float32 value of the range "
+              "(means over fp32 values ~ log-uniform; 'uniform' weights by spacing = uniform real input):\n"
+            + text_table(head34, rows34))
