@@ -1,0 +1,16 @@
+"""Compensated low-precision optimizers.
+
+Each optimizer computes an fp32 update (:mod:`lowp.optim.adamw`, ...); one shared write-back
+mode stores it into the weights (:mod:`lowp.optim.writeback`: kahan, stochastic, nearest,
+exact); one shared backend runs the step (:mod:`lowp.optim.backends`: eager, foreach, or a
+registered compiled/fused one). Bookkeeping lives in :class:`lowp.optim.base.LowpOptimizer`.
+"""
+from lowp.optim.adam import Adam
+from lowp.optim.adamw import AdamW, adamw_update
+from lowp.optim.backends import Backend, register_backend
+from lowp.optim.base import LowpOptimizer
+from lowp.optim.sgd import SGD, sgd_update
+from lowp.optim.writeback import MODES
+
+__all__ = ["LowpOptimizer", "SGD", "Adam", "AdamW", "sgd_update", "adamw_update", "Backend", "register_backend",
+           "MODES"]
