@@ -194,7 +194,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             return loss
         self.skipped_params += finite.count(False)
 
-        jobs: dict[tuple[int, str, int, torch.dtype, torch.device], list[ParamSlice]] = defaultdict(list)
+        jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
         for (group, p), ok in zip(todo, finite):
             if not ok:
                 continue
@@ -202,12 +202,12 @@ class LowpOptimizer(torch.optim.Optimizer):
             state = self._init_state(group, p, mode)
             state["step"] += 1
             names = self.state_names(group, p)
-            key = (id(group), mode.name, state["step"], p.dtype, p.device)
+            key = (id(group), mode.name, state["step"], p.dtype, p.device, names)
             jobs[key].append(ParamSlice(p, p.grad, {n: state[n] for n in names},
                                         state.get(mode.buffer_name) if mode.buffer_name else None))
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
         self._last_stalled = {}
-        for (gid, mode_name, step, _, device), slices in jobs.items():
+        for (gid, mode_name, step, _, device, _), slices in jobs.items():
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.generator(device),
                               self.diagnostics_enabled)
