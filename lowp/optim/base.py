@@ -144,7 +144,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         dtype = spec.get(name) if isinstance(spec, Mapping) else spec
         return dtype or param.dtype
 
-    def _init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack) -> dict[str, Any]:
+    def init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             state["step"] = 0
@@ -199,7 +199,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             if not ok:
                 continue
             mode = resolve_mode(group["mode"], p)
-            state = self._init_state(group, p, mode)
+            state = self.init_state(group, p, mode)
             state["step"] += 1
             names = self.state_names(group, p)
             key = (id(group), mode.name, state["step"], p.dtype, p.device, names)
@@ -250,7 +250,7 @@ class LowpOptimizer(torch.optim.Optimizer):
                 k = self.state.get(p, {}).get("compensation")
                 if k is not None:
                     comp_sq += float(k.float().square().sum())
-                    weight_sq += float(p.float().square().sum())
+                    weight_sq += float(p.detach().float().square().sum())
             out.append({
                 "stalled_fraction": float(stalled) / n if stalled is not None and n else 0.0,
                 "compensation_rel": math.sqrt(comp_sq / weight_sq) if weight_sq else 0.0,
