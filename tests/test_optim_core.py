@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lowp.optim as lo
+from lowp.demo.runner import single_thread
 from lowp.optim.storage import stochastic_round_bf16_
 from lowp.optim.writeback import MODES
 
@@ -17,11 +18,9 @@ SHAPES = [(37, 11), (300,), (4, 3, 5), ()]
 @pytest.fixture(autouse=True)
 def _one_thread():
     """These tensors are tiny: a second thread only adds wake-up latency (milliseconds per op on
-    a busy 2-core machine), so run single-threaded and restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    a busy 2-core machine)."""
+    with single_thread():
+        yield
 
 
 def _params(dtype=torch.float32, seed=0):

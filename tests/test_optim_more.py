@@ -9,16 +9,15 @@ import pytest
 import torch
 
 import lowp.optim as lo
+from lowp.demo.runner import single_thread
 
 SHAPES = [(37, 11), (300,), (2, 6, 5), ()]
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 def _params(dtype=torch.float32, seed=0):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -15,9 +17,20 @@ from tqdm import tqdm
 from lowp.demo.data import TextData
 from lowp.demo.train import DemoConfig, RunResult, train_run
 
-__all__ = ["train_all"]
+__all__ = ["train_all", "single_thread"]
 
 _counter = None
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch single-threaded inside the block, restoring the thread count afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _Ticker:
@@ -42,16 +55,12 @@ def train_all(runs: list[str], data: TextData, cfg: DemoConfig, jobs: int) -> li
     """Train every run (``jobs`` at a time) and return the results in the order of ``runs``."""
     bar = tqdm(total=cfg.steps * len(runs), desc="training", unit="step")
     if jobs <= 1:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            results = []
+        results = []
+        with single_thread():
             for name in runs:
                 bar.set_postfix_str(name)
                 results.append(train_run(name, data, cfg, bar))
-        finally:
-            torch.set_num_threads(threads)
-            bar.close()
+        bar.close()
         return results
     ctx = mp.get_context("spawn")
     counter = ctx.Value("q", 0)
