@@ -12,8 +12,11 @@ step), in bytes/parameter and MiB.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -58,16 +61,17 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _peak_extra_bytes(opt: torch.optim.Optimizer) -> int:
-    """Peak of (allocated - freed) CPU bytes during one step, from the profiler's memory events."""
+def _peak_extra_bytes(opt: torch.optim.Optimizer, trace: Path) -> int:
+    """Peak of (allocated - freed) CPU bytes during one step, from the profiler's memory events
+    (the ``[memory]`` instant events of its trace, in time order)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         opt.step()
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
     running = peak = 0
-    for e in events:
-        if e.name == "[memory]":
-            running += e.cpu_memory_usage
-            peak = max(peak, running)
+    for e in sorted(events, key=lambda e: e["ts"]):
+        running += e["args"]["Bytes"]
+        peak = max(peak, running)
     return peak
 
 
@@ -95,7 +99,8 @@ def main() -> None:
         n = sum(p.numel() for p in params)
         opt = make(params)
         opt.step()                                         # creates the state
-        peak = _peak_extra_bytes(opt)
+        with tempfile.TemporaryDirectory() as tmp:
+            peak = _peak_extra_bytes(opt, Path(tmp) / "trace.json")
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()

@@ -167,8 +167,10 @@ class LowpOptimizer(torch.optim.Optimizer):
     def _finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
         if self.nonfinite == "off" or not grads:
             return [True] * len(grads)
-        amax = torch.stack([torch.linalg.vector_norm(g, math.inf).float() for g in grads])
-        return torch.isfinite(amax).tolist()
+        # min and max in one pass: NaN propagates to both, +-inf shows in one of them
+        extremes = torch.stack([torch.stack(torch.aminmax(g)).float() if g.numel() else torch.zeros(2)
+                                for g in grads])
+        return torch.isfinite(extremes).all(dim=1).tolist()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -240,7 +242,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     # ---- diagnostics ----------------------------------------------------------------------
     def diagnostics(self) -> list[dict[str, float]]:
         """Per parameter group: ``stalled_fraction`` (elements of the last step whose stored
-        weight did not change although their update was non-zero), ``compensation_rel``
+        weight did not change: their update was lost to rounding, or zero), ``compensation_rel``
         (``||k|| / ||theta||`` over the group's Kahan buffers, 0 without any) and skip counters."""
         out = []
         for i, group in enumerate(self.param_groups):

@@ -26,7 +26,7 @@ weight decay included, so that it is compensated too), and one of these modes ap
 Each mode is a :class:`WriteBack` with three small functions over lists of tensors (a batch):
 ``init_buffer`` (the mode's extra per-parameter tensor or ``None``), ``load`` (the fp32 weight
 the optimizer sees) and ``apply`` (write ``w + u`` back; returns the number of elements whose
-stored weight did not change although ``u`` was non-zero, when asked).
+stored weight did not change, when asked).
 """
 from __future__ import annotations
 
@@ -45,9 +45,10 @@ _HALF = 1 << 15
 _LOW_16 = 0xFFFF
 
 
-def _stalled(p: torch.Tensor, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Elements whose stored weight equals the old one although the intended update was non-zero."""
-    return torch.logical_and(p == w, u != 0).sum()
+def _stalled(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Elements whose stored weight ``p`` equals the old weight ``w`` (one subtraction and a
+    count; elements whose update was exactly zero count too)."""
+    return p.numel() - torch.count_nonzero(torch.sub(p, w))
 
 
 def _no_buffer(p: torch.Tensor) -> None:
@@ -60,14 +61,14 @@ def _plain_load(p: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
 
 def _apply_nearest(p, w, u, buf, generator, count):
     new = torch.add(w, u).to(p.dtype)
-    stalled = _stalled(new, w, u) if count else None
+    stalled = _stalled(new, w) if count else None
     p.copy_(new)
     return stalled
 
 
 def _apply_stochastic(p, w, u, buf, generator, count):
     store(p, torch.add(w, u), "stochastic", generator)
-    return _stalled(p, w, u) if count else None
+    return _stalled(p, w) if count else None
 
 
 def _kahan_buffer(p: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ def _apply_kahan(p, w, u, k, generator, count):
     change = torch.add(w, u)
     p.copy_(change)                # theta' = rn(theta + v)
     change.copy_(p).sub_(w)        # theta' - theta, exact
-    stalled = torch.logical_and(change == 0, u != 0).sum() if count else None
+    stalled = change.numel() - torch.count_nonzero(change) if count else None
     k.copy_(u.sub_(change))        # k' = v - (theta' - theta)
     return stalled
 
