@@ -12,7 +12,7 @@ from lowp.demo.runner import single_thread
 from lowp.optim.storage import stochastic_round_bf16_
 from lowp.optim.writeback import MODES
 
-SHAPES = [(37, 11), (300,), (4, 3, 5), ()]
+SHAPES = [(37, 11), (300,), (2, 6, 5), ()]
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +49,11 @@ TORCH_PAIRS = [
     (lo.Adam, torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
     (lo.AdamW, torch.optim.AdamW, dict(lr=1e-2)),
     (lo.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True, betas=(0.8, 0.99))),
+    (lo.RAdam, torch.optim.RAdam, dict(lr=1e-2)),
+    (lo.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1)),
+    (lo.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    (lo.Adafactor, torch.optim.Adafactor, dict()),
+    (lo.Adafactor, torch.optim.Adafactor, dict(lr=3e-2, weight_decay=0.1, d=2.0, maximize=True)),
 ]
 
 

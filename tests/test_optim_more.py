@@ -33,22 +33,6 @@ def _run(opt, params, steps, dtype=torch.float32, start=0):
         opt.step()
 
 
-@pytest.mark.parametrize("backend", ["eager", "foreach"])
-@pytest.mark.parametrize("ours, theirs, kw", [
-    (lo.RAdam, torch.optim.RAdam, dict(lr=1e-2)),
-    (lo.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1)),
-    (lo.RAdam, torch.optim.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
-    (lo.Adafactor, torch.optim.Adafactor, dict()),
-    (lo.Adafactor, torch.optim.Adafactor, dict(lr=3e-2, weight_decay=0.1, d=2.0, maximize=True)),
-])
-def test_fp32_matches_torch_optim_over_100_steps(ours, theirs, kw, backend):
-    a, b = _params(), _params()
-    _run(ours(a, backend=backend, chunk_size=64, **kw), a, 100)
-    _run(theirs(b, **kw), b, 100)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
-
-
 def _lion_reference(w, grads, lr, betas, wd):
     m = torch.zeros_like(w)
     for g in grads:

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lowp.optim.base import LowpOptimizer, check_betas, check_nonnegative
+from lowp.optim.base import TwoMomentOptimizer
 
 __all__ = ["AdamW", "adamw_update"]
 
@@ -42,7 +42,7 @@ def adamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     return updates
 
 
-class AdamW(LowpOptimizer):
+class AdamW(TwoMomentOptimizer):
     """AdamW with bf16/fp16 weights compensated per :mod:`lowp.optim.writeback` mode.
 
     ``AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
@@ -55,11 +55,6 @@ class AdamW(LowpOptimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **options: Any) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad),
                          **options)
-
-    def validate(self, group: dict[str, Any]) -> None:
-        check_betas(group["betas"])
-        check_nonnegative("eps", group["eps"])
-        check_nonnegative("weight_decay", group["weight_decay"])
 
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")

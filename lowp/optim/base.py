@@ -26,7 +26,7 @@ from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
 from lowp.optim.writeback import MODES, WriteBack, get_mode, resolve_mode
 
-__all__ = ["LowpOptimizer", "NONFINITE_POLICIES", "check_betas", "check_nonnegative"]
+__all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "check_betas", "check_nonnegative"]
 
 NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -289,3 +289,16 @@ class LowpOptimizer(torch.optim.Optimizer):
         self._generators = {}
         for d, rng in extra.get("generators", {}).items():
             self.generator(torch.device(d)).set_state(rng)
+
+
+class TwoMomentOptimizer(LowpOptimizer):
+    """Checks and states shared by the Adam family: ``betas``, ``eps``, ``weight_decay``;
+    states ``exp_avg`` and ``exp_avg_sq``."""
+
+    def validate(self, group: dict[str, Any]) -> None:
+        check_betas(group["betas"])
+        check_nonnegative("eps", group["eps"])
+        check_nonnegative("weight_decay", group["weight_decay"])
+
+    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")

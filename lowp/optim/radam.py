@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lowp.optim.base import LowpOptimizer, check_betas, check_nonnegative
+from lowp.optim.base import TwoMomentOptimizer
 
 __all__ = ["RAdam", "radam_update"]
 
@@ -45,7 +45,7 @@ def radam_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     return updates
 
 
-class RAdam(LowpOptimizer):
+class RAdam(TwoMomentOptimizer):
     """``RAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
     decoupled_weight_decay=False, ...)``."""
 
@@ -54,14 +54,6 @@ class RAdam(LowpOptimizer):
                  **options: Any) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       decoupled_weight_decay=decoupled_weight_decay), **options)
-
-    def validate(self, group: dict[str, Any]) -> None:
-        check_betas(group["betas"])
-        check_nonnegative("eps", group["eps"])
-        check_nonnegative("weight_decay", group["weight_decay"])
-
-    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")
 
     def update(self, group, weights, grads, states, step):
         return radam_update(weights, grads, states["exp_avg"], states["exp_avg_sq"], step=step, lr=float(group["lr"]),

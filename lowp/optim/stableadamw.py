@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lowp.optim.base import LowpOptimizer, check_betas, check_nonnegative
+from lowp.optim.base import TwoMomentOptimizer
 
 __all__ = ["StableAdamW", "stableadamw_update"]
 
@@ -43,7 +43,7 @@ def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], e
     return updates
 
 
-class StableAdamW(LowpOptimizer):
+class StableAdamW(TwoMomentOptimizer):
     """``StableAdamW(params, lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=1e-2, ...)``."""
 
     elementwise = False
@@ -51,14 +51,6 @@ class StableAdamW(LowpOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
                  eps: float = 1e-6, weight_decay: float = 1e-2, **options: Any) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), **options)
-
-    def validate(self, group: dict[str, Any]) -> None:
-        check_betas(group["betas"])
-        check_nonnegative("eps", group["eps"])
-        check_nonnegative("weight_decay", group["weight_decay"])
-
-    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")
 
     def update(self, group, weights, grads, states, step):
         return stableadamw_update(weights, grads, states["exp_avg"], states["exp_avg_sq"], step=step,
