@@ -232,11 +232,11 @@ class LowpOptimizer(torch.optim.Optimizer):
         names = list(batch[0].states)
         states = {n: [working_copy(s.states[n]) for s in batch] for n in names}
         updates = self.update(group, weights, grads, states, ctx.step)
-        for n in names:
-            for s, src in zip(batch, states[n]):
-                store(s.states[n], src, group["state_rounding"], ctx.generator)
-        counts = [mode.apply(s.param, w, u, s.buffer, ctx.generator, ctx.count)
-                  for s, w, u in zip(batch, weights, updates)]
+        counts = []
+        for i, s in enumerate(batch):   # slice by slice: random draws in the same order for any batching
+            for n in names:
+                store(s.states[n], states[n][i], group["state_rounding"], ctx.generator)
+            counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, ctx.generator, ctx.count))
         return torch.stack(counts).sum() if ctx.count else None
 
     # ---- diagnostics ----------------------------------------------------------------------
