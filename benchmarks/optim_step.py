@@ -2,7 +2,8 @@
 (fp32 foreach, fp32 fused, bf16 foreach) and optimi's AdamW (when installed), measured in the
 same run on the same tensors.
 
-Prints, per configuration: parameters/second (median over timed steps), bytes/parameter of
+Prints, per configuration: parameters/second (median over timed steps, configurations
+interleaved step by step so that load changes on a shared machine hit all alike), bytes/parameter of
 weights + gradients + optimizer state, and the peak extra memory a step allocates (from
 torch.profiler's CPU memory events: the running sum of allocations minus frees during one
 step), in bytes/parameter and MiB.
@@ -48,8 +49,12 @@ def _configs(has_optimi: bool) -> dict[str, tuple[torch.dtype, Callable]]:
     }
     for mode in lo.MODES:
         configs[f"lowp AdamW bf16 {mode}"] = (torch.bfloat16, lambda p, m=mode: lo.AdamW(p, mode=m, **kw))
-    configs["lowp AdamW bf16 kahan, fp32 states"] = (
-        torch.bfloat16, lambda p: lo.AdamW(p, mode="kahan", state_dtype=torch.float32, **kw))
+    variants = {"fp32 states": dict(state_dtype=torch.float32),
+                "states rounded to nearest": dict(state_rounding="nearest"),
+                "no diagnostics, no finite check": dict(diagnostics=False, nonfinite="off")}
+    for label, extra in variants.items():
+        configs[f"lowp AdamW bf16 kahan, {label}"] = (
+            torch.bfloat16, lambda p, e=extra: lo.AdamW(p, mode="kahan", **e, **kw))
     if has_optimi:
         import optimi
         configs["optimi AdamW bf16 kahan"] = (torch.bfloat16, lambda p: optimi.AdamW(p, foreach=True, **kw))
@@ -93,23 +98,27 @@ def main() -> None:
     configs = _configs(has_optimi)
     if args.only:
         configs = {k: v for k, v in configs.items() if any(s in k for s in args.only.split(","))}
-    rows, rates = [], {}
+    built = {}
     for name, (dtype, make) in configs.items():
         params = _make(args.numel, args.tensors, dtype)
-        n = sum(p.numel() for p in params)
         opt = make(params)
         opt.step()                                         # creates the state
         with tempfile.TemporaryDirectory() as tmp:
             peak = _peak_extra_bytes(opt, Path(tmp) / "trace.json")
-        times = []
-        for _ in range(args.steps):
+        built[name] = (params, opt, peak)
+    # interleaved rounds: a load change on a shared machine hits every configuration alike
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for _ in range(args.steps):
+        for name, (_, opt, _) in built.items():
             t0 = time.perf_counter()
             opt.step()
-            times.append(time.perf_counter() - t0)
-        rates[name] = n / statistics.median(times)
+            times[name].append(time.perf_counter() - t0)
+    rows, rates = [], {}
+    for name, (params, opt, peak) in built.items():
+        n = sum(p.numel() for p in params)
+        rates[name] = n / statistics.median(times[name])
         held = sum(p.numel() * p.element_size() * 2 for p in params) + _state_bytes(opt)   # weights + grads
         rows.append([name, f"{rates[name] / 1e6:.1f}", f"{held / n:.1f}", f"{peak / n:.2f}", f"{peak / 2**20:.1f}"])
-        del opt, params
     base = rates.get("torch AdamW fp32 fused")
     for row in rows:
         row.append(f"{rates[row[0]] / base:.2f}x" if base else "-")

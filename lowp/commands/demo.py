@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
              f"{r.bytes_per_param:.1f}", f"{r.seconds:.0f}", f"{100 * r.stalled_fraction:.1f}"] for r in results]
     print(text_table(headers, rows))
     print("bytes/param: weights + gradients + optimizer states (AdamW moments, Kahan compensation).\n"
-          "stalled %: elements of the last step whose stored weight did not move although the update was non-zero.\n"
+          "stalled %: elements whose stored weight did not move in the last step (the update was rounded away).\n"
           "Layers compute in fp32; weights, gradients and states are stored in the run's dtype.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
