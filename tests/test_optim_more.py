@@ -72,17 +72,18 @@ def test_fp32_matches_an_fp64_transcription_of_the_paper(cls, reference, kw):
     torch.testing.assert_close(p.detach().double(), expected, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("cls", [lo.Lion, lo.RAdam, lo.StableAdamW, lo.Adafactor])
+@pytest.mark.parametrize("cls", [lo.Lion, lo.RAdam, lo.StableAdamW, lo.Adafactor, lo.SGD, lo.Adam])
 @pytest.mark.parametrize("mode", ["kahan", "exact", "stochastic"])
 def test_bf16_modes_resume_bit_identically(cls, mode):
     a = _params(torch.bfloat16)
-    opt_a = cls(a, mode=mode, seed=3)
+    kw = dict(momentum=0.9) if cls is lo.SGD else {}
+    opt_a = cls(a, mode=mode, seed=3, **kw)
     _run(opt_a, a, 4, torch.bfloat16)
     saved_params = [p.detach().clone() for p in a]
     saved = copy.deepcopy(opt_a.state_dict())
     _run(opt_a, a, 4, torch.bfloat16, start=4)
     b = [p.clone().requires_grad_() for p in saved_params]
-    opt_b = cls(b, mode=mode)
+    opt_b = cls(b, mode=mode, **kw)
     opt_b.load_state_dict(saved)
     _run(opt_b, b, 4, torch.bfloat16, start=4)
     for x, y in zip(a, b):
