@@ -65,3 +65,14 @@ def test_fp32_checkpoint_moves_into_bf16_and_back(mode):
     assert sd["fc.weight"].dtype == torch.float32 and torch.equal(sd["fc.weight"], held[0])
     with pytest.raises(ValueError, match="weights"):
         load_full_precision(opt, masters[:1])
+
+
+def test_auto_mode_is_chosen_per_tensor_kahan_for_bf16_plain_for_fp32():
+    net = cast_model(_Net(), torch.bfloat16)
+    opt = lo.AdamW(net.parameters(), lr=1e-3)
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert "compensation" in opt.state[net.fc.weight] and opt.state[net.fc.weight]["exp_avg"].dtype == torch.bfloat16
+    assert "compensation" not in opt.state[net.norm.weight]
+    assert opt.state[net.norm.weight]["exp_avg"].dtype == torch.float32
