@@ -42,13 +42,15 @@ __all__ = ["WriteBack", "MODES", "get_mode", "resolve_mode", "LOW_PRECISION"]
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ALL = (torch.float64, torch.float32, *LOW_PRECISION)
 _HALF = 1 << 15
-_LOW_16 = 0xFFFF
+
+
+def _unmoved(change: torch.Tensor) -> torch.Tensor:
+    """Elements whose stored weight did not change (update rounded away, or exactly zero)."""
+    return change.numel() - torch.count_nonzero(change)
 
 
 def _stalled(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Elements whose stored weight ``p`` equals the old weight ``w`` (one subtraction and a
-    count; elements whose update was exactly zero count too)."""
-    return p.numel() - torch.count_nonzero(torch.sub(p, w))
+    return _unmoved(torch.sub(p, w))
 
 
 def _no_buffer(p: torch.Tensor) -> None:
@@ -80,7 +82,7 @@ def _apply_kahan(p, w, u, k, generator, count):
     change = torch.add(w, u)
     p.copy_(change)                # theta' = rn(theta + v)
     change.copy_(p).sub_(w)        # theta' - theta, exact
-    stalled = change.numel() - torch.count_nonzero(change) if count else None
+    stalled = _unmoved(change) if count else None
     k.copy_(u.sub_(change))        # k' = v - (theta' - theta)
     return stalled
 
