@@ -65,8 +65,8 @@ def test_demo_command_rejects_unknown_runs(tmp_path, capsys):
 @pytest.mark.slow
 def test_full_demo_bf16_kahan_matches_fp32_and_nearest_is_worse(tmp_path):
     """Default settings (seed 0): bf16 + kahan no more than 0.5% above fp32's validation loss,
-    bf16 + nearest more than 1% above bf16 + kahan. docs/optimizers.md has the numbers of two
-    seeds: the seed-to-seed spread at this scale is about 0.5%."""
+    bf16 + nearest more than 1% above bf16 + kahan. docs/optimizers.md has the numbers of other
+    seeds and step counts: the seed-to-seed spread at this scale is about 0.5%."""
     assert main(["demo", "--out", str(tmp_path)]) == 0
     rows = {r[0]: float(r[1]) for r in list(csv.reader((tmp_path / "demo.csv").open()))[1:]}
     assert rows["bf16-kahan"] / rows["fp32"] - 1 < 0.005, rows

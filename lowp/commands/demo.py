@@ -11,7 +11,7 @@ DEFAULT_RUNS = "fp32,bf16-nearest,bf16-kahan,bf16-stochastic"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=1000, help="training steps per run (default 1000)")
+    parser.add_argument("--steps", type=int, default=700, help="training steps per run (default 700)")
     parser.add_argument("--modes", default=DEFAULT_RUNS,
                         help=f"comma-separated runs from fp32, bf16-nearest, bf16-kahan, bf16-stochastic, "
                              f"bf16-exact (default {DEFAULT_RUNS})")

@@ -41,7 +41,7 @@ class DemoConfig:
     layers: int = 2
     heads: int = 4
     # AdamW with linear warm-up and cosine decay to min_lr_ratio * lr
-    steps: int = 1000
+    steps: int = 700
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 50
