@@ -12,7 +12,6 @@ The RMS is per tensor, so parameters are never cut into chunks.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
