@@ -34,20 +34,17 @@ RUNS: dict[str, tuple[torch.dtype, str]] = {
 class DemoConfig:
     """Defaults: the settings measured in docs/optimizers.md."""
 
-    # data and model
-    batch_size: int = 16
+    batch_size: int = 16          # sequences of seq_len bytes per step
     seq_len: int = 64
-    dim: int = 96
+    dim: int = 96                 # transformer width, depth and heads
     layers: int = 2
     heads: int = 4
-    # AdamW with linear warm-up and cosine decay to min_lr_ratio * lr
-    steps: int = 700
+    steps: int = 700              # AdamW: linear warm-up, then cosine decay to min_lr_ratio * lr
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 50
-    weight_decay: float = 0.1
-    # evaluation and the rest
-    eval_every: int = 50
+    weight_decay: float = 0.1     # decoupled, on matrices only
+    eval_every: int = 50          # curve points on eval_batches validation batches
     eval_batches: int = 8
     seed: int = 0
     keep_norms_fp32: bool = False
