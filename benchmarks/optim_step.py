@@ -1,0 +1,132 @@
+"""Optimizer-step throughput and memory: lowp AdamW in every mode against torch.optim.AdamW
+(fp32 foreach, fp32 fused, bf16 foreach) and optimi's AdamW (when installed), measured in the
+same run on the same tensors.
+
+Prints, per configuration: parameters/second (median over timed steps, configurations
+interleaved step by step so that load changes on a shared machine hit all alike), bytes/parameter of
+weights + gradients + optimizer state, and the peak extra memory a step allocates (from
+torch.profiler's CPU memory events: the running sum of allocations minus frees during one
+step), in bytes/parameter and MiB.
+
+    python benchmarks/optim_step.py [--numel 8000000] [--tensors 8] [--steps 5] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import lowp.optim as lo
+from lowp.report import text_table
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
+
+
+def _make(numel: int, tensors: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    size = numel // tensors
+    params = []
+    for _ in range(tensors):
+        p = (torch.randn(size, generator=gen) * 0.02).to(dtype).requires_grad_()
+        p.grad = (torch.randn(size, generator=gen) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def _configs(has_optimi: bool) -> dict[str, tuple[torch.dtype, Callable]]:
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    configs = {
+        "torch AdamW fp32 foreach": (torch.float32, lambda p: torch.optim.AdamW(p, foreach=True, **kw)),
+        "torch AdamW fp32 fused": (torch.float32, lambda p: torch.optim.AdamW(p, fused=True, **kw)),
+        "torch AdamW bf16 foreach": (torch.bfloat16, lambda p: torch.optim.AdamW(p, foreach=True, **kw)),
+        "lowp AdamW fp32": (torch.float32, lambda p: lo.AdamW(p, **kw)),
+    }
+    for mode in lo.MODES:
+        configs[f"lowp AdamW bf16 {mode}"] = (torch.bfloat16, lambda p, m=mode: lo.AdamW(p, mode=m, **kw))
+    variants = {"fp32 states": dict(state_dtype=torch.float32),
+                "states rounded to nearest": dict(state_rounding="nearest"),
+                "no diagnostics, no finite check": dict(diagnostics=False, nonfinite="off")}
+    for label, extra in variants.items():
+        configs[f"lowp AdamW bf16 kahan, {label}"] = (
+            torch.bfloat16, lambda p, e=extra: lo.AdamW(p, mode="kahan", **e, **kw))
+    if has_optimi:
+        import optimi
+        configs["optimi AdamW bf16 kahan"] = (torch.bfloat16, lambda p: optimi.AdamW(p, foreach=True, **kw))
+    return configs
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _peak_extra_bytes(opt: torch.optim.Optimizer, trace: Path) -> int:
+    """Peak of (allocated - freed) CPU bytes during one step, from the profiler's memory events
+    (the ``[memory]`` instant events of its trace, in time order)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    running = peak = 0
+    for e in sorted(events, key=lambda e: e["ts"]):
+        running += e["args"]["Bytes"]
+        peak = max(peak, running)
+    return peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=int, default=8_000_000)
+    ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--only", default=None, help="comma-separated substrings of configuration names")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        import optimi  # noqa: F401
+        has_optimi = True
+    except ImportError:
+        has_optimi = False
+    configs = _configs(has_optimi)
+    if args.only:
+        configs = {k: v for k, v in configs.items() if any(s in k for s in args.only.split(","))}
+    built = {}
+    for name, (dtype, make) in configs.items():
+        params = _make(args.numel, args.tensors, dtype)
+        opt = make(params)
+        opt.step()                                         # creates the state
+        with tempfile.TemporaryDirectory() as tmp:
+            peak = _peak_extra_bytes(opt, Path(tmp) / "trace.json")
+        built[name] = (params, opt, peak)
+    # interleaved rounds: a load change on a shared machine hits every configuration alike
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for _ in range(args.steps):
+        for name, (_, opt, _) in built.items():
+            t0 = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t0)
+    rows, rates = [], {}
+    for name, (params, opt, peak) in built.items():
+        n = sum(p.numel() for p in params)
+        rates[name] = n / statistics.median(times[name])
+        held = sum(p.numel() * p.element_size() * 2 for p in params) + _state_bytes(opt)   # weights + grads
+        rows.append([name, f"{rates[name] / 1e6:.1f}", f"{held / n:.1f}", f"{peak / n:.2f}", f"{peak / 2**20:.1f}"])
+    base = rates.get("torch AdamW fp32 fused")
+    for row in rows:
+        row.append(f"{rates[row[0]] / base:.2f}x" if base else "-")
+    print(f"AdamW step, {args.numel:,} parameters in {args.tensors} tensors, {torch.get_num_threads()} thread(s), "
+          f"torch {torch.__version__}" + ("" if has_optimi else "; optimi not installed (pip install torch-optimi)"))
+    print(text_table(["configuration", "Mparams/s", "bytes/param", "peak extra B/param", "peak extra MiB",
+                      "vs torch fused fp32"], rows))
+
+
+if __name__ == "__main__":
+    main()

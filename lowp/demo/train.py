@@ -1,0 +1,120 @@
+"""Train :class:`~lowp.demo.model.CharLM` once per precision setting and record the losses.
+
+Every run starts from the same fp32 initialisation (cast to the run's weight dtype), sees the
+same batches and uses AdamW with linear warm-up and cosine decay; only the storage precision of
+weights, gradients and states and the update mode differ.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from lowp.demo.data import TextData
+from lowp.demo.model import CharLM
+from lowp.optim import AdamW
+from lowp.optim.convert import KEEP_FP32_TYPES, cast_model
+
+__all__ = ["RUNS", "DemoConfig", "RunResult", "train_run", "evaluate", "bytes_per_param"]
+
+#: run name -> (weight dtype, update mode)
+RUNS: dict[str, tuple[torch.dtype, str]] = {
+    "fp32": (torch.float32, "nearest"),
+    "bf16-nearest": (torch.bfloat16, "nearest"),
+    "bf16-kahan": (torch.bfloat16, "kahan"),
+    "bf16-stochastic": (torch.bfloat16, "stochastic"),
+    "bf16-exact": (torch.bfloat16, "exact"),
+}
+
+
+@dataclass
+class DemoConfig:
+    """Defaults: the settings measured in docs/optimizers.md."""
+
+    batch_size: int = 16          # sequences of seq_len bytes per step
+    seq_len: int = 64
+    dim: int = 96                 # transformer width, depth and heads
+    layers: int = 2
+    heads: int = 4
+    steps: int = 700              # AdamW: linear warm-up, then cosine decay to min_lr_ratio * lr
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.1     # decoupled, on matrices only
+    eval_every: int = 50          # curve points on eval_batches validation batches
+    eval_batches: int = 8
+    seed: int = 0
+    keep_norms_fp32: bool = False
+
+
+@dataclass
+class RunResult:
+    name: str
+    val_loss: float
+    bytes_per_param: float
+    seconds: float
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    stalled_fraction: float = 0.0
+
+
+def _lr_at(step: int, cfg: DemoConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(model: CharLM, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean next-byte cross-entropy (nats) over ``batches``."""
+    total, count = 0.0, 0
+    for x, y in batches:
+        total += float(F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum"))
+        count += y.numel()
+    return total / count
+
+
+def bytes_per_param(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Bytes of weights + gradients + optimizer-state tensors per parameter."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(p.numel() * p.element_size() for p in params)   # a gradient has its weight's dtype
+    states = sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor))
+    return (weights + grads + states) / n
+
+
+def train_run(name: str, data: TextData, cfg: DemoConfig, progress=None) -> RunResult:
+    """Train one run; ``progress`` (a tqdm bar or ``None``) is advanced once per step."""
+    dtype, mode = RUNS[name]
+    torch.manual_seed(cfg.seed)
+    model = CharLM(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq_len=cfg.seq_len)
+    if dtype != torch.float32:
+        cast_model(model, dtype, keep_types=KEEP_FP32_TYPES if cfg.keep_norms_fp32 else (), keep_names=())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "pos"]
+    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "pos")]
+    opt = AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.99),
+                weight_decay=cfg.weight_decay, mode=mode, seed=cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    val = data.val_batches(64, cfg.seq_len)
+    curve, stalled, start = [], [], time.perf_counter()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        x, y = data.batch(cfg.batch_size, cfg.seq_len, gen)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            curve.append((step + 1, evaluate(model, val[: cfg.eval_batches])))
+            stalled.append(opt.diagnostics()[0]["stalled_fraction"])
+        if progress is not None:
+            progress.update(1)
+    seconds = time.perf_counter() - start
+    return RunResult(name, evaluate(model, val), bytes_per_param(model, opt), seconds, curve,
+                     stalled[-1])

@@ -1,0 +1,93 @@
+"""Adafactor (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
+2018) with the conventions and defaults of ``torch.optim.Adafactor`` (lr=1e-2,
+beta2_decay=-0.8, eps=(None, 1e-3), d=1, no first moment). For a matrix gradient the second
+moment is factored into row and column means ``R`` and ``C`` (memory ``rows + cols``)::
+
+    beta2_t = 1 - t**beta2_decay;   R = lerp(R, mean_cols(g**2), 1 - beta2_t);  C likewise
+    V = R C / mean(R);   U = g / sqrt(max(V, eps1**2))
+    alpha = max(eps2, RMS(theta)) * min(lr, 1/sqrt(t))
+    u = -alpha * U / max(1, RMS(U) / d) - lr * weight_decay * theta
+
+``eps1=None`` means fp32's machine epsilon (the compute dtype). Factoring needs whole tensors,
+so parameters are never cut into chunks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from lowp.optim.base import LowpOptimizer, check_nonnegative
+
+__all__ = ["Adafactor", "adafactor_update"]
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.norm(2)) / math.sqrt(t.numel()) if t.numel() else 0.0
+
+
+def adafactor_update(weight: torch.Tensor, grad: torch.Tensor, factors: dict[str, torch.Tensor], *, step: int,
+                     lr: float, beta2_decay: float, eps1: float, eps2: float, d: float,
+                     weight_decay: float) -> torch.Tensor:
+    """Functional Adafactor for one fp32 tensor: updates ``factors`` (``row_var`` and ``col_var``,
+    or ``variance`` for vectors) in place, returns ``u``."""
+    one_minus_beta2_t = step ** beta2_decay
+    alpha = max(eps2, _rms(weight)) * min(lr, 1 / math.sqrt(step))
+    if grad.dim() > 1:
+        row_var, col_var = factors["row_var"], factors["col_var"]
+        row_var.lerp_(grad.norm(dim=-1, keepdim=True).square_().div_(grad.size(-1)), one_minus_beta2_t)
+        col_var.lerp_(grad.norm(dim=-2, keepdim=True).square_().div_(grad.size(-2)), one_minus_beta2_t)
+        var_estimate = (row_var @ col_var).div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+    else:
+        factors["variance"].lerp_(grad * grad, one_minus_beta2_t)
+        var_estimate = factors["variance"].clone()
+    update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
+    update.mul_(-alpha / max(1.0, _rms(update) / d))
+    if weight_decay:
+        update.add_(weight, alpha=-lr * weight_decay)
+    return update
+
+
+class Adafactor(LowpOptimizer):
+    """``Adafactor(params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0, ...)``."""
+
+    elementwise = False
+
+    def __init__(self, params: Iterable, lr: float = 1e-2, beta2_decay: float = -0.8,
+                 eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,
+                 **options: Any) -> None:
+        super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay),
+                         **options)
+
+    def validate(self, group: dict[str, Any]) -> None:
+        if not isinstance(group["beta2_decay"], (int, float)) or group["beta2_decay"] > 0:
+            raise ValueError(f"beta2_decay: expected a number <= 0, got {group['beta2_decay']!r}")
+        eps = group["eps"]
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise ValueError(f"eps: expected a pair (eps1 or None, eps2), got {eps!r}")
+        if eps[0] is not None:
+            check_nonnegative("eps[0]", eps[0])
+        check_nonnegative("eps[1]", eps[1])
+        if not isinstance(group["d"], (int, float)) or not group["d"] >= 1:
+            raise ValueError(f"d: expected a clipping threshold >= 1, got {group['d']!r}")
+        check_nonnegative("weight_decay", group["weight_decay"])
+
+    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+        return ("row_var", "col_var") if param.dim() > 1 else ("variance",)
+
+    def state_shape(self, name: str, param: torch.Tensor) -> torch.Size:
+        shape = list(param.shape)
+        if name == "row_var":
+            shape[-1] = 1
+        elif name == "col_var":
+            shape[-2] = 1
+        return torch.Size(shape)
+
+    def update(self, group, weights, grads, states, step):
+        eps1, eps2 = group["eps"]
+        eps1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
+        return [adafactor_update(w, g, {k: v[i] for k, v in states.items()}, step=step, lr=float(group["lr"]),
+                                 beta2_decay=group["beta2_decay"], eps1=eps1, eps2=eps2, d=group["d"],
+                                 weight_decay=group["weight_decay"])
+                for i, (w, g) in enumerate(zip(weights, grads))]

@@ -1,0 +1,149 @@
+"""Backends: how one optimizer step is executed over the parameters of a group.
+
+The optimizer (``update``) says *what* the new weights are, a :mod:`write-back mode
+<lowp.optim.writeback>` says *how they are stored*; a backend decides *how the work is run*:
+which tensors go together into one batch and which code executes the batch.
+
+Every backend receives :class:`ParamSlice` objects (one parameter with its gradient, states and
+mode buffer) that share a :class:`StepContext` (group, mode, step number, ...), and returns the
+number of stalled elements. The reference pipeline for one batch is
+:meth:`lowp.optim.base.LowpOptimizer.apply_batch`; a backend may call it (``eager``,
+``foreach``), compile it, or replace it with a kernel of its own for the optimizers and modes it
+knows, falling back to ``apply_batch`` for the others.
+
+Temporaries are bounded by design: elementwise optimizers see parameters cut into flat chunks
+of at most ``chunk_size`` elements, so a step allocates a few fp32 copies of one chunk, never of
+the whole model.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
+
+import torch
+
+from lowp.optim.writeback import WriteBack
+
+if TYPE_CHECKING:
+    from lowp.optim.base import LowpOptimizer
+
+__all__ = ["ParamSlice", "StepContext", "Backend", "EagerBackend", "ForeachBackend", "register_backend",
+           "get_backend", "BACKENDS"]
+
+
+@dataclass
+class ParamSlice:
+    """One parameter (or a flat chunk of it) with everything its update touches.
+
+    ``states`` maps state names to tensors (possibly of other dtypes than ``param``);
+    ``buffer`` is the mode's compensation/remainder (``None`` for nearest/stochastic).
+    """
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffer: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def chunks(self, size: int) -> list["ParamSlice"]:
+        """Flat views of at most ``size`` elements (the slice itself when it is small or not
+        contiguous). Writing through a chunk writes the parameter and its states."""
+        tensors = [self.param, *self.states.values(), *([self.buffer] if self.buffer is not None else [])]
+        if self.numel <= size or not all(t.is_contiguous() and t.shape == self.param.shape for t in tensors):
+            return [self]
+        grad = self.grad.reshape(-1).split(size)
+        states = {k: v.view(-1).split(size) for k, v in self.states.items()}
+        buffer = self.buffer.view(-1).split(size) if self.buffer is not None else None
+        return [ParamSlice(p, grad[i], {k: v[i] for k, v in states.items()}, buffer[i] if buffer else None)
+                for i, p in enumerate(self.param.view(-1).split(size))]
+
+
+@dataclass
+class StepContext:
+    """What all slices of one backend call share.
+
+    ``inv_scale`` unscales gradients (from :class:`torch.amp.GradScaler`), ``count`` asks the
+    write-back for the stalled-element count, ``generator`` drives stochastic rounding.
+    """
+
+    group: dict[str, Any]
+    mode: WriteBack
+    step: int
+    inv_scale: float | None = None
+    generator: torch.Generator | None = None
+    count: bool = True
+
+
+class Backend(ABC):
+    """Runs one step over a list of slices. Subclasses set ``name`` and implement ``run``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, chunk_size: int = 1 << 17) -> None:
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+
+    @abstractmethod
+    def run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """Apply the step to every slice; return the stalled-element count (or ``None``)."""
+
+    def pieces(self, optimizer: "LowpOptimizer", slices: list[ParamSlice]) -> Iterator[ParamSlice]:
+        """The slices, cut into chunks when the optimizer's update is elementwise."""
+        for s in slices:
+            yield from (s.chunks(self.chunk_size) if optimizer.elementwise else [s])
+
+
+def _total(counts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    counts = [c for c in counts if c is not None]
+    return torch.stack(counts).sum() if counts else None
+
+
+class EagerBackend(Backend):
+    """One tensor (chunk) at a time: the simplest path and the smallest temporaries."""
+
+    name = "eager"
+
+    def run(self, optimizer, ctx, slices):
+        return _total([optimizer.apply_batch(ctx, [piece]) for piece in self.pieces(optimizer, slices)])
+
+
+class ForeachBackend(Backend):
+    """Packs chunks into batches of about ``chunk_size`` elements and runs each batch with
+    ``torch._foreach_*`` ops (one multi-tensor kernel per op on GPU, fewer dispatches on CPU)."""
+
+    name = "foreach"
+
+    def run(self, optimizer, ctx, slices):
+        return _total([optimizer.apply_batch(ctx, batch) for batch in self.batches(optimizer, slices)])
+
+    def batches(self, optimizer, slices) -> Iterator[list[ParamSlice]]:
+        batch: list[ParamSlice] = []
+        size = 0
+        for piece in self.pieces(optimizer, slices):
+            if batch and size + piece.numel > self.chunk_size:
+                yield batch
+                batch, size = [], 0
+            batch.append(piece)
+            size += piece.numel
+        if batch:
+            yield batch
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"eager": EagerBackend, "foreach": ForeachBackend}
+
+
+def register_backend(name: str, factory: Callable[..., Backend]) -> None:
+    """Make ``backend=name`` available to every lowp optimizer (e.g. a compiled or Triton backend)."""
+    BACKENDS[name] = factory
+
+
+def get_backend(name: str, chunk_size: int = 1 << 17) -> Backend:
+    """A new backend instance by name; a clear error for an unknown one."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend: unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    return BACKENDS[name](chunk_size=chunk_size)

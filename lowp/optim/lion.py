@@ -1,0 +1,47 @@
+"""Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023), the paper's
+defaults (lr=1e-4, betas=(0.9, 0.99), weight_decay=0)::
+
+    u = -lr * (sign(beta1 * m + (1 - beta1) * g) + weight_decay * theta)
+    m = beta2 * m + (1 - beta2) * g
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from lowp.optim.base import LowpOptimizer, check_betas, check_nonnegative
+
+__all__ = ["Lion", "lion_update"]
+
+
+def lion_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], *,
+                lr: float, betas: tuple[float, float], weight_decay: float) -> list[torch.Tensor]:
+    """Functional Lion on fp32 lists: updates the momentum in place, returns ``u``."""
+    beta1, beta2 = betas
+    updates = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
+    torch._foreach_sign_(updates)
+    if weight_decay:
+        torch._foreach_add_(updates, weights, alpha=weight_decay)
+    torch._foreach_mul_(updates, -lr)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)
+    return updates
+
+
+class Lion(LowpOptimizer):
+    """``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, ...)``."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, **options: Any) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), **options)
+
+    def validate(self, group: dict[str, Any]) -> None:
+        check_betas(group["betas"])
+        check_nonnegative("weight_decay", group["weight_decay"])
+
+    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+        return ("exp_avg",)
+
+    def update(self, group, weights, grads, states, step):
+        return lion_update(weights, grads, states["exp_avg"], lr=float(group["lr"]), betas=group["betas"],
+                           weight_decay=group["weight_decay"])

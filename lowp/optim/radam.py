@@ -1,0 +1,61 @@
+"""RAdam (Liu et al., "On the Variance of the Adaptive Learning Rate and Beyond", 2020) with the
+defaults of ``torch.optim.RAdam``. With ``rho_inf = 2 / (1 - beta2) - 1`` and
+``rho_t = rho_inf - 2 t beta2**t / (1 - beta2**t)``, the adaptive step is used once ``rho_t > 5``::
+
+    r_t = sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t))
+    u = -lr * m_hat * r_t * sqrt(1 - beta2**t) / (sqrt(v) + eps)     (else u = -lr * m_hat)
+
+Weight decay is L2 (added to g) unless ``decoupled_weight_decay=True`` (then ``-lr*wd*theta``
+joins ``u``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from lowp.optim.base import TwoMomentOptimizer
+
+__all__ = ["RAdam", "radam_update"]
+
+
+def radam_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, decoupled_weight_decay: bool) -> list[torch.Tensor]:
+    """Functional RAdam on fp32 lists: updates the moments in place, returns ``u``."""
+    beta1, beta2 = betas
+    if weight_decay and not decoupled_weight_decay:
+        grads = torch._foreach_add(grads, weights, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    bias_correction2 = 1 - beta2 ** step
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * beta2 ** step / bias_correction2
+    updates = torch._foreach_mul(exp_avgs, -lr / (1 - beta1 ** step))
+    if rho_t > 5:
+        rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_div_(updates, denom)
+        torch._foreach_mul_(updates, rect * math.sqrt(bias_correction2))
+    if weight_decay and decoupled_weight_decay:
+        torch._foreach_add_(updates, weights, alpha=-lr * weight_decay)
+    return updates
+
+
+class RAdam(TwoMomentOptimizer):
+    """``RAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+    decoupled_weight_decay=False, ...)``."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
+                 **options: Any) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      decoupled_weight_decay=decoupled_weight_decay), **options)
+
+    def update(self, group, weights, grads, states, step):
+        return radam_update(weights, grads, states["exp_avg"], states["exp_avg_sq"], step=step, lr=float(group["lr"]),
+                            betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                            decoupled_weight_decay=group["decoupled_weight_decay"])

@@ -1,0 +1,54 @@
+"""SGD with momentum, dampening and Nesterov momentum, as ``torch.optim.SGD``::
+
+    d = g + weight_decay * theta
+    b = d (first step),  b = momentum * b + (1 - dampening) * d (later steps)
+    d = d + momentum * b (nesterov)  or  d = b
+    u = -lr * d
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from lowp.optim.base import LowpOptimizer, check_nonnegative
+
+__all__ = ["SGD", "sgd_update"]
+
+
+def sgd_update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor] | None,
+               *, step: int, lr: float, momentum: float, dampening: float, weight_decay: float,
+               nesterov: bool) -> list[torch.Tensor]:
+    """Functional SGD on fp32 lists: updates the momentum buffers in place, returns ``u``."""
+    d = torch._foreach_add(grads, weights, alpha=weight_decay) if weight_decay else grads
+    if momentum_buffers is not None:
+        if step == 1:
+            torch._foreach_copy_(momentum_buffers, d)
+        else:
+            torch._foreach_mul_(momentum_buffers, momentum)
+            torch._foreach_add_(momentum_buffers, d, alpha=1 - dampening)
+        d = torch._foreach_add(d, momentum_buffers, alpha=momentum) if nesterov else momentum_buffers
+    return torch._foreach_mul(d, -lr)
+
+
+class SGD(LowpOptimizer):
+    """``SGD(params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, ...)``."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, **options: Any) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov), **options)
+
+    def validate(self, group: dict[str, Any]) -> None:
+        for name in ("momentum", "dampening", "weight_decay"):
+            check_nonnegative(name, group[name])
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov: Nesterov momentum requires momentum > 0 and dampening = 0")
+
+    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] else ()
+
+    def update(self, group, weights, grads, states, step):
+        return sgd_update(weights, grads, states.get("momentum_buffer"), step=step, lr=float(group["lr"]),
+                          momentum=group["momentum"], dampening=group["dampening"],
+                          weight_decay=group["weight_decay"], nesterov=group["nesterov"])

@@ -1,0 +1,154 @@
+"""The four ways an fp32 update ``u`` is written back into a (low-precision) weight.
+
+Every optimizer hands over ``u``, the intended change of the weight for this step (decoupled
+weight decay included, so that it is compensated too), and one of these modes applies it:
+
+``nearest``
+    ``theta' = rn(theta + u)``. Plain low-precision training; an update below half an ulp of
+    the weight is lost. Used for fp32 parameters whatever the group's mode.
+``kahan``
+    Compensated update with a buffer ``k`` of the weight's dtype (Kahan 1965; Zamirai et al.,
+    "Revisiting BFloat16 Training", 2020; seed 001's equations)::
+
+        v = k + u;   theta' = rn(theta + v);   k' = v - (theta' - theta)
+
+    ``theta' - theta`` is exact (Sterbenz), so ``k'`` is exactly what rounding dropped, up to
+    the rounding of ``k'`` itself to the buffer dtype. ``theta + k`` carries about twice the
+    weight's precision (16 significant bits for bf16).
+``stochastic``
+    ``theta' = SR(theta + u)``: unbiased, ``E[theta'] = theta + u``, no extra memory.
+``exact``
+    bf16 weight plus an int16 remainder that hold an fp32 master weight exactly. With ``b``
+    the int32 bit pattern of the fp32 value, ``hi = (b + 2**15) >> 16`` (the weight, rounded to
+    nearest with ties away) and ``lo = b - hi * 2**16`` in ``[-2**15, 2**15)`` (the remainder), so
+    ``b = hi * 2**16 + lo`` exactly and the update is plain fp32 arithmetic.
+
+Each mode is a :class:`WriteBack` with three small functions over lists of tensors (a batch):
+``init_buffer`` (the mode's extra per-parameter tensor or ``None``), ``load`` (the fp32 weight
+the optimizer sees) and ``apply`` (write ``w + u`` back; returns the number of elements whose
+stored weight did not change, when asked).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lowp.optim.storage import store, working_copy
+
+__all__ = ["WriteBack", "MODES", "get_mode", "resolve_mode", "LOW_PRECISION"]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_ALL = (torch.float64, torch.float32, *LOW_PRECISION)
+_HALF = 1 << 15
+
+
+def _unmoved(change: torch.Tensor) -> torch.Tensor:
+    """Elements whose stored weight did not change (update rounded away, or exactly zero)."""
+    return change.numel() - torch.count_nonzero(change)
+
+
+def _stalled(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _unmoved(torch.sub(p, w))
+
+
+def _no_buffer(p: torch.Tensor) -> None:
+    return None
+
+
+def _plain_load(p: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    return working_copy(p)
+
+
+def _apply_nearest(p, w, u, buf, generator, count):
+    new = torch.add(w, u).to(p.dtype)
+    stalled = _stalled(new, w) if count else None
+    p.copy_(new)
+    return stalled
+
+
+def _apply_stochastic(p, w, u, buf, generator, count):
+    store(p, torch.add(w, u), "stochastic", generator)
+    return _stalled(p, w) if count else None
+
+
+def _kahan_buffer(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+
+def _apply_kahan(p, w, u, k, generator, count):
+    u.add_(k)                      # v = k + u
+    change = torch.add(w, u)
+    p.copy_(change)                # theta' = rn(theta + v)
+    change.copy_(p).sub_(w)        # theta' - theta, exact
+    stalled = _unmoved(change) if count else None
+    k.copy_(u.sub_(change))        # k' = v - (theta' - theta)
+    return stalled
+
+
+def _remainder_buffer(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+
+
+def _exact_load(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    bits = p.view(torch.int16).to(torch.int32).bitwise_left_shift_(16).add_(r)
+    return bits.view(torch.float32)
+
+
+def _apply_exact(p, w, u, r, generator, count):
+    bits = torch.add(w, u).view(torch.int32)
+    hi = torch.add(bits, _HALF).bitwise_right_shift_(16)
+    r.copy_(bits.sub_(hi.bitwise_left_shift(16)))
+    p.copy_(hi.to(torch.int16).view(torch.bfloat16))
+    return torch.zeros((), dtype=torch.int64, device=p.device) if count else None
+
+
+ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Generator | None", bool],
+                   "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class WriteBack:
+    """One update mode: the weight dtypes it supports, its buffer, how the fp32 weight is read
+    and how ``w + u`` is written back.
+
+    ``apply(p, w, u, buf, generator, count)`` may overwrite ``u``; it returns the number of
+    stalled elements (a 0-dim tensor) when ``count`` is true, else ``None``.
+    """
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    buffer_name: str | None
+    init_buffer: Callable[[torch.Tensor], "torch.Tensor | None"]
+    load: Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+    apply: ApplyFn
+
+
+MODES: dict[str, WriteBack] = {
+    "nearest": WriteBack("nearest", _ALL, None, _no_buffer, _plain_load, _apply_nearest),
+    "stochastic": WriteBack("stochastic", LOW_PRECISION, None, _no_buffer, _plain_load, _apply_stochastic),
+    "kahan": WriteBack("kahan", LOW_PRECISION, "compensation", _kahan_buffer, _plain_load, _apply_kahan),
+    "exact": WriteBack("exact", (torch.bfloat16,), "remainder", _remainder_buffer, _exact_load, _apply_exact),
+}
+
+
+def get_mode(name: str) -> WriteBack:
+    """The :class:`WriteBack` called ``name``; a clear error otherwise."""
+    try:
+        return MODES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"mode: unknown update mode {name!r}; expected 'auto' or one of "
+                         f"{', '.join(MODES)}") from None
+
+
+def resolve_mode(mode: str, param: torch.Tensor) -> WriteBack:
+    """The mode used for ``param``: fp32/fp64 weights are always updated plainly; ``auto`` is
+    ``kahan`` for bf16/fp16 weights."""
+    if param.dtype not in LOW_PRECISION:
+        return MODES["nearest"]
+    chosen = get_mode("kahan" if mode == "auto" else mode)
+    if param.dtype not in chosen.dtypes:
+        raise TypeError(f"mode: {chosen.name!r} does not support {param.dtype} parameters "
+                        f"(it needs one of {', '.join(str(d) for d in chosen.dtypes)})")
+    return chosen
