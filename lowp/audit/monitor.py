@@ -10,8 +10,8 @@ values that would **overflow** (round beyond the format's largest value), **unde
 Rounding thresholds for round-to-nearest-even, with ``u_top``/``u_low`` the spacing in the top
 and bottom binade: a magnitude overflows beyond ``max + u_top/2`` (the midpoint itself overflows
 when ``max`` has an odd last bit, as in IEEE formats, not in e4m3fn), underflows to zero at or
-below ``u_low/2`` (without subnormals: below ``min_normal - u_low/2``, everything that would
-round to a flushed value) and is subnormal between that and ``min_normal - u_low/2``. Saturating
+below ``u_low/2`` (without subnormals the neighbours of a tiny value are 0 and ``min_normal``,
+so at or below ``min_normal/2``, as :func:`lowp.rounding.quantize` rounds) and is subnormal between that and ``min_normal - u_low/2``. Saturating
 formats count overflow the same way: the values are clamped, not kept.
 
 Hooks exist only inside ``with PrecisionMonitor(model):`` (or between :meth:`attach` and
@@ -105,8 +105,8 @@ class PrecisionMonitor:
         # goes to the neighbour with an even last bit: ±max is odd in IEEE formats, even in e4m3fn).
         self._overflow_at = fmt.max + top_ulp / 2
         self._overflow_tie = int(fmt.max / top_ulp) % 2 == 1
-        self._underflow_at = low_ulp / 2 if fmt.subnormals else fmt.min_normal - low_ulp / 2
-        self._underflow_tie = fmt.subnormals  # 0 is even; without subnormals the tie goes up to min_normal
+        # the tie goes to 0 (even); without subnormals the neighbours are 0 and min_normal
+        self._underflow_at = (low_ulp if fmt.subnormals else fmt.min_normal) / 2
         self._normal_at = fmt.min_normal - low_ulp / 2  # the tie goes up to min_normal (even)
 
     # -- hooks ----------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class PrecisionMonitor:
         fa = torch.nan_to_num(a, nan=0.0, posinf=0.0)  # finite magnitudes, non-finite ones as 0
         nonzero = fa > 0
         over = _beyond(fa, self._overflow_at, self._overflow_tie)
-        under = nonzero & ~_beyond(fa, self._underflow_at, not self._underflow_tie)
+        under = nonzero & ~_beyond(fa, self._underflow_at, False)
         sub = nonzero & ~under & (fa < self._normal_at) if self.format.subnormals else torch.zeros_like(under)
         stats = torch.stack([torch.isnan(a).sum(), torch.isinf(a).sum(), over.sum(), under.sum(), sub.sum()]).double()
         extremes = torch.stack([fa.max(), torch.where(nonzero, fa, torch.full_like(fa, math.inf)).min()]).double()
