@@ -19,3 +19,4 @@ from lowp.optim.writeback import MODES
 __all__ = ["LowpOptimizer", "SGD", "Adam", "AdamW", "Lion", "RAdam", "StableAdamW", "Adafactor", "sgd_update",
            "adamw_update", "lion_update", "radam_update", "stableadamw_update", "adafactor_update", "Backend",
            "register_backend", "MODES"]
+import lowp.optim.kernels  # noqa: E402,F401  registers the "compiled" and "triton" backends

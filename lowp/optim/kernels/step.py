@@ -1,0 +1,88 @@
+"""One fused optimizer step on one flat parameter: load, rule, state stores, write-back.
+
+:func:`fused_step` composes an optimizer :class:`~lowp.optim.kernels.rules.Rule` with a
+write-back mode, written as plain tensor expressions that :func:`torch.compile` turns into a
+single loop (Inductor: vectorised C++ on CPU, Triton on CUDA). Nothing here allocates a
+full-size buffer once compiled; run eagerly it is a (slow) readable reference of the same math.
+
+Stochastic rounding draws its bits from a counter-based hash instead of a
+:class:`torch.Generator` (which compiled code cannot take): element ``i`` of stream ``s`` gets
+``hash32(i + keys[s])``, where the keys are drawn from the optimizer's generator once per step.
+The stream is therefore reproducible from the optimizer's seed and checkpoint, identical between
+the compiled and the Triton backends, but different from the eager path's ``torch.randint``
+stream (same distribution: uniform 16-bit integers).
+"""
+from __future__ import annotations
+
+import torch
+
+from lowp.optim.kernels.rules import Rule
+
+__all__ = ["fused_step", "hash32", "stochastic_bf16", "FUSED_MODES"]
+
+FUSED_MODES = ("nearest", "kahan", "stochastic", "exact")
+_MASK32 = 0xFFFFFFFF
+_LOW_16_BITS_CLEARED = -65536
+_HALF = 1 << 15
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (xor-shift-multiply, constants below 2**31 so int64 products never
+    overflow) on int64 values in [0, 2**32); the same function as ``_hash32`` in the Triton kernel."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def stochastic_bf16(x: torch.Tensor, index: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of fp32 ``x`` to bf16: add 16 random bits to the fp32 bit pattern and
+    truncate (see :mod:`lowp.optim.storage`)."""
+    noise = (hash32((index + key) & _MASK32) & 0xFFFF).to(torch.int32)
+    bits = (x.view(torch.int32) + noise) & _LOW_16_BITS_CLEARED
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+def _store_state(x: torch.Tensor, dtype: torch.dtype, stochastic: bool, index, key) -> torch.Tensor:
+    if stochastic and dtype == torch.bfloat16:
+        return stochastic_bf16(x, index, key)
+    return x.to(dtype)
+
+
+def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, ...], count: bool,
+               p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, states: list[torch.Tensor],
+               h: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """Update the flat tensors ``p``, ``buf`` and ``states`` in place; return the stalled count.
+
+    ``h[0]`` is the gradient factor (-1 for maximize, times the GradScaler's 1/scale), ``h[1:]``
+    the rule's numbers; ``keys = [index offset, weight key, state keys...]`` (int64).
+    """
+    n = p.shape[0]
+    index = torch.arange(n, device=p.device, dtype=torch.int64) + keys[0]
+    if mode == "exact":
+        bits = (p.view(torch.int16).to(torch.int32) << 16) + buf.to(torch.int32)
+        w = bits.view(torch.float32)
+    else:
+        w = p.float()
+    u, new_states = rule.fn(w, g.float() * h[0], [s.float() for s in states], h[1:], cfg)
+    for i, (s, x) in enumerate(zip(states, new_states)):
+        s.copy_(_store_state(x, s.dtype, state_stochastic[i], index, keys[2 + i]))
+    stalled = None
+    if mode == "kahan":
+        v = buf.float() + u
+        new = (w + v).to(p.dtype)
+        change = new.float() - w
+        buf.copy_((v - change).to(buf.dtype))
+        stalled = ((change == 0) & (v != 0)).sum() if count else None
+    elif mode == "exact":
+        bits = (w + u).view(torch.int32)
+        hi = (bits + _HALF) >> 16
+        buf.copy_((bits - (hi << 16)).to(torch.int16))
+        new = hi.to(torch.int16).view(torch.bfloat16)
+        stalled = torch.zeros((), dtype=torch.int64, device=p.device) if count else None
+    else:
+        new = stochastic_bf16(w + u, index, keys[1]) if mode == "stochastic" else (w + u).to(p.dtype)
+        stalled = ((new.float() == w) & (u != 0)).sum() if count else None
+    p.copy_(new)
+    return stalled
