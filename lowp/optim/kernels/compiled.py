@@ -91,10 +91,12 @@ class CompiledBackend(ForeachBackend):
             # A fresh code object per variant: dynamo keeps one cache per code object, limited to
             # 8 entries (recompile_limit), which 28 optimizer x mode variants would overflow.
             variant.__code__ = variant.__code__.replace()
+            # cpp.dynamic_threads: with dynamic shapes Inductor sizes its OpenMP split from the
+            # first call's size and runs serially when that was small; this keeps a parallel loop.
             # emulate_precision_casts keeps the bf16 rounding of ``(w + v).to(bf16).float()`` that
             # Inductor otherwise elides; Kahan's ``theta' - theta`` needs it.
             _FUNCTIONS[key] = torch.compile(variant, dynamic=True, fullgraph=True,
-                                            options={"emulate_precision_casts": True})
+                                            options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
         return _FUNCTIONS[key]
 
     def run(self, optimizer, ctx, slices):
@@ -122,4 +124,4 @@ class CompiledBackend(ForeachBackend):
             buf = _flat(s.buffer) if s.buffer is not None else None
             counts.append(fn(flat[0], s.grad.reshape(-1).detach(), buf, flat[1:], h, keys.clone()))
             offset += s.numel
-        return torch.stack(counts).sum() if ctx.count else None
+        return torch.stack(counts).sum(dtype=torch.int64) if ctx.count else None

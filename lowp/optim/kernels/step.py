@@ -21,25 +21,25 @@ from lowp.optim.kernels.rules import Rule
 __all__ = ["fused_step", "hash32", "stochastic_bf16", "FUSED_MODES"]
 
 FUSED_MODES = ("nearest", "kahan", "stochastic", "exact")
-_MASK32 = 0xFFFFFFFF
 _LOW_16_BITS_CLEARED = -65536
 _HALF = 1 << 15
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer (xor-shift-multiply, constants below 2**31 so int64 products never
-    overflow) on int64 values in [0, 2**32); the same function as ``_hash32`` in the Triton kernel."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
-    return x ^ (x >> 16)
+    """A 32-bit xor-shift-multiply integer mixer on int32 with wrap-around products; the masks
+    make the arithmetic shifts logical, so the bits equal ``_hash32`` on uint32 in the Triton
+    kernel. int32 keeps it vectorised on AVX2, which has no 64-bit multiply."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * 0x2C1B3C6D
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def stochastic_bf16(x: torch.Tensor, index: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Stochastic rounding of fp32 ``x`` to bf16: add 16 random bits to the fp32 bit pattern and
     truncate (see :mod:`lowp.optim.storage`)."""
-    noise = (hash32((index + key) & _MASK32) & 0xFFFF).to(torch.int32)
+    noise = hash32((index + key).to(torch.int32)) & 0xFFFF
     bits = (x.view(torch.int32) + noise) & _LOW_16_BITS_CLEARED
     return bits.view(torch.float32).to(torch.bfloat16)
 
@@ -74,15 +74,15 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         new = (w + v).to(p.dtype)
         change = new.float() - w
         buf.copy_((v - change).to(buf.dtype))
-        stalled = ((change == 0) & (v != 0)).sum() if count else None
+        stalled = ((change == 0) & (v != 0)).sum(dtype=torch.int32) if count else None
     elif mode == "exact":
         bits = (w + u).view(torch.int32)
         hi = (bits + _HALF) >> 16
         buf.copy_((bits - (hi << 16)).to(torch.int16))
         new = hi.to(torch.int16).view(torch.bfloat16)
-        stalled = torch.zeros((), dtype=torch.int64, device=p.device) if count else None
+        stalled = torch.zeros((), dtype=torch.int32, device=p.device) if count else None
     else:
         new = stochastic_bf16(w + u, index, keys[1]) if mode == "stochastic" else (w + u).to(p.dtype)
-        stalled = ((new.float() == w) & (u != 0)).sum() if count else None
+        stalled = ((new.float() == w) & (u != 0)).sum(dtype=torch.int32) if count else None
     p.copy_(new)
     return stalled
