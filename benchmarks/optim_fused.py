@@ -1,7 +1,7 @@
 """Fused optimizer step speed: lowp's fused bf16 + Kahan AdamW against torch and optimi.
 
 For each size (parameters split into a few tensors like a model's layers) and in the same run on
-the same machine: parameters/second, effective bandwidth (bytes an ideal fused step must move,
+the same machine (optimizers take turns; the best of ``--rounds`` steps counts): parameters/second, effective bandwidth (bytes an ideal fused step must move,
 divided by the step time) as a fraction of a measured copy bandwidth, and peak extra memory of
 one step. Baselines: ``torch.optim.AdamW(fused=True)`` and ``foreach=True`` in fp32, optimi's
 AdamW with Kahan summation in bf16 (when ``torch-optimi`` is installed), lowp's unfused
@@ -15,7 +15,7 @@ m, v (12) = 28; bf16 + Kahan reads weight, grad, m, v, compensation (10), writes
 from __future__ import annotations
 
 import argparse
-import statistics
+import math
 import time
 from typing import Callable
 
@@ -59,7 +59,7 @@ def peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int | None
         return None
 
 
-def copy_bandwidth(numel: int, device: torch.device, repeats: int = 5) -> float:
+def copy_bandwidth(numel: int, device: torch.device, repeats: int = 10) -> float:
     """Bytes/s of ``dst.copy_(src)`` for fp32 tensors of ``numel`` elements (read + write)."""
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
@@ -79,26 +79,33 @@ def split(numel: int, pieces: int = 8) -> list[int]:
     return [base] * (pieces - 1) + [numel - base * (pieces - 1) - 4096, 4096]
 
 
-def time_steps(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], sizes: list[int], dtype: torch.dtype,
-               device: torch.device, steps: int) -> dict[str, float]:
-    """First-step time, median step time and peak extra memory of one optimizer on fresh tensors."""
-    params = [torch.randn(n, device=device).mul_(0.1).to(dtype) for n in sizes]
-    for p in params:
-        p.grad = torch.randn_like(p).mul_(0.01)
-    opt = make(params)
+def timed(fn: Callable[[], None], device: torch.device) -> float:
     _sync(device)
     t = time.perf_counter()
-    opt.step()
+    fn()
     _sync(device)
-    first = time.perf_counter() - t
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    peak = peak_extra_bytes(opt.step, device)
-    return {"first": first, "step": statistics.median(times), "peak": peak}
+    return time.perf_counter() - t
+
+
+def time_all(makers: dict[str, tuple[torch.dtype, Callable]], sizes: list[int], device: torch.device,
+             rounds: int) -> dict[str, dict[str, float]]:
+    """First-step time, best step time over ``rounds`` and peak extra memory per optimizer.
+
+    The optimizers take turns, one step each per round, and the best round counts: on a shared
+    machine other processes slow some steps down, never speed them up."""
+    opts, out = {}, {}
+    for name, (dtype, make) in makers.items():
+        params = [torch.randn(n, device=device).mul_(0.1).to(dtype) for n in sizes]
+        for p in params:
+            p.grad = torch.randn_like(p).mul_(0.01)
+        opts[name] = make(params)
+        out[name] = {"first": timed(opts[name].step, device), "step": math.inf}
+    for _ in range(rounds):
+        for name, opt in opts.items():
+            out[name]["step"] = min(out[name]["step"], timed(opt.step, device))
+    for name, opt in opts.items():
+        out[name]["peak"] = peak_extra_bytes(opt.step, device)
+    return out
 
 
 def contenders(device: torch.device) -> list[tuple[str, torch.dtype, int, Callable]]:
@@ -113,6 +120,11 @@ def contenders(device: torch.device) -> list[tuple[str, torch.dtype, int, Callab
          lambda ps: lo.AdamW(ps, mode="kahan", backend="foreach", **HYPER)),
         (f"lowp AdamW bf16 kahan {fused_backend}", torch.bfloat16, BYTES_BF16_KAHAN,
          lambda ps: lo.AdamW(ps, mode="kahan", backend=fused_backend, **HYPER)),
+        ("  same, diagnostics off", torch.bfloat16, BYTES_BF16_KAHAN,
+         lambda ps: lo.AdamW(ps, mode="kahan", backend=fused_backend, diagnostics=False, **HYPER)),
+        ("  same, nearest-rounded states", torch.bfloat16, BYTES_BF16_KAHAN,
+         lambda ps: lo.AdamW(ps, mode="kahan", backend=fused_backend, diagnostics=False, state_rounding="nearest",
+                             **HYPER)),
     ]
     try:
         import optimi
@@ -133,7 +145,7 @@ def parse_size(text: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="8M,32M", help="parameter counts, e.g. 8M,32M,64M")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per optimizer")
+    parser.add_argument("--rounds", type=int, default=6, help="timed steps per optimizer (best one counts)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -142,8 +154,10 @@ def main() -> None:
     print(f"device {device}, {args.threads} threads, torch {torch.__version__}")
     for total in (parse_size(s) for s in args.sizes.split(",")):
         copy = copy_bandwidth(total, device)
-        results = {name: (nbytes, time_steps(make, split(total), dtype, device, args.steps))
-                   for name, dtype, nbytes, make in contenders(device)}
+        rows_in = contenders(device)
+        timings = time_all({name: (dtype, make) for name, dtype, _, make in rows_in}, split(total), device,
+                           args.rounds)
+        results = {name: (nbytes, timings[name]) for name, _, nbytes, _ in rows_in}
         ref = results["torch AdamW fused fp32"][1]["step"]
         optimi_row = results.get("optimi AdamW bf16 kahan")
         rows = []

@@ -12,23 +12,26 @@ from torch._dynamo.utils import counters
 
 import lowp.optim as lo
 from lowp.optim import kernels
+from lowp.optim.kernels.compiled import CHUNK
 from lowp.optim.kernels.step import stochastic_bf16
-from fused_helpers import assert_same_run, correctly_rounded_sqrt, train
+from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, train
 
 FP32_STATES = dict(state_dtype=torch.float32)
 ADAMW = dict(lr=1e-2, weight_decay=0.1, **FP32_STATES)
+# one parameter larger than a chunk: whole chunks take the static-shape kernel, the rest the dynamic one
+WITH_LARGE = [*SHAPES, (CHUNK + 37,)]
 
 
 def test_adamw_kahan_bit_identical_to_reference():
-    fused = train(lo.AdamW, "compiled", "kahan", **ADAMW)
+    fused = train(lo.AdamW, "compiled", "kahan", shapes=WITH_LARGE, **ADAMW)
     with correctly_rounded_sqrt():
-        reference = train(lo.AdamW, "foreach", "kahan", **ADAMW)
+        reference = train(lo.AdamW, "foreach", "kahan", shapes=WITH_LARGE, **ADAMW)
     assert_same_run(fused, reference)
     assert fused[1].diagnostics()[0]["stalled_fraction"] > 0  # the count is live, not a constant 0
 
 
 def test_no_recompilation_across_steps_lr_changes_groups_and_sizes():
-    params, opt = train(lo.AdamW, "compiled", "kahan", steps=1, **ADAMW)
+    params, opt = train(lo.AdamW, "compiled", "kahan", steps=1, shapes=WITH_LARGE, **ADAMW)
     graphs = counters["stats"]["unique_graphs"]
     extra = torch.randn(123, 7).bfloat16()
     opt.add_param_group({"params": [extra], "lr": 3e-3})

@@ -1,9 +1,9 @@
 """``backend="compiled"``: the fused step of :mod:`lowp.optim.kernels.step` through
-:func:`torch.compile` (Inductor), one call per parameter.
+:func:`torch.compile` (Inductor), one call per chunk of :data:`CHUNK` elements.
 
-One compiled function exists per (rule, mode, structural config, state roundings, count); it is
-compiled with dynamic shapes, so every parameter size shares one graph per dtype signature, and
-the step's numbers travel in a tensor, so LR schedules and step counts never recompile. Inductor
+Two compiled functions exist per (rule, mode, structural config, state roundings, count): a
+static-shape one for whole chunks and a dynamic-shape one for the remainders, so every parameter
+size shares two graphs per dtype signature, and the step's numbers travel in a tensor, so LR schedules and step counts never recompile. Inductor
 emits one vectorised, OpenMP-parallel C++ loop on CPU (Triton on CUDA) that reads the weight,
 gradient, states and buffer once and writes them once.
 
@@ -59,13 +59,20 @@ def step_numbers(rule: Rule, ctx: StepContext, device: torch.device) -> torch.Te
 
 
 def step_keys(ctx: StepContext, streams: int, device: torch.device) -> torch.Tensor:
-    """``[0, key per random stream]`` (int64): one draw from the optimizer's generator per step."""
-    keys = torch.zeros(streams + 1, dtype=torch.int64, device=device)
-    keys[1:] = torch.randint(0, 1 << 32, (streams,), dtype=torch.int64, device=device, generator=ctx.generator)
+    """``[0, key per random stream]`` (int32): one draw from the optimizer's generator per step."""
+    keys = torch.zeros(streams + 1, dtype=torch.int32, device=device)
+    keys[1:] = torch.randint(0, 1 << 31, (streams,), dtype=torch.int32, device=device, generator=ctx.generator)
     return keys
 
 
-#: Compiled variants by (rule, mode, config, state roundings, count).
+#: Elements per call of the static-shape kernel. Inductor's code for dynamic shapes is tuned for
+#: the size of the first call it sees (measured 4x slower on 8M elements after a first call on
+#: 1000), so whole chunks go through a static-shape compile (one graph for every offset) and only
+#: the remainders (< CHUNK) through the dynamic one. 2**19 elements keep the per-call overhead
+#: (about 30 us) under a few percent of a call's memory traffic.
+CHUNK = 1 << 19
+
+#: Compiled variants by (rule, mode, config, state roundings, count, dynamic).
 _FUNCTIONS: dict[tuple, Callable[..., Any]] = {}
 
 
@@ -80,10 +87,12 @@ class CompiledBackend(ForeachBackend):
 
     name = "compiled"
 
-    def function(self, rule: Rule, mode: str, cfg: tuple, stochastic: tuple[bool, ...], count: bool):
+    def function(self, rule: Rule, mode: str, cfg: tuple, stochastic: tuple[bool, ...], count: bool,
+                 dynamic: bool):
         """The compiled step for one variant (compiled lazily on first call, then cached for the
-        whole process, so new optimizers reuse it)."""
-        key = (rule.name, mode, cfg, stochastic, count)
+        whole process, so new optimizers reuse it); ``dynamic=False`` is the static-shape version
+        for chunks of exactly :data:`CHUNK` elements."""
+        key = (rule.name, mode, cfg, stochastic, count, dynamic)
         if key not in _FUNCTIONS:
             def variant(p, g, buf, states, h, keys):
                 return fused_step(rule, mode, cfg, stochastic, count, p, g, buf, states, h, keys)
@@ -95,7 +104,7 @@ class CompiledBackend(ForeachBackend):
             # first call's size and runs serially when that was small; this keeps a parallel loop.
             # emulate_precision_casts keeps the bf16 rounding of ``(w + v).to(bf16).float()`` that
             # Inductor otherwise elides; Kahan's ``theta' - theta`` needs it.
-            _FUNCTIONS[key] = torch.compile(variant, dynamic=True, fullgraph=True,
+            _FUNCTIONS[key] = torch.compile(variant, dynamic=dynamic, fullgraph=True,
                                             options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
         return _FUNCTIONS[key]
 
@@ -116,12 +125,17 @@ class CompiledBackend(ForeachBackend):
         stochastic = tuple(ctx.group["state_rounding"] == "stochastic" for _ in names)
         h = step_numbers(rule, ctx, device)
         keys = step_keys(ctx, 1 + len(names), device)
-        fn = self.function(rule, ctx.mode.name, rule.config(ctx.group), stochastic, ctx.count)
+        variant = (rule, ctx.mode.name, rule.config(ctx.group), stochastic, ctx.count)
         counts, offset = [], 0
         for s in slices:
-            keys[0] = offset
-            flat = [_flat(t) for t in (s.param, *(s.states[n] for n in names))]
+            tensors = [_flat(t) for t in (s.param, s.grad.reshape(-1), *(s.states[n] for n in names))]
             buf = _flat(s.buffer) if s.buffer is not None else None
-            counts.append(fn(flat[0], s.grad.reshape(-1).detach(), buf, flat[1:], h, keys.clone()))
+            for start in range(0, s.numel, CHUNK):
+                end = min(start + CHUNK, s.numel)
+                fn = self.function(*variant, dynamic=end - start != CHUNK)
+                part = [t[start:end].detach() for t in tensors]
+                keys[0] = offset + start
+                counts.append(fn(part[0], part[1], None if buf is None else buf[start:end].detach(), part[2:], h,
+                                 keys.clone()))
             offset += s.numel
         return torch.stack(counts).sum(dtype=torch.int64) if ctx.count else None

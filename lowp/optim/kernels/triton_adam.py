@@ -38,7 +38,7 @@ def _hash32(x):
 
 @triton.jit
 def _stochastic_bf16(x, index, key):
-    noise = _hash32((index + key).to(tl.uint32)) & 0xFFFF
+    noise = _hash32((index ^ key).to(tl.uint32)) & 0xFFFF
     bits = (x.to(tl.int32, bitcast=True) + noise.to(tl.int32)) & -65536
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
