@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -59,18 +60,15 @@ def peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int | None
         return None
 
 
-def copy_bandwidth(numel: int, device: torch.device, repeats: int = 10) -> float:
-    """Bytes/s of ``dst.copy_(src)`` for fp32 tensors of ``numel`` elements (read + write)."""
-    src = torch.randn(numel, device=device)
+COPY = "copy (fp32, read + write)"
+
+
+def copier(params: list[torch.Tensor]) -> SimpleNamespace:
+    """A stand-in optimizer whose ``step`` copies fp32 tensors as large as ``params`` together:
+    the copy bandwidth is timed in the same rounds as the optimizers."""
+    src = torch.randn(sum(p.numel() for p in params), device=params[0].device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 1):
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * src.numel() * 4 / min(times[1:])
+    return SimpleNamespace(step=lambda: dst.copy_(src))
 
 
 def split(numel: int, pieces: int = 8) -> list[int]:
@@ -153,10 +151,10 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"device {device}, {args.threads} threads, torch {torch.__version__}")
     for total in (parse_size(s) for s in args.sizes.split(",")):
-        copy = copy_bandwidth(total, device)
         rows_in = contenders(device)
-        timings = time_all({name: (dtype, make) for name, dtype, _, make in rows_in}, split(total), device,
-                           args.rounds)
+        makers = {name: (dtype, make) for name, dtype, _, make in rows_in}
+        timings = time_all({COPY: (torch.float32, copier), **makers}, split(total), device, args.rounds)
+        copy = 8 * total / timings[COPY]["step"]
         results = {name: (nbytes, timings[name]) for name, _, nbytes, _ in rows_in}
         ref = results["torch AdamW fused fp32"][1]["step"]
         optimi_row = results.get("optimi AdamW bf16 kahan")
