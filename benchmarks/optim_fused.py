@@ -123,6 +123,9 @@ def contenders(device: torch.device) -> list[tuple[str, torch.dtype, int, Callab
         ("  same, nearest-rounded states", torch.bfloat16, BYTES_BF16_KAHAN,
          lambda ps: lo.AdamW(ps, mode="kahan", backend=fused_backend, diagnostics=False, state_rounding="nearest",
                              **HYPER)),
+        ("  same, non-finite check off", torch.bfloat16, BYTES_BF16_KAHAN,
+         lambda ps: lo.AdamW(ps, mode="kahan", backend=fused_backend, diagnostics=False, state_rounding="nearest",
+                             nonfinite="off", **HYPER)),
     ]
     try:
         import optimi

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 import lowp.optim as lo
 from lowp.optim import kernels
 from lowp.optim.kernels.compiled import CHUNK
-from lowp.optim.kernels.step import stochastic_bf16
+from lowp.optim.kernels.step import random16, stochastic_bf16
 from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, train
 
 FP32_STATES = dict(state_dtype=torch.float32)
@@ -57,8 +57,9 @@ def test_stochastic_reproducible_with_seed_and_unbiased():
     # The rounding itself: x a quarter of the way from 1 to the next bf16 rounds up 25% of the time.
     n = 1 << 16
     x = torch.full((n,), 1.0 + 2.0 ** -7 / 4)
-    up = stochastic_bf16(x, torch.arange(n), torch.tensor(12345)).float() > 1
-    assert abs(up.float().mean().item() - 0.25) < 4 * (0.25 * 0.75 / n) ** 0.5
+    for half in (0, 1):
+        up = stochastic_bf16(x, random16(torch.arange(n), torch.tensor(12345), half)).float() > 1
+        assert abs(up.float().mean().item() - 0.25) < 4 * (0.25 * 0.75 / n) ** 0.5
 
 
 def test_fallbacks_match_reference_without_compiling():

@@ -68,9 +68,9 @@ def step_keys(ctx: StepContext, streams: int, device: torch.device) -> torch.Ten
 #: Elements per call of the static-shape kernel. Inductor's code for dynamic shapes is tuned for
 #: the size of the first call it sees (measured 4x slower on 8M elements after a first call on
 #: 1000), so whole chunks go through a static-shape compile (one graph for every offset) and only
-#: the remainders (< CHUNK) through the dynamic one. 2**19 elements keep the per-call overhead
-#: (about 30 us) under a few percent of a call's memory traffic.
-CHUNK = 1 << 19
+#: the remainders (< CHUNK) through the dynamic one. 2**21 elements keep the per-call overhead
+#: (about 50 us of guards and wrappers, measured) near 1% of a call's memory traffic.
+CHUNK = 1 << 21
 
 #: Compiled variants by (rule, mode, config, state roundings, count, dynamic).
 _FUNCTIONS: dict[tuple, Callable[..., Any]] = {}

@@ -7,7 +7,7 @@ full-size buffer once compiled; run eagerly it is a (slow) readable reference of
 
 Stochastic rounding draws its bits from a counter-based hash instead of a
 :class:`torch.Generator` (which compiled code cannot take): element ``i`` of stream ``s`` gets
-``hash32(i ^ keys[s])``, where the keys are drawn from the optimizer's generator once per step.
+one half of ``hash32(i ^ key)`` (two streams per key), where the keys are drawn from the optimizer's generator once per step.
 The stream is therefore reproducible from the optimizer's seed and checkpoint, identical between
 the compiled and the Triton backends, but different from the eager path's ``torch.randint``
 stream (same distribution: uniform 16-bit integers).
@@ -18,9 +18,8 @@ import torch
 
 from lowp.optim.kernels.rules import Rule
 
-__all__ = ["fused_step", "hash32", "stochastic_bf16", "FUSED_MODES"]
+__all__ = ["fused_step", "hash32", "random16", "stochastic_bf16"]
 
-FUSED_MODES = ("nearest", "kahan", "stochastic", "exact")
 _LOW_16_BITS_CLEARED = -65536
 _HALF = 1 << 15
 
@@ -36,18 +35,18 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def stochastic_bf16(x: torch.Tensor, index: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of fp32 ``x`` to bf16: add 16 random bits to the fp32 bit pattern and
-    truncate (see :mod:`lowp.optim.storage`)."""
-    noise = hash32((index ^ key).to(torch.int32)) & 0xFFFF
+def random16(index: torch.Tensor, key: torch.Tensor, half: int) -> torch.Tensor:
+    """16 random bits per element: the low (``half=0``) or high (``half=1``) half of
+    ``hash32(index ^ key)``; two streams share one hash (the compiler merges the two calls)."""
+    bits = hash32((index ^ key).to(torch.int32))
+    return (bits >> 16) & 0xFFFF if half else bits & 0xFFFF
+
+
+def stochastic_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of fp32 ``x`` to bf16 with 16 random bits ``noise`` per element: add
+    them to the fp32 bit pattern and truncate (see :mod:`lowp.optim.storage`)."""
     bits = (x.view(torch.int32) + noise) & _LOW_16_BITS_CLEARED
     return bits.view(torch.float32).to(torch.bfloat16)
-
-
-def _store_state(x: torch.Tensor, dtype: torch.dtype, stochastic: bool, index, key) -> torch.Tensor:
-    if stochastic and dtype == torch.bfloat16:
-        return stochastic_bf16(x, index, key)
-    return x.to(dtype)
 
 
 def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, ...], count: bool,
@@ -68,7 +67,10 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         w = p.float()
     u, new_states = rule.fn(w, g.float() * h[0], [s.float() for s in states], h[1:], cfg)
     for i, (s, x) in enumerate(zip(states, new_states)):
-        s.copy_(_store_state(x, s.dtype, state_stochastic[i], index, keys[2 + i]))
+        if state_stochastic[i] and s.dtype == torch.bfloat16:  # state i: half i % 2 of key 2 + i // 2
+            s.copy_(stochastic_bf16(x, random16(index, keys[2 + i // 2], i % 2)))
+        else:
+            s.copy_(x.to(s.dtype))
     stalled = None
     if mode == "kahan":
         v = buf.float() + u
@@ -83,7 +85,7 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         new = hi.to(torch.int16).view(torch.bfloat16)
         stalled = torch.zeros((), dtype=torch.int32, device=p.device) if count else None
     else:
-        new = stochastic_bf16(w + u, index, keys[1]) if mode == "stochastic" else (w + u).to(p.dtype)
+        new = stochastic_bf16(w + u, random16(index, keys[1], 0)) if mode == "stochastic" else (w + u).to(p.dtype)
         stalled = ((new.float() == w) & (u != 0)).sum(dtype=torch.int32) if count else None
     p.copy_(new)
     return stalled

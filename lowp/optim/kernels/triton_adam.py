@@ -37,8 +37,11 @@ def _hash32(x):
 
 
 @triton.jit
-def _stochastic_bf16(x, index, key):
-    noise = _hash32((index ^ key).to(tl.uint32)) & 0xFFFF
+def _stochastic_bf16(x, index, key, HALF: tl.constexpr):
+    noise = _hash32((index ^ key).to(tl.uint32))
+    if HALF:
+        noise = noise >> 16
+    noise = noise & 0xFFFF
     bits = (x.to(tl.int32, bitcast=True) + noise.to(tl.int32)) & -65536
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
@@ -56,9 +59,9 @@ def _round(x, T: tl.constexpr):
 
 
 @triton.jit
-def _store_state(ptr, x, mask, index, key, T: tl.constexpr, SR: tl.constexpr):
+def _store_state(ptr, x, mask, index, key, HALF: tl.constexpr, T: tl.constexpr, SR: tl.constexpr):
     if SR:
-        tl.store(ptr, _stochastic_bf16(x, index, key), mask=mask)
+        tl.store(ptr, _stochastic_bf16(x, index, key, HALF), mask=mask)
     else:
         tl.store(ptr, _round(x, T), mask=mask)
 
@@ -95,8 +98,8 @@ def adam_kernel(P, G, M, V, B, SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, H, KEY
         g = tl.fma(w, tl.load(H + 8), g)
     m = _lerp(tl.load(m_ptr, mask=mask).to(tl.float32), g, tl.load(H + 1))
     v = tl.fma(tl.load(H + 3) * g, g, tl.load(v_ptr, mask=mask).to(tl.float32) * tl.load(H + 2))
-    _store_state(m_ptr, m, mask, index, tl.load(KEYS + 2), M_T, SR_M)
-    _store_state(v_ptr, v, mask, index, tl.load(KEYS + 3), V_T, SR_V)
+    _store_state(m_ptr, m, mask, index, tl.load(KEYS + 2), 0, M_T, SR_M)
+    _store_state(v_ptr, v, mask, index, tl.load(KEYS + 2), 1, V_T, SR_V)
     u = m / (tl.sqrt_rn(v) / tl.load(H + 4) + tl.load(H + 5)) * tl.load(H + 6)
     if HAS_WD and DECOUPLED:
         u = tl.fma(w, tl.load(H + 7), u)
@@ -115,7 +118,7 @@ def adam_kernel(P, G, M, V, B, SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, H, KEY
         new = top.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         if MODE == 2:
-            new = _stochastic_bf16(w + u, index, tl.load(KEYS + 1))
+            new = _stochastic_bf16(w + u, index, tl.load(KEYS + 1), 0)
         else:
             new = _round(w + u, P_T)
         stalled = ((new.to(tl.float32) == w) & (u != 0) & mask).to(tl.int32)
