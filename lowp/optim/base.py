@@ -71,6 +71,8 @@ class LowpOptimizer(torch.optim.Optimizer):
     - ``nonfinite``: ``"skip_param"`` (a parameter whose gradient has a NaN/inf is not updated),
       ``"skip_step"`` (nothing is updated) or ``"off"`` (no check). Skips are counted.
     - ``foreach`` / ``backend`` / ``chunk_size``: how the step runs (:mod:`lowp.optim.backends`).
+    - ``fused``: ``None`` picks a fused backend when one is available and worth it, ``True``
+      requires one, ``False`` never uses one (:func:`lowp.optim.kernels.choose_backend`).
     - ``seed``: seed of the stochastic-rounding generator (default: ``torch.initial_seed()``).
     - ``diagnostics``: count elements whose stored weight did not move this step.
     """
@@ -84,12 +86,12 @@ class LowpOptimizer(torch.optim.Optimizer):
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
                  state_rounding: str = "stochastic", maximize: bool = False, nonfinite: str = "skip_param",
                  foreach: bool | None = None, backend: str | None = None, chunk_size: int = 1 << 17,
-                 seed: int | None = None, diagnostics: bool = True) -> None:
+                 seed: int | None = None, diagnostics: bool = True, fused: bool | None = None) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: expected one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        if backend is None:
-            backend = "eager" if foreach is False else "foreach"
-        self.backend: Backend = get_backend(backend, chunk_size)
+        if backend is not None and fused:
+            raise ValueError(f"fused: fused=True conflicts with backend={backend!r}; give one of them")
+        get_backend(backend or "eager", chunk_size)  # checks backend and chunk_size before any state exists
         self.nonfinite = nonfinite
         self.diagnostics_enabled = bool(diagnostics)
         self.seed = torch.initial_seed() if seed is None else int(seed)
@@ -100,6 +102,10 @@ class LowpOptimizer(torch.optim.Optimizer):
         defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_rounding=state_rounding,
                         maximize=maximize)
         super().__init__(params, defaults)
+        if backend is None:
+            from lowp.optim.kernels import choose_backend
+            backend = choose_backend(self, fused, foreach)
+        self.backend: Backend = get_backend(backend, chunk_size)
 
     # ---- subclass hooks -------------------------------------------------------------------
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:

@@ -1,0 +1,133 @@
+"""Fused optimizer steps (lowp.optim.kernels): the compiled backend against the reference
+pipeline bit by bit, no recompilation across steps / LR changes / groups / sizes, stochastic
+rounding's reproducibility and distribution, backend selection and fallbacks.
+
+Compiling one variant takes 10-40 s on a 2-core CPU, so the default suite compiles two
+(AdamW + kahan, AdamW + stochastic); the whole optimizer x mode matrix is marked slow."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import lowp.optim as lo
+from lowp.optim import kernels
+from lowp.optim.kernels.compiled import CHUNK
+from lowp.optim.kernels.step import random16, stochastic_bf16
+from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, train
+
+FP32_STATES = dict(state_dtype=torch.float32)
+ADAMW = dict(lr=1e-2, weight_decay=0.1, **FP32_STATES)
+# one parameter larger than a chunk: whole chunks take the static-shape kernel, the rest the dynamic one
+WITH_LARGE = [*SHAPES, (CHUNK + 37,)]
+
+
+def test_adamw_kahan_bit_identical_to_reference():
+    fused = train(lo.AdamW, "compiled", "kahan", shapes=WITH_LARGE, **ADAMW)
+    with correctly_rounded_sqrt():
+        reference = train(lo.AdamW, "foreach", "kahan", shapes=WITH_LARGE, **ADAMW)
+    assert_same_run(fused, reference)
+    assert fused[1].diagnostics()[0]["stalled_fraction"] > 0  # the count is live, not a constant 0
+
+
+def test_no_recompilation_across_steps_lr_changes_groups_and_sizes():
+    params, opt = train(lo.AdamW, "compiled", "kahan", steps=1, shapes=WITH_LARGE, **ADAMW)
+    graphs = counters["stats"]["unique_graphs"]
+    extra = torch.randn(123, 7).bfloat16()
+    opt.add_param_group({"params": [extra], "lr": 3e-3})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+    before = extra.clone()
+    for _ in range(3):
+        for p in [*params, extra]:
+            p.grad = torch.randn(p.shape).bfloat16()
+        opt.step()
+        sched.step()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not torch.equal(extra, before)
+
+
+def test_stochastic_reproducible_with_seed_and_unbiased():
+    kw = dict(lr=1e-3)  # bf16 states with stochastic state rounding (the defaults)
+    a = train(lo.AdamW, "compiled", "stochastic", **kw)
+    b = train(lo.AdamW, "compiled", "stochastic", **kw)
+    assert_same_run(a, b)
+    nearest = train(lo.AdamW, "foreach", "nearest", **kw)[0]
+    assert any(not torch.equal(x, y) for x, y in zip(a[0], nearest))
+
+    # The rounding itself: x a quarter of the way from 1 to the next bf16 rounds up 25% of the time.
+    n = 1 << 16
+    x = torch.full((n,), 1.0 + 2.0 ** -7 / 4)
+    for half in (0, 1):
+        up = stochastic_bf16(x, random16(torch.arange(n), torch.tensor(12345), half)).float() > 1
+        assert abs(up.float().mean().item() - 0.25) < 4 * (0.25 * 0.75 / n) ** 0.5
+
+
+def test_fallbacks_match_reference_without_compiling():
+    graphs = counters["stats"]["unique_graphs"]
+    for opt_class in (lo.StableAdamW, lo.Adafactor):  # no elementwise rule
+        assert_same_run(train(opt_class, "compiled", "kahan", steps=2), train(opt_class, "foreach", "kahan", steps=2))
+    one_element = [(1,), (1, 1)]  # shapes that would specialize; fp64 weights are not fused
+    assert_same_run(train(lo.AdamW, "compiled", "kahan", steps=2, shapes=one_element),
+                    train(lo.AdamW, "foreach", "kahan", steps=2, shapes=one_element))
+    assert_same_run(train(lo.SGD, "compiled", "nearest", steps=2, dtype=torch.float64),
+                    train(lo.SGD, "foreach", "nearest", steps=2, dtype=torch.float64))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_fused_option_selects_backend(monkeypatch):
+    small = [torch.zeros(10, dtype=torch.bfloat16)]
+    assert lo.AdamW(small).backend.name == "foreach"
+    assert lo.AdamW(small, fused=False, foreach=False).backend.name == "eager"
+    assert lo.AdamW(small, fused=True).backend.name == "compiled"
+    big = [torch.zeros(kernels.AUTO_MIN_NUMEL, dtype=torch.bfloat16)]
+    assert lo.AdamW(big).backend.name == "compiled"
+    monkeypatch.setenv("LOWP_FUSED", "0")
+    assert lo.AdamW(big).backend.name == "foreach"
+    monkeypatch.delenv("LOWP_FUSED")
+    monkeypatch.setattr(kernels, "compiler_available", lambda: False)
+    assert lo.AdamW(big).backend.name == "foreach"
+    with pytest.raises(RuntimeError, match="fused=True"):
+        lo.AdamW(small, fused=True)
+
+
+def test_fused_option_errors():
+    p = [torch.zeros(3)]
+    with pytest.raises(ValueError, match="fused"):
+        lo.AdamW(p, fused="yes")
+    with pytest.raises(ValueError, match="fused"):
+        lo.AdamW(p, fused=True, backend="eager")
+
+
+MATRIX = [
+    (lo.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True)),
+    (lo.SGD, dict(lr=0.05, momentum=0.9, dampening=0.3)),
+    (lo.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    (lo.AdamW, dict(lr=1e-2, amsgrad=True)),
+    (lo.Lion, dict(lr=1e-3, weight_decay=0.1)),
+    (lo.RAdam, dict(lr=1e-2, weight_decay=0.1)),
+    (lo.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact"])
+@pytest.mark.parametrize("opt_class,kw", MATRIX, ids=lambda v: getattr(v, "__name__", ""))
+def test_matrix_bit_identical(opt_class, kw, mode):
+    kw = dict(kw, **FP32_STATES)
+    steps = 8  # RAdam switches to its rectified step at step 6 (beta2 = 0.999)
+    fused = train(opt_class, "compiled", mode, steps=steps, **kw)
+    with correctly_rounded_sqrt():
+        assert_same_run(fused, train(opt_class, "foreach", mode, steps=steps, **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_class,kw", MATRIX[::2], ids=lambda v: getattr(v, "__name__", ""))
+def test_matrix_stochastic_reproducible(opt_class, kw):
+    assert_same_run(train(opt_class, "compiled", "stochastic", **kw), train(opt_class, "compiled", "stochastic", **kw))
+
+
+@pytest.mark.slow
+def test_fp16_weights_kahan_bit_identical():
+    fused = train(lo.AdamW, "compiled", "kahan", dtype=torch.float16, **ADAMW)
+    with correctly_rounded_sqrt():
+        assert_same_run(fused, train(lo.AdamW, "foreach", "kahan", dtype=torch.float16, **ADAMW))
