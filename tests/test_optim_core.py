@@ -101,19 +101,23 @@ def test_bf16_kahan_and_exact_track_fp64_far_closer_than_nearest():
 @pytest.mark.parametrize("mode, n", [("kahan", 4096), ("exact", 4096), ("stochastic", 1 << 16), ("nearest", 4096)])
 def test_decoupled_weight_decay_acts_inside_the_compensation(mode, n):
     """lr * wd = 1e-5, far below bf16's half ulp 2**-9: zero gradients, only the decay acts.
-    Stochastic rounding needs many elements for its random jumps to average out."""
+    Stochastic rounding needs many elements for its random jumps to average out, and is measured
+    with the L1 norm: no weight changes sign, so it is linear in the weights and SR leaves it
+    unbiased, whereas SR noise inflates the L2 norm (Jensen; seeds 0-5 gave -0.9%..0% in L2,
+    -0.6%..+0.2% in L1). The seed is fixed so the test is deterministic."""
     steps, lr, wd = 1000, 1e-3, 1e-2
     w0 = (torch.randn(n, generator=torch.Generator().manual_seed(3))).bfloat16()
     expected = 1 - (1 - lr * wd) ** steps
     p = w0.clone().requires_grad_()
-    opt = lo.AdamW([p], lr=lr, weight_decay=wd, mode=mode)
+    opt = lo.AdamW([p], lr=lr, weight_decay=wd, mode=mode, seed=0)
     p.grad = torch.zeros_like(p)
     for _ in range(steps):
         opt.step()
     # exact: the fp32 value the pair holds (its visible weight is that value rounded once, and
     # here every element starts on the bf16 grid and decays alike, so those roundings correlate)
     held = MODES["exact"].load(p.detach(), opt.state[p]["remainder"]) if mode == "exact" else p.detach()
-    shrink = 1 - float(held.double().norm() / w0.double().norm())
+    order = 1 if mode == "stochastic" else 2
+    shrink = 1 - float(held.double().norm(order) / w0.double().norm(order))
     if mode == "nearest":
         assert shrink < 0.1 * expected              # rounded away at every step
     else:
