@@ -9,7 +9,7 @@ import torch
 
 from lowp.cli import main
 from lowp.demo.data import load_data, stdlib_text
-from lowp.demo.runner import single_thread
+from lowp.threads import single_thread
 from lowp.demo.train import RUNS, DemoConfig, train_run
 
 

@@ -4,13 +4,13 @@ import torch
 
 from lowp.cli import main
 from lowp.distributed.advisor import BucketStats, advise, advise_buckets, check_reduce_dtype
-from lowp.distributed.experiments import one_thread
+from lowp.threads import single_thread
 from lowp.distributed.simulator import GaussianGrads, ReduceConfig, measure_error
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
-    with one_thread():
+    with single_thread():
         yield
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lowp.distributed.experiments import one_thread
+from lowp.threads import single_thread
 from lowp.distributed.model import (expected_ulp_sq, premultiply_bias, reduction_error_std, sampling_noise,
                                     stagnation_terms, ulp_constant, underflow_fraction)
 from lowp.distributed.simulator import GaussianGrads, ReduceConfig, measure_error, reduce
@@ -16,7 +16,7 @@ SEED_SIGMAS = [2.0**-i for i in range(8, 3, -1)]
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
-    with one_thread():
+    with single_thread():
         yield
 
 

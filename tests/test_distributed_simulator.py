@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lowp.distributed.experiments import one_thread
+from lowp.threads import single_thread
 from lowp.distributed.simulator import (GaussianGrads, ReduceConfig, Rounder, accumulate, exact_reduce, measure_error,
                                         reduce)
 from lowp.rounding import quantize
@@ -12,7 +12,7 @@ from lowp.rounding import quantize
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
-    with one_thread():
+    with single_thread():
         yield
 
 

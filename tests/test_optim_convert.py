@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import lowp.optim as lo
-from lowp.demo.runner import single_thread
+from lowp.threads import single_thread
 from lowp.optim.convert import cast_model, full_precision_state_dict, full_precision_weights, load_full_precision
 
 

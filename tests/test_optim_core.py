@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowp.optim as lo
-from lowp.demo.runner import single_thread
+from lowp.threads import single_thread
 from lowp.optim.storage import stochastic_round_bf16_
 from lowp.optim.writeback import MODES
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowp.optim as lo
-from lowp.demo.runner import single_thread
+from lowp.threads import single_thread
 
 SHAPES = [(37, 11), (300,), (2, 6, 5), ()]
 

@@ -45,10 +45,9 @@ def _parse_specs(text: str) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from lowp.norms.methods import METHODS
     from lowp.report import csv_text, markdown_table, text_table
+    from lowp.threads import single_thread
 
     try:
         specs = _parse_specs(args.formats)
@@ -61,12 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if args.rows < 4 or args.n_long < 2:
         raise SystemExit("lowp norm-check: --rows must be >= 4 and --n-long >= 2")
     # thousands of tiny tensor ops: torch's thread pool only adds overhead here (5x on a busy 2-core box)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         table = _measure(specs, methods, args)
-    finally:
-        torch.set_num_threads(threads)
     print(text_table(COLUMNS, table))
     markdown = markdown_table(COLUMNS, table) + "\n"
     if args.modules:

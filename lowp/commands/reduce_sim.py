@@ -81,6 +81,7 @@ def _plot_lines(headers: list[str], rows: list[list[object]], x: str, group: str
 def run(args: argparse.Namespace) -> int:
     from lowp.distributed import experiments as ex
     from lowp.report import csv_text, markdown_table, text_table
+    from lowp.threads import single_thread
 
     if args.elements < 1:
         raise ValueError(f"--elements: expected a positive int, got {args.elements}")
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         "outlier": lambda: ex.outlier_table(elements=n),
     }
     os.makedirs(args.out, exist_ok=True)
-    with ex.one_thread():
+    with single_thread():
         for name in sections:
             headers, rows = runners[name]()
             print(f"\n## {TITLES[name]}\n")

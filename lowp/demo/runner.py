@@ -8,29 +8,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
 from lowp.demo.data import TextData
 from lowp.demo.train import DemoConfig, RunResult, train_run
+from lowp.threads import single_thread
 
-__all__ = ["train_all", "single_thread"]
+__all__ = ["train_all"]
 
 _counter = None
-
-
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch single-threaded inside the block, restoring the thread count afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class _Ticker:

@@ -7,8 +7,7 @@ of a mean of R per-rank gradients), which is what decides whether training can n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 
@@ -16,24 +15,12 @@ from lowp.distributed import model
 from lowp.distributed.simulator import GaussianGrads, ReduceConfig, accumulate, exact_reduce, measure_error, reduce
 from lowp.rounding import quantize
 
-__all__ = ["one_thread", "SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "microbatch_table", "fp16_table",
+__all__ = ["SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "microbatch_table", "fp16_table",
            "fp8_table", "premultiply_table", "outlier_table"]
 
 SEED_WORLD_SIZES: tuple[int, ...] = tuple(2**i for i in range(1, 11))
 SEED_SIGMAS: tuple[float, ...] = tuple(2.0**-i for i in range(8, 3, -1))
 Table = tuple[list[str], list[list[object]]]
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch single-threaded inside the block. The simulator's hops are small vector ops
-    for which intra-op threads only add synchronisation (and on a busy 2-core machine, stalls)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def seed_grid(world_sizes: Sequence[int] = SEED_WORLD_SIZES, sigmas: Sequence[float] = SEED_SIGMAS,
