@@ -62,6 +62,29 @@ def test_stochastic_reproducible_with_seed_and_unbiased():
         assert abs(up.float().mean().item() - 0.25) < 4 * (0.25 * 0.75 / n) ** 0.5
 
 
+def test_vector_bitcasts_exact_and_scoped():
+    """The whole-vector bitcasts emitted under ``vector_bitcasts`` give the eager bits (signs,
+    subnormals, inf, NaN payloads) in a 16-wide bf16 loop, and Inductor's own codegen is restored."""
+    from torch._inductor.codegen.cpp import CppVecOverrides
+
+    original = CppVecOverrides.__dict__["to_dtype_bitcast"]
+
+    def fn(x, b):
+        bits = (x * 3).view(torch.int32) ^ 0x5A5A
+        return (bits.view(torch.float32) + b.float()).to(torch.bfloat16), bits
+
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-45, float("inf"), -float("inf"), float("nan"), 3.4e38])
+    x = torch.cat([special, torch.randn(4096 - len(special)) * 1e3])
+    b = torch.randn(4096).bfloat16()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    with kernels.compiled.vector_bitcasts():
+        got = compiled(x, b)
+    want = fn(x, b)
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    assert CppVecOverrides.__dict__["to_dtype_bitcast"] is original
+
+
 def test_fallbacks_match_reference_without_compiling():
     graphs = counters["stats"]["unique_graphs"]
     for opt_class in (lo.StableAdamW, lo.Adafactor):  # no elementwise rule
