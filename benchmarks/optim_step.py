@@ -1,6 +1,8 @@
 """Optimizer-step throughput and memory: lowp AdamW in every mode against torch.optim.AdamW
 (fp32 foreach, fp32 fused, bf16 foreach) and optimi's AdamW (when installed), measured in the
-same run on the same tensors.
+same run on the same tensors. lowp rows use ``fused=None`` (the fused ``compiled`` backend from
+2**22 parameters on CPU when a C++ compiler is present, ``triton`` on CUDA; column "backend"), and
+one row forces the unfused ``foreach`` reference (``fused=False``).
 
 Prints, per configuration: parameters/second (median over timed steps, configurations
 interleaved step by step so that load changes on a shared machine hit all alike), bytes/parameter of
@@ -51,7 +53,8 @@ def _configs(has_optimi: bool) -> dict[str, tuple[torch.dtype, Callable]]:
         configs[f"lowp AdamW bf16 {mode}"] = (torch.bfloat16, lambda p, m=mode: lo.AdamW(p, mode=m, **kw))
     variants = {"fp32 states": dict(state_dtype=torch.float32),
                 "states rounded to nearest": dict(state_rounding="nearest"),
-                "no diagnostics, no finite check": dict(diagnostics=False, nonfinite="off")}
+                "no diagnostics, no finite check": dict(diagnostics=False, nonfinite="off"),
+                "unfused (fused=False)": dict(fused=False)}
     for label, extra in variants.items():
         configs[f"lowp AdamW bf16 kahan, {label}"] = (
             torch.bfloat16, lambda p, e=extra: lo.AdamW(p, mode="kahan", **e, **kw))
@@ -118,14 +121,17 @@ def main() -> None:
         n = sum(p.numel() for p in params)
         rates[name] = n / statistics.median(times[name])
         held = sum(p.numel() * p.element_size() * 2 for p in params) + _state_bytes(opt)   # weights + grads
-        rows.append([name, f"{rates[name] / 1e6:.1f}", f"{held / n:.1f}", f"{peak / n:.2f}", f"{peak / 2**20:.1f}"])
+        backend = getattr(getattr(opt, "backend", None), "name", "-")
+        rows.append([name, backend, f"{rates[name] / 1e6:.1f}", f"{held / n:.1f}", f"{peak / n:.2f}", f"{peak / 2**20:.1f}"])
     base = rates.get("torch AdamW fp32 fused")
+    optimi_name = "optimi AdamW bf16 kahan"
     for row in rows:
         row.append(f"{rates[row[0]] / base:.2f}x" if base else "-")
+        row.append(f"{rates[row[0]] / rates[optimi_name]:.2f}x" if optimi_name in rates else "-")
     print(f"AdamW step, {args.numel:,} parameters in {args.tensors} tensors, {torch.get_num_threads()} thread(s), "
           f"torch {torch.__version__}" + ("" if has_optimi else "; optimi not installed (pip install torch-optimi)"))
-    print(text_table(["configuration", "Mparams/s", "bytes/param", "peak extra B/param", "peak extra MiB",
-                      "vs torch fused fp32"], rows))
+    print(text_table(["configuration", "backend", "Mparams/s", "bytes/param", "peak extra B/param", "peak extra MiB",
+                      "vs torch fused fp32", "vs optimi"], rows))
 
 
 if __name__ == "__main__":
