@@ -78,19 +78,23 @@ def _vector_bitcast(x: Any, dtype: torch.dtype, src_dtype: torch.dtype) -> Any:
     ``c10::bit_cast`` of the whole vector (a register reinterpretation). Inductor itself scalarizes
     every bitcast (store, 16 scalar copies, load), which cost about 30% of a fused AdamW step with
     stochastically rounded bf16 states (measured, docs/fused.md)."""
-    from torch._inductor.codegen.cpp import DTYPE_TO_CPP, CppOverrides, CppVecKernel
+    from torch._inductor.codegen.cpp import DTYPE_TO_CPP, CppVecKernel
     from torch._inductor.virtualized import V
 
     kernel = V.kernel
-    if not isinstance(kernel, CppVecKernel) or dtype.itemsize != x.dtype.itemsize:
+    source = getattr(x, "dtype", None)
+    if not isinstance(kernel, CppVecKernel) or source not in _BITCASTABLE or dtype not in _BITCASTABLE \
+            or dtype.itemsize != source.itemsize:
         return _SCALARIZED_BITCAST(x, dtype, src_dtype)
-    n = kernel._get_num_vectors(x.dtype)
+    n = kernel._get_num_vectors(source)
     target = f"at::vec::Vectorized<{DTYPE_TO_CPP[dtype]}>" if n == 1 else \
         f"at::vec::VectorizedN<{DTYPE_TO_CPP[dtype]},{n}>"
     return f"c10::bit_cast<{target}>({x})"
 
 
 _SCALARIZED_BITCAST: Callable[..., Any] | None = None
+#: dtypes whose Inductor vectors are plain ``Vectorized``/``VectorizedN`` (not ``VecMask``).
+_BITCASTABLE = (torch.float64, torch.int64, torch.float32, torch.int32, torch.bfloat16, torch.float16, torch.int16)
 
 
 @contextlib.contextmanager
