@@ -17,6 +17,8 @@ __all__ = ["decode", "encode", "all_codes", "all_values"]
 def decode(codes: torch.Tensor, format: "str | torch.dtype | FloatFormat") -> torch.Tensor:
     """Values (float64) of integer ``codes`` laid out as sign | exponent | mantissa."""
     fmt = get_format(format)
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes: expected an integer torch.Tensor, got {type(codes).__name__}")
     if codes.is_floating_point() or codes.is_complex():
         raise TypeError(f"codes: expected an integer tensor, got dtype {codes.dtype}")
     c = codes.to(torch.int64)
@@ -63,6 +65,9 @@ def all_values(format: "str | torch.dtype | FloatFormat", *, finite: bool = True
 def encode(values: torch.Tensor, format: "str | torch.dtype | FloatFormat") -> torch.Tensor:
     """Codes (int64) of ``values``, which must be exactly representable (NaN maps to a NaN code)."""
     fmt = get_format(format)
+    if not isinstance(values, torch.Tensor) or values.is_complex():
+        got = f"dtype {values.dtype}" if isinstance(values, torch.Tensor) else type(values).__name__
+        raise TypeError(f"values: expected a real torch.Tensor, got {got}")
     v = values.to(torch.float64)
     m = fmt.mantissa_bits
     mag = v.abs()

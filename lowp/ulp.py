@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from lowp.formats import FloatFormat, get_format
+from lowp.rounding import quantize
 
 __all__ = ["ulp", "ulp_error"]
 
@@ -39,7 +40,6 @@ def ulp_error(computed: torch.Tensor, exact: torch.Tensor, format: "str | torch.
     err = torch.where(same_special, torch.zeros_like(err), err)
     beyond = torch.isfinite(t) & (t.abs() > fmt.max)
     if beyond.any():
-        from lowp.rounding import quantize
         rounded = quantize(t, fmt)
         err = torch.where(beyond & ((c == rounded) | (c.abs() > fmt.max) & (c.sign() == t.sign())), torch.zeros_like(err), err)
     return torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)

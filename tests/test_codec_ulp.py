@@ -94,3 +94,12 @@ def test_ulp_error():
     assert err[4] == 0 and err[5] == 0
     assert ulp_error(torch.tensor([float("nan")]), torch.tensor([1.0]), "fp16").item() == float("inf")
     assert ulp_error(torch.tensor([-float("inf")]), torch.tensor([1e6]), "fp16").item() == float("inf")
+
+
+def test_codec_rejects_non_tensors_naming_the_argument():
+    with pytest.raises(TypeError, match="codes"):
+        decode([0, 1], "fp16")
+    with pytest.raises(TypeError, match="values"):
+        encode([1.0], "fp16")
+    with pytest.raises(TypeError, match="values"):
+        encode(torch.tensor([1 + 1j]), "fp16")
