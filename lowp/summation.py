@@ -115,7 +115,11 @@ def split(a: torch.Tensor, format: FormatSpec = None) -> tuple[torch.Tensor, tor
     ``|lo| <= 2**-ceil(p/2) |a|`` so products of halves are exact. Uses ``c = (2**ceil(p/2) + 1) a``,
     which overflows for ``|a|`` within a factor ``2**ceil(p/2)`` of the format's max."""
     ar = _arith(torch.as_tensor(a), format)
-    a = ar.cast(a)
+    return _veltkamp_split(ar, ar.cast(a))
+
+
+def _veltkamp_split(ar: "Arith | _Native", a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`split` of ``a``, already a value of ``ar``'s format, in the arithmetic ``ar``."""
     p = ar.format.precision
     factor = ar.cast(float(2 ** ((p + 1) // 2) + 1))
     c = ar.mul(factor, a)
@@ -130,8 +134,8 @@ def two_prod(a: torch.Tensor, b: torch.Tensor, format: FormatSpec = None) -> tup
     ar = _arith(torch.as_tensor(a), format)
     a, b = ar.cast(a), ar.cast(b)
     prod = ar.mul(a, b)
-    a_hi, a_lo = split(a, format)
-    b_hi, b_lo = split(b, format)
+    a_hi, a_lo = _veltkamp_split(ar, a)
+    b_hi, b_lo = _veltkamp_split(ar, b)
     err = ar.sub(ar.mul(a_hi, b_hi), prod)
     err = ar.add(err, ar.mul(a_hi, b_lo))
     err = ar.add(err, ar.mul(a_lo, b_hi))
