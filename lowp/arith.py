@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from lowp.formats import FloatFormat, get_format
-from lowp.rounding import fits_in, quantize
+from lowp.rounding import _scale, fits_in, quantize
 
 __all__ = ["Arith"]
 
@@ -97,10 +97,7 @@ class Arith:
 
     def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:
         """``a * 2**k`` rounded to the format (exact unless it leaves the normal range)."""
-        a = torch.as_tensor(a, dtype=self.dtype)
-        k = torch.as_tensor(k, dtype=torch.float64)
-        half = torch.floor(k / 2)
-        return self.round(a * torch.exp2(half).to(self.dtype) * torch.exp2(k - half).to(self.dtype))
+        return self.round(_scale(torch.as_tensor(a, dtype=self.dtype), torch.as_tensor(k, dtype=torch.float64)))
 
     def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Left-to-right sequential sum along ``dim``, rounding after every addition (stagnates in
