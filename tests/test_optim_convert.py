@@ -76,3 +76,18 @@ def test_auto_mode_is_chosen_per_tensor_kahan_for_bf16_plain_for_fp32():
     assert "compensation" in opt.state[net.fc.weight] and opt.state[net.fc.weight]["exp_avg"].dtype == torch.bfloat16
     assert "compensation" not in opt.state[net.norm.weight]
     assert opt.state[net.norm.weight]["exp_avg"].dtype == torch.float32
+
+
+def test_load_full_precision_checks_every_weight_before_writing_any():
+    net = cast_model(_Net(), torch.bfloat16)
+    opt = lo.AdamW(net.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in net.parameters()]
+    masters = [torch.randn(p.shape) for p in net.parameters()]
+    with pytest.raises(ValueError, match=r"weights\[1\]"):
+        load_full_precision(opt, [masters[0], torch.zeros(3), *masters[2:]])
+    with pytest.raises(TypeError, match=r"weights\[0\]"):
+        load_full_precision(opt, [[1.0], *masters[1:]])
+    with pytest.raises(ValueError, match="torch_state"):
+        load_full_precision(opt, masters, {"exp_avg": 1})
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))   # nothing was written
+    assert not opt.state

@@ -70,11 +70,16 @@ def load_full_precision(optimizer: LowpOptimizer, weights: Iterable[torch.Tensor
     weights = list(weights)
     if len(weights) != len(pairs):
         raise ValueError(f"weights: expected {len(pairs)} tensors (one per parameter), got {len(weights)}")
-    saved = torch_state["state"] if torch_state is not None else {}
-    for index, ((group, p), t) in enumerate(zip(pairs, weights)):
+    for index, ((_, p), t) in enumerate(zip(pairs, weights)):  # all checked before anything is written
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"weights[{index}]: expected a torch.Tensor, got {type(t).__name__}")
         if t.shape != p.shape:
             raise ValueError(f"weights[{index}]: shape {tuple(t.shape)} does not match the parameter's "
                              f"{tuple(p.shape)}")
+    if torch_state is not None and not (isinstance(torch_state, Mapping) and "state" in torch_state):
+        raise ValueError("torch_state: expected a torch.optim state_dict() (a mapping with a 'state' entry)")
+    saved = torch_state["state"] if torch_state is not None else {}
+    for index, ((group, p), t) in enumerate(zip(pairs, weights)):
         mode = resolve_mode(group["mode"], p)
         state = optimizer.init_state(group, p, mode)
         t = t.detach().to(device=p.device, dtype=torch.float32 if p.dtype != torch.float64 else torch.float64)
