@@ -18,7 +18,7 @@ import torch
 from lowp.arith import Arith
 from lowp.formats import FloatFormat, get_format
 
-__all__ = ["Native", "Ops", "make_ops", "logb", "two_sum", "fast_two_sum", "split", "two_square",
+__all__ = ["Native", "Ops", "make_ops", "ldexp", "logb", "two_sum", "fast_two_sum", "split", "two_square",
            "ZERO_EXPONENT"]
 
 #: Exponent given to zeros by :func:`logb`: so small that scaling anything by ``2**(2*ZERO_EXPONENT)``
@@ -26,9 +26,10 @@ __all__ = ["Native", "Ops", "make_ops", "logb", "two_sum", "fast_two_sum", "spli
 ZERO_EXPONENT = -(2**20)
 
 
-def _ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``x * 2**k`` in ``x``'s dtype with two power-of-two factors, so no factor overflows."""
-    k = torch.as_tensor(k, dtype=torch.float64, device=x.device)
+def ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x * 2**k`` in ``x``'s dtype, exact unless the result leaves the normal range (two
+    power-of-two factors, so neither overflows on its own). ``k`` broadcasts against ``x``."""
+    k = k.to(x.dtype if x.dtype == torch.float64 else torch.float32)
     half = torch.floor(k / 2)
     return x * torch.exp2(half).to(x.dtype) * torch.exp2(k - half).to(x.dtype)
 
@@ -76,7 +77,7 @@ class Native:
     def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:
         """``a * 2**k`` rounded once to ``dtype`` (IEEE 754 scaleB)."""
         wide = torch.float64
-        return _ldexp(a.to(wide), torch.as_tensor(k, device=a.device)).to(self.dtype)
+        return ldexp(a.to(wide), torch.as_tensor(k, device=a.device)).to(self.dtype)
 
     def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Left-to-right sum along ``dim`` rounding to ``dtype`` after every addition."""
