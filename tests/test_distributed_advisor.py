@@ -81,3 +81,11 @@ def test_reduce_sim_command_writes_tables_and_plots(tmp_path, capsys):
     assert len(lines) == 1 + 4 * 5          # R = 2, 4, 8, 16 x five sigmas
     with pytest.raises(ValueError, match="--elements"):
         main(["reduce-sim", "--out", str(tmp_path), "--elements", "0"])
+
+
+def test_advisor_rejects_unknown_average_and_rounding():
+    # mean_rms = 0 skips the simulation, which used to be the only place these were checked
+    with pytest.raises(ValueError, match="average"):
+        advise(BucketStats(10, 4, 0.0, 1.0), "bf16", "ring", average="median")
+    with pytest.raises(ValueError, match="rounding"):
+        advise(BucketStats(10, 4, 0.0, 1.0), "bf16", "ring", rounding="up")

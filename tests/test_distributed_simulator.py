@@ -187,3 +187,10 @@ def test_fp8_stochastic_rounding_ring_is_unbiased():
     assert float(nearest[0]) < 0.5 * 32
     assert float(sr.mean()) == pytest.approx(32.0, rel=0.03)
     assert set(sr.unique().tolist()) <= set(quantize(sr, "fp8_e4m3fn").tolist())
+
+
+@pytest.mark.parametrize("kwargs, name", [({"offset": -1}, "offset"), ({"offset": 1.5}, "offset"),
+                                          ({"offset": 4, "total": 6}, "total"), ({"total": 2}, "total")])
+def test_reduce_rejects_bad_offset_and_total(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        reduce(torch.ones(3, 4), ReduceConfig(), **kwargs)

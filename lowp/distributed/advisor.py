@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowp.distributed import model
+from lowp.distributed.simulator import AVERAGING, ROUNDINGS
 from lowp.formats import get_format
 
 __all__ = ["BucketStats", "Advice", "advise", "advise_buckets", "check_reduce_dtype"]
@@ -94,6 +95,10 @@ def advise(stats: BucketStats, dtype: "str | torch.dtype" = "bf16", algorithm: s
         raise TypeError(f"stats: expected BucketStats, got {type(stats).__name__}")
     if stats.world_size < 1 or stats.numel < 1:
         raise ValueError(f"stats: world_size and numel must be positive, got {stats.world_size}, {stats.numel}")
+    if average not in AVERAGING:
+        raise ValueError(f"average: expected one of {AVERAGING}, got {average!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {ROUNDINGS}, got {rounding!r}")
     fmt = get_format(dtype)
     R, sigma, mu = stats.world_size, stats.spread_rms, stats.mean_rms
     model_average = "sum" if average == "sum" else "pre_divide"

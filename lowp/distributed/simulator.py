@@ -177,8 +177,12 @@ def reduce(x: torch.Tensor, config: ReduceConfig = ReduceConfig(), *, offset: in
     kept when a big tensor is processed in pieces. Returns the reduced values as float64.
     """
     _check_grads(x)
-    R = x.shape[0]
-    total = x.shape[1] if total is None else total
+    R, n = x.shape
+    total = n if total is None else total
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset: expected an int >= 0, got {offset!r}")
+    if isinstance(total, bool) or not isinstance(total, int) or total < offset + n:
+        raise ValueError(f"total: expected an int >= offset + x.shape[1] = {offset + n}, got {total!r}")
     if config.algorithm == "exact":
         return exact_reduce(x, config.average)
     if generator is None and config.rounding == "stochastic":

@@ -7,6 +7,7 @@ import torch
 
 from lowp.formats import FloatFormat, get_format
 from lowp.norms.cases import Case
+from lowp.norms.native import opmath_dtype
 from lowp.norms.norm import vector_norm
 from lowp.norms.reference import exact_norm
 from lowp.rounding import quantize
@@ -37,7 +38,7 @@ def score(case: Case, method: str, format: "str | FloatFormat", compute: "str | 
     fmt = get_format(format)
     x, container_fmt = as_input(case.rows, fmt)
     got = vector_norm(x, eps=case.eps, method=method, compute=compute, format=container_fmt).to(torch.float64)
-    cfmt = get_format(compute) if compute is not None else get_format(torch.float32)
+    cfmt = get_format(compute if compute is not None else opmath_dtype(fmt))  # what vector_norm holds eps in
     eps_held = float(quantize(torch.tensor(case.eps, dtype=torch.float64), cfmt))
     value, rounded = exact_norm(case.rows, eps_held, fmt)
     err = ulp_error(got, value, fmt)

@@ -4,21 +4,22 @@ Every method in :mod:`lowp.norms.methods` is written once against the small inte
 :class:`~lowp.arith.Arith` and :class:`Native` (``cast, add, sub, mul, div, sqrt, scale2, sum``),
 so the same algorithm runs on an emulated "fp16-only" machine on the CPU and natively in a torch
 dtype. On top of that interface this module gives the error-free transformations the robust
-method needs (Knuth's TwoSum, Dekker's FastTwoSum, Veltkamp splitting and Dekker's TwoProduct;
-see Muller et al., *Handbook of Floating-Point Arithmetic*, 2nd ed., ch. 4) and ``logb``, the
+method needs (Knuth's TwoSum and Veltkamp splitting from :mod:`lowp.summation`, Dekker's
+FastTwoSum and TwoProduct for a square; see Muller et al., *Handbook of Floating-Point
+Arithmetic*, 2nd ed., ch. 4) and ``logb``, the
 exact exponent extraction of IEEE 754 (``logB``), which hardware does on the exponent field.
 """
 from __future__ import annotations
 
-import math
 from typing import Union
 
 import torch
 
+from lowp import summation
 from lowp.arith import Arith
 from lowp.formats import FloatFormat, get_format
 
-__all__ = ["Native", "Ops", "make_ops", "logb", "two_sum", "fast_two_sum", "split", "two_square",
+__all__ = ["Native", "Ops", "make_ops", "ldexp", "logb", "two_sum", "fast_two_sum", "two_square",
            "ZERO_EXPONENT"]
 
 #: Exponent given to zeros by :func:`logb`: so small that scaling anything by ``2**(2*ZERO_EXPONENT)``
@@ -26,9 +27,10 @@ __all__ = ["Native", "Ops", "make_ops", "logb", "two_sum", "fast_two_sum", "spli
 ZERO_EXPONENT = -(2**20)
 
 
-def _ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``x * 2**k`` in ``x``'s dtype with two power-of-two factors, so no factor overflows."""
-    k = torch.as_tensor(k, dtype=torch.float64, device=x.device)
+def ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x * 2**k`` in ``x``'s dtype, exact unless the result leaves the normal range (two
+    power-of-two factors, so neither overflows on its own). ``k`` broadcasts against ``x``."""
+    k = k.to(x.dtype if x.dtype == torch.float64 else torch.float32)
     half = torch.floor(k / 2)
     return x * torch.exp2(half).to(x.dtype) * torch.exp2(k - half).to(x.dtype)
 
@@ -76,7 +78,7 @@ class Native:
     def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:
         """``a * 2**k`` rounded once to ``dtype`` (IEEE 754 scaleB)."""
         wide = torch.float64
-        return _ldexp(a.to(wide), torch.as_tensor(k, device=a.device)).to(self.dtype)
+        return ldexp(a.to(wide), torch.as_tensor(k, device=a.device)).to(self.dtype)
 
     def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Left-to-right sum along ``dim`` rounding to ``dtype`` after every addition."""
@@ -107,34 +109,31 @@ def logb(a: torch.Tensor) -> torch.Tensor:
     return torch.where(a == 0, torch.full_like(e, ZERO_EXPONENT, dtype=torch.int64), e.to(torch.int64) - 1)
 
 
+def _format_of(ops: Ops) -> "FloatFormat | None":
+    """The ``format`` argument of :mod:`lowp.summation` meaning the same arithmetic as ``ops``
+    (``None``: native arithmetic in the tensors' own dtype). Error-free transforms are exact only
+    under round-to-nearest, which is what :mod:`lowp.summation` uses."""
+    return None if isinstance(ops, Native) else ops.format
+
+
 def two_sum(ops: Ops, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Knuth's TwoSum: ``s = fl(a + b)`` and the exact error ``a + b - s`` (6 operations, any order)."""
-    s = ops.add(a, b)
-    bb = ops.sub(s, a)
-    err = ops.add(ops.sub(a, ops.sub(s, bb)), ops.sub(b, bb))
-    return s, err
+    """Knuth's TwoSum in ``ops``' arithmetic (:func:`lowp.summation.two_sum`)."""
+    return summation.two_sum(a, b, _format_of(ops))
 
 
 def fast_two_sum(ops: Ops, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dekker's FastTwoSum, exact when ``|a| >= |b|`` (or ``a`` is 0): ``s = fl(a+b)``, ``b - (s - a)``."""
+    """Dekker's FastTwoSum, exact when ``|a| >= |b|`` (or ``a`` is 0): ``s = fl(a+b)``, ``b - (s - a)``.
+    Kept here rather than :func:`lowp.summation.fast_two_sum`, which rejects ``a = 0 < |b|`` and
+    checks its precondition with a host sync on every call."""
     s = ops.add(a, b)
     return s, ops.sub(b, ops.sub(s, a))
-
-
-def split(ops: Ops, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Veltkamp's splitting ``a = hi + lo`` with ``hi`` on ``p - s`` bits and ``lo`` on ``s - 1`` bits
-    (``s = ceil(p/2)``, constant ``2**s + 1``), so products of halves are exact in the format."""
-    fmt: FloatFormat = ops.format
-    c = ops.mul(ops.cast(float(2 ** math.ceil(fmt.precision / 2) + 1)), a)
-    hi = ops.sub(c, ops.sub(c, a))
-    return hi, ops.sub(a, hi)
 
 
 def two_square(ops: Ops, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dekker's TwoProduct for ``a*a``: ``p = fl(a*a)`` and the exact error ``a*a - p``, valid
     while nothing underflows (``a`` in [1, 2) is always safe for the formats here)."""
     p = ops.mul(a, a)
-    hi, lo = split(ops, a)
+    hi, lo = summation.split(a, _format_of(ops))
     cross = ops.mul(hi, lo)
     err = ops.add(ops.add(ops.sub(ops.mul(hi, hi), p), ops.add(cross, cross)), ops.mul(lo, lo))
     return p, err

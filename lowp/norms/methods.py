@@ -135,7 +135,7 @@ def blue(ops: Ops, a: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     ymax, ymin = torch.maximum(ymed, ysml), torch.minimum(ymed, ysml)
     ratio = ops.div(ymin, ymax)
     mixed = ops.sqrt(ops.mul(sq(ymax), ops.add(one, sq(ratio))))
-    sml_res = torch.where(med_present, mixed, ops.div(ops.sqrt(asml), c["ssml"]))
+    sml_res = torch.where(med_present, mixed, ysml)
     out = torch.where(abig > 0, big_res, torch.where(asml > 0, sml_res, ops.sqrt(amed)))
     return _f64(out)
 

@@ -24,7 +24,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lowp.formats import get_format
-from lowp.norms.native import ldexp, needs_rescale, row_exponent, rows_to_rescale
+from lowp.norms.compute import ldexp
+from lowp.norms.native import needs_rescale, row_exponent, rows_to_rescale
 
 __all__ = ["RMSNorm", "LayerNorm", "row_statistics", "normalized"]
 

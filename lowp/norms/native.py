@@ -14,23 +14,15 @@ from __future__ import annotations
 import torch
 
 from lowp.formats import FloatFormat, get_format
-from lowp.norms.compute import logb
+from lowp.norms.compute import ldexp, logb
 from lowp.rounding import quantize
 
-__all__ = ["row_exponent", "ldexp", "needs_rescale", "rows_to_rescale", "wide_norm", "opmath_dtype"]
+__all__ = ["row_exponent", "needs_rescale", "rows_to_rescale", "wide_norm", "opmath_dtype"]
 
 
 def opmath_dtype(fmt: FloatFormat) -> torch.dtype:
     """float32 when its 24 bits hold an exact square of ``fmt`` plus guard bits (``2p + 2 <= 24``), else float64."""
     return torch.float32 if 2 * fmt.precision + 2 <= get_format("fp32").precision else torch.float64
-
-
-def ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``x * 2**k`` in ``x``'s dtype, exact unless the result leaves the normal range (two
-    power-of-two factors, so neither overflows on its own). ``k`` broadcasts against ``x``."""
-    k = k.to(x.dtype if x.dtype == torch.float64 else torch.float32)
-    half = torch.floor(k / 2)
-    return x * torch.exp2(half).to(x.dtype) * torch.exp2(k - half).to(x.dtype)
 
 
 def row_exponent(absmax: torch.Tensor, eps: "float | torch.Tensor") -> torch.Tensor:
