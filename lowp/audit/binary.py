@@ -17,7 +17,7 @@ from lowp.audit.lowformat import LowFormatMath
 from lowp.audit.metrics import correctly_rounded, error_stats, near_midpoint
 from lowp.audit.ops import BinaryOp, get_binary
 from lowp.audit.ties import MP_BINARY, settle_ties
-from lowp.audit.unary import METHODS, check_methods
+from lowp.audit.unary import METHODS, check_methods, native_result, opmath_result
 from lowp.codec import all_values
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
@@ -79,14 +79,9 @@ def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatF
 
 def _compute(op: BinaryOp, method: str, x: torch.Tensor, y: torch.Tensor, fmt: FloatFormat) -> torch.Tensor | None:
     if method == "native":
-        if fmt.torch_dtype is None:
-            return None
-        try:
-            return op.torch_fn(x.to(fmt.torch_dtype), y.to(fmt.torch_dtype)).double()
-        except (RuntimeError, NotImplementedError):
-            return None
+        return native_result(op.torch_fn, (x, y), fmt)
     if method == "opmath":
-        return quantize(op.torch_fn(x.float(), y.float()), fmt).double()
+        return opmath_result(op.torch_fn, (x, y), fmt)
     if method == "lowformat":
         low = LowFormatMath(fmt)
         return _lowformat(op.name, x.to(low.dtype), y.to(low.dtype), low).double()

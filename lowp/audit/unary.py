@@ -13,7 +13,7 @@ Methods (each compared with the float64 reference rounded once to the format):
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -51,29 +51,30 @@ def reference(op: UnaryOp, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.asarray(op.reference(x.numpy()), dtype=np.float64))
 
 
-def native_result(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor | None:
-    """torch's kernel in the format's own dtype, or None where torch has no dtype or kernel for it."""
+def native_result(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], fmt: FloatFormat) -> torch.Tensor | None:
+    """torch's ``fn`` on ``args`` in the format's own dtype (float64 result), or None where torch
+    has no dtype or kernel for it."""
     if fmt.torch_dtype is None:
         return None
     try:
-        return op.torch_fn(x.to(fmt.torch_dtype)).to(torch.float64)
+        return fn(*(a.to(fmt.torch_dtype) for a in args)).to(torch.float64)
     except (RuntimeError, NotImplementedError):
         return None
 
 
-def opmath_result(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """The op in float32, rounded once to ``fmt``."""
-    return quantize(op.torch_fn(x.to(torch.float32)), fmt).to(torch.float64)
+def opmath_result(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], fmt: FloatFormat) -> torch.Tensor:
+    """``fn`` on float32 copies of ``args``, rounded once to ``fmt`` (float64 result)."""
+    return quantize(fn(*(a.to(torch.float32) for a in args)), fmt).to(torch.float64)
 
 
 def _results(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat, methods: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for method in methods:
         if method == "native":
-            got = native_result(op, x, fmt)
+            got = native_result(op.torch_fn, (x,), fmt)
             if got is not None:
                 yield method, got
         elif method == "opmath":
-            yield method, opmath_result(op, x, fmt)
+            yield method, opmath_result(op.torch_fn, (x,), fmt)
         else:
             low = LowFormatMath(fmt)
             yield method, low.formula(op.name, x.to(low.dtype)).to(torch.float64)
