@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from lowp.audit.lowformat import LowFormatMath
-from lowp.audit.metrics import correctly_rounded, error_stats, near_midpoint
+from lowp.audit.metrics import error_stats
 from lowp.audit.ops import UnaryOp, get_unary
-from lowp.audit.ties import MP_UNARY, settle_ties
+from lowp.audit.ties import MP_UNARY, correct_results
 from lowp.codec import all_values
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
@@ -102,10 +102,7 @@ def audit_unary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFo
     for op, fmt in tqdm(jobs, desc="unary audit", unit="op", disable=not progress):
         x = unary_inputs(op, fmt)[::stride]
         exact = reference(op, x)
-        correct = correctly_rounded(exact, fmt)
-        doubtful = torch.zeros_like(exact, dtype=torch.bool) if op.exact_reference else near_midpoint(exact, fmt)
-        if doubtful.any():
-            correct[doubtful] = settle_ties(MP_UNARY[op.name], (x[doubtful],), exact[doubtful], fmt)
+        correct, doubtful = correct_results(MP_UNARY[op.name], (x,), exact, fmt, op.exact_reference)
         for method, got in _results(op, x, fmt, methods):
             stats = error_stats(got, exact, fmt, correct)
             worst = stats.pop("worst_index")
