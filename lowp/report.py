@@ -14,8 +14,16 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def _check_rows(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """ValueError naming the first row whose length differs from the headers' (zip would drop cells)."""
+    for i, row in enumerate(rows):
+        if len(row) != len(headers):
+            raise ValueError(f"rows: expected {len(headers)} cells per row (one per header), row {i} has {len(row)}")
+
+
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain aligned table for the terminal."""
+    _check_rows(headers, rows)
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
@@ -26,12 +34,15 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub-flavoured markdown table."""
+    _check_rows(headers, rows)
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
     return "\n".join(out)
 
 
 def csv_text(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """CSV text with a header line."""
+    _check_rows(headers, rows)
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(headers)

@@ -203,3 +203,8 @@ def test_settle_ties_decides_near_midpoint_references_in_high_precision():
     tie = torch.tensor([2.0**-25], dtype=torch.float64)
     assert settle_ties(MP_UNARY["exp2"], (torch.tensor([-25.0], dtype=torch.float64),), tie, FP16).item() == 0.0
     assert set(MP_UNARY) == set(UNARY_OPS)
+
+
+def test_seed_table_rejects_unknown_op_names():
+    with pytest.raises(ValueError, match="ops: unknown unary op"):
+        math_vs_fp32(["exp", "no_such_op"])

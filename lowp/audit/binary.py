@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from lowp.audit.lowformat import LowFormatMath
-from lowp.audit.metrics import correctly_rounded, error_stats, near_midpoint
+from lowp.audit.metrics import error_stats
 from lowp.audit.ops import BinaryOp, get_binary
-from lowp.audit.ties import MP_BINARY, settle_ties
-from lowp.audit.unary import METHODS, check_methods
+from lowp.audit.ties import MP_BINARY, correct_results
+from lowp.audit.unary import METHODS, check_methods, native_result, opmath_result
 from lowp.codec import all_values
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
@@ -61,10 +61,7 @@ def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatF
         x, y = xs[keep], ys[keep]
         with np.errstate(all="ignore"):
             exact = torch.from_numpy(np.asarray(op.reference(x.numpy(), y.numpy()), dtype=np.float64))
-        correct = correctly_rounded(exact, fmt)
-        doubtful = torch.zeros_like(exact, dtype=torch.bool) if op.exact_reference else near_midpoint(exact, fmt)
-        if doubtful.any():
-            correct[doubtful] = settle_ties(MP_BINARY[op.name], (x[doubtful], y[doubtful]), exact[doubtful], fmt)
+        correct, doubtful = correct_results(MP_BINARY[op.name], (x, y), exact, fmt, op.exact_reference)
         for method in methods:
             got = _compute(op, method, x, y, fmt)
             if got is None:
@@ -79,14 +76,9 @@ def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatF
 
 def _compute(op: BinaryOp, method: str, x: torch.Tensor, y: torch.Tensor, fmt: FloatFormat) -> torch.Tensor | None:
     if method == "native":
-        if fmt.torch_dtype is None:
-            return None
-        try:
-            return op.torch_fn(x.to(fmt.torch_dtype), y.to(fmt.torch_dtype)).double()
-        except (RuntimeError, NotImplementedError):
-            return None
+        return native_result(op.torch_fn, (x, y), fmt)
     if method == "opmath":
-        return quantize(op.torch_fn(x.float(), y.float()), fmt).double()
+        return opmath_result(op.torch_fn, (x, y), fmt)
     if method == "lowformat":
         low = LowFormatMath(fmt)
         return _lowformat(op.name, x.to(low.dtype), y.to(low.dtype), low).double()

@@ -24,7 +24,7 @@ import torch
 
 from lowp.audit.lowformat import LowFormatMath
 from lowp.audit.metrics import correctly_rounded, error_stats
-from lowp.audit.unary import METHODS, check_methods
+from lowp.audit.unary import METHODS, check_methods, native_result, opmath_result
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
 
@@ -170,14 +170,9 @@ def audit_reductions(ops: "Iterable[str] | None" = None, formats: Iterable["str 
 
 def _compute(op: str, method: str, x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor | None:
     if method == "native":
-        if fmt.torch_dtype is None:
-            return None
-        try:
-            return _TORCH[op](x.to(fmt.torch_dtype)).double()
-        except (RuntimeError, NotImplementedError):
-            return None
+        return native_result(_TORCH[op], (x,), fmt)
     if method == "opmath":
-        return quantize(_TORCH[op](x.float()), fmt).double()
+        return opmath_result(_TORCH[op], (x,), fmt)
     if method == "lowformat":
         low = LowFormatMath(fmt)
         return _LOW[op](low, x.to(low.dtype)).double()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lowp.audit.ops import SEED_FAMILIES, UNARY_OPS
+from lowp.audit.ops import SEED_FAMILIES, get_unary
 from lowp.audit.unary import unary_inputs
 from lowp.formats import get_format
 
@@ -51,16 +51,16 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
 
 
 def math_vs_fp32(ops: "list[str] | None" = None) -> dict[str, dict[str, float]]:
-    """Per op: errors of torch's fp16 kernel against its fp32 kernel over every fp16 input in the domain."""
+    """Per op: errors of torch's fp16 kernel against its fp32 kernel over every fp16 input in the domain
+    (``ops``: unary op names, default every op of the seed's families; unknown names raise ValueError)."""
     fmt = get_format("fp16")
     names = ops if ops is not None else [n for fam in SEED_FAMILIES.values() for n in fam]
     out = {}
-    for name in names:
-        op = UNARY_OPS[name]
+    for op in get_unary(names):
         x = unary_inputs(op, fmt)
         got = op.torch_fn(x.to(torch.float16)).to(torch.float64)
         want = op.torch_fn(x.to(torch.float32)).to(torch.float64)
-        out[name] = _errors(got, want)
+        out[op.name] = _errors(got, want)
     return out
 
 

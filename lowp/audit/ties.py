@@ -16,10 +16,11 @@ from collections.abc import Callable
 import mpmath
 import torch
 
+from lowp.audit.metrics import correctly_rounded, near_midpoint
 from lowp.formats import FloatFormat
 from lowp.rounding import quantize
 
-__all__ = ["MP_UNARY", "MP_BINARY", "settle_ties"]
+__all__ = ["MP_UNARY", "MP_BINARY", "settle_ties", "correct_results"]
 
 _mp = mpmath.mp
 MpFn = Callable[[mpmath.mpf], mpmath.mpf]
@@ -90,3 +91,14 @@ def settle_ties(fn: MpFn, inputs: tuple[torch.Tensor, ...], exact: torch.Tensor,
         if side:
             out[i] = hi[i] if side > 0 else lo[i]
     return out
+
+
+def correct_results(fn: MpFn, inputs: tuple[torch.Tensor, ...], exact: torch.Tensor, fmt: FloatFormat,
+                    exact_reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(correctly rounded results, near-midpoint mask)``: ``exact`` rounded once to ``fmt``, with
+    the references near a midpoint (none when ``exact_reference``) settled by :func:`settle_ties`."""
+    correct = correctly_rounded(exact, fmt)
+    doubtful = torch.zeros_like(exact, dtype=torch.bool) if exact_reference else near_midpoint(exact, fmt)
+    if doubtful.any():
+        correct[doubtful] = settle_ties(fn, tuple(t[doubtful] for t in inputs), exact[doubtful], fmt)
+    return correct, doubtful

@@ -13,15 +13,15 @@ Methods (each compared with the float64 reference rounded once to the format):
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from lowp.audit.lowformat import LowFormatMath
-from lowp.audit.metrics import correctly_rounded, error_stats, near_midpoint
+from lowp.audit.metrics import error_stats
 from lowp.audit.ops import UnaryOp, get_unary
-from lowp.audit.ties import MP_UNARY, settle_ties
+from lowp.audit.ties import MP_UNARY, correct_results
 from lowp.codec import all_values
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import quantize
@@ -51,29 +51,30 @@ def reference(op: UnaryOp, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.asarray(op.reference(x.numpy()), dtype=np.float64))
 
 
-def native_result(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor | None:
-    """torch's kernel in the format's own dtype, or None where torch has no dtype or kernel for it."""
+def native_result(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], fmt: FloatFormat) -> torch.Tensor | None:
+    """torch's ``fn`` on ``args`` in the format's own dtype (float64 result), or None where torch
+    has no dtype or kernel for it."""
     if fmt.torch_dtype is None:
         return None
     try:
-        return op.torch_fn(x.to(fmt.torch_dtype)).to(torch.float64)
+        return fn(*(a.to(fmt.torch_dtype) for a in args)).to(torch.float64)
     except (RuntimeError, NotImplementedError):
         return None
 
 
-def opmath_result(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """The op in float32, rounded once to ``fmt``."""
-    return quantize(op.torch_fn(x.to(torch.float32)), fmt).to(torch.float64)
+def opmath_result(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], fmt: FloatFormat) -> torch.Tensor:
+    """``fn`` on float32 copies of ``args``, rounded once to ``fmt`` (float64 result)."""
+    return quantize(fn(*(a.to(torch.float32) for a in args)), fmt).to(torch.float64)
 
 
 def _results(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat, methods: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for method in methods:
         if method == "native":
-            got = native_result(op, x, fmt)
+            got = native_result(op.torch_fn, (x,), fmt)
             if got is not None:
                 yield method, got
         elif method == "opmath":
-            yield method, opmath_result(op, x, fmt)
+            yield method, opmath_result(op.torch_fn, (x,), fmt)
         else:
             low = LowFormatMath(fmt)
             yield method, low.formula(op.name, x.to(low.dtype)).to(torch.float64)
@@ -101,10 +102,7 @@ def audit_unary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFo
     for op, fmt in tqdm(jobs, desc="unary audit", unit="op", disable=not progress):
         x = unary_inputs(op, fmt)[::stride]
         exact = reference(op, x)
-        correct = correctly_rounded(exact, fmt)
-        doubtful = torch.zeros_like(exact, dtype=torch.bool) if op.exact_reference else near_midpoint(exact, fmt)
-        if doubtful.any():
-            correct[doubtful] = settle_ties(MP_UNARY[op.name], (x[doubtful],), exact[doubtful], fmt)
+        correct, doubtful = correct_results(MP_UNARY[op.name], (x,), exact, fmt, op.exact_reference)
         for method, got in _results(op, x, fmt, methods):
             stats = error_stats(got, exact, fmt, correct)
             worst = stats.pop("worst_index")

@@ -81,11 +81,10 @@ def bytes_per_param(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     """Bytes of weights + gradients + optimizer-state tensors per parameter."""
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
-    weights = sum(p.numel() * p.element_size() for p in params)
-    grads = sum(p.numel() * p.element_size() for p in params)   # a gradient has its weight's dtype
+    weights = sum(p.numel() * p.element_size() for p in params)  # a gradient has its weight's dtype: as much again
     states = sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
                  if isinstance(v, torch.Tensor))
-    return (weights + grads + states) / n
+    return (2 * weights + states) / n
 
 
 def train_run(name: str, data: TextData, cfg: DemoConfig, progress=None) -> RunResult:

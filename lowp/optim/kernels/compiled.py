@@ -25,7 +25,7 @@ from lowp.optim.backends import ForeachBackend, ParamSlice, StepContext
 from lowp.optim.kernels.rules import Rule, rule_for
 from lowp.optim.kernels.step import fused_step
 
-__all__ = ["CompiledBackend", "compiler_available", "fusable", "step_numbers", "step_keys"]
+__all__ = ["CompiledBackend", "compiler_available", "fusable", "partition", "step_numbers", "step_keys"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,6 +51,15 @@ def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool) -> bool:
     if any(not t.is_contiguous() or t.shape != s.param.shape for t in tensors):
         return False
     return not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
+
+
+def partition(slices: list[ParamSlice], keep: Callable[[ParamSlice], bool]) -> tuple[list[ParamSlice], list[ParamSlice]]:
+    """``(slices where keep, the others)``, each in the original order, in one pass."""
+    kept: list[ParamSlice] = []
+    others: list[ParamSlice] = []
+    for s in slices:
+        (kept if keep(s) else others).append(s)
+    return kept, others
 
 
 def step_numbers(rule: Rule, ctx: StepContext, device: torch.device) -> torch.Tensor:
@@ -156,8 +165,7 @@ class CompiledBackend(ForeachBackend):
     def run(self, optimizer, ctx, slices):
         rule = rule_for(optimizer)
         stochastic = ctx.group["state_rounding"] == "stochastic"
-        fused = [s for s in slices if rule is not None and fusable(ctx, s, stochastic)] if slices else []
-        rest = [s for s in slices if not any(s is f for f in fused)]
+        fused, rest = partition(slices, lambda s: rule is not None and fusable(ctx, s, stochastic))
         counts = [super().run(optimizer, ctx, rest)] if rest else []
         if fused:
             counts.append(self.run_fused(rule, ctx, fused))

@@ -12,7 +12,7 @@ import os
 import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
-from lowp.optim.kernels.compiled import CompiledBackend, fusable, step_keys, step_numbers
+from lowp.optim.kernels.compiled import CompiledBackend, fusable, partition, step_keys, step_numbers
 from lowp.optim.kernels.rules import RULES, rule_for
 
 __all__ = ["TritonBackend", "triton_available", "BLOCK"]
@@ -51,8 +51,7 @@ class TritonBackend(CompiledBackend):
         stochastic = ctx.group["state_rounding"] == "stochastic"
         ok = (rule is not None and rule.name in ("adam", "adamw") and not ctx.group["amsgrad"]
               and (_interpreting() or all(s.param.is_cuda for s in slices)))
-        mine = [s for s in slices if ok and fusable(ctx, s, stochastic)]
-        rest = [s for s in slices if not any(s is m for m in mine)]
+        mine, rest = partition(slices, lambda s: ok and fusable(ctx, s, stochastic))
         counts = [super().run(optimizer, ctx, rest)] if rest else []
         signatures: dict[tuple, list[ParamSlice]] = {}
         for s in mine:
