@@ -379,3 +379,12 @@ def test_a_step_allocates_only_chunk_sized_temporaries(tmp_path):
         running += e["args"]["Bytes"]
         peak = max(peak, running)
     assert 0 < peak <= 48 * chunk < p.numel() * 4, peak
+
+
+def test_store_rejects_an_unknown_rounding_and_leaves_dst_alone():
+    from lowp.optim.storage import store
+
+    dst = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rounding"):
+        store(dst, torch.full((4,), 3.0), "upward", None)
+    assert torch.equal(dst, torch.ones(4, dtype=torch.bfloat16))

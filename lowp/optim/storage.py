@@ -36,6 +36,8 @@ def stochastic_round_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: torc
 
 def store(dst: torch.Tensor, src: torch.Tensor, rounding: str, generator: torch.Generator | None) -> None:
     """Write the fp32 working copy ``src`` into ``dst`` (any float dtype) with ``rounding``."""
+    if rounding not in STATE_ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {', '.join(STATE_ROUNDINGS)}, got {rounding!r}")
     if dst is src:
         return
     if rounding == "stochastic" and dst.dtype == torch.bfloat16:

@@ -22,6 +22,7 @@ moments) have no rule; the fused backends run their reference pipeline instead.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -177,8 +178,13 @@ def rule_for(optimizer: Any) -> Rule | None:
     Matched by exact class so that a user subclass with its own ``update`` is never silently
     replaced by the stock math.
     """
+    name = _rule_names().get(type(optimizer))
+    return RULES[name] if name else None
+
+
+@lru_cache(maxsize=None)
+def _rule_names() -> dict[type, str]:
+    """Optimizer class -> rule name, built once (imported lazily: lowp.optim imports this module)."""
     from lowp.optim import SGD, Adam, AdamW, Lion, RAdam
 
-    names = {AdamW: "adamw", Adam: "adam", SGD: "sgd", Lion: "lion", RAdam: "radam"}
-    name = names.get(type(optimizer))
-    return RULES[name] if name else None
+    return {AdamW: "adamw", Adam: "adam", SGD: "sgd", Lion: "lion", RAdam: "radam"}
