@@ -11,27 +11,34 @@ from typing import Any
 
 from lowp.optim.backends import register_backend
 from lowp.optim.kernels.compiled import CompiledBackend, compiler_available
+from lowp.optim.kernels.native_backend import NativeBackend
+from lowp.optim.kernels.native_build import native_available
 from lowp.optim.kernels.triton_backend import TritonBackend, triton_available
 
-__all__ = ["CompiledBackend", "TritonBackend", "choose_backend", "compiler_available", "triton_available",
-           "AUTO_MIN_NUMEL"]
+__all__ = ["CompiledBackend", "NativeBackend", "TritonBackend", "choose_backend", "compiler_available",
+           "native_available", "triton_available", "AUTO_MIN_NUMEL", "AUTO_MIN_NUMEL_NATIVE"]
 
 register_backend("compiled", CompiledBackend)
+register_backend("native", NativeBackend)
 register_backend("triton", TritonBackend)
 
-#: ``fused=None`` compiles on CPU only from this many parameter elements on: the first step then
-#: costs 10-40 s of compilation (measured, docs/fused.md), which small models never win back.
+#: ``fused=None`` uses torch.compile on CPU only from this many parameter elements on: the first
+#: step then costs 10-40 s of compilation (measured, docs/fused.md), which small models never win back.
 AUTO_MIN_NUMEL = 1 << 22
+#: ``fused=None`` uses the native kernel from this many elements on: a variant compiles once per
+#: machine in about 1 s (then loads from the on-disk cache), and a call costs tens of microseconds.
+AUTO_MIN_NUMEL_NATIVE = 1 << 16
 
 
 def choose_backend(optimizer: Any, fused: bool | None, foreach: bool | None) -> str:
     """The backend name for the optimizers' ``fused`` option.
 
     ``False``: ``foreach`` (``eager`` when ``foreach=False``). ``True``: ``triton`` for CUDA
-    parameters when Triton imports, else ``compiled``; a ``RuntimeError`` when torch.compile
-    cannot build code here. ``None``: the same choice when it is available and (on CPU) the model
-    holds at least :data:`AUTO_MIN_NUMEL` elements, else the unfused default. The environment
-    variable ``LOWP_FUSED=0`` turns ``None`` into ``False``.
+    parameters when Triton imports; on CPU ``native`` where it builds (x86-64 with AVX2), else
+    ``compiled``; a ``RuntimeError`` when neither can build code here. ``None``: the same choice
+    when the model holds at least :data:`AUTO_MIN_NUMEL_NATIVE` (native) or :data:`AUTO_MIN_NUMEL`
+    (compiled) elements, else the unfused default. The environment variable ``LOWP_FUSED=0``
+    turns ``None`` into ``False``.
     """
     if fused not in (None, True, False):
         raise ValueError(f"fused: expected None, True or False, got {fused!r}")
@@ -42,10 +49,15 @@ def choose_backend(optimizer: Any, fused: bool | None, foreach: bool | None) -> 
     on_cuda = any(p.is_cuda for p in params)
     if on_cuda and triton_available():
         return "triton"
+    native = not on_cuda and native_available()
     if fused is True:
-        if not (on_cuda or compiler_available()):
-            raise RuntimeError("fused=True: torch.compile cannot build CPU code here (no C++ compiler "
+        if not (on_cuda or native or compiler_available()):
+            raise RuntimeError("fused=True: no fused CPU backend can build code here (no C++ compiler "
                                "on PATH); use fused=None or fused=False")
-        return "compiled"
-    big = on_cuda or sum(p.numel() for p in params) >= AUTO_MIN_NUMEL
-    return "compiled" if big and (on_cuda or compiler_available()) and foreach is not False else plain
+        return "native" if native else "compiled"
+    if foreach is False:
+        return plain
+    numel = sum(p.numel() for p in params)
+    if native and numel >= AUTO_MIN_NUMEL_NATIVE:
+        return "native"
+    return "compiled" if on_cuda or (numel >= AUTO_MIN_NUMEL and compiler_available()) else plain

@@ -38,10 +38,12 @@ def compiler_available() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
-def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool) -> bool:
-    """Whether slice ``s`` can take the fused step (dtypes and layout it supports)."""
+def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool, min_numel: int = 2) -> bool:
+    """Whether slice ``s`` can take the fused step (dtypes and layout it supports). The default
+    ``min_numel`` is torch.compile's: dynamo specializes sizes 0 and 1, so one-element tensors
+    would compile twice more."""
     low16 = (torch.bfloat16, torch.float16)
-    if s.numel < 2:  # dynamo specializes sizes 0 and 1: one-element tensors would compile twice more
+    if s.numel < min_numel:
         return False
     if s.param.dtype not in (torch.float32, *low16) or s.grad.dtype not in (torch.float32, *low16):
         return False
@@ -162,10 +164,13 @@ class CompiledBackend(ForeachBackend):
                                             options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
         return _FUNCTIONS[key]
 
+    #: the smallest tensor this backend fuses (see :func:`fusable`)
+    min_numel = 2
+
     def run(self, optimizer, ctx, slices):
         rule = rule_for(optimizer)
         stochastic = ctx.group["state_rounding"] == "stochastic"
-        fused, rest = partition(slices, lambda s: rule is not None and fusable(ctx, s, stochastic))
+        fused, rest = partition(slices, lambda s: rule is not None and fusable(ctx, s, stochastic, self.min_numel))
         counts = [super().run(optimizer, ctx, rest)] if rest else []
         if fused:
             counts.append(self.run_fused(rule, ctx, fused))

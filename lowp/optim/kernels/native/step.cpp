@@ -1,0 +1,413 @@
+// lowp fused optimizer step for x86-64 CPUs with AVX2 + FMA + F16C (backend="native").
+//
+// One shared object per variant: the Python side (lowp/optim/kernels/native_build.py) compiles
+// this file with -D LOWP_* macros that fix the optimizer rule, its structural switches, the
+// write-back mode, every tensor's dtype and the state roundings, so the loop below carries no
+// run-time branches on them. The math mirrors lowp/optim/kernels/rules.py and step.py rounding
+// by rounding (explicit fused multiply-adds where ATen's CPU kernels use them, correctly
+// rounded sqrt and true divisions), so results are bit-identical to the foreach reference, and
+// stochastic rounding draws the same counter-based bits as the compiled and Triton backends.
+//
+// Layout trick: 16 elements are processed at a time as two fp32 vectors, the even-indexed
+// elements ("lo") and the odd-indexed ones ("hi"). A bf16 block of 16 is one 32-byte load; its
+// even elements are `x << 16` and its odd ones `x & 0xFFFF0000`, and storing is `hi | lo >> 16`:
+// no shuffles at all for bf16 (fp32 and fp16 tensors pay one shuffle pair per 8 elements).
+// Elementwise math does not care in which order the lanes hold the elements.
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+// ---- the variant (defaults only make the file compile on its own) ----------------------------
+#ifndef LOWP_RULE
+#define LOWP_RULE 0
+#endif
+#ifndef LOWP_MODE
+#define LOWP_MODE 2
+#endif
+#ifndef LOWP_CFG0
+#define LOWP_CFG0 0
+#endif
+#ifndef LOWP_CFG1
+#define LOWP_CFG1 1
+#endif
+#ifndef LOWP_CFG2
+#define LOWP_CFG2 1
+#endif
+#ifndef LOWP_W
+#define LOWP_W 1
+#endif
+#ifndef LOWP_G
+#define LOWP_G 1
+#endif
+#ifndef LOWP_B
+#define LOWP_B 1
+#endif
+#ifndef LOWP_NSTATES
+#define LOWP_NSTATES 2
+#endif
+#ifndef LOWP_S0
+#define LOWP_S0 1
+#endif
+#ifndef LOWP_S1
+#define LOWP_S1 1
+#endif
+#ifndef LOWP_S2
+#define LOWP_S2 1
+#endif
+#ifndef LOWP_SR
+#define LOWP_SR 1
+#endif
+#ifndef LOWP_COUNT
+#define LOWP_COUNT 1
+#endif
+
+enum Dtype { F32 = 0, BF16 = 1, F16 = 2, I16 = 3 };
+enum Mode { NEAREST = 0, STOCHASTIC = 1, KAHAN = 2, EXACT = 3 };
+enum RuleId { ADAM = 0, SGD = 1, LION = 2, RADAM = 3 };
+
+constexpr int RULE = LOWP_RULE, MODE = LOWP_MODE, NSTATES = LOWP_NSTATES;
+constexpr bool CFG[3] = {LOWP_CFG0 != 0, LOWP_CFG1 != 0, LOWP_CFG2 != 0};  // the rule's config tuple
+constexpr int WT = LOWP_W, GT = LOWP_G, BT = LOWP_B, ST[3] = {LOWP_S0, LOWP_S1, LOWP_S2};
+constexpr bool SR = LOWP_SR != 0, COUNT = LOWP_COUNT != 0;
+
+typedef float vf __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+
+static inline vf bc(float x) { return (vf){} + x; }
+static inline vu bcu(uint32_t x) { return (vu){} + x; }
+static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+static inline vf sqrt_(vf a) { return (vf)_mm256_sqrt_ps((__m256)a); }  // correctly rounded
+static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
+
+// ---- loads and stores of 16 elements as (even, odd) fp32 vectors ------------------------------
+static inline void deinterleave(vf a, vf b, vf &even, vf &odd) {
+  // a = elements 0..7, b = 8..15 -> even = 0,2,..,14 and odd = 1,3,..,15
+  even = (vf)_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps((__m256)a, (__m256)b, 0x88)), 0xD8));
+  odd = (vf)_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps((__m256)a, (__m256)b, 0xDD)), 0xD8));
+}
+
+static inline void interleave(vf even, vf odd, vf &a, vf &b) {
+  __m256 e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd((__m256)even), 0xD8));
+  __m256 o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd((__m256)odd), 0xD8));
+  a = (vf)_mm256_unpacklo_ps(e, o);
+  b = (vf)_mm256_unpackhi_ps(e, o);
+}
+
+template <int DT> static inline void load(const void *base, int64_t i, vf &lo, vf &hi) {
+  if constexpr (DT == BF16) {
+    vu x;
+    memcpy(&x, (const uint16_t *)base + i, 32);
+    lo = (vf)(x << 16);
+    hi = (vf)(x & 0xFFFF0000u);
+  } else if constexpr (DT == F16) {
+    const __m128i *p = (const __m128i *)((const uint16_t *)base + i);
+    deinterleave((vf)_mm256_cvtph_ps(_mm_loadu_si128(p)), (vf)_mm256_cvtph_ps(_mm_loadu_si128(p + 1)), lo, hi);
+  } else {
+    vf a, b;
+    memcpy(&a, (const float *)base + i, 32);
+    memcpy(&b, (const float *)base + i + 8, 32);
+    deinterleave(a, b, lo, hi);
+  }
+}
+
+// fp32 -> the nearest bf16 (ties to even), as an fp32 value; NaN -> the quiet NaN 0x7FC0.
+static inline vf round_bf16(vf x) {
+  vu u = (vu)x;
+  vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (vf)((x != x) ? bcu(0x7FC00000u) : r);
+}
+
+// fp32 -> bf16 with stochastic rounding: add 16 random bits to the pattern and truncate.
+static inline vf stochastic_bf16(vf x, vu noise) {
+  vu r = ((vu)x + noise) & 0xFFFF0000u;
+  return (vf)((x != x) ? bcu(0x7FC00000u) : r);
+}
+
+static inline vf round_f16(vf x) {
+  return (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// ``x`` rounded to the nearest value of DT (ties to even), still as fp32.
+template <int DT> static inline vf round_to(vf x) {
+  if constexpr (DT == BF16) return round_bf16(x);
+  else if constexpr (DT == F16) return round_f16(x);
+  else return x;
+}
+
+// Store values that are already representable in DT (so the conversion is exact).
+template <int DT> static inline void store(void *base, int64_t i, vf lo, vf hi) {
+  if constexpr (DT == BF16) {
+    vu x = ((vu)hi & 0xFFFF0000u) | ((vu)lo >> 16);
+    memcpy((uint16_t *)base + i, &x, 32);
+  } else {
+    vf a, b;
+    interleave(lo, hi, a, b);
+    if constexpr (DT == F16) {
+      __m128i *p = (__m128i *)((uint16_t *)base + i);
+      _mm_storeu_si128(p, _mm256_cvtps_ph((__m256)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm_storeu_si128(p + 1, _mm256_cvtps_ph((__m256)b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+      memcpy((float *)base + i, &a, 32);
+      memcpy((float *)base + i + 8, &b, 32);
+    }
+  }
+}
+
+// ---- counter-based random bits (same as lowp.optim.kernels.step.hash32) ------------------------
+static inline vu hash32(vu x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x2C1B3C6Du;
+  return x ^ (x >> 16);
+}
+
+// ---- the optimizer rules (lowp/optim/kernels/rules.py; ``r`` is h[1:]) -------------------------
+struct Numbers {
+  float r[9];
+};
+
+// ATen's vectorised CPU lerp: fma(w, end - start, start) for w < 0.5, else fma(w - 1, end - start, end)
+static inline vf lerp(vf start, vf end, float weight) {
+  vf diff = end - start;
+  return weight < 0.5f ? fma_(bc(weight), diff, start) : fma_(bc(weight - 1.0f), diff, end);
+}
+
+static inline vf maximum(vf a, vf b) { return select((a != a) | (a > b), a, b); }  // NaN propagates
+
+static inline vf sign(vf x) {
+  vf s = select(x > 0.0f, bc(1.0f), select(x < 0.0f, bc(-1.0f), bc(0.0f)));
+  return select(x != x, x, s);
+}
+
+static inline vf rule(const Numbers &n, vf w, vf g, const vf *s, vf *out) {
+  const float *r = n.r;
+  if constexpr (RULE == ADAM) {  // cfg = (amsgrad, decoupled, has_wd)
+    if constexpr (CFG[2] && !CFG[1]) g = fma_(w, bc(r[7]), g);
+    vf m = lerp(s[0], g, r[0]);
+    vf v = fma_(bc(r[2]) * g, g, s[1] * bc(r[1]));
+    out[0] = m;
+    out[1] = v;
+    vf second = v;
+    if constexpr (CFG[0]) {
+      second = maximum(s[2], v);
+      out[2] = second;
+    }
+    vf u = m / (sqrt_(second) / bc(r[3]) + bc(r[4])) * bc(r[5]);
+    if constexpr (CFG[2] && CFG[1]) u = fma_(w, bc(r[6]), u);
+    return u;
+  } else if constexpr (RULE == SGD) {  // cfg = (has_momentum, nesterov, has_wd)
+    vf d = CFG[2] ? fma_(w, bc(r[0]), g) : g;
+    if constexpr (CFG[0]) {
+      vf b = r[3] > 0.0f ? d : fma_(d, bc(r[2]), s[0] * bc(r[1]));
+      out[0] = b;
+      d = CFG[1] ? fma_(b, bc(r[1]), d) : b;
+    }
+    return d * bc(r[4]);
+  } else if constexpr (RULE == LION) {  // cfg = (has_wd,)
+    vf u = sign(lerp(s[0], g, r[0]));
+    if constexpr (CFG[0]) u = fma_(w, bc(r[1]), u);
+    out[0] = lerp(s[0], g, r[3]);
+    return u * bc(r[2]);
+  } else {  // RADAM, cfg = (has_wd, decoupled)
+    if constexpr (CFG[0] && !CFG[1]) g = fma_(w, bc(r[8]), g);
+    vf m = lerp(s[0], g, r[0]);
+    vf v = fma_(bc(r[2]) * g, g, s[1] * bc(r[1]));
+    out[0] = m;
+    out[1] = v;
+    vf u = m * bc(r[3]);
+    if (r[4] > 0.0f) u = u / (sqrt_(v) + bc(r[5])) * bc(r[6]);
+    if constexpr (CFG[0] && CFG[1]) u = fma_(w, bc(r[7]), u);
+    return u;
+  }
+}
+
+// ---- one block of 16 elements: load, rule, state stores, write-back ----------------------------
+struct Pointers {
+  void *w, *g, *b, *s[3];
+};
+
+struct Keys {
+  vu weight, state[2];
+};
+
+// The stored value of a new state: stochastic rounding for bf16 states when asked, else nearest.
+template <int DT> static inline vf state_value(vf x, vu noise) {
+  if constexpr (DT == BF16 && SR) return stochastic_bf16(x, noise);
+  else return round_to<DT>(x);
+}
+
+// ``index`` holds the global element index of the even lanes; ``valid`` marks the lanes inside
+// the tensor (all but the padding of a tail block), the only ones that may count as stalled.
+static inline void block(const Pointers &p, int64_t i, const Numbers &n, float factor, const Keys &k, vu index,
+                         const vi *valid, vi &stalled) {
+  vf w[2], g[2], s[2][3], out[2][3], u[2];
+  vu bits[2];
+  load<GT>(p.g, i, g[0], g[1]);
+  if constexpr (MODE == EXACT) {  // bf16 weight + int16 remainder = the fp32 weight, bit for bit
+    vu top, rem;
+    memcpy(&top, (const uint16_t *)p.w + i, 32);
+    memcpy(&rem, (const uint16_t *)p.b + i, 32);
+    bits[0] = (top << 16) + (vu)(((vi)rem << 16) >> 16);
+    bits[1] = (top & 0xFFFF0000u) + (vu)((vi)rem >> 16);
+    w[0] = (vf)bits[0];
+    w[1] = (vf)bits[1];
+  } else {
+    load<WT>(p.w, i, w[0], w[1]);
+  }
+  if constexpr (NSTATES > 0) load<ST[0]>(p.s[0], i, s[0][0], s[1][0]);
+  if constexpr (NSTATES > 1) load<ST[1]>(p.s[1], i, s[0][1], s[1][1]);
+  if constexpr (NSTATES > 2) load<ST[2]>(p.s[2], i, s[0][2], s[1][2]);
+  for (int h = 0; h < 2; h++) u[h] = rule(n, w[h], g[h] * bc(factor), s[h], out[h]);
+
+  // states: state j draws half j % 2 of hash(index ^ key[j / 2]) when stochastically rounded
+  vu noise[2][2] = {};
+  if constexpr (SR && NSTATES > 0) {
+    for (int h = 0; h < 2; h++)
+      for (int q = 0; q < (NSTATES + 1) / 2; q++) {
+        vu r = hash32((index + (uint32_t)h) ^ k.state[q]);
+        noise[h][q] = r;
+      }
+  }
+  auto half_bits = [](vu r, int j) { return (j % 2) ? (r >> 16) : (r & 0xFFFFu); };
+  if constexpr (NSTATES > 0)
+    store<ST[0]>(p.s[0], i, state_value<ST[0]>(out[0][0], half_bits(noise[0][0], 0)),
+                 state_value<ST[0]>(out[1][0], half_bits(noise[1][0], 0)));
+  if constexpr (NSTATES > 1)
+    store<ST[1]>(p.s[1], i, state_value<ST[1]>(out[0][1], half_bits(noise[0][0], 1)),
+                 state_value<ST[1]>(out[1][1], half_bits(noise[1][0], 1)));
+  if constexpr (NSTATES > 2)
+    store<ST[2]>(p.s[2], i, state_value<ST[2]>(out[0][2], half_bits(noise[0][1], 0)),
+                 state_value<ST[2]>(out[1][2], half_bits(noise[1][1], 0)));
+
+  // write-back (lowp/optim/kernels/step.py); ``moved`` is the stalled-count predicate per lane
+  vf neww[2];
+  vi still[2];
+  if constexpr (MODE == KAHAN) {
+    vf b[2], newb[2];
+    load<BT>(p.b, i, b[0], b[1]);
+    for (int h = 0; h < 2; h++) {
+      vf v = b[h] + u[h];
+      neww[h] = round_to<WT>(w[h] + v);
+      vf change = neww[h] - w[h];
+      newb[h] = round_to<BT>(v - change);
+      still[h] = (change == 0.0f) & (v != 0.0f);
+    }
+    store<BT>(p.b, i, newb[0], newb[1]);
+  } else if constexpr (MODE == EXACT) {
+    vi top[2], rem[2];
+    for (int h = 0; h < 2; h++) {
+      vi x = (vi)(w[h] + u[h]);
+      top[h] = (x + 0x8000) >> 16;
+      rem[h] = x - (top[h] << 16);
+      still[h] = (vi){};
+    }
+    vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu), pr = ((vu)rem[1] << 16) | ((vu)rem[0] & 0xFFFFu);
+    memcpy((uint16_t *)p.w + i, &pw, 32);
+    memcpy((uint16_t *)p.b + i, &pr, 32);
+  } else {
+    for (int h = 0; h < 2; h++) {
+      if constexpr (MODE == STOCHASTIC) neww[h] = stochastic_bf16(w[h] + u[h], hash32((index + (uint32_t)h) ^ k.weight) & 0xFFFFu);
+      else neww[h] = round_to<WT>(w[h] + u[h]);
+      still[h] = (neww[h] == w[h]) & (u[h] != 0.0f);
+    }
+  }
+  if constexpr (MODE != EXACT) store<WT>(p.w, i, neww[0], neww[1]);
+  if constexpr (COUNT) stalled += (still[0] & valid[0]) + (still[1] & valid[1]);  // true lanes are -1
+}
+
+// ---- the driver: tensors cut into units, units shared by threads -------------------------------
+static constexpr int64_t UNIT = 1 << 15;  // elements per work unit
+
+static int itemsize(int dt) { return dt == F32 ? 4 : 2; }
+
+struct Task {
+  int64_t tensors;
+  void *const *ptrs;       // [role][tensor]: weight, grad, buffer, state 0..2
+  const int64_t *numel;    // [tensor]
+  const int64_t *offset;   // [tensor] global index of element 0 (random streams)
+  std::vector<int64_t> first_unit;  // [tensor + 1] cumulative unit counts
+  Numbers n;
+  float factor;
+  Keys k;
+  std::atomic<int64_t> next{0};
+};
+
+static Pointers pointers_at(const Task &t, int64_t tensor) {
+  Pointers p;
+  p.w = t.ptrs[0 * t.tensors + tensor];
+  p.g = t.ptrs[1 * t.tensors + tensor];
+  p.b = t.ptrs[2 * t.tensors + tensor];
+  for (int j = 0; j < 3; j++) p.s[j] = t.ptrs[(3 + j) * t.tensors + tensor];
+  return p;
+}
+
+// The last ``count`` (< 16) elements of a tensor: copied into zero-padded local blocks, run,
+// and the written ones copied back.
+static void tail(const Pointers &p, int64_t i, int64_t count, const Task &t, vu index, vi &stalled) {
+  alignas(32) unsigned char local[6][64] = {};
+  Pointers q;
+  void **src[6] = {&q.w, &q.g, &q.b, &q.s[0], &q.s[1], &q.s[2]};
+  void *const orig[6] = {p.w, p.g, p.b, p.s[0], p.s[1], p.s[2]};
+  const int types[6] = {MODE == EXACT ? BF16 : WT, GT, MODE == EXACT ? I16 : BT, ST[0], ST[1], ST[2]};
+  for (int r = 0; r < 6; r++) {
+    *src[r] = local[r];
+    if (orig[r]) memcpy(local[r], (char *)orig[r] + i * itemsize(types[r]), count * itemsize(types[r]));
+  }
+  vi valid[2] = {};
+  for (int h = 0; h < 2; h++)
+    for (int l = 0; l < 8; l++) valid[h][l] = (2 * l + h < count) ? -1 : 0;
+  block(q, 0, t.n, t.factor, t.k, index, valid, stalled);
+  for (int r = 0; r < 6; r++)
+    if (orig[r] && r != 1) memcpy((char *)orig[r] + i * itemsize(types[r]), local[r], count * itemsize(types[r]));
+}
+
+static int64_t work(Task *t) {
+  const vi all = (vi){} - 1, valid[2] = {all, all};
+  const vu lanes = {0, 2, 4, 6, 8, 10, 12, 14};
+  int64_t total = 0, tensor = 0, units = t->first_unit[t->tensors];
+  for (int64_t unit; (unit = t->next.fetch_add(1)) < units;) {
+    while (t->first_unit[tensor + 1] <= unit) tensor++;
+    const Pointers p = pointers_at(*t, tensor);
+    const int64_t start = (unit - t->first_unit[tensor]) * UNIT;
+    const int64_t end = start + UNIT < t->numel[tensor] ? start + UNIT : t->numel[tensor];
+    vi stalled = {};
+    int64_t i = start;
+    vu index = lanes + (uint32_t)(t->offset[tensor] + start);
+    for (; i + 16 <= end; i += 16, index += 16u) block(p, i, t->n, t->factor, t->k, index, valid, stalled);
+    if (i < end) tail(p, i, end - i, *t, index, stalled);
+    for (int l = 0; l < 8; l++) total -= stalled[l];
+  }
+  return total;
+}
+
+extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
+                             const float *h, const int32_t *keys, int threads) {
+  Task t;
+  t.tensors = tensors;
+  t.ptrs = ptrs;
+  t.numel = numel;
+  t.offset = offset;
+  t.first_unit.assign(tensors + 1, 0);
+  for (int64_t j = 0; j < tensors; j++) t.first_unit[j + 1] = t.first_unit[j] + (numel[j] + UNIT - 1) / UNIT;
+  t.factor = h[0];
+  for (int j = 0; j < 9; j++) t.n.r[j] = h[1 + j];
+  t.k.weight = bcu((uint32_t)keys[1]);
+  t.k.state[0] = bcu((uint32_t)keys[2]);
+  t.k.state[1] = bcu((uint32_t)keys[3]);
+  int64_t units = t.first_unit[tensors];
+  int n = threads < 1 ? 1 : (threads > units ? (int)units : threads);
+  std::vector<std::thread> pool;
+  std::vector<int64_t> counts(n > 0 ? n : 1, 0);
+  for (int j = 1; j < n; j++) pool.emplace_back([&t, &counts, j] { counts[j] = work(&t); });
+  counts[0] = work(&t);
+  for (auto &th : pool) th.join();
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  return total;
+}

@@ -1,0 +1,86 @@
+"""``backend="native"``: every elementwise optimizer rule in every write-back mode through the
+hand-written AVX2 kernel ``native/step.cpp``, one call per step and dtype signature over all
+parameters (multi-tensor), on the same threads count as torch (``torch.get_num_threads()``).
+
+It runs the same math as :mod:`~lowp.optim.kernels.rules` and :mod:`~lowp.optim.kernels.step`
+(results bit-identical to the ``foreach`` reference for nearest, kahan and exact; stochastic
+rounding draws the same bits as the ``compiled`` and ``triton`` backends), compiles in about a
+second per variant instead of Inductor's 10-40 s, and needs no ``torch.compile``. Cases without
+a fused form run the reference pipeline, as on the compiled backend.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from lowp.optim.backends import ParamSlice, StepContext
+from lowp.optim.kernels.compiled import CompiledBackend, step_keys, step_numbers
+from lowp.optim.kernels.native_build import DTYPE_CODES, load_variant, native_available
+from lowp.optim.kernels.rules import Rule
+
+__all__ = ["NativeBackend", "variant_macros"]
+
+_RULE_IDS = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2, "radam": 3}
+_MODE_IDS = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3}
+_ROLES = 6  # weight, grad, buffer, up to three states
+
+
+def variant_macros(rule: Rule, ctx: StepContext, s: ParamSlice, names: list[str]) -> dict[str, int]:
+    """The ``LOWP_*`` macros that select the compiled variant for slice ``s``."""
+    cfg = list(rule.config(ctx.group)) + [False] * 3
+    states = [s.states[n].dtype for n in names]
+    macros = {"RULE": _RULE_IDS[rule.name], "MODE": _MODE_IDS[ctx.mode.name], "NSTATES": len(names),
+              "W": DTYPE_CODES[s.param.dtype], "G": DTYPE_CODES[s.grad.dtype],
+              "B": DTYPE_CODES[s.buffer.dtype] if s.buffer is not None else 0,
+              "SR": ctx.group["state_rounding"] == "stochastic", "COUNT": ctx.count}
+    macros.update({f"CFG{i}": bool(cfg[i]) for i in range(3)})
+    macros.update({f"S{i}": DTYPE_CODES[states[i]] if i < len(states) else 0 for i in range(3)})
+    return macros
+
+
+class NativeBackend(CompiledBackend):
+    """Fused steps through the native CPU kernel; see the module docstring."""
+
+    name = "native"
+    min_numel = 1
+
+    def __init__(self, chunk_size: int = 1 << 17) -> None:
+        if not native_available():
+            raise RuntimeError("backend='native': needs an x86-64 CPU with AVX2, FMA and F16C and a C++ "
+                               "compiler (g++, c++ or clang++) on PATH")
+        super().__init__(chunk_size)
+
+    def run_fused(self, rule: Rule, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        names = list(slices[0].states)
+        cpu = torch.device("cpu")
+        h = torch.zeros(10, dtype=torch.float32)
+        numbers = step_numbers(rule, ctx, cpu)
+        h[:len(numbers)] = numbers
+        keys = torch.zeros(4, dtype=torch.int32)
+        drawn = step_keys(ctx, 1 + len(names), cpu)  # the compiled backend's draws, for the same bits
+        keys[:min(4, len(drawn))] = drawn[:4]
+        groups: dict[tuple, list[tuple[ParamSlice, int]]] = {}
+        offset = 0
+        for s in slices:
+            macros = variant_macros(rule, ctx, s, names)
+            groups.setdefault(tuple(sorted(macros.items())), []).append((s, offset))
+            offset += s.numel
+        stalled = sum(self.launch(dict(key), ctx, members, names, h, keys) for key, members in groups.items())
+        return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
+
+    @staticmethod
+    def launch(macros: dict[str, int], ctx: StepContext, members: list[tuple[ParamSlice, int]], names: list[str],
+               h: torch.Tensor, keys: torch.Tensor) -> int:
+        """One kernel call over ``members`` (slices of one variant, with their stream offsets)."""
+        fn = load_variant(macros)
+        n = len(members)
+        grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s, _ in members]
+        table = (ctypes.c_void_p * (_ROLES * n))()
+        for j, ((s, _), g) in enumerate(zip(members, grads)):
+            tensors = [s.param, g, s.buffer, *(s.states[k] for k in names)]
+            for role, t in enumerate(tensors):
+                table[role * n + j] = t.data_ptr() if t is not None else None
+        numel = (ctypes.c_int64 * n)(*(s.numel for s, _ in members))
+        offsets = (ctypes.c_int64 * n)(*(o for _, o in members))
+        return fn(n, table, numel, offsets, h.data_ptr(), keys.data_ptr(), torch.get_num_threads())
