@@ -5,7 +5,7 @@ the same machine (optimizers take turns; the best of ``--rounds`` steps counts):
 divided by the step time) as a fraction of a measured copy bandwidth, and peak extra memory of
 one step. Baselines: ``torch.optim.AdamW(fused=True)`` and ``foreach=True`` in fp32, optimi's
 AdamW with Kahan summation in bf16 (when ``torch-optimi`` is installed), lowp's unfused
-``foreach`` backend. On CUDA the lowp row uses the Triton backend.
+``foreach`` backend. The fused lowp rows use the native kernel on CPU, Triton on CUDA.
 
 Bytes per parameter of an ideal step: fp32 AdamW reads weight, grad, m, v (16) and writes weight,
 m, v (12) = 28; bf16 + Kahan reads weight, grad, m, v, compensation (10), writes 4 of them (8) = 18.
@@ -106,9 +106,9 @@ def time_all(makers: dict[str, tuple[torch.dtype, Callable]], sizes: list[int], 
     return out
 
 
-def contenders(device: torch.device) -> list[tuple[str, torch.dtype, int, Callable]]:
+def contenders(device: torch.device, with_compiled: bool) -> list[tuple[str, torch.dtype, int, Callable]]:
     """(name, parameter dtype, ideal bytes/parameter, constructor) of every optimizer compared."""
-    fused_backend = "triton" if device.type == "cuda" else "compiled"
+    fused_backend = "triton" if device.type == "cuda" else "native"
     rows = [
         ("torch AdamW fused fp32", torch.float32, BYTES_FP32_ADAMW,
          lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER)),
@@ -127,6 +127,9 @@ def contenders(device: torch.device) -> list[tuple[str, torch.dtype, int, Callab
          lambda ps: lo.AdamW(ps, mode="kahan", backend=fused_backend, diagnostics=False, state_rounding="nearest",
                              nonfinite="off", **HYPER)),
     ]
+    if with_compiled and device.type == "cpu":
+        rows.insert(4, ("lowp AdamW bf16 kahan compiled", torch.bfloat16, BYTES_BF16_KAHAN,
+                        lambda ps: lo.AdamW(ps, mode="kahan", backend="compiled", **HYPER)))
     try:
         import optimi
     except ImportError:
@@ -149,12 +152,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed steps per optimizer (best one counts)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--with-compiled", action="store_true",
+                        help="add lowp's torch.compile backend on CPU (10-40 s to compile)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"device {device}, {args.threads} threads, torch {torch.__version__}")
     for total in (parse_size(s) for s in args.sizes.split(",")):
-        rows_in = contenders(device)
+        rows_in = contenders(device, args.with_compiled)
         makers = {name: (dtype, make) for name, dtype, _, make in rows_in}
         timings = time_all({COPY: (torch.float32, copier), **makers}, split(total), device, args.rounds)
         copy = 8 * total / timings[COPY]["step"]

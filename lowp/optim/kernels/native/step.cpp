@@ -78,8 +78,8 @@ typedef float vf __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 
-static inline vf bc(float x) { return (vf){} + x; }
-static inline vu bcu(uint32_t x) { return (vu){} + x; }
+static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
+static inline vu bcu(uint32_t x) { return (vu)_mm256_set1_epi32((int)x); }
 static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 static inline vf sqrt_(vf a) { return (vf)_mm256_sqrt_ps((__m256)a); }  // correctly rounded
 static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
@@ -168,14 +168,24 @@ static inline vu hash32(vu x) {
 }
 
 // ---- the optimizer rules (lowp/optim/kernels/rules.py; ``r`` is h[1:]) -------------------------
+// The step's numbers h[1:], as scalars and broadcast once per work unit (not per block).
 struct Numbers {
   float r[9];
+  vf v[9], v_minus_one[9];
+  void set(const float *h) {
+    for (int j = 0; j < 9; j++) {
+      r[j] = h[j];
+      v[j] = bc(h[j]);
+      v_minus_one[j] = bc(h[j] - 1.0f);
+    }
+  }
 };
 
-// ATen's vectorised CPU lerp: fma(w, end - start, start) for w < 0.5, else fma(w - 1, end - start, end)
-static inline vf lerp(vf start, vf end, float weight) {
+// ATen's vectorised CPU lerp with weight r[j]: fma(w, end - start, start) for w < 0.5, else
+// fma(w - 1, end - start, end)
+static inline vf lerp(const Numbers &n, vf start, vf end, int j) {
   vf diff = end - start;
-  return weight < 0.5f ? fma_(bc(weight), diff, start) : fma_(bc(weight - 1.0f), diff, end);
+  return n.r[j] < 0.5f ? fma_(n.v[j], diff, start) : fma_(n.v_minus_one[j], diff, end);
 }
 
 static inline vf maximum(vf a, vf b) { return select((a != a) | (a > b), a, b); }  // NaN propagates
@@ -187,10 +197,11 @@ static inline vf sign(vf x) {
 
 static inline vf rule(const Numbers &n, vf w, vf g, const vf *s, vf *out) {
   const float *r = n.r;
+  const vf *c = n.v;
   if constexpr (RULE == ADAM) {  // cfg = (amsgrad, decoupled, has_wd)
-    if constexpr (CFG[2] && !CFG[1]) g = fma_(w, bc(r[7]), g);
-    vf m = lerp(s[0], g, r[0]);
-    vf v = fma_(bc(r[2]) * g, g, s[1] * bc(r[1]));
+    if constexpr (CFG[2] && !CFG[1]) g = fma_(w, c[7], g);
+    vf m = lerp(n, s[0], g, 0);
+    vf v = fma_(c[2] * g, g, s[1] * c[1]);
     out[0] = m;
     out[1] = v;
     vf second = v;
@@ -198,31 +209,31 @@ static inline vf rule(const Numbers &n, vf w, vf g, const vf *s, vf *out) {
       second = maximum(s[2], v);
       out[2] = second;
     }
-    vf u = m / (sqrt_(second) / bc(r[3]) + bc(r[4])) * bc(r[5]);
-    if constexpr (CFG[2] && CFG[1]) u = fma_(w, bc(r[6]), u);
+    vf u = m / (sqrt_(second) / c[3] + c[4]) * c[5];
+    if constexpr (CFG[2] && CFG[1]) u = fma_(w, c[6], u);
     return u;
   } else if constexpr (RULE == SGD) {  // cfg = (has_momentum, nesterov, has_wd)
-    vf d = CFG[2] ? fma_(w, bc(r[0]), g) : g;
+    vf d = CFG[2] ? fma_(w, c[0], g) : g;
     if constexpr (CFG[0]) {
-      vf b = r[3] > 0.0f ? d : fma_(d, bc(r[2]), s[0] * bc(r[1]));
+      vf b = r[3] > 0.0f ? d : fma_(d, c[2], s[0] * c[1]);
       out[0] = b;
-      d = CFG[1] ? fma_(b, bc(r[1]), d) : b;
+      d = CFG[1] ? fma_(b, c[1], d) : b;
     }
-    return d * bc(r[4]);
+    return d * c[4];
   } else if constexpr (RULE == LION) {  // cfg = (has_wd,)
-    vf u = sign(lerp(s[0], g, r[0]));
-    if constexpr (CFG[0]) u = fma_(w, bc(r[1]), u);
-    out[0] = lerp(s[0], g, r[3]);
-    return u * bc(r[2]);
+    vf u = sign(lerp(n, s[0], g, 0));
+    if constexpr (CFG[0]) u = fma_(w, c[1], u);
+    out[0] = lerp(n, s[0], g, 3);
+    return u * c[2];
   } else {  // RADAM, cfg = (has_wd, decoupled)
-    if constexpr (CFG[0] && !CFG[1]) g = fma_(w, bc(r[8]), g);
-    vf m = lerp(s[0], g, r[0]);
-    vf v = fma_(bc(r[2]) * g, g, s[1] * bc(r[1]));
+    if constexpr (CFG[0] && !CFG[1]) g = fma_(w, c[8], g);
+    vf m = lerp(n, s[0], g, 0);
+    vf v = fma_(c[2] * g, g, s[1] * c[1]);
     out[0] = m;
     out[1] = v;
-    vf u = m * bc(r[3]);
-    if (r[4] > 0.0f) u = u / (sqrt_(v) + bc(r[5])) * bc(r[6]);
-    if constexpr (CFG[0] && CFG[1]) u = fma_(w, bc(r[7]), u);
+    vf u = m * c[3];
+    if (r[4] > 0.0f) u = u / (sqrt_(v) + c[5]) * c[6];
+    if constexpr (CFG[0] && CFG[1]) u = fma_(w, c[7], u);
     return u;
   }
 }
@@ -396,7 +407,7 @@ extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *
   t.first_unit.assign(tensors + 1, 0);
   for (int64_t j = 0; j < tensors; j++) t.first_unit[j + 1] = t.first_unit[j] + (numel[j] + UNIT - 1) / UNIT;
   t.factor = h[0];
-  for (int j = 0; j < 9; j++) t.n.r[j] = h[1 + j];
+  t.n.set(h + 1);
   t.k.weight = bcu((uint32_t)keys[1]);
   t.k.state[0] = bcu((uint32_t)keys[2]);
   t.k.state[1] = bcu((uint32_t)keys[3]);
