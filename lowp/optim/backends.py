@@ -92,6 +92,15 @@ class Backend(ABC):
     def run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """Apply the step to every slice; return the stalled-element count (or ``None``)."""
 
+    def finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
+        """Per gradient: True when it holds no NaN or infinity. One ``aminmax`` pass per tensor
+        (NaN propagates to both, an infinity shows in one) and one host sync for all of them."""
+        if not grads:
+            return []
+        extremes = torch.stack([torch.stack(torch.aminmax(g)).float() if g.numel() else torch.zeros(2)
+                                for g in grads])
+        return torch.isfinite(extremes).all(dim=1).tolist()
+
     def pieces(self, optimizer: "LowpOptimizer", slices: list[ParamSlice]) -> Iterator[ParamSlice]:
         """The slices, cut into chunks when the optimizer's update is elementwise."""
         for s in slices:

@@ -171,12 +171,7 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     # ---- the step -------------------------------------------------------------------------
     def _finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
-        if self.nonfinite == "off" or not grads:
-            return [True] * len(grads)
-        # min and max in one pass: NaN propagates to both, +-inf shows in one of them
-        extremes = torch.stack([torch.stack(torch.aminmax(g)).float() if g.numel() else torch.zeros(2)
-                                for g in grads])
-        return torch.isfinite(extremes).all(dim=1).tolist()
+        return [True] * len(grads) if self.nonfinite == "off" else self.backend.finite_flags(grads)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -16,7 +16,7 @@ import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
 from lowp.optim.kernels.compiled import CompiledBackend, step_keys, step_numbers
-from lowp.optim.kernels.native_build import DTYPE_CODES, load_variant, native_available
+from lowp.optim.kernels.native_build import DTYPE_CODES, finite_function, native_available, step_function
 from lowp.optim.kernels.rules import Rule
 
 __all__ = ["NativeBackend", "variant_macros"]
@@ -24,6 +24,7 @@ __all__ = ["NativeBackend", "variant_macros"]
 _RULE_IDS = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2, "radam": 3}
 _MODE_IDS = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3}
 _ROLES = 6  # weight, grad, buffer, up to three states
+_FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
 
 
 def variant_macros(rule: Rule, ctx: StepContext, s: ParamSlice, names: list[str]) -> dict[str, int]:
@@ -51,6 +52,26 @@ class NativeBackend(CompiledBackend):
                                "compiler (g++, c++ or clang++) on PATH")
         super().__init__(chunk_size)
 
+    def finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
+        """The check of :class:`~lowp.optim.backends.Backend` in one native call over every
+        contiguous fp32/bf16/fp16 CPU gradient: an integer test of the exponent field, read once
+        at memory speed (torch's ``aminmax`` took 13-30% of a fused step, measured)."""
+        flags: list[bool | None] = [None] * len(grads)
+        native = [i for i, g in enumerate(grads)
+                  if g.device.type == "cpu" and g.dtype in _FLOAT_CODES and g.is_contiguous()]
+        if native:
+            found = (ctypes.c_uint8 * len(native))()
+            finite_function()(len(native), (ctypes.c_void_p * len(native))(*(grads[i].data_ptr() for i in native)),
+                              (ctypes.c_int64 * len(native))(*(grads[i].numel() for i in native)),
+                              (ctypes.c_int32 * len(native))(*(_FLOAT_CODES[grads[i].dtype] for i in native)),
+                              found, torch.get_num_threads())
+            for i, ok in zip(native, found):
+                flags[i] = bool(ok)
+        others = [i for i, f in enumerate(flags) if f is None]
+        for i, ok in zip(others, super().finite_flags([grads[i] for i in others])):
+            flags[i] = ok
+        return flags
+
     def run_fused(self, rule: Rule, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         names = list(slices[0].states)
         cpu = torch.device("cpu")
@@ -73,7 +94,7 @@ class NativeBackend(CompiledBackend):
     def launch(macros: dict[str, int], ctx: StepContext, members: list[tuple[ParamSlice, int]], names: list[str],
                h: torch.Tensor, keys: torch.Tensor) -> int:
         """One kernel call over ``members`` (slices of one variant, with their stream offsets)."""
-        fn = load_variant(macros)
+        fn = step_function(macros)
         n = len(members)
         grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s, _ in members]
         table = (ctypes.c_void_p * (_ROLES * n))()

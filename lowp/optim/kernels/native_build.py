@@ -1,4 +1,5 @@
-"""Building and loading the hand-written CPU kernel (``native/step.cpp``) for ``backend="native"``.
+"""Building and loading the hand-written CPU kernels (``native/*.cpp``) for ``backend="native"``:
+``step.cpp`` (the fused optimizer step) and ``finite.cpp`` (the non-finite gradient check).
 
 Nothing is compiled when lowp is installed: the first step of a variant (optimizer rule,
 structural switches, write-back mode, dtypes, state rounding, diagnostics) compiles one shared
@@ -24,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["native_available", "load_variant", "cache_dir", "DTYPE_CODES", "FLAGS"]
+__all__ = ["native_available", "step_function", "finite_function", "cache_dir", "DTYPE_CODES", "FLAGS"]
 
-SOURCE = Path(__file__).with_name("native") / "step.cpp"
+SOURCES = Path(__file__).with_name("native")
 #: Compiler flags. ``-ffp-contract=off``: only the explicit fmas of the source are fused (the
 #: reference rounds every other product); ``-fno-math-errno``: ``sqrt`` is the hardware instruction.
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fno-trapping-math",
@@ -68,7 +69,8 @@ def native_available() -> bool:
     if not (_cpu_supported() and _compiler()):
         return False
     try:
-        load_variant({})
+        step_function({})
+        finite_function()
     except (OSError, RuntimeError):
         return False
     return True
@@ -79,7 +81,7 @@ def _compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
 
 
-def _build(macros: dict[str, int], target: Path) -> None:
+def _build(source: Path, macros: dict[str, int], target: Path) -> None:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("backend='native': no C++ compiler (g++, c++ or clang++) on PATH")
@@ -87,29 +89,44 @@ def _build(macros: dict[str, int], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     defines = [f"-DLOWP_{k}={int(v)}" for k, v in sorted(macros.items())]
-    result = subprocess.run([compiler, *FLAGS, *defines, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+    result = subprocess.run([compiler, *FLAGS, *defines, str(source), "-o", tmp], capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"backend='native': compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"backend='native': compiling {source.name} failed:\n{result.stderr[-2000:]}")
     os.replace(tmp, target)  # atomic: concurrent processes never load a half-written file
 
 
 _LOADED: dict[tuple, ctypes.CDLL] = {}
 
 
-def load_variant(macros: dict[str, int]) -> "ctypes._CFuncPtr":
-    """The ``lowp_step`` function of the variant ``macros`` (``LOWP_<NAME>`` values), compiled on
-    first use and cached on disk and in the process."""
-    key = tuple(sorted(macros.items()))
+def _library(name: str, macros: dict[str, int]) -> ctypes.CDLL:
+    """``native/<name>.cpp`` built with ``-DLOWP_<KEY>=<value>`` for ``macros``: compiled on first
+    use, then cached on disk and in the process."""
+    key = (name, *sorted(macros.items()))
     if key not in _LOADED:
+        source = SOURCES / f"{name}.cpp"
         compiler = _compiler() or ""
-        digest = hashlib.sha256(repr((SOURCE.read_bytes(), FLAGS, key, _compiler_version(compiler))).encode())
-        path = cache_dir() / "kernels" / f"step-{digest.hexdigest()[:24]}.so"
+        digest = hashlib.sha256(repr((source.read_bytes(), FLAGS, key, _compiler_version(compiler))).encode())
+        path = cache_dir() / "kernels" / f"{name}-{digest.hexdigest()[:24]}.so"
         if not path.exists():
-            _build(macros, path)
+            _build(source, macros, path)
         _LOADED[key] = ctypes.CDLL(str(path))
-    fn = _LOADED[key].lowp_step
+    return _LOADED[key]
+
+
+def step_function(macros: dict[str, int]) -> "ctypes._CFuncPtr":
+    """``lowp_step(tensors, pointer table, numel, offsets, h, keys, threads) -> stalled count`` of
+    the variant ``macros`` (see :func:`lowp.optim.kernels.native_backend.variant_macros`)."""
+    fn = _library("step", macros).lowp_step
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+def finite_function() -> "ctypes._CFuncPtr":
+    """``lowp_finite(tensors, pointers, numel, dtype codes, flags out, threads)``."""
+    fn = _library("finite", {}).lowp_finite
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn

@@ -1,0 +1,69 @@
+// lowp: which gradients hold a non-finite value (NaN or +-inf), for every tensor in one call
+// (backend="native"). A value is non-finite exactly when its exponent field is all ones, so the
+// test is integer-only: (bits & exponent_mask) == exponent_mask, 16 or 8 lanes at a time, read
+// once at memory speed on ``threads`` threads (units of 2^16 elements shared through a counter).
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
+static constexpr int64_t UNIT = 1 << 16;
+
+// true when any of the ``n`` 16-bit values has all the bits of ``mask`` set
+static bool any16(const uint16_t *x, int64_t n, uint16_t mask) {
+  const __m256i m = _mm256_set1_epi16((short)mask);
+  __m256i hit = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), m);
+    hit = _mm256_or_si256(hit, _mm256_cmpeq_epi16(v, m));
+  }
+  bool found = !_mm256_testz_si256(hit, hit);
+  for (; i < n; i++) found |= (x[i] & mask) == mask;
+  return found;
+}
+
+static bool any32(const uint32_t *x, int64_t n) {
+  const __m256i m = _mm256_set1_epi32(0x7F800000);
+  __m256i hit = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), m);
+    hit = _mm256_or_si256(hit, _mm256_cmpeq_epi32(v, m));
+  }
+  bool found = !_mm256_testz_si256(hit, hit);
+  for (; i < n; i++) found |= (x[i] & 0x7F800000u) == 0x7F800000u;
+  return found;
+}
+
+// flags[t] = 1 when tensor t is all finite, else 0
+extern "C" void lowp_finite(int64_t tensors, void *const *ptrs, const int64_t *numel, const int32_t *dtypes,
+                            uint8_t *flags, int threads) {
+  std::vector<int64_t> first(tensors + 1, 0);
+  for (int64_t t = 0; t < tensors; t++) first[t + 1] = first[t] + (numel[t] + UNIT - 1) / UNIT;
+  std::vector<std::atomic<uint8_t>> bad(tensors);
+  for (auto &b : bad) b.store(0);
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    int64_t t = 0;
+    for (int64_t unit; (unit = next.fetch_add(1)) < first[tensors];) {
+      while (first[t + 1] <= unit) t++;
+      if (bad[t].load(std::memory_order_relaxed)) continue;
+      int64_t start = (unit - first[t]) * UNIT, n = numel[t] - start < UNIT ? numel[t] - start : UNIT;
+      bool found = dtypes[t] == F32 ? any32((const uint32_t *)ptrs[t] + start, n)
+                                    : any16((const uint16_t *)ptrs[t] + start, n, dtypes[t] == BF16 ? 0x7F80 : 0x7C00);
+      if (found) bad[t].store(1, std::memory_order_relaxed);
+    }
+  };
+  int n = threads < 1 ? 1 : threads;
+  if (n > first[tensors]) n = first[tensors] > 0 ? (int)first[tensors] : 1;
+  std::vector<std::thread> pool;
+  for (int j = 1; j < n; j++) pool.emplace_back(work);
+  work();
+  for (auto &th : pool) th.join();
+  for (int64_t t = 0; t < tensors; t++) flags[t] = !bad[t].load();
+}
