@@ -99,10 +99,17 @@ def test_fallbacks_match_reference_without_compiling():
 
 def test_fused_option_selects_backend(monkeypatch):
     small = [torch.zeros(10, dtype=torch.bfloat16)]
+    medium = [torch.zeros(kernels.AUTO_MIN_NUMEL_NATIVE, dtype=torch.bfloat16)]
+    big = [torch.zeros(kernels.AUTO_MIN_NUMEL, dtype=torch.bfloat16)]
+    native = kernels.native_available()
     assert lo.AdamW(small).backend.name == "foreach"
     assert lo.AdamW(small, fused=False, foreach=False).backend.name == "eager"
+    assert lo.AdamW(small, fused=True).backend.name == ("native" if native else "compiled")
+    assert lo.AdamW(medium).backend.name == ("native" if native else "foreach")
+    assert lo.AdamW(medium, foreach=False).backend.name == "eager"
+    monkeypatch.setattr(kernels, "native_available", lambda: False)  # e.g. an ARM machine
     assert lo.AdamW(small, fused=True).backend.name == "compiled"
-    big = [torch.zeros(kernels.AUTO_MIN_NUMEL, dtype=torch.bfloat16)]
+    assert lo.AdamW(medium).backend.name == "foreach"
     assert lo.AdamW(big).backend.name == "compiled"
     monkeypatch.setenv("LOWP_FUSED", "0")
     assert lo.AdamW(big).backend.name == "foreach"

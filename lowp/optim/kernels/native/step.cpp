@@ -73,6 +73,11 @@ constexpr int RULE = LOWP_RULE, MODE = LOWP_MODE, NSTATES = LOWP_NSTATES;
 constexpr bool CFG[3] = {LOWP_CFG0 != 0, LOWP_CFG1 != 0, LOWP_CFG2 != 0};  // the rule's config tuple
 constexpr int WT = LOWP_W, GT = LOWP_G, BT = LOWP_B, ST[3] = {LOWP_S0, LOWP_S1, LOWP_S2};
 constexpr bool SR = LOWP_SR != 0, COUNT = LOWP_COUNT != 0;
+static_assert(RULE >= ADAM && RULE <= RADAM && MODE >= NEAREST && MODE <= EXACT, "unknown rule or mode");
+static_assert(WT <= F16 && GT <= F16 && BT <= I16 && ST[0] <= F16 && ST[1] <= F16 && ST[2] <= F16, "unknown dtype");
+static_assert(NSTATES >= 0 && NSTATES <= 3, "at most three states");
+static_assert(MODE != EXACT || (WT == BF16 && BT == I16), "exact mode: bf16 weights and an int16 remainder");
+static_assert(MODE != STOCHASTIC || WT == BF16, "stochastic write-back: bf16 weights");
 
 typedef float vf __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));

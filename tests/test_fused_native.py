@@ -1,0 +1,220 @@
+"""The native CPU backend (hand-written AVX2 kernel, lowp/optim/kernels/native/): bit for bit
+against the reference pipeline for every elementwise optimizer x write-back mode and the dtypes
+it supports, the same stochastic-rounding bits as the compiled backend, tails and many tensors
+per call, thread-count independence, the native non-finite check, checkpoints and the build cache.
+
+Each variant compiles in about a second once per machine (then loads from the on-disk cache)."""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.optim.backends import get_backend
+from lowp.optim.kernels import native_backend, native_build
+from lowp.optim.kernels.native_build import native_available
+from lowp.ulp import ulp
+from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, train
+
+
+def _x86_with_avx2() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+        return False
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return {"avx2", "fma", "f16c"} <= set(flags) and shutil.which("g++") is not None
+
+
+# The kernel exists for x86-64 with AVX2 only; everywhere else the fused option falls back (tested
+# in test_fused.py). On such a machine, e.g. CI, every test here runs.
+pytestmark = pytest.mark.skipif(not _x86_with_avx2(), reason="the native kernel needs x86-64 with AVX2 and g++")
+
+FP32_STATES = dict(state_dtype=torch.float32)
+# a 1-element tensor, a block of exactly 16, tails of 1 and 15, and one across two work units
+NATIVE_SHAPES = [*SHAPES, (1,), (16,), (17,), (31,), (40000,)]
+
+MATRIX = [
+    (lo.SGD, dict(lr=0.05)),
+    (lo.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True)),
+    (lo.SGD, dict(lr=0.05, momentum=0.9, dampening=0.3)),
+    (lo.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    (lo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (lo.AdamW, dict(lr=1e-2, amsgrad=True, maximize=True)),
+    (lo.Lion, dict(lr=1e-3, weight_decay=0.1)),
+    (lo.Lion, dict(lr=1e-3, betas=(0.6, 0.99))),  # 1 - beta1 >= 0.5: the other lerp branch
+    (lo.RAdam, dict(lr=1e-2, weight_decay=0.1)),
+    (lo.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+]
+
+
+def reference(opt_class, mode, **kw):
+    with correctly_rounded_sqrt():  # the kernel's sqrt is correctly rounded, ATen's CPU sqrt is not
+        return train(opt_class, "foreach", mode, **kw)
+
+
+def test_available_here():
+    assert native_available()
+    assert lo.AdamW([torch.zeros(8, dtype=torch.bfloat16)], fused=True).backend.name == "native"
+
+
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact"])
+@pytest.mark.parametrize("opt_class,kw", MATRIX, ids=lambda v: getattr(v, "__name__", ""))
+def test_matrix_bit_identical(opt_class, kw, mode):
+    kw = dict(kw, steps=8, shapes=NATIVE_SHAPES, **FP32_STATES)  # RAdam rectifies from step 6
+    fused = train(opt_class, "native", mode, **kw)
+    assert_same_run(fused, reference(opt_class, mode, **kw))
+    if mode != "exact" and opt_class in (lo.Adam, lo.AdamW):  # (diagnostics equal the reference's in all)
+        assert fused[1].diagnostics()[0]["stalled_fraction"] > 0  # the count is live, not a constant 0
+
+
+@pytest.mark.parametrize("dtype,mode,extra", [
+    (torch.bfloat16, "kahan", dict(state_rounding="nearest")),                          # bf16 states
+    (torch.bfloat16, "nearest", dict(state_dtype=torch.float16, state_rounding="nearest")),  # fp16 states
+    (torch.float16, "kahan", FP32_STATES),
+    (torch.float16, "nearest", dict(state_rounding="nearest")),
+    (torch.float32, "nearest", {}),
+], ids=str)
+def test_dtypes_bit_identical(dtype, mode, extra):
+    kw = dict(lr=1e-2, weight_decay=0.1, steps=6, dtype=dtype, shapes=NATIVE_SHAPES, **extra)
+    assert_same_run(train(lo.AdamW, "native", mode, **kw), reference(lo.AdamW, mode, **kw))
+
+
+def test_fp32_gradients_of_bf16_weights_and_grad_scaler_factor():
+    params = [torch.randn(s).bfloat16() for s in (100, 33)]
+    runs = []
+    for backend in ("native", "foreach"):
+        ps = [p.clone() for p in params]
+        opt = lo.AdamW(ps, lr=1e-2, backend=backend, state_dtype=torch.float32, seed=0)
+        opt.grad_scale = torch.tensor(1024.0)  # what GradScaler sets: gradients are unscaled in the step
+        for t in range(3):
+            gen = torch.Generator().manual_seed(t)
+            for p in ps:
+                if hasattr(p, "grad_dtype"):  # torch >= 2.13 checks the gradient's dtype unless told not to
+                    p.grad_dtype = None
+                p.grad = torch.randn(p.shape, generator=gen) * 1024  # fp32 gradients
+            with correctly_rounded_sqrt():
+                opt.step()
+        runs.append((ps, opt))
+    assert_same_run(*runs)
+
+
+def test_many_tensors_in_one_call():
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(int(n),) for n in torch.randint(1, 700, (300,), generator=gen)]
+    kw = dict(lr=1e-2, weight_decay=0.1, steps=3, shapes=shapes, **FP32_STATES)
+    assert_same_run(train(lo.AdamW, "native", "kahan", **kw), reference(lo.AdamW, "kahan", **kw))
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_stochastic_bits_equal_compiled_backend(mode):
+    kw = dict(lr=1e-3)  # bf16 states, stochastically rounded (the defaults)
+    native = train(lo.AdamW, "native", mode, **kw)
+    assert_same_run(native, train(lo.AdamW, "compiled", mode, **kw))
+    assert_same_run(native, train(lo.AdamW, "native", mode, **kw))  # reproducible from the seed
+
+
+def test_stochastic_rounding_lands_on_a_neighbour_and_depends_on_the_seed():
+    # one step from zero states: both runs add the same update u, one rounds w + u stochastically,
+    # the other to nearest, so they are at most one bf16 ulp apart (and not always equal)
+    stochastic = train(lo.AdamW, "native", "stochastic", steps=1, lr=1e-3)[0]
+    nearest = train(lo.AdamW, "native", "nearest", steps=1, lr=1e-3)[0]
+    for x, y in zip(stochastic, nearest):
+        assert ((x.double() - y.double()).abs() <= ulp(y.double(), "bf16")).all()
+    assert any(not torch.equal(x, y) for x, y in zip(stochastic, nearest))
+    params = SHAPES
+    other = lo.AdamW([torch.zeros(s, dtype=torch.bfloat16) + 0.1 for s in params], lr=1e-3, mode="stochastic",
+                     backend="native", seed=2)
+    same = lo.AdamW([torch.zeros(s, dtype=torch.bfloat16) + 0.1 for s in params], lr=1e-3, mode="stochastic",
+                    backend="native", seed=1)
+    for opt in (other, same):
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.full(p.shape, 1e-3).bfloat16()
+        opt.step()
+    assert any(not torch.equal(p, q) for p, q in zip(other.param_groups[0]["params"], same.param_groups[0]["params"]))
+
+
+def test_result_does_not_depend_on_thread_count():
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            runs.append(train(lo.AdamW, "native", "kahan", shapes=[(70000,), (5,), (40000,)], lr=1e-3))
+    finally:
+        torch.set_num_threads(before)
+    assert_same_run(runs[0], runs[1])
+    assert_same_run(runs[0], runs[2])
+
+
+def test_native_finite_check_matches_reference():
+    grads = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for n in (1, 15, 16, 17, 70000, 140000):
+            for bad in (None, float("nan"), float("inf"), float("-inf")):
+                g = torch.randn(n).to(dtype)
+                if bad is not None:
+                    g[(n * 7) // 11] = bad
+                grads.append(g)
+    grads += [torch.randn(10, 10).t(), torch.randn(5).double(),  # non-contiguous and fp64: torch's check
+              torch.full((3,), 65504.0, dtype=torch.float16), torch.empty(0)]
+    flags = get_backend("native").finite_flags(grads)
+    assert flags == get_backend("foreach").finite_flags(grads)
+    assert flags.count(False) == 3 * 6 * 3
+
+
+@pytest.mark.parametrize("policy", ["skip_param", "skip_step"])
+def test_nonfinite_gradient_touches_nothing(policy):
+    runs = []
+    for backend in ("native", "foreach"):
+        gen = torch.Generator().manual_seed(5)
+        params = [torch.randn(s, generator=gen).bfloat16() for s in (100, 20000)]
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, nonfinite=policy, **FP32_STATES)
+        for t in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+                if t == 1 and i == 1:
+                    p.grad[123] = float("nan")
+            with correctly_rounded_sqrt():
+                opt.step()
+        runs.append((params, opt))
+    assert_same_run(*runs)
+    assert all(torch.isfinite(v).all() for v in runs[0][1].state[runs[0][0][1]].values() if isinstance(v, torch.Tensor)
+               and v.is_floating_point())
+
+
+def test_checkpoint_resume_continues_bit_identically():
+    straight = train(lo.AdamW, "native", "kahan", steps=5, lr=1e-3)
+    params, opt = train(lo.AdamW, "native", "kahan", steps=3, lr=1e-3)
+    saved = opt.state_dict()
+    resumed = lo.AdamW(params, lr=1e-3, backend="native", mode="kahan", seed=123)
+    resumed.load_state_dict(saved)
+    for t in range(3, 5):
+        gen = torch.Generator().manual_seed(100 + t)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        resumed.step()
+    for x, y in zip(straight[0], params):
+        assert torch.equal(x, y)
+
+
+def test_build_cache_is_reused_and_errors_are_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_LOADED", {})
+    macros = {"RULE": 1, "MODE": 0, "NSTATES": 0, "W": 0, "G": 0}
+    native_build.step_function(macros)
+    built = list((tmp_path / "kernels").glob("step-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native_build, "_LOADED", {})
+    native_build.step_function(macros)  # a new process would load it from the cache
+    assert built[0].stat().st_mtime_ns == stamp
+    monkeypatch.setattr(native_build, "_LOADED", {})
+    with pytest.raises(RuntimeError, match="compiling step.cpp failed"):
+        native_build.step_function({**macros, "W": 7})  # no such dtype code: a static_assert fails
+    monkeypatch.setattr(native_backend, "native_available", lambda: False)
+    with pytest.raises(RuntimeError, match="backend='native'"):
+        lo.AdamW([torch.zeros(3)], backend="native")
