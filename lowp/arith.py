@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 
 from lowp.formats import FloatFormat, get_format
-from lowp.rounding import _scale, fits_in, quantize
+from lowp.pow2 import scale_pow2
+from lowp.rounding import fits_in, quantize
 
 __all__ = ["Arith"]
 
@@ -97,7 +98,7 @@ class Arith:
 
     def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:
         """``a * 2**k`` rounded to the format (exact unless it leaves the normal range)."""
-        return self.round(_scale(torch.as_tensor(a, dtype=self.dtype), torch.as_tensor(k, dtype=torch.float64)))
+        return self.round(scale_pow2(torch.as_tensor(a, dtype=self.dtype), torch.as_tensor(k, dtype=torch.float64)))
 
     def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Left-to-right sequential sum along ``dim``, rounding after every addition (stagnates in

@@ -33,6 +33,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from lowp.formats import FloatFormat, get_format
+from lowp.pow2 import scale_pow2
 
 RoundingMode = Literal["nearest_even", "nearest_away", "toward_zero", "up", "down", "odd", "stochastic"]
 
@@ -263,16 +264,6 @@ def _apply_range_bits(r: torch.Tensor, mag: torch.Tensor, bits: torch.Tensor, c:
     return r + special * (special_value - r)
 
 
-def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.exp2(exponent.to(dtype))
-
-
-def _scale(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``x * 2**k`` exactly, in two steps so no power of two overflows the container."""
-    half = torch.div(k, 2, rounding_mode="floor")
-    return x * _pow2(half, x.dtype) * _pow2(k - half, x.dtype)
-
-
 def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Generator | None,
            rand_bits: int | None) -> torch.Tensor:
     """Rounding in value space (the method of the module docstring); any magnitude, any format."""
@@ -284,7 +275,7 @@ def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Genera
         q = torch.clamp(exp - 1, min=fmt.emin) - fmt.mantissa_bits
     else:                                          # below min_normal the neighbours are 0 and min_normal
         q = torch.where(exp - 1 < fmt.emin, fmt.emin, exp - 1 - fmt.mantissa_bits)
-    n = _scale(mag, -q)                            # exact: at most mantissa_bits + 1 integer bits
+    n = scale_pow2(mag, -q)                            # exact: at most mantissa_bits + 1 integer bits
     whole = torch.floor(n)
     frac = n - whole                               # exact
     if mode == "stochastic":
@@ -305,7 +296,7 @@ def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Genera
         else:  # directed: away from zero in magnitude when the sign points that way
             away = ~negative if mode == "up" else negative
             up = inexact & away
-    rounded = _scale(whole + up.to(x.dtype), q)
+    rounded = scale_pow2(whole + up.to(x.dtype), q)
     rounded = _apply_range(rounded, mag, negative, fmt, mode)
     out = torch.where(negative, -rounded, rounded)
     if not fmt.has_negative_zero:
