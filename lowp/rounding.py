@@ -33,7 +33,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from lowp.formats import FloatFormat, get_format
-from lowp.pow2 import scale_pow2
+from lowp.pow2 import scale_pow2, ulp_exponent
 
 RoundingMode = Literal["nearest_even", "nearest_away", "toward_zero", "up", "down", "odd", "stochastic"]
 
@@ -270,11 +270,9 @@ def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Genera
     cfmt = get_format(x.dtype)
     mag = x.abs()
     negative = torch.signbit(x)
-    _, exp = torch.frexp(mag)                      # mag = f * 2**exp, f in [0.5, 1)
-    if fmt.subnormals:
-        q = torch.clamp(exp - 1, min=fmt.emin) - fmt.mantissa_bits
-    else:                                          # below min_normal the neighbours are 0 and min_normal
-        q = torch.where(exp - 1 < fmt.emin, fmt.emin, exp - 1 - fmt.mantissa_bits)
+    q = ulp_exponent(mag, fmt)
+    if not fmt.subnormals:                         # below min_normal the neighbours are 0 and min_normal
+        q = torch.where(mag < fmt.min_normal, fmt.emin, q)
     n = scale_pow2(mag, -q)                            # exact: at most mantissa_bits + 1 integer bits
     whole = torch.floor(n)
     frac = n - whole                               # exact

@@ -29,3 +29,29 @@ def test_scale_pow2_matches_ldexp_for_normal_and_overflowing_results(dtype):
             assert g == want, (a, b, g, want)
             checked += 1
     assert checked > 2000
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp6_e3m2", "fp4_e2m1"])
+def test_ulp_exponent_is_the_gap_to_the_next_value_for_every_value(name):
+    from lowp.codec import all_values
+    from lowp.formats import get_format
+    from lowp.pow2 import ulp_exponent
+
+    fmt = get_format(name)
+    v = all_values(fmt)
+    v = v[v >= 0]
+    gaps = v[1:] - v[:-1]
+    assert torch.equal(torch.exp2(ulp_exponent(v[:-1], fmt).double()), gaps)
+    assert int(ulp_exponent(torch.tensor([0.0, -0.0]), fmt).unique()) == fmt.emin - fmt.mantissa_bits
+    assert torch.equal(ulp_exponent(-v, fmt), ulp_exponent(v, fmt))
+
+
+def test_expected_ulp_sq_of_a_point_mass_at_zero_is_the_subnormal_ulp():
+    from lowp.distributed.model import expected_ulp_sq
+    from lowp.formats import get_format
+    from lowp.ulp import ulp
+
+    for name in ("bf16", "fp16"):
+        fmt = get_format(name)
+        assert expected_ulp_sq(0.0, fmt, 0.0) == float(ulp(torch.tensor(0.0), fmt)) ** 2 == 2.0 ** (2 * (fmt.emin - fmt.mantissa_bits))
+        assert expected_ulp_sq(0.0, fmt, 3.0) == float(ulp(torch.tensor(3.0), fmt)) ** 2
