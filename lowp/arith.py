@@ -21,7 +21,7 @@ from lowp.formats import FloatFormat, get_format
 from lowp.pow2 import scale_pow2
 from lowp.rounding import fits_in, quantize
 
-__all__ = ["Arith"]
+__all__ = ["Arith", "recursive_sum"]
 
 
 class Arith:
@@ -103,8 +103,17 @@ class Arith:
     def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Left-to-right sequential sum along ``dim``, rounding after every addition (stagnates in
         long low-precision sums; see :mod:`lowp.summation` for the compensated ones)."""
-        x = torch.as_tensor(x, dtype=self.dtype).movedim(dim, -1)
-        acc = torch.zeros(x.shape[:-1], dtype=self.dtype, device=x.device)
-        for i in range(x.shape[-1]):
-            acc = self.add(acc, x[..., i])
-        return acc
+        return recursive_sum(self.add, torch.as_tensor(x, dtype=self.dtype), dim)
+
+
+def recursive_sum(add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, dim: int = -1,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Recursive summation (Higham, *Accuracy and Stability*, 2nd ed., sec. 4.1):
+    ``(((0 + x_0) + x_1) + ...) + x_{n-1}`` along ``dim``, every addition done by ``add`` (so
+    rounded however ``add`` rounds). The running sum starts as zeros of ``dtype`` (default
+    ``x.dtype``); one vector ``add`` per element of ``dim``, over all other dimensions at once."""
+    x = x.movedim(dim, -1)
+    total = torch.zeros(x.shape[:-1], dtype=dtype or x.dtype, device=x.device)
+    for i in range(x.shape[-1]):
+        total = add(total, x[..., i])
+    return total

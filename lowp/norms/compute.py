@@ -16,7 +16,7 @@ from typing import Union
 import torch
 
 from lowp import summation
-from lowp.arith import Arith
+from lowp.arith import Arith, recursive_sum
 from lowp.formats import FloatFormat, get_format
 from lowp.pow2 import scale_pow2
 
@@ -75,11 +75,7 @@ class Native:
 
     def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Left-to-right sum along ``dim`` rounding to ``dtype`` after every addition."""
-        x = x.movedim(dim, -1)
-        acc = torch.zeros(x.shape[:-1], dtype=self.dtype, device=x.device)
-        for i in range(x.shape[-1]):
-            acc = acc + x[..., i]
-        return acc
+        return recursive_sum(torch.add, x, dim, self.dtype)
 
 
 Ops = Union[Arith, Native]  # anything with the Arith interface
