@@ -193,3 +193,19 @@ def test_include_filter_and_forward_only():
         run_demo(model, x, y)
     assert mon.records and all(k[0].startswith("block.mlp") and k[1] == "forward" for k in mon.records)
     assert mon.loss_scale_log2() is None
+
+
+def test_demo_labels_follow_the_class_count():
+    from lowp.audit.demo import CLASSES
+
+    assert DemoModel().head.out_features == CLASSES
+    _, y = demo_batch(batch=64)
+    assert set(y.unique().tolist()) == set(range(CLASSES))
+    model = DemoModel(classes=3)
+    x, y = demo_batch(classes=3)
+    assert int(y.max()) == 2
+    assert torch.isfinite(run_demo(model, x, y))
+    with pytest.raises(ValueError, match=r"y: expected labels in \[0, 3\)"):
+        run_demo(model, *demo_batch())
+    with pytest.raises(ValueError, match="y: expected labels of shape"):
+        run_demo(model, x, y[:1])
