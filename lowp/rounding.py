@@ -14,7 +14,8 @@ Methods (both exact; docs/formats.md has the details and the measurements):
   ``s = container_mantissa_bits - mantissa_bits`` for every element; each mode is a few integer
   operations (about 2-7 ns/element on one CPU core, against ~70 for the value-space method).
 * value-space method (:func:`_round`), for nonzero magnitudes below the format's ``min_normal``:
-  with ``e = floor(log2|x|)`` and the quantum exponent ``q = max(e, emin) - mantissa_bits``,
+  with ``e = floor(log2|x|)`` and the quantum exponent ``q = max(e, emin) - mantissa_bits``
+  (:func:`lowp.pow2.ulp_exponent`),
   ``n = |x| * 2**-q`` is exact and has at most ``mantissa_bits + 1`` integer bits; ``floor(n)``
   and ``frac = n - floor(n)`` are exact, so every mode is a decision on ``frac``.
 

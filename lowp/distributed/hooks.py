@@ -14,8 +14,9 @@ Each hook returns a future holding the *averaged* gradient bucket in the bucket'
     for the shard sum; see :mod:`lowp.distributed.model`).
 ``stochastic_rounding_hook``
     As ``alltoall_fp32_hook`` but the compression to the wire dtype uses stochastic rounding
-    (seeded per rank and step), so the compressed gradient is unbiased even for components
-    far below one ulp of their neighbours.
+    (one independent stream per rank and hook call: splitmix64 of the seed, rank and call, see
+    ``_stream_seed``), so the compressed gradient is unbiased even for components far below one
+    ulp of their neighbours, and the rounding errors of different ranks are uncorrelated.
 ``sum_then_divide_hook``
     All-reduce *sum* in the wire dtype (no pre-division, so no fp16 underflow of ``g / R``
     and no ``R * fl(1/R)`` bias), then the division by R in fp32. The sum itself is the
