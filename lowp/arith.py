@@ -18,9 +18,10 @@ from collections.abc import Callable
 import torch
 
 from lowp.formats import FloatFormat, get_format
-from lowp.rounding import _scale, fits_in, quantize
+from lowp.pow2 import scale_pow2
+from lowp.rounding import fits_in, quantize
 
-__all__ = ["Arith"]
+__all__ = ["Arith", "recursive_sum"]
 
 
 class Arith:
@@ -97,13 +98,22 @@ class Arith:
 
     def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:
         """``a * 2**k`` rounded to the format (exact unless it leaves the normal range)."""
-        return self.round(_scale(torch.as_tensor(a, dtype=self.dtype), torch.as_tensor(k, dtype=torch.float64)))
+        return self.round(scale_pow2(torch.as_tensor(a, dtype=self.dtype), torch.as_tensor(k, dtype=torch.float64)))
 
     def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Left-to-right sequential sum along ``dim``, rounding after every addition (stagnates in
         long low-precision sums; see :mod:`lowp.summation` for the compensated ones)."""
-        x = torch.as_tensor(x, dtype=self.dtype).movedim(dim, -1)
-        acc = torch.zeros(x.shape[:-1], dtype=self.dtype, device=x.device)
-        for i in range(x.shape[-1]):
-            acc = self.add(acc, x[..., i])
-        return acc
+        return recursive_sum(self.add, torch.as_tensor(x, dtype=self.dtype), dim)
+
+
+def recursive_sum(add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, dim: int = -1,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Recursive summation (Higham, *Accuracy and Stability*, 2nd ed., sec. 4.1):
+    ``(((0 + x_0) + x_1) + ...) + x_{n-1}`` along ``dim``, every addition done by ``add`` (so
+    rounded however ``add`` rounds). The running sum starts as zeros of ``dtype`` (default
+    ``x.dtype``); one vector ``add`` per element of ``dim``, over all other dimensions at once."""
+    x = x.movedim(dim, -1)
+    total = torch.zeros(x.shape[:-1], dtype=dtype or x.dtype, device=x.device)
+    for i in range(x.shape[-1]):
+        total = add(total, x[..., i])
+    return total

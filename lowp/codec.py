@@ -10,6 +10,7 @@ import math
 import torch
 
 from lowp.formats import FloatFormat, get_format
+from lowp.pow2 import scale_pow2, ulp_exponent
 
 __all__ = ["decode", "encode", "all_codes", "all_values"]
 
@@ -71,11 +72,10 @@ def encode(values: torch.Tensor, format: "str | torch.dtype | FloatFormat") -> t
     v = values.to(torch.float64)
     m = fmt.mantissa_bits
     mag = v.abs()
-    _, e = torch.frexp(mag)
-    e = torch.clamp(e - 1, min=fmt.emin)
+    q = ulp_exponent(mag, fmt)                     # mag = (2**m + frac) * 2**q, or frac * 2**q below min_normal
     is_sub = mag < fmt.min_normal
-    expf = torch.where(is_sub, torch.zeros_like(e), e + fmt.bias).to(torch.int64)
-    frac = torch.where(is_sub, mag / 2.0 ** (fmt.emin - m), (mag / torch.ldexp(torch.ones_like(mag), e.to(torch.float64)) - 1) * 2**m)
+    expf = torch.where(is_sub, torch.zeros_like(q), q + m + fmt.bias).to(torch.int64)
+    frac = scale_pow2(mag, -q) - torch.where(is_sub, 0.0, 2.0**m)
     finite = torch.isfinite(v)
     if (finite & (frac != torch.round(frac))).any() or (finite & (mag > fmt.max)).any():
         raise ValueError(f"values: not all exactly representable in {fmt.name}; quantize them first")

@@ -14,7 +14,8 @@ Methods (both exact; docs/formats.md has the details and the measurements):
   ``s = container_mantissa_bits - mantissa_bits`` for every element; each mode is a few integer
   operations (about 2-7 ns/element on one CPU core, against ~70 for the value-space method).
 * value-space method (:func:`_round`), for nonzero magnitudes below the format's ``min_normal``:
-  with ``e = floor(log2|x|)`` and the quantum exponent ``q = max(e, emin) - mantissa_bits``,
+  with ``e = floor(log2|x|)`` and the quantum exponent ``q = max(e, emin) - mantissa_bits``
+  (:func:`lowp.pow2.ulp_exponent`),
   ``n = |x| * 2**-q`` is exact and has at most ``mantissa_bits + 1`` integer bits; ``floor(n)``
   and ``frac = n - floor(n)`` are exact, so every mode is a decision on ``frac``.
 
@@ -33,6 +34,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from lowp.formats import FloatFormat, get_format
+from lowp.pow2 import scale_pow2, ulp_exponent
 
 RoundingMode = Literal["nearest_even", "nearest_away", "toward_zero", "up", "down", "odd", "stochastic"]
 
@@ -263,28 +265,16 @@ def _apply_range_bits(r: torch.Tensor, mag: torch.Tensor, bits: torch.Tensor, c:
     return r + special * (special_value - r)
 
 
-def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.exp2(exponent.to(dtype))
-
-
-def _scale(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``x * 2**k`` exactly, in two steps so no power of two overflows the container."""
-    half = torch.div(k, 2, rounding_mode="floor")
-    return x * _pow2(half, x.dtype) * _pow2(k - half, x.dtype)
-
-
 def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Generator | None,
            rand_bits: int | None) -> torch.Tensor:
     """Rounding in value space (the method of the module docstring); any magnitude, any format."""
     cfmt = get_format(x.dtype)
     mag = x.abs()
     negative = torch.signbit(x)
-    _, exp = torch.frexp(mag)                      # mag = f * 2**exp, f in [0.5, 1)
-    if fmt.subnormals:
-        q = torch.clamp(exp - 1, min=fmt.emin) - fmt.mantissa_bits
-    else:                                          # below min_normal the neighbours are 0 and min_normal
-        q = torch.where(exp - 1 < fmt.emin, fmt.emin, exp - 1 - fmt.mantissa_bits)
-    n = _scale(mag, -q)                            # exact: at most mantissa_bits + 1 integer bits
+    q = ulp_exponent(mag, fmt)
+    if not fmt.subnormals:                         # below min_normal the neighbours are 0 and min_normal
+        q = torch.where(mag < fmt.min_normal, fmt.emin, q)
+    n = scale_pow2(mag, -q)                            # exact: at most mantissa_bits + 1 integer bits
     whole = torch.floor(n)
     frac = n - whole                               # exact
     if mode == "stochastic":
@@ -305,7 +295,7 @@ def _round(x: torch.Tensor, fmt: FloatFormat, mode: str, generator: torch.Genera
         else:  # directed: away from zero in magnitude when the sign points that way
             away = ~negative if mode == "up" else negative
             up = inexact & away
-    rounded = _scale(whole + up.to(x.dtype), q)
+    rounded = scale_pow2(whole + up.to(x.dtype), q)
     rounded = _apply_range(rounded, mag, negative, fmt, mode)
     out = torch.where(negative, -rounded, rounded)
     if not fmt.has_negative_zero:

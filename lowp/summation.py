@@ -44,7 +44,7 @@ from typing import Any, Literal, Union
 
 import torch
 
-from lowp.arith import Arith
+from lowp.arith import Arith, recursive_sum
 from lowp.formats import FloatFormat, get_format
 
 Method = Literal["sequential", "kahan", "neumaier", "pairwise", "fp32_accumulated"]
@@ -167,10 +167,8 @@ def sequential_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """Left-to-right recursive summation, rounding after every addition (stagnates once the
     running sum's half-ulp exceeds the terms: fp16 sums of U(0,1) stop at 2048)."""
-    ar, values, total = _prepare(x, dim, format, mode, generator)
-    for i in range(values.shape[-1]):
-        total = ar.add(total, values[..., i])
-    return total
+    ar, values, _ = _prepare(x, dim, format, mode, generator)
+    return recursive_sum(ar.add, values)
 
 
 def kahan_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *, mode: str = "nearest_even",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from lowp.formats import FloatFormat, get_format
+from lowp.pow2 import ulp_exponent
 from lowp.rounding import quantize
 
 __all__ = ["ulp", "ulp_error"]
@@ -19,9 +20,7 @@ def ulp(x: torch.Tensor, format: "str | torch.dtype | FloatFormat") -> torch.Ten
     """Spacing of ``format`` at the (real, float64) values ``x``; at 0 it is the smallest subnormal gap."""
     fmt = get_format(format)
     x = torch.as_tensor(x, dtype=torch.float64)
-    _, e = torch.frexp(x.abs())
-    e = torch.where(x == 0, torch.full_like(e, fmt.emin), torch.clamp(e - 1, min=fmt.emin)) - fmt.mantissa_bits
-    return torch.ldexp(torch.ones_like(x), e.to(torch.float64))
+    return torch.ldexp(torch.ones_like(x), ulp_exponent(x, fmt).to(torch.float64))
 
 
 def ulp_error(computed: torch.Tensor, exact: torch.Tensor, format: "str | torch.dtype | FloatFormat") -> torch.Tensor:

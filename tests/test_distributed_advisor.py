@@ -79,8 +79,28 @@ def test_reduce_sim_command_writes_tables_and_plots(tmp_path, capsys):
     assert (tmp_path / "seed003_error_vs_R.png").stat().st_size > 10_000
     lines = (tmp_path / "seed.csv").read_text().splitlines()
     assert len(lines) == 1 + 4 * 5          # R = 2, 4, 8, 16 x five sigmas
-    with pytest.raises(ValueError, match="--elements"):
-        main(["reduce-sim", "--out", str(tmp_path), "--elements", "0"])
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--elements", "0"], "--elements"),
+    (["--elements", "many"], "--elements"),
+    (["--elements", "2.5"], "--elements"),
+    (["--max-world-size", "1"], "--max-world-size"),
+    (["--max-world-size", "1e"], "--max-world-size"),
+    (["--only", "everything"], "--only"),
+    (["--out", "FILE"], "--out"),
+    (["--out", "FILE/sub"], "--out"),
+])
+def test_reduce_sim_bad_arguments_are_usage_errors(args, option, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    args = [str(afile) if a == "FILE" else str(afile / "sub") if a == "FILE/sub" else a for a in args]
+    with pytest.raises(SystemExit) as info:
+        main(["reduce-sim", "--no-plots", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"lowp reduce-sim: error: argument {option}" in err and "Traceback" not in err
+    assert afile.read_text() == "not a folder"
 
 
 def test_advisor_rejects_unknown_average_and_rounding():

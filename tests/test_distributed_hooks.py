@@ -243,3 +243,31 @@ def test_launcher_and_state_reject_bad_arguments():
         run_local_group(_dies, 2, timeout_s=0)
     with pytest.raises(ValueError, match="wire_dtype"):
         ReduceState(wire_dtype=torch.float8_e4m3fn)
+
+
+def test_stochastic_streams_of_distinct_ranks_and_calls_never_collide():
+    from lowp.distributed.hooks import _stream_seed
+
+    seeds = {_stream_seed(3, rank, call) for rank in range(64) for call in range(2 * 7919 + 8)}
+    assert len(seeds) == 64 * (2 * 7919 + 8)
+    assert all(0 <= s < 2**64 for s in seeds)
+    # the old linear mix seed*1_000_003 + rank*7919 + call made these two equal
+    assert _stream_seed(3, 1, 5) != _stream_seed(3, 0, 5 + 7919)
+    assert _stream_seed(0, 0, 0) != _stream_seed(1, 0, 0)
+    with pytest.raises(ValueError, match="rank"):
+        _stream_seed(0, -1, 0)
+
+
+def test_stochastic_compression_draws_different_bits_on_formerly_colliding_ranks(monkeypatch):
+    import torch.distributed as dist
+
+    from lowp.distributed import hooks
+
+    values = torch.full((4096,), 1.0 + 2.0**-10)        # halfway between two bf16 values
+    results = []
+    for rank, calls in [(1, 5), (0, 5 + 7919)]:
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        state = hooks.ReduceState(seed=3, calls=calls)
+        results.append(hooks._compress(state, values, stochastic=True))
+    assert set(results[0].float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert not torch.equal(results[0], results[1])

@@ -119,6 +119,62 @@ def test_monitor_rejects_bad_arguments():
         PrecisionMonitor(object())
     with pytest.raises(ValueError, match="underflow_threshold"):
         PrecisionMonitor(nn.Linear(2, 2), underflow_threshold=2)
+    with pytest.raises(TypeError, match="underflow_threshold"):
+        PrecisionMonitor(nn.Linear(2, 2), underflow_threshold="0.1")
+    with pytest.raises(TypeError, match="underflow_threshold"):
+        PrecisionMonitor(nn.Linear(2, 2), underflow_threshold=True)
+    with pytest.raises(TypeError, match="include"):
+        PrecisionMonitor(nn.Linear(2, 2), include="fc")
+    with pytest.raises(TypeError, match="backward"):
+        PrecisionMonitor(nn.Linear(2, 2), backward="yes")
+
+
+@pytest.mark.parametrize("args, error, arg", [
+    ((None, "forward", "output", torch.ones(2)), TypeError, "module"),
+    (("fc", "forward", "", torch.ones(2)), TypeError, "tensor"),
+    (("fc", "sideways", "output", torch.ones(2)), ValueError, "phase"),
+    (("fc", "forward", "output", [1.0, 2.0]), TypeError, "t"),
+    (("fc", "forward", "output", None), TypeError, "t"),
+])
+def test_observe_rejects_bad_arguments_and_records_nothing(args, error, arg):
+    mon = PrecisionMonitor(nn.Linear(2, 2))
+    with pytest.raises(error, match=f"^{arg}:"):
+        mon.observe(*args)
+    assert mon.records == {}
+    with pytest.raises(TypeError, match="rec"):
+        mon.advise("fc")
+
+
+def test_observe_ignores_integer_and_empty_tensors_and_records_floats():
+    mon = PrecisionMonitor(nn.Linear(2, 2), "fp16")
+    mon.observe("fc", "forward", "output", torch.arange(3))
+    mon.observe("fc", "forward", "output", torch.empty(0))
+    assert mon.records == {}
+    mon.observe("fc", "backward", "param_grad", torch.tensor([1e5, 1e-9, 1.0]))
+    rec = _record(mon, "fc", "backward", "param_grad")
+    assert (rec.numel, rec.overflow, rec.underflow) == (3, 1, 1)
+
+
+@pytest.mark.parametrize("value, bad", [("10,abc", "abc"), ("0", "0"), ("1", "1"), ("10,2.5", "2.5"), (",", ","),
+                                        ("nan", "nan")])
+def test_audit_rejects_bad_lengths_with_a_usage_error(value, bad, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["audit", "--kinds", "reductions", "--lengths", value, "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "lowp audit: error: argument --lengths: expected" in err and repr(bad) in err
+    assert "Traceback" not in err
+
+
+def test_audit_lengths_accept_exponent_notation():
+    import argparse
+
+    from lowp.commands.audit import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--lengths", "10, 1e3"]).lengths == [10, 1000]
+    assert parser.parse_args([]).lengths == [10, 1000, 100000, 1000000]
 
 
 def test_doctor_prints_report(capsys):
@@ -137,3 +193,19 @@ def test_include_filter_and_forward_only():
         run_demo(model, x, y)
     assert mon.records and all(k[0].startswith("block.mlp") and k[1] == "forward" for k in mon.records)
     assert mon.loss_scale_log2() is None
+
+
+def test_demo_labels_follow_the_class_count():
+    from lowp.audit.demo import CLASSES
+
+    assert DemoModel().head.out_features == CLASSES
+    _, y = demo_batch(batch=64)
+    assert set(y.unique().tolist()) == set(range(CLASSES))
+    model = DemoModel(classes=3)
+    x, y = demo_batch(classes=3)
+    assert int(y.max()) == 2
+    assert torch.isfinite(run_demo(model, x, y))
+    with pytest.raises(ValueError, match=r"y: expected labels in \[0, 3\)"):
+        run_demo(model, *demo_batch())
+    with pytest.raises(ValueError, match="y: expected labels of shape"):
+        run_demo(model, x, y[:1])

@@ -126,3 +126,39 @@ def test_low_precision_kahan_tracks_fp32_closer_than_nearest(cls, low):
 def test_bad_hyper_parameters_name_the_argument(make, arg):
     with pytest.raises(ValueError, match=arg.replace("[", r"\[").replace("]", r"\]")):
         make([torch.zeros(3, requires_grad=True)])
+
+
+@pytest.mark.parametrize("make, arg", [
+    (lambda p: lo.AdamW(p, lr=True), "lr"),
+    (lambda p: lo.AdamW(p, betas=(True, 0.9)), "betas[0]"),
+    (lambda p: lo.AdamW(p, betas=(0.9, False)), "betas[1]"),
+    (lambda p: lo.AdamW(p, eps=True), "eps"),
+    (lambda p: lo.Adam(p, weight_decay=False), "weight_decay"),
+    (lambda p: lo.RAdam(p, lr=torch.tensor(True)), "lr"),
+    (lambda p: lo.StableAdamW(p, betas=(0.9, True)), "betas[1]"),
+    (lambda p: lo.Lion(p, betas=(False, 0.99)), "betas[0]"),
+    (lambda p: lo.Lion(p, weight_decay=True), "weight_decay"),
+    (lambda p: lo.SGD(p, momentum=True), "momentum"),
+    (lambda p: lo.SGD(p, dampening=False), "dampening"),
+    (lambda p: lo.Adafactor(p, eps=(True, 1e-3)), "eps[0]"),
+    (lambda p: lo.Adafactor(p, d=True), "d"),
+    (lambda p: lo.Adafactor(p, beta2_decay=False), "beta2_decay"),
+])
+def test_bools_are_not_hyper_parameter_numbers(make, arg):
+    with pytest.raises(ValueError, match=arg.replace("[", r"\[").replace("]", r"\]") + ".*got (tensor\\()?(True|False)"):
+        make([torch.zeros(3, requires_grad=True)])
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: lo.AdamW(p, lr=1, betas=(0, 0.5), eps=0, weight_decay=0),
+    lambda p: lo.AdamW(p, lr=torch.tensor(1e-3)),
+    lambda p: lo.Lion(p, betas=(0.0, 0.9), weight_decay=1),
+    lambda p: lo.SGD(p, momentum=0, dampening=0),
+    lambda p: lo.Adafactor(p, d=1, beta2_decay=0, eps=(0, 1)),
+])
+def test_integer_and_zero_hyper_parameters_are_still_accepted(make):
+    p = torch.ones(3, requires_grad=True)
+    opt = make([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.isfinite(p).all() and not torch.equal(p.detach(), torch.ones(3))

@@ -277,3 +277,20 @@ def test_docs_summation_doctest():
     path = Path(__file__).resolve().parents[1] / "docs" / "summation.md"
     result = doctest.testfile(str(path), module_relative=False, verbose=False)
     assert result.attempted >= 7 and result.failed == 0
+
+
+def test_arith_sum_sequential_sum_and_native_sum_are_one_recursive_sum():
+    from lowp.arith import Arith, recursive_sum
+    from lowp.norms.compute import Native
+    from lowp.rounding import quantize
+
+    gen = torch.Generator().manual_seed(5)
+    x = quantize(torch.rand(3, 700, 2, generator=gen), "fp16")
+    want = torch.zeros(3, 2)
+    for i in range(700):                               # the definition, one rounding per addition
+        want = quantize(want + x[:, i], "fp16")
+    assert torch.equal(Arith("fp16").sum(x, dim=1), want)
+    assert torch.equal(sequential_sum(x, dim=1, format="fp16"), want)
+    assert torch.equal(Native(torch.float16).sum(x.half(), dim=1).float(), want)
+    ones = torch.ones(5000, dtype=torch.float16)
+    assert recursive_sum(torch.add, ones) == 2048        # fp16 stagnates: 2048 + 1 rounds to 2048

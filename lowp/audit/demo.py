@@ -12,7 +12,10 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["DemoModel", "demo_batch", "run_demo"]
+__all__ = ["DemoModel", "demo_batch", "run_demo", "CLASSES"]
+
+#: Output classes of :class:`DemoModel` and labels of :func:`demo_batch` (one number for both).
+CLASSES = 8
 
 
 class Scores(nn.Module):
@@ -42,7 +45,7 @@ class DemoBlock(nn.Module):
 class DemoModel(nn.Module):
     """Embedding projection, one attention+MLP block, and a linear head."""
 
-    def __init__(self, features: int = 16, width: int = 32, classes: int = 8) -> None:
+    def __init__(self, features: int = 16, width: int = 32, classes: int = CLASSES) -> None:
         super().__init__()
         self.embed = nn.Linear(features, width)
         self.block = DemoBlock(width)
@@ -53,17 +56,24 @@ class DemoModel(nn.Module):
 
 
 def demo_batch(batch: int = 4, tokens: int = 8, features: int = 16, scale: float = 300.0,
-               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs ``scale * N(0, 1)`` (large enough to overflow fp16 attention scores) and class labels."""
+               seed: int = 0, classes: int = CLASSES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``scale * N(0, 1)`` (large enough to overflow fp16 attention scores) and class labels
+    in ``[0, classes)`` (match the model's ``classes``)."""
     g = torch.Generator().manual_seed(seed)
     x = scale * torch.randn(batch, tokens, features, generator=g)
-    y = torch.randint(0, 8, (batch, tokens), generator=g)
+    y = torch.randint(0, classes, (batch, tokens), generator=g)
     return x, y
 
 
 def run_demo(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_factor: float = 1e-6) -> torch.Tensor:
     """One forward and backward pass; the loss is scaled by ``loss_factor`` so gradients are tiny."""
     logits = model(x)
+    classes = logits.shape[-1]
+    if y.shape != logits.shape[:-1]:
+        raise ValueError(f"y: expected labels of shape {tuple(logits.shape[:-1])}, got {tuple(y.shape)}")
+    if bool(((y < 0) | (y >= classes)).any()):
+        raise ValueError(f"y: expected labels in [0, {classes}) (the model's classes), "
+                         f"got values in [{int(y.min())}, {int(y.max())}]")
     loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) * loss_factor
     with warnings.catch_warnings():  # full backward hooks warn when the input needs no grad
         warnings.simplefilter("ignore", UserWarning)

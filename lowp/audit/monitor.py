@@ -28,7 +28,10 @@ from torch import nn
 
 from lowp.formats import FloatFormat, get_format
 
-__all__ = ["PrecisionMonitor", "TensorRecord", "REPORT_COLUMNS"]
+__all__ = ["PrecisionMonitor", "TensorRecord", "REPORT_COLUMNS", "PHASES"]
+
+#: The phases of a record: module outputs (forward); output and parameter gradients (backward).
+PHASES = ("forward", "backward")
 
 REPORT_COLUMNS = ["module", "phase", "tensor", "calls", "numel", "amax", "min_nonzero", "range_log2", "overflow_frac",
                   "underflow_frac", "subnormal_frac", "nan", "inf"]
@@ -89,6 +92,12 @@ class PrecisionMonitor:
                  include: Callable[[str], bool] | None = None, underflow_threshold: float = 1e-3) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(backward, bool):
+            raise TypeError(f"backward: expected a bool, got {type(backward).__name__}")
+        if include is not None and not callable(include):
+            raise TypeError(f"include: expected None or a callable on module names, got {type(include).__name__}")
+        if isinstance(underflow_threshold, bool) or not isinstance(underflow_threshold, (int, float)):
+            raise TypeError(f"underflow_threshold: expected a number in [0, 1], got {underflow_threshold!r}")
         if not 0 <= underflow_threshold <= 1:
             raise ValueError(f"underflow_threshold: expected a fraction in [0, 1], got {underflow_threshold}")
         self.model = model
@@ -166,8 +175,19 @@ class PrecisionMonitor:
     # -- statistics -----------------------------------------------------------------------
     @torch.no_grad()
     def observe(self, module: str, phase: str, tensor: str, t: torch.Tensor) -> None:
-        """Add one tensor's statistics to the (module, phase, tensor) record."""
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or t.numel() == 0:
+        """Add one tensor's statistics to the (module, phase, tensor) record.
+
+        ``module`` and ``tensor`` are labels (non-empty strings), ``phase`` is one of
+        :data:`PHASES`; an empty or non-floating-point ``t`` (integer outputs, masks) is ignored.
+        """
+        for name, label in (("module", module), ("tensor", tensor)):
+            if not isinstance(label, str) or not label:
+                raise TypeError(f"{name}: expected a non-empty str label, got {label!r}")
+        if phase not in PHASES:
+            raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"t: expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point() or t.numel() == 0:
             return
         key = (module, phase, tensor)
         rec = self.records.get(key) or self.records.setdefault(key, TensorRecord(module, phase, tensor))
@@ -193,6 +213,8 @@ class PrecisionMonitor:
 
     def advise(self, rec: TensorRecord) -> list[str]:
         """Recommendations for one record: keep in fp32, or rescale by a power of two."""
+        if not isinstance(rec, TensorRecord):
+            raise TypeError(f"rec: expected a TensorRecord, got {type(rec).__name__}")
         fmt = self.format
         out = []
         span = math.log2(fmt.max / fmt.min_subnormal if fmt.subnormals else fmt.max / fmt.min_normal)

@@ -5,6 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
+from lowp.cli_args import int_at_least, int_list
+
 HELP = "audit op precision (ulp error vs correctly rounded fp64) for fp16/bf16/fp8: native, opmath and low-format"
 
 TABLE_COLUMNS = ["kind", "op", "format", "method", "length", "n", "max_ulp", "mean_ulp", "p99_ulp", "frac_correct",
@@ -24,15 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="native,opmath,lowformat", help="comma-separated methods")
     parser.add_argument("--no-exhaustive", dest="stride", action="store_const", const=16, default=1,
                         help="unary: every 16th input instead of every finite value (default: exhaustive)")
-    parser.add_argument("--points", type=int, default=384, help="binary: grid points per axis (default 384)")
-    parser.add_argument("--lengths", default="10,1000,100000,1000000", help="reductions: comma-separated lengths")
+    parser.add_argument("--points", type=int_at_least(2), default=384, help="binary: grid points per axis (default 384)")
+    parser.add_argument("--lengths", type=int_list(2), default="10,1000,100000,1000000",
+                        help="reductions: comma-separated lengths (integers >= 2)")
     parser.add_argument("--seed-tables", action="store_true",
                         help="also reproduce seed 004's appendix 3.3 and 3.4 tables")
-    parser.add_argument("--conversion-stride", type=int, default=97,
+    parser.add_argument("--conversion-stride", type=int_at_least(1), default=97,
                         help="3.4 table: use every k-th float32 value (1 = all 335M, ~70 s)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for audit.csv, audit.json and audit.md (created if missing)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=int_at_least(1), default=1,
                         help="torch threads (default 1: the audit's tensors are small and extra OpenMP threads "
                              "only help on an idle machine)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -47,8 +50,6 @@ def run(args: argparse.Namespace) -> int:
 
     from lowp.report import text_table
 
-    if args.threads < 1:
-        raise SystemExit(f"lowp audit: --threads: expected a positive int, got {args.threads}")
     torch.set_num_threads(args.threads)
     kinds = _csv_list(args.kinds)
     bad = [k for k in kinds if k not in KINDS]
@@ -72,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
         if "binary" in kinds and pick(BINARY_OPS) != []:
             rows += audit_binary(pick(BINARY_OPS), formats, methods, points=args.points, progress=progress)
         if "reductions" in kinds and pick(REDUCTIONS) != []:
-            lengths = [int(float(v)) for v in _csv_list(args.lengths)]
-            rows += audit_reductions(pick(REDUCTIONS), formats, methods, lengths=lengths, progress=progress)
+            rows += audit_reductions(pick(REDUCTIONS), formats, methods, lengths=args.lengths, progress=progress)
     except ValueError as exc:
         raise SystemExit(f"lowp audit: {exc}") from exc
     print(text_table(TABLE_COLUMNS, [[r.get(c) for c in TABLE_COLUMNS] for r in rows]))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from lowp.cli_args import int_at_least, output_dir, usage_error
+
 HELP = "simulate bf16/fp16/fp8 gradient all-reduce (ring, tree, all-to-all): error tables and plots"
 
 SECTIONS = ("seed", "mean", "microbatch", "fp16", "fp8", "premultiply", "outlier")
@@ -20,12 +22,12 @@ TITLES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=os.path.join("lowp-report", "reduce-sim"),
+    parser.add_argument("--out", type=output_dir, default=os.path.join("lowp-report", "reduce-sim"),
                         help="folder for the PNG plots and CSV tables (default: lowp-report/reduce-sim)")
     parser.add_argument("--only", choices=SECTIONS, action="append", default=None,
                         help="run only these sections (repeatable; default: all)")
-    parser.add_argument("--elements", type=int, default=4096, help="elements per simulated tensor (default 4096)")
-    parser.add_argument("--max-world-size", type=int, default=1024,
+    parser.add_argument("--elements", type=int_at_least(1), default=4096, help="elements per simulated tensor (default 4096)")
+    parser.add_argument("--max-world-size", type=int_at_least(2), default=1024,
                         help="largest R in the seed grid (powers of two from 2; default 1024)")
     parser.add_argument("--no-plots", action="store_true", help="print the tables only")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
@@ -83,10 +85,6 @@ def run(args: argparse.Namespace) -> int:
     from lowp.report import csv_text, markdown_table, text_table
     from lowp.threads import single_thread
 
-    if args.elements < 1:
-        raise ValueError(f"--elements: expected a positive int, got {args.elements}")
-    if args.max_world_size < 2:
-        raise ValueError(f"--max-world-size: expected >= 2, got {args.max_world_size}")
     sections = args.only or list(SECTIONS)
     seed_sizes = [2**i for i in range(1, args.max_world_size.bit_length()) if 2**i <= args.max_world_size]
     n = args.elements
@@ -99,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
         "premultiply": lambda: ex.premultiply_table(elements=2 * n),
         "outlier": lambda: ex.outlier_table(elements=n),
     }
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        usage_error("reduce-sim", "--out", f"cannot create the folder {args.out!r}: {exc.strerror}")
     with single_thread():
         for name in sections:
             headers, rows = runners[name]()

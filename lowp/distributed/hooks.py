@@ -14,8 +14,9 @@ Each hook returns a future holding the *averaged* gradient bucket in the bucket'
     for the shard sum; see :mod:`lowp.distributed.model`).
 ``stochastic_rounding_hook``
     As ``alltoall_fp32_hook`` but the compression to the wire dtype uses stochastic rounding
-    (seeded per rank and step), so the compressed gradient is unbiased even for components
-    far below one ulp of their neighbours.
+    (one independent stream per rank and hook call: splitmix64 of the seed, rank and call, see
+    ``_stream_seed``), so the compressed gradient is unbiased even for components far below one
+    ulp of their neighbours, and the rounding errors of different ranks are uncorrelated.
 ``sum_then_divide_hook``
     All-reduce *sum* in the wire dtype (no pre-division, so no fp16 underflow of ``g / R``
     and no ``R * fl(1/R)`` bias), then the division by R in fp32. The sum itself is the
@@ -119,13 +120,41 @@ def fp32_reduce_hook(state: ReduceState, bucket: dist.GradBucket) -> torch.futur
     return _finish(state, bucket, total / state.world_size)
 
 
+_MASK64 = (1 << 64) - 1
+_CALL_BITS = 40     # calls below 2**40 and ranks below 2**24 pack into 64 bits without overlap
+
+
+def _splitmix64(z: int) -> int:
+    """The splitmix64 finalizer (Steele, Lea & Flood, "Fast splittable pseudorandom number
+    generators", OOPSLA 2014): a bijection of 64-bit integers that spreads every input bit."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 31)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _stream_seed(seed: int, rank: int, call: int) -> int:
+    """64-bit generator seed of the stochastic rounding stream of ``rank`` at hook call ``call``.
+
+    ``splitmix64(splitmix64(seed) ^ (rank << 40 | call))``: for one ``seed`` the packed key is
+    injective for ``rank < 2**24`` and ``call < 2**40`` and splitmix64 is a bijection, so two
+    (rank, call) pairs never share a stream (a linear mix such as ``seed*a + rank*b + call``
+    gives rank r+1 at call c the stream of rank r at call c+b). Different seeds collide only
+    with the ~2**-64 chance of a hash collision.
+    """
+    if not 0 <= rank < 1 << (64 - _CALL_BITS):
+        raise ValueError(f"rank: expected 0 <= rank < {1 << (64 - _CALL_BITS)}, got {rank}")
+    key = (rank << _CALL_BITS) | (call & ((1 << _CALL_BITS) - 1))
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ key)
+
+
 def _compress(state: ReduceState, values: torch.Tensor, stochastic: bool) -> torch.Tensor:
     if not stochastic or state.wire_dtype == torch.float32:
         return values.to(state.wire_dtype)
     from lowp.rounding import quantize
 
     rank = dist.get_rank(state.process_group)
-    gen = torch.Generator(device=values.device).manual_seed(state.seed * 1_000_003 + rank * 7919 + state.calls)
+    gen = torch.Generator(device=values.device).manual_seed(_stream_seed(state.seed, rank, state.calls))
     return quantize(values.to(torch.float32), state.wire_dtype, "stochastic", generator=gen).to(state.wire_dtype)
 
 

@@ -43,6 +43,7 @@ import math
 import torch
 
 from lowp.formats import FloatFormat, get_format
+from lowp.pow2 import ulp_exponent
 
 __all__ = ["expected_ulp_sq", "ulp_constant", "ring_error_std", "tree_error_std", "alltoall_error_std",
            "reduction_error_std", "sampling_noise", "stagnation_terms", "premultiply_bias", "underflow_fraction"]
@@ -66,8 +67,7 @@ def _expected_ulp_sq(stds: torch.Tensor, means: torch.Tensor, fmt: FloatFormat) 
     below = torch.special.ndtr((edge - m) / s) - torch.special.ndtr((-edge - m) / s)   # P(|S| < 2**e)
     ulp_sq = torch.exp2(2 * (e - fmt.mantissa_bits))
     spread = (below[:, 1:] - below[:, :-1]) @ ulp_sq[:-1] + below[:, 0] * ulp_sq[0]
-    _, point_exp = torch.frexp(means.abs())
-    point = torch.exp2(2 * (torch.clamp(point_exp - 1, min=fmt.emin) - fmt.mantissa_bits).to(torch.float64))
+    point = torch.exp2(2 * ulp_exponent(means, fmt).to(torch.float64))
     return torch.where(stds > 0, spread, point)
 
 

@@ -16,23 +16,16 @@ from typing import Union
 import torch
 
 from lowp import summation
-from lowp.arith import Arith
+from lowp.arith import Arith, recursive_sum
 from lowp.formats import FloatFormat, get_format
+from lowp.pow2 import scale_pow2
 
-__all__ = ["Native", "Ops", "make_ops", "ldexp", "logb", "two_sum", "fast_two_sum", "two_square",
+__all__ = ["Native", "Ops", "make_ops", "logb", "two_sum", "fast_two_sum", "two_square",
            "ZERO_EXPONENT"]
 
 #: Exponent given to zeros by :func:`logb`: so small that scaling anything by ``2**(2*ZERO_EXPONENT)``
 #: gives 0, yet harmless in integer arithmetic.
 ZERO_EXPONENT = -(2**20)
-
-
-def ldexp(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``x * 2**k`` in ``x``'s dtype, exact unless the result leaves the normal range (two
-    power-of-two factors, so neither overflows on its own). ``k`` broadcasts against ``x``."""
-    k = k.to(x.dtype if x.dtype == torch.float64 else torch.float32)
-    half = torch.floor(k / 2)
-    return x * torch.exp2(half).to(x.dtype) * torch.exp2(k - half).to(x.dtype)
 
 
 class Native:
@@ -78,15 +71,11 @@ class Native:
     def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:
         """``a * 2**k`` rounded once to ``dtype`` (IEEE 754 scaleB)."""
         wide = torch.float64
-        return ldexp(a.to(wide), torch.as_tensor(k, device=a.device)).to(self.dtype)
+        return scale_pow2(a.to(wide), torch.as_tensor(k, device=a.device)).to(self.dtype)
 
     def sum(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Left-to-right sum along ``dim`` rounding to ``dtype`` after every addition."""
-        x = x.movedim(dim, -1)
-        acc = torch.zeros(x.shape[:-1], dtype=self.dtype, device=x.device)
-        for i in range(x.shape[-1]):
-            acc = acc + x[..., i]
-        return acc
+        return recursive_sum(torch.add, x, dim, self.dtype)
 
 
 Ops = Union[Arith, Native]  # anything with the Arith interface

@@ -24,8 +24,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lowp.formats import get_format
-from lowp.norms.compute import ldexp
 from lowp.norms.native import needs_rescale, row_exponent, rows_to_rescale
+from lowp.pow2 import scale_pow2
 
 __all__ = ["RMSNorm", "LayerNorm", "row_statistics", "normalized"]
 
@@ -57,14 +57,14 @@ def _rescaled_statistics(rows: torch.Tensor, eps: float, center: bool
     (or exactly) equal values neither overflows nor loses ``eps`` to underflow."""
     eps64 = torch.full(rows.shape[:-1], float(eps), dtype=torch.float64, device=rows.device)
     e = row_exponent(rows.abs().amax(-1), eps64)
-    z = ldexp(rows, -e.unsqueeze(-1))
+    z = scale_pow2(rows, -e.unsqueeze(-1))
     mu = None
     if center:
         mu = z.mean(-1, keepdim=True)
         mu = mu + (z - mu).mean(-1, keepdim=True)
-        e2 = row_exponent((z - mu).abs().amax(-1), ldexp(eps64, -2 * e))
-        mu, z, e = ldexp(mu.squeeze(-1), -e2), ldexp(z - mu, -e2.unsqueeze(-1)), e + e2
-    eps_scaled = ldexp(eps64, -2 * e).to(rows.dtype)
+        e2 = row_exponent((z - mu).abs().amax(-1), scale_pow2(eps64, -2 * e))
+        mu, z, e = scale_pow2(mu.squeeze(-1), -e2), scale_pow2(z - mu, -e2.unsqueeze(-1)), e + e2
+    eps_scaled = scale_pow2(eps64, -2 * e).to(rows.dtype)
     r = torch.rsqrt(torch.linalg.vecdot(z, z) / rows.shape[-1] + eps_scaled)
     return mu, r, e
 
@@ -95,7 +95,7 @@ def normalized(rows: torch.Tensor, mu: torch.Tensor | None, r: torch.Tensor, e: 
     if bool((e != 0).any()):
         z = z.to(r.dtype).clone()
         scaled = e != 0
-        z[scaled] = ldexp(z[scaled], -e[scaled].unsqueeze(-1))
+        z[scaled] = scale_pow2(z[scaled], -e[scaled].unsqueeze(-1))
     if mu is not None:
         z = z - mu.unsqueeze(-1)
     return torch.mul(z, r.unsqueeze(-1))  # fp16/bf16 * opmath promotes: one pass
@@ -129,7 +129,7 @@ class _NormFunction(torch.autograd.Function):
         inner = gw - xhat * torch.linalg.vecdot(gw, xhat).unsqueeze(-1) / xhat.shape[-1]
         if ctx.center:
             inner = inner - gw.mean(-1, keepdim=True)
-        dx = ldexp(inner * r.unsqueeze(-1), -e.unsqueeze(-1)) if bool((e != 0).any()) else inner * r.unsqueeze(-1)
+        dx = scale_pow2(inner * r.unsqueeze(-1), -e.unsqueeze(-1)) if bool((e != 0).any()) else inner * r.unsqueeze(-1)
         dx = dx.to(grad.dtype).reshape(ctx.shape)
         dweight = dbias = None
         if weight is not None and ctx.needs_input_grad[1]:

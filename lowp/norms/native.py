@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from lowp.formats import FloatFormat, get_format
-from lowp.norms.compute import ldexp, logb
+from lowp.norms.compute import logb
+from lowp.pow2 import scale_pow2
 from lowp.rounding import quantize
 
 __all__ = ["row_exponent", "needs_rescale", "rows_to_rescale", "wide_norm", "opmath_dtype"]
@@ -76,8 +77,8 @@ def wide_norm(rows: torch.Tensor, eps: float, compute: torch.dtype, out_fmt: Flo
     out = root.to(torch.float64)
     sub = rows[bad].to(compute)
     e = row_exponent(sub.abs().amax(-1), eps)
-    scaled = ldexp(sub, -e.unsqueeze(-1))
-    eps_scaled = ldexp(torch.full(e.shape, float(eps), dtype=torch.float64, device=e.device), -2 * e).to(compute)
+    scaled = scale_pow2(sub, -e.unsqueeze(-1))
+    eps_scaled = scale_pow2(torch.full(e.shape, float(eps), dtype=torch.float64, device=e.device), -2 * e).to(compute)
     root = torch.sqrt(torch.linalg.vecdot(scaled, scaled) + eps_scaled)
-    out[bad] = ldexp(root.to(torch.float64), e)
+    out[bad] = scale_pow2(root.to(torch.float64), e)
     return _round_out(out, out_fmt, out_dtype)

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lowp.optim.base import LowpOptimizer, check_nonnegative
+from lowp.optim.base import LowpOptimizer, check_nonnegative, real_value
 
 __all__ = ["Adafactor", "adafactor_update"]
 
@@ -61,7 +61,8 @@ class Adafactor(LowpOptimizer):
                          **options)
 
     def validate(self, group: dict[str, Any]) -> None:
-        if not isinstance(group["beta2_decay"], (int, float)) or group["beta2_decay"] > 0:
+        beta2_decay, d = real_value(group["beta2_decay"]), real_value(group["d"])
+        if beta2_decay is None or not beta2_decay <= 0:
             raise ValueError(f"beta2_decay: expected a number <= 0, got {group['beta2_decay']!r}")
         eps = group["eps"]
         if not isinstance(eps, (tuple, list)) or len(eps) != 2:
@@ -69,7 +70,7 @@ class Adafactor(LowpOptimizer):
         if eps[0] is not None:
             check_nonnegative("eps[0]", eps[0])
         check_nonnegative("eps[1]", eps[1])
-        if not isinstance(group["d"], (int, float)) or not group["d"] >= 1:
+        if d is None or not d >= 1:
             raise ValueError(f"d: expected a clipping threshold >= 1, got {group['d']!r}")
         check_nonnegative("weight_decay", group["weight_decay"])
 

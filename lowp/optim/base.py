@@ -26,25 +26,45 @@ from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
 from lowp.optim.writeback import MODES, WriteBack, get_mode, resolve_mode
 
-__all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "check_betas", "check_nonnegative"]
+__all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "check_betas", "check_nonnegative",
+           "real_value"]
 
 NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+def real_value(value: Any, allow_tensor: bool = False) -> float | None:
+    """``float(value)`` for a real number (int or float; with ``allow_tensor`` also a one-element
+    real tensor), else ``None``.
+
+    Bools are not numbers here: ``True`` is an ``int`` in Python, so ``lr=True`` would
+    otherwise pass as 1.0.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if not allow_tensor:
+            return None
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return None
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def check_nonnegative(name: str, value: Any) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number >= 0."""
-    v = float(value) if isinstance(value, (int, float, torch.Tensor)) else None
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number >= 0 (not a bool)."""
+    v = real_value(value, allow_tensor=True)
     if v is None or not math.isfinite(v) or v < 0:
         raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
 
 
 def check_betas(betas: Any, count: int = 2) -> None:
-    """Raise ``ValueError`` unless ``betas`` is a tuple of ``count`` numbers in [0, 1)."""
+    """Raise ``ValueError`` unless ``betas`` is a tuple of ``count`` numbers in [0, 1) (not bools)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != count:
         raise ValueError(f"betas: expected a tuple of {count} numbers in [0, 1), got {betas!r}")
     for i, b in enumerate(betas):
-        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+        v = real_value(b)
+        if v is None or not 0.0 <= v < 1.0:
             raise ValueError(f"betas[{i}]: expected a number in [0, 1), got {b!r}")
 
 
