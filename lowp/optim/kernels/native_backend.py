@@ -19,7 +19,7 @@ from lowp.optim.kernels.compiled import CompiledBackend, step_keys, step_numbers
 from lowp.optim.kernels.native_build import DTYPE_CODES, finite_function, native_available, step_function
 from lowp.optim.kernels.rules import Rule
 
-__all__ = ["NativeBackend", "variant_macros"]
+__all__ = ["NativeBackend", "variant_macros", "slice_dtypes"]
 
 _RULE_IDS = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2, "radam": 3}
 _MODE_IDS = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3}
@@ -27,17 +27,23 @@ _ROLES = 6  # weight, grad, buffer, up to three states
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
 
 
-def variant_macros(rule: Rule, ctx: StepContext, s: ParamSlice, names: list[str]) -> dict[str, int]:
-    """The ``LOWP_*`` macros that select the compiled variant for slice ``s``."""
+def variant_macros(rule: Rule, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> dict[str, int]:
+    """The ``LOWP_*`` macros of the compiled variant for one step context and the dtypes of a
+    slice (:func:`slice_dtypes`: weight, gradient, buffer or ``None``, then each state)."""
     cfg = list(rule.config(ctx.group)) + [False] * 3
-    states = [s.states[n].dtype for n in names]
-    macros = {"RULE": _RULE_IDS[rule.name], "MODE": _MODE_IDS[ctx.mode.name], "NSTATES": len(names),
-              "W": DTYPE_CODES[s.param.dtype], "G": DTYPE_CODES[s.grad.dtype],
-              "B": DTYPE_CODES[s.buffer.dtype] if s.buffer is not None else 0,
+    weight, grad, buffer, *states = dtypes
+    macros = {"RULE": _RULE_IDS[rule.name], "MODE": _MODE_IDS[ctx.mode.name], "NSTATES": len(states),
+              "W": DTYPE_CODES[weight], "G": DTYPE_CODES[grad], "B": DTYPE_CODES[buffer] if buffer else 0,
               "SR": ctx.group["state_rounding"] == "stochastic", "COUNT": ctx.count}
     macros.update({f"CFG{i}": bool(cfg[i]) for i in range(3)})
     macros.update({f"S{i}": DTYPE_CODES[states[i]] if i < len(states) else 0 for i in range(3)})
     return macros
+
+
+def slice_dtypes(s: ParamSlice) -> tuple[torch.dtype | None, ...]:
+    """(weight, gradient, buffer or ``None``, states...) dtypes: what selects a variant per slice."""
+    return (s.param.dtype, s.grad.dtype, s.buffer.dtype if s.buffer is not None else None,
+            *(t.dtype for t in s.states.values()))
 
 
 class NativeBackend(CompiledBackend):
@@ -83,15 +89,15 @@ class NativeBackend(CompiledBackend):
         keys[:min(4, len(drawn))] = drawn[:4]
         groups: dict[tuple, list[tuple[ParamSlice, int]]] = {}
         offset = 0
-        for s in slices:
-            macros = variant_macros(rule, ctx, s, names)
-            groups.setdefault(tuple(sorted(macros.items())), []).append((s, offset))
+        for s in slices:  # one kernel call per dtype signature; offsets count over all slices
+            groups.setdefault(slice_dtypes(s), []).append((s, offset))
             offset += s.numel
-        stalled = sum(self.launch(dict(key), ctx, members, names, h, keys) for key, members in groups.items())
+        stalled = sum(self.launch(variant_macros(rule, ctx, dtypes), members, names, h, keys)
+                      for dtypes, members in groups.items())
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     @staticmethod
-    def launch(macros: dict[str, int], ctx: StepContext, members: list[tuple[ParamSlice, int]], names: list[str],
+    def launch(macros: dict[str, int], members: list[tuple[ParamSlice, int]], names: list[str],
                h: torch.Tensor, keys: torch.Tensor) -> int:
         """One kernel call over ``members`` (slices of one variant, with their stream offsets)."""
         fn = step_function(macros)

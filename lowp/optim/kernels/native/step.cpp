@@ -120,18 +120,30 @@ template <int DT> static inline void load(const void *base, int64_t i, vf &lo, v
   }
 }
 
-// fp32 -> the nearest bf16 (ties to even), as an fp32 value; NaN -> the quiet NaN 0x7FC0.
+// NaN guard of the bf16 roundings below. Adding up to 0xFFFF to the bit pattern can carry a NaN
+// into the sign bit (0x7FFFFFFF + 0x8000 is -0.0) only when its low 16 bits are not all zero.
+// Every NaN of a variant whose floating-point inputs are all bf16 has zero low bits: loaded bf16
+// values do, the hardware's default NaN (0xFFC00000) does, and arithmetic passes a NaN operand's
+// payload on. So only variants reading fp32 or fp16 tensors pay for the guard (a compare and a
+// blend per rounding). Exact mode's weight carries an int16 remainder in its low bits, which a
+// NaN weight passes on to the states (through weight decay), so it pays too.
+constexpr bool NAN_GUARD = WT != BF16 || GT != BF16 || (MODE == KAHAN && BT != BF16) || MODE == EXACT ||
+                           (NSTATES > 0 && ST[0] != BF16) || (NSTATES > 1 && ST[1] != BF16) ||
+                           (NSTATES > 2 && ST[2] != BF16);
+
+static inline vf nan_guard(vf x, vu rounded) {
+  if constexpr (NAN_GUARD) return (vf)((x != x) ? bcu(0x7FC00000u) : rounded);
+  else return (vf)rounded;
+}
+
+// fp32 -> the nearest bf16 (ties to even), as an fp32 value.
 static inline vf round_bf16(vf x) {
   vu u = (vu)x;
-  vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  return (vf)((x != x) ? bcu(0x7FC00000u) : r);
+  return nan_guard(x, (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
 }
 
 // fp32 -> bf16 with stochastic rounding: add 16 random bits to the pattern and truncate.
-static inline vf stochastic_bf16(vf x, vu noise) {
-  vu r = ((vu)x + noise) & 0xFFFF0000u;
-  return (vf)((x != x) ? bcu(0x7FC00000u) : r);
-}
+static inline vf stochastic_bf16(vf x, vu noise) { return nan_guard(x, ((vu)x + noise) & 0xFFFF0000u); }
 
 static inline vf round_f16(vf x) {
   return (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -258,38 +270,37 @@ template <int DT> static inline vf state_value(vf x, vu noise) {
   else return round_to<DT>(x);
 }
 
-// ``index`` holds the global element index of the even lanes; ``valid`` marks the lanes inside
-// the tensor (all but the padding of a tail block), the only ones that may count as stalled.
-static inline void block(const Pointers &p, int64_t i, const Numbers &n, float factor, const Keys &k, vu index,
-                         const vi *valid, vi &stalled) {
-  vf w[2], g[2], s[2][3], out[2][3], u[2];
-  vu bits[2];
-  load<GT>(p.g, i, g[0], g[1]);
-  if constexpr (MODE == EXACT) {  // bf16 weight + int16 remainder = the fp32 weight, bit for bit
+// The weight of 16 elements as (even, odd) fp32 vectors; in exact mode the bf16 weight plus its
+// int16 remainder, which is the fp32 weight bit for bit.
+static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
+  if constexpr (MODE == EXACT) {
     vu top, rem;
     memcpy(&top, (const uint16_t *)p.w + i, 32);
     memcpy(&rem, (const uint16_t *)p.b + i, 32);
-    bits[0] = (top << 16) + (vu)(((vi)rem << 16) >> 16);
-    bits[1] = (top & 0xFFFF0000u) + (vu)((vi)rem >> 16);
-    w[0] = (vf)bits[0];
-    w[1] = (vf)bits[1];
+    w[0] = (vf)((top << 16) + (vu)(((vi)rem << 16) >> 16));
+    w[1] = (vf)((top & 0xFFFF0000u) + (vu)((vi)rem >> 16));
   } else {
     load<WT>(p.w, i, w[0], w[1]);
   }
+}
+
+// Pass 1 over 16 elements: load, rule, state stores; returns the update ``u`` (even, odd).
+// ``index`` holds the global element index of the even lanes (the random streams' counter).
+static inline void update_block(const Pointers &p, int64_t i, const Numbers &n, const vf &factor, const Keys &k,
+                                vu index, vf u[2]) {
+  vf w[2], g[2], s[2][3], out[2][3];
+  load<GT>(p.g, i, g[0], g[1]);
+  load_weight(p, i, w);
   if constexpr (NSTATES > 0) load<ST[0]>(p.s[0], i, s[0][0], s[1][0]);
   if constexpr (NSTATES > 1) load<ST[1]>(p.s[1], i, s[0][1], s[1][1]);
   if constexpr (NSTATES > 2) load<ST[2]>(p.s[2], i, s[0][2], s[1][2]);
-  for (int h = 0; h < 2; h++) u[h] = rule(n, w[h], g[h] * bc(factor), s[h], out[h]);
+  for (int h = 0; h < 2; h++) u[h] = rule(n, w[h], g[h] * factor, s[h], out[h]);
 
-  // states: state j draws half j % 2 of hash(index ^ key[j / 2]) when stochastically rounded
+  // state j draws half j % 2 of hash(index ^ key[j / 2]) when stochastically rounded
   vu noise[2][2] = {};
-  if constexpr (SR && NSTATES > 0) {
+  if constexpr (SR && NSTATES > 0)
     for (int h = 0; h < 2; h++)
-      for (int q = 0; q < (NSTATES + 1) / 2; q++) {
-        vu r = hash32((index + (uint32_t)h) ^ k.state[q]);
-        noise[h][q] = r;
-      }
-  }
+      for (int q = 0; q < (NSTATES + 1) / 2; q++) noise[h][q] = hash32((index + (uint32_t)h) ^ k.state[q]);
   auto half_bits = [](vu r, int j) { return (j % 2) ? (r >> 16) : (r & 0xFFFFu); };
   if constexpr (NSTATES > 0)
     store<ST[0]>(p.s[0], i, state_value<ST[0]>(out[0][0], half_bits(noise[0][0], 0)),
@@ -300,10 +311,16 @@ static inline void block(const Pointers &p, int64_t i, const Numbers &n, float f
   if constexpr (NSTATES > 2)
     store<ST[2]>(p.s[2], i, state_value<ST[2]>(out[0][2], half_bits(noise[0][1], 0)),
                  state_value<ST[2]>(out[1][2], half_bits(noise[1][1], 0)));
+}
 
-  // write-back (lowp/optim/kernels/step.py); ``moved`` is the stalled-count predicate per lane
-  vf neww[2];
+// Pass 2 over 16 elements: the write-back of lowp/optim/kernels/step.py. ``valid`` marks the
+// lanes inside the tensor (all but a tail block's padding), the only ones that may count as
+// stalled; a stalled lane adds -1 to ``stalled``.
+static inline void write_back_block(const Pointers &p, int64_t i, const Keys &k, vu index, const vf u[2],
+                                    const vi *valid, vi &stalled) {
+  vf w[2], neww[2];
   vi still[2];
+  load_weight(p, i, w);
   if constexpr (MODE == KAHAN) {
     vf b[2], newb[2];
     load<BT>(p.b, i, b[0], b[1]);
@@ -328,17 +345,23 @@ static inline void block(const Pointers &p, int64_t i, const Numbers &n, float f
     memcpy((uint16_t *)p.b + i, &pr, 32);
   } else {
     for (int h = 0; h < 2; h++) {
-      if constexpr (MODE == STOCHASTIC) neww[h] = stochastic_bf16(w[h] + u[h], hash32((index + (uint32_t)h) ^ k.weight) & 0xFFFFu);
-      else neww[h] = round_to<WT>(w[h] + u[h]);
+      if constexpr (MODE == STOCHASTIC)
+        neww[h] = stochastic_bf16(w[h] + u[h], hash32((index + (uint32_t)h) ^ k.weight) & 0xFFFFu);
+      else
+        neww[h] = round_to<WT>(w[h] + u[h]);
       still[h] = (neww[h] == w[h]) & (u[h] != 0.0f);
     }
   }
   if constexpr (MODE != EXACT) store<WT>(p.w, i, neww[0], neww[1]);
-  if constexpr (COUNT) stalled += (still[0] & valid[0]) + (still[1] & valid[1]);  // true lanes are -1
+  if constexpr (COUNT) stalled += (still[0] & valid[0]) + (still[1] & valid[1]);
 }
 
 // ---- the driver: tensors cut into units, units shared by threads -------------------------------
 static constexpr int64_t UNIT = 1 << 15;  // elements per work unit
+#ifndef LOWP_GROUP
+#define LOWP_GROUP 256
+#endif
+static constexpr int64_t GROUP = LOWP_GROUP;  // elements per two-pass group (a multiple of 16)
 
 static int itemsize(int dt) { return dt == F32 ? 4 : 2; }
 
@@ -378,13 +401,16 @@ static void tail(const Pointers &p, int64_t i, int64_t count, const Task &t, vu 
   vi valid[2] = {};
   for (int h = 0; h < 2; h++)
     for (int l = 0; l < 8; l++) valid[h][l] = (2 * l + h < count) ? -1 : 0;
-  block(q, 0, t.n, t.factor, t.k, index, valid, stalled);
+  vf u[2];
+  update_block(q, 0, t.n, bc(t.factor), t.k, index, u);
+  write_back_block(q, 0, t.k, index, u, valid, stalled);
   for (int r = 0; r < 6; r++)
     if (orig[r] && r != 1) memcpy((char *)orig[r] + i * itemsize(types[r]), local[r], count * itemsize(types[r]));
 }
 
 static int64_t work(Task *t) {
   const vi all = (vi){} - 1, valid[2] = {all, all};
+  const vf factor = bc(t->factor);
   const vu lanes = {0, 2, 4, 6, 8, 10, 12, 14};
   int64_t total = 0, tensor = 0, units = t->first_unit[t->tensors];
   for (int64_t unit; (unit = t->next.fetch_add(1)) < units;) {
@@ -395,7 +421,20 @@ static int64_t work(Task *t) {
     vi stalled = {};
     int64_t i = start;
     vu index = lanes + (uint32_t)(t->offset[tensor] + start);
-    for (; i + 16 <= end; i += 16, index += 16u) block(p, i, t->n, t->factor, t->k, index, valid, stalled);
+    // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
+    // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
+    for (; i + GROUP <= end; i += GROUP, index += (uint32_t)GROUP) {
+      vf u[GROUP / 16][2];
+      for (int64_t j = 0; j < GROUP; j += 16)
+        update_block(p, i + j, t->n, factor, t->k, index + (uint32_t)j, u[j / 16]);
+      for (int64_t j = 0; j < GROUP; j += 16)
+        write_back_block(p, i + j, t->k, index + (uint32_t)j, u[j / 16], valid, stalled);
+    }
+    for (; i + 16 <= end; i += 16, index += 16u) {
+      vf u[2];
+      update_block(p, i, t->n, factor, t->k, index, u);
+      write_back_block(p, i, t->k, index, u, valid, stalled);
+    }
     if (i < end) tail(p, i, end - i, *t, index, stalled);
     for (int l = 0; l < 8; l++) total -= stalled[l];
   }
