@@ -218,3 +218,35 @@ def test_build_cache_is_reused_and_errors_are_clear(tmp_path, monkeypatch):
     monkeypatch.setattr(native_backend, "native_available", lambda: False)
     with pytest.raises(RuntimeError, match="backend='native'"):
         lo.AdamW([torch.zeros(3)], backend="native")
+
+
+@pytest.mark.parametrize("grad_dtype,state_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+                         ids=["all-bf16 (no NaN guard)", "fp32 inputs (NaN guard)"])
+def test_unchecked_nan_and_inf_propagate_like_the_reference(grad_dtype, state_dtype):
+    """With ``nonfinite="off"`` bad gradients reach the kernel: NaNs stay NaNs (an fp32 NaN with
+    every payload bit set would turn into -0.0 under an unguarded bf16 rounding) and every other
+    element equals the reference."""
+    runs = []
+    for backend in ("native", "foreach"):
+        gen = torch.Generator().manual_seed(9)
+        params = [torch.randn(s, generator=gen).bfloat16() for s in (64, 1000)]
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, mode="kahan", nonfinite="off", state_dtype=state_dtype,
+                       state_rounding="nearest")
+        for t in range(3):
+            for p in params:
+                if hasattr(p, "grad_dtype"):
+                    p.grad_dtype = None
+                g = torch.randn(p.shape, generator=gen).to(grad_dtype)
+                g[5 + t] = float("inf")
+                g.view(torch.int32 if grad_dtype == torch.float32 else torch.int16)[20 + t] = \
+                    0x7FFFFFFF if grad_dtype == torch.float32 else 0x7FFF  # NaN, all payload bits set
+                p.grad = g
+            with correctly_rounded_sqrt():
+                opt.step()
+        runs.append([params, *(t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)
+                               and t.is_floating_point())])
+    native, ref = runs
+    for x, y in zip([*native[0], *native[1:]], [*ref[0], *ref[1:]]):
+        assert torch.equal(x.isnan(), y.isnan())
+        assert x.isnan().any()
+        assert torch.equal(x[~x.isnan()], y[~y.isnan()])
