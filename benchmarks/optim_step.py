@@ -1,8 +1,9 @@
 """Optimizer-step throughput and memory: lowp AdamW in every mode against torch.optim.AdamW
 (fp32 foreach, fp32 fused, bf16 foreach) and optimi's AdamW (when installed), measured in the
-same run on the same tensors. lowp rows use ``fused=None`` (the fused ``compiled`` backend from
-2**22 parameters on CPU when a C++ compiler is present, ``triton`` on CUDA; column "backend"), and
-one row forces the unfused ``foreach`` reference (``fused=False``).
+same run on the same tensors. lowp rows use ``fused=None`` (column "backend": on CPU the
+``native`` kernel from 2**16 parameters on x86-64 with AVX2 and a C++ compiler, else ``compiled``
+from 2**22; ``triton`` on CUDA), and one row forces the unfused ``foreach`` reference
+(``fused=False``).
 
 Prints, per configuration: parameters/second (median over timed steps, configurations
 interleaved step by step so that load changes on a shared machine hit all alike), bytes/parameter of

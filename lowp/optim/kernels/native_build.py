@@ -30,8 +30,9 @@ __all__ = ["native_available", "step_function", "finite_function", "cache_dir", 
 SOURCES = Path(__file__).with_name("native")
 #: Compiler flags. ``-ffp-contract=off``: only the explicit fmas of the source are fused (the
 #: reference rounds every other product); ``-fno-math-errno``: ``sqrt`` is the hardware instruction.
+#: ``-fopenmp``: the kernels run on torch's OpenMP pool (libgomp.so.1, which torch has loaded by then).
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fno-trapping-math",
-         "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
+         "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 #: dtype codes of the source's ``enum Dtype``.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")

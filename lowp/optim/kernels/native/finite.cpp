@@ -1,13 +1,12 @@
 // lowp: which gradients hold a non-finite value (NaN or +-inf), for every tensor in one call
 // (backend="native"). A value is non-finite exactly when its exponent field is all ones, so the
 // test is integer-only: (bits & exponent_mask) == exponent_mask, 16 or 8 lanes at a time, read
-// once at memory speed on ``threads`` threads (units of 2^16 elements shared through a counter).
+// once at memory speed on ``threads`` OpenMP threads (units of 2^16 elements shared through a counter).
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include <atomic>
-#include <thread>
 #include <vector>
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
@@ -61,9 +60,7 @@ extern "C" void lowp_finite(int64_t tensors, void *const *ptrs, const int64_t *n
   };
   int n = threads < 1 ? 1 : threads;
   if (n > first[tensors]) n = first[tensors] > 0 ? (int)first[tensors] : 1;
-  std::vector<std::thread> pool;
-  for (int j = 1; j < n; j++) pool.emplace_back(work);
+#pragma omp parallel num_threads(n)  // on torch's OpenMP pool (see step.cpp)
   work();
-  for (auto &th : pool) th.join();
   for (int64_t t = 0; t < tensors; t++) flags[t] = !bad[t].load();
 }

@@ -18,7 +18,6 @@
 #include <string.h>
 
 #include <atomic>
-#include <thread>
 #include <vector>
 
 // ---- the variant (defaults only make the file compile on its own) ----------------------------
@@ -455,14 +454,11 @@ extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *
   t.k.weight = bcu((uint32_t)keys[1]);
   t.k.state[0] = bcu((uint32_t)keys[2]);
   t.k.state[1] = bcu((uint32_t)keys[3]);
-  int64_t units = t.first_unit[tensors];
+  int64_t units = t.first_unit[tensors], total = 0;
   int n = threads < 1 ? 1 : (threads > units ? (int)units : threads);
-  std::vector<std::thread> pool;
-  std::vector<int64_t> counts(n > 0 ? n : 1, 0);
-  for (int j = 1; j < n; j++) pool.emplace_back([&t, &counts, j] { counts[j] = work(&t); });
-  counts[0] = work(&t);
-  for (auto &th : pool) th.join();
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
+  // OpenMP, so that the work runs on torch's own thread pool (the libgomp torch loaded): a pool of
+  // our own would compete with torch's workers, which spin for a while after each parallel op.
+#pragma omp parallel num_threads(n > 0 ? n : 1) reduction(+ : total)
+  total += work(&t);
   return total;
 }
