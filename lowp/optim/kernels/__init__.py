@@ -49,8 +49,8 @@ def choose_backend(optimizer: Any, fused: bool | None, foreach: bool | None) -> 
     on_cuda = any(p.is_cuda for p in params)
     if on_cuda and triton_available():
         return "triton"
-    native = not on_cuda and native_available()
     if fused is True:
+        native = not on_cuda and native_available()
         if not (on_cuda or native or compiler_available()):
             raise RuntimeError("fused=True: no fused CPU backend can build code here (no C++ compiler "
                                "on PATH); use fused=None or fused=False")
@@ -58,6 +58,7 @@ def choose_backend(optimizer: Any, fused: bool | None, foreach: bool | None) -> 
     if foreach is False:
         return plain
     numel = sum(p.numel() for p in params)
-    if native and numel >= AUTO_MIN_NUMEL_NATIVE:
+    # native_available() builds a test kernel the first time (about 2 s): only asked when it matters
+    if not on_cuda and numel >= AUTO_MIN_NUMEL_NATIVE and native_available():
         return "native"
     return "compiled" if on_cuda or (numel >= AUTO_MIN_NUMEL and compiler_available()) else plain
