@@ -12,30 +12,19 @@
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
 static constexpr int64_t UNIT = 1 << 16;
 
-// true when any of the ``n`` 16-bit values has all the bits of ``mask`` set
-static bool any16(const uint16_t *x, int64_t n, uint16_t mask) {
-  const __m256i m = _mm256_set1_epi16((short)mask);
+// true when any of the ``n`` values (uint16_t or uint32_t) has every bit of ``mask`` set
+template <typename T> static bool any_all_ones(const T *x, int64_t n, T mask) {
+  constexpr bool WIDE = sizeof(T) == 4;
+  constexpr int64_t LANES = 32 / sizeof(T);
+  const __m256i m = WIDE ? _mm256_set1_epi32((int)mask) : _mm256_set1_epi16((short)mask);
   __m256i hit = _mm256_setzero_si256();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
+  for (; i + LANES <= n; i += LANES) {
     __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), m);
-    hit = _mm256_or_si256(hit, _mm256_cmpeq_epi16(v, m));
+    hit = _mm256_or_si256(hit, WIDE ? _mm256_cmpeq_epi32(v, m) : _mm256_cmpeq_epi16(v, m));
   }
   bool found = !_mm256_testz_si256(hit, hit);
   for (; i < n; i++) found |= (x[i] & mask) == mask;
-  return found;
-}
-
-static bool any32(const uint32_t *x, int64_t n) {
-  const __m256i m = _mm256_set1_epi32(0x7F800000);
-  __m256i hit = _mm256_setzero_si256();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), m);
-    hit = _mm256_or_si256(hit, _mm256_cmpeq_epi32(v, m));
-  }
-  bool found = !_mm256_testz_si256(hit, hit);
-  for (; i < n; i++) found |= (x[i] & 0x7F800000u) == 0x7F800000u;
   return found;
 }
 
@@ -53,8 +42,9 @@ extern "C" void lowp_finite(int64_t tensors, void *const *ptrs, const int64_t *n
       while (first[t + 1] <= unit) t++;
       if (bad[t].load(std::memory_order_relaxed)) continue;
       int64_t start = (unit - first[t]) * UNIT, n = numel[t] - start < UNIT ? numel[t] - start : UNIT;
-      bool found = dtypes[t] == F32 ? any32((const uint32_t *)ptrs[t] + start, n)
-                                    : any16((const uint16_t *)ptrs[t] + start, n, dtypes[t] == BF16 ? 0x7F80 : 0x7C00);
+      bool found = dtypes[t] == F32 ? any_all_ones<uint32_t>((const uint32_t *)ptrs[t] + start, n, 0x7F800000u)
+                                    : any_all_ones<uint16_t>((const uint16_t *)ptrs[t] + start, n,
+                                                             dtypes[t] == BF16 ? 0x7F80 : 0x7C00);
       if (found) bad[t].store(1, std::memory_order_relaxed);
     }
   };
