@@ -185,23 +185,25 @@ static inline vu hash32(vu x) {
 
 // ---- the optimizer rules (lowp/optim/kernels/rules.py; ``r`` is h[1:]) -------------------------
 // The step's numbers h[1:], as scalars and broadcast once per work unit (not per block).
+// For a lerp with weight r[j]: the coefficient (w or w - 1) and whether it starts from ``start``.
 struct Numbers {
   float r[9];
-  vf v[9], v_minus_one[9];
+  vf v[9], lerp_coef[9];
+  vi lerp_from_start[9];
   void set(const float *h) {
     for (int j = 0; j < 9; j++) {
       r[j] = h[j];
       v[j] = bc(h[j]);
-      v_minus_one[j] = bc(h[j] - 1.0f);
+      lerp_coef[j] = bc(h[j] < 0.5f ? h[j] : h[j] - 1.0f);
+      lerp_from_start[j] = (vi){} - (h[j] < 0.5f ? 1 : 0);
     }
   }
 };
 
-// ATen's vectorised CPU lerp with weight r[j]: fma(w, end - start, start) for w < 0.5, else
-// fma(w - 1, end - start, end)
+// ATen's vectorised CPU lerp with weight w = r[j]: fma(w, end - start, start) for w < 0.5, else
+// fma(w - 1, end - start, end); the choice is made once per call (a blend, no branch per block).
 static inline vf lerp(const Numbers &n, vf start, vf end, int j) {
-  vf diff = end - start;
-  return n.r[j] < 0.5f ? fma_(n.v[j], diff, start) : fma_(n.v_minus_one[j], diff, end);
+  return fma_(n.lerp_coef[j], end - start, select(n.lerp_from_start[j], start, end));
 }
 
 static inline vf maximum(vf a, vf b) { return select((a != a) | (a > b), a, b); }  // NaN propagates
