@@ -6,6 +6,7 @@ per call, thread-count independence, the native non-finite check, checkpoints an
 Each variant compiles in about a second once per machine (then loads from the on-disk cache)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
@@ -17,6 +18,7 @@ import lowp.optim as lo
 from lowp.optim.backends import get_backend
 from lowp.optim.kernels import native_backend, native_build
 from lowp.optim.kernels.native_build import native_available
+from lowp.optim.kernels.rules import rule_for
 from lowp.ulp import ulp
 from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, train
 
@@ -250,3 +252,75 @@ def test_unchecked_nan_and_inf_propagate_like_the_reference(grad_dtype, state_dt
         assert torch.equal(x.isnan(), y.isnan())
         assert x.isnan().any()
         assert torch.equal(x[~x.isnan()], y[~y.isnan()])
+
+
+@contextlib.contextmanager
+def correctly_rounded_tensor_sqrt():
+    """StableAdamW's reference calls ``Tensor.sqrt_`` (ATen's vectorised CPU sqrt is not correctly
+    rounded, the kernel's is): make it correctly rounded, through fp64."""
+    original = torch.Tensor.sqrt_
+    torch.Tensor.sqrt_ = lambda self: self.copy_(self.double().sqrt())
+    try:
+        yield
+    finally:
+        torch.Tensor.sqrt_ = original
+
+
+STABLE_SHAPES = [*SHAPES, (17,), (40000,)]  # the RMS is per tensor: no one-element tensors here
+
+
+def stable_data(grad_scales: list[float]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Initial bf16 weights and, per step, bf16 gradients scaled by ``grad_scales[step]``."""
+    gen = torch.Generator().manual_seed(4)
+    params = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in STABLE_SHAPES]
+    grads = [[(torch.randn(s, generator=gen) * scale).bfloat16() for s in STABLE_SHAPES] for scale in grad_scales]
+    return params, grads
+
+
+def stable_run(backend: str, mode: str, grad_scales: list[float], **kw):
+    params, grads = stable_data(grad_scales)
+    opt = lo.StableAdamW(params, lr=1e-2, backend=backend, mode=mode, seed=1, **kw)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g
+        with correctly_rounded_tensor_sqrt():
+            opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact"])
+def test_stableadamw_bit_identical_while_the_rms_clip_is_off(mode):
+    # halving gradients keep g^2 below v_hat on average: RMS(g^2 / v_hat) < 1, lr_t = lr exactly
+    kw = dict(state_dtype=torch.float32, weight_decay=0.1)
+    scales = [0.5 ** t for t in range(6)]
+    assert_same_run(stable_run("native", mode, scales, **kw), stable_run("foreach", mode, scales, **kw))
+
+
+def test_stableadamw_clipped_steps_agree_closely():
+    """A 100x larger gradient after a small one makes RMS(g^2 / v_hat) about sqrt(2) (beta2 =
+    0.999), so lr_t = lr / RMS. The kernel sums the tensor's g^2 / v_hat in fp64, the reference in
+    fp32 in torch's order; lr_t can differ in its last bits, and so can the weights."""
+    kw = dict(state_dtype=torch.float32, betas=(0.9, 0.999))
+    scales = [0.01, 1.0, 1.0]
+    _, (g1, g2, _) = stable_data(scales)
+    for a, b in zip(g1, g2):  # the clip is on at step 2 in every tensor (fp64, from the definition)
+        v = 0.999 * 0.001 * a.double() ** 2 + 0.001 * b.double() ** 2
+        assert (b.double() ** 2 / (v / (1 - 0.999 ** 2))).mean().sqrt() > 1.2
+    native, ref = (stable_run(backend, "exact", scales, **kw) for backend in ("native", "foreach"))
+    initial, _ = stable_data(scales)
+
+    def full(run):  # bf16 weight + int16 remainder = the fp32 weight
+        return [((p.view(torch.int16).int() << 16) + run[1].state[p]["remainder"].int()).view(torch.float32)
+                for p in run[0]]
+
+    for x, y, w0 in zip(full(native), full(ref), initial):
+        moved = (y - w0.float()).abs().max()  # how far three steps moved the weights
+        assert moved > 1e-3
+        assert (x - y).abs().max() <= 1e-5 * moved
+
+
+def test_stableadamw_stochastic_reproducible_and_fused():
+    a = stable_run("native", "stochastic", [1.0, 0.5])
+    assert_same_run(a, stable_run("native", "stochastic", [1.0, 0.5]))
+    assert not any(torch.equal(p, q) for p, q in zip(a[0], stable_data([1.0])[0]))
+    assert a[1].backend.fuses(rule_for(a[1]))  # the native kernel ran it, not the reference pipeline

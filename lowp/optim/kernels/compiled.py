@@ -25,7 +25,7 @@ from lowp.optim.backends import ForeachBackend, ParamSlice, StepContext
 from lowp.optim.kernels.rules import Rule, rule_for
 from lowp.optim.kernels.step import fused_step
 
-__all__ = ["CompiledBackend", "compiler_available", "fusable", "partition", "step_numbers", "step_keys"]
+__all__ = ["CompiledBackend", "compiler_available", "fusable", "partition", "step_numbers", "step_keys", "grad_factor"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,10 +64,14 @@ def partition(slices: list[ParamSlice], keep: Callable[[ParamSlice], bool]) -> t
     return kept, others
 
 
+def grad_factor(ctx: StepContext) -> float:
+    """What the gradient is multiplied by: -1 for ``maximize``, times the GradScaler's 1/scale."""
+    return (-1.0 if ctx.group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
+
+
 def step_numbers(rule: Rule, ctx: StepContext, device: torch.device) -> torch.Tensor:
     """``h``: the gradient factor followed by the rule's numbers, as one small fp32 tensor."""
-    factor = (-1.0 if ctx.group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
-    return torch.tensor([factor, *rule.hyper(ctx.group, ctx.step)], dtype=torch.float32, device=device)
+    return torch.tensor([grad_factor(ctx), *rule.hyper(ctx.group, ctx.step)], dtype=torch.float32, device=device)
 
 
 def step_keys(ctx: StepContext, streams: int, device: torch.device) -> torch.Tensor:
@@ -167,10 +171,14 @@ class CompiledBackend(ForeachBackend):
     #: the smallest tensor this backend fuses (see :func:`fusable`)
     min_numel = 2
 
+    def fuses(self, rule: Rule | None) -> bool:
+        """Whether this backend has a fused form of ``rule`` (the tensor math, for torch.compile)."""
+        return rule is not None and rule.fn is not None
+
     def run(self, optimizer, ctx, slices):
         rule = rule_for(optimizer)
         stochastic = ctx.group["state_rounding"] == "stochastic"
-        fused, rest = partition(slices, lambda s: rule is not None and fusable(ctx, s, stochastic, self.min_numel))
+        fused, rest = partition(slices, lambda s: self.fuses(rule) and fusable(ctx, s, stochastic, self.min_numel))
         counts = [super().run(optimizer, ctx, rest)] if rest else []
         if fused:
             counts.append(self.run_fused(rule, ctx, fused))

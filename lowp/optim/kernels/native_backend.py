@@ -15,13 +15,13 @@ import ctypes
 import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
-from lowp.optim.kernels.compiled import CompiledBackend, step_keys, step_numbers
+from lowp.optim.kernels.compiled import CompiledBackend, grad_factor, step_keys
 from lowp.optim.kernels.native_build import DTYPE_CODES, finite_function, native_available, step_function
 from lowp.optim.kernels.rules import Rule
 
 __all__ = ["NativeBackend", "variant_macros", "slice_dtypes"]
 
-_RULE_IDS = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2, "radam": 3}
+_RULE_IDS = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2, "radam": 3, "stableadamw": 4}
 _MODE_IDS = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3}
 _ROLES = 6  # weight, grad, buffer, up to three states
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
@@ -52,6 +52,9 @@ class NativeBackend(CompiledBackend):
     name = "native"
     min_numel = 1
 
+    def fuses(self, rule: Rule | None) -> bool:
+        return rule is not None and rule.name in _RULE_IDS
+
     def __init__(self, chunk_size: int = 1 << 17) -> None:
         if not native_available():
             raise RuntimeError("backend='native': needs an x86-64 CPU with AVX2, FMA and F16C and a C++ "
@@ -81,9 +84,9 @@ class NativeBackend(CompiledBackend):
     def run_fused(self, rule: Rule, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         names = list(slices[0].states)
         cpu = torch.device("cpu")
-        h = torch.zeros(10, dtype=torch.float32)
-        numbers = step_numbers(rule, ctx, cpu)
-        h[:len(numbers)] = numbers
+        # the gradient factor and the rule's numbers in float64; the kernel rounds them to fp32
+        # as step_numbers() does (StableAdamW keeps lr, bc1 and wd in float64)
+        h = (ctypes.c_double * 10)(grad_factor(ctx), *rule.hyper(ctx.group, ctx.step))
         keys = torch.zeros(4, dtype=torch.int32)
         drawn = step_keys(ctx, 1 + len(names), cpu)  # the compiled backend's draws, for the same bits
         keys[:min(4, len(drawn))] = drawn[:4]
@@ -98,7 +101,7 @@ class NativeBackend(CompiledBackend):
 
     @staticmethod
     def launch(macros: dict[str, int], members: list[tuple[ParamSlice, int]], names: list[str],
-               h: torch.Tensor, keys: torch.Tensor) -> int:
+               h: "ctypes.Array[ctypes.c_double]", keys: torch.Tensor) -> int:
         """One kernel call over ``members`` (slices of one variant, with their stream offsets)."""
         fn = step_function(macros)
         n = len(members)
@@ -110,4 +113,4 @@ class NativeBackend(CompiledBackend):
                 table[role * n + j] = t.data_ptr() if t is not None else None
         numel = (ctypes.c_int64 * n)(*(s.numel for s, _ in members))
         offsets = (ctypes.c_int64 * n)(*(o for _, o in members))
-        return fn(n, table, numel, offsets, h.data_ptr(), keys.data_ptr(), torch.get_num_threads())
+        return fn(n, table, numel, offsets, h, keys.data_ptr(), torch.get_num_threads())

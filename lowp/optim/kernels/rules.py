@@ -16,8 +16,9 @@ compiler can fuse it with the loads, the state stores and the write-back into on
   contract ``a*b + c`` by itself, so :func:`fma` asks for it explicitly. With these the compiled
   step is bit-identical to the ``foreach`` reference on CPU (tested).
 
-Optimizers whose update is not elementwise (StableAdamW's per-tensor RMS, Adafactor's factored
-moments) have no rule; the fused backends run their reference pipeline instead.
+Optimizers whose update is not elementwise have no ``fn``: StableAdamW's per-tensor RMS is a
+pre-pass of the native kernel only, Adafactor's factored moments have no rule at all; the other
+backends run their reference pipeline for them.
 """
 from __future__ import annotations
 
@@ -36,12 +37,13 @@ RuleFn = Callable[[torch.Tensor, torch.Tensor, Tensors, torch.Tensor, tuple], tu
 
 @dataclass(frozen=True)
 class Rule:
-    """One optimizer's fused update: host-side numbers, structural switches and the tensor math."""
+    """One optimizer's fused update: host-side numbers, structural switches and the tensor math
+    (``fn``; ``None`` for a rule only the native kernel implements, see StableAdamW below)."""
 
     name: str
     hyper: Callable[[dict[str, Any], int], list[float]]
     config: Callable[[dict[str, Any]], tuple]
-    fn: RuleFn
+    fn: RuleFn | None
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -163,12 +165,25 @@ def _radam_fn(w, g, states, h, cfg):
     return u, [m, v]
 
 
+# ---- StableAdamW (native kernel only) ------------------------------------------------------------
+def _stable_hyper(group: dict[str, Any], step: int) -> list[float]:
+    """Numbers for the native kernel, which first sums g^2 / max(v_hat, eps^2) per tensor and
+    then takes lr_t = lr / max(1, RMS) (lowp/optim/stableadamw.py): lr, bc1 and wd stay float64
+    there, as in the reference."""
+    beta1, beta2 = group["betas"]
+    eps = group["eps"]
+    return [1 - beta1, beta2, 1 - beta2, 1 - beta2 ** step, eps, float(group["lr"]), 1 - beta1 ** step,
+            group["weight_decay"], eps * eps]
+
+
 RULES: dict[str, Rule] = {
     "adamw": Rule("adamw", _adam_hyper, lambda group: _adam_config(group, True), _adam_fn),
     "adam": Rule("adam", _adam_hyper, lambda group: _adam_config(group, False), _adam_fn),
     "sgd": Rule("sgd", _sgd_hyper, _sgd_config, _sgd_fn),
     "lion": Rule("lion", _lion_hyper, _lion_config, _lion_fn),
     "radam": Rule("radam", _radam_hyper, _radam_config, _radam_fn),
+    # a per-tensor RMS, not elementwise: no torch.compile form (fn=None), a pre-pass in the native kernel
+    "stableadamw": Rule("stableadamw", _stable_hyper, lambda group: (group["weight_decay"] != 0,), None),
 }
 
 
@@ -185,6 +200,6 @@ def rule_for(optimizer: Any) -> Rule | None:
 @lru_cache(maxsize=None)
 def _rule_names() -> dict[type, str]:
     """Optimizer class -> rule name, built once (imported lazily: lowp.optim imports this module)."""
-    from lowp.optim import SGD, Adam, AdamW, Lion, RAdam
+    from lowp.optim import SGD, Adam, AdamW, Lion, RAdam, StableAdamW
 
-    return {AdamW: "adamw", Adam: "adam", SGD: "sgd", Lion: "lion", RAdam: "radam"}
+    return {AdamW: "adamw", Adam: "adam", SGD: "sgd", Lion: "lion", RAdam: "radam", StableAdamW: "stableadamw"}

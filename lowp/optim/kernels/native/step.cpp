@@ -66,13 +66,13 @@
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2, I16 = 3 };
 enum Mode { NEAREST = 0, STOCHASTIC = 1, KAHAN = 2, EXACT = 3 };
-enum RuleId { ADAM = 0, SGD = 1, LION = 2, RADAM = 3 };
+enum RuleId { ADAM = 0, SGD = 1, LION = 2, RADAM = 3, STABLE = 4 };
 
 constexpr int RULE = LOWP_RULE, MODE = LOWP_MODE, NSTATES = LOWP_NSTATES;
 constexpr bool CFG[3] = {LOWP_CFG0 != 0, LOWP_CFG1 != 0, LOWP_CFG2 != 0};  // the rule's config tuple
 constexpr int WT = LOWP_W, GT = LOWP_G, BT = LOWP_B, ST[3] = {LOWP_S0, LOWP_S1, LOWP_S2};
 constexpr bool SR = LOWP_SR != 0, COUNT = LOWP_COUNT != 0;
-static_assert(RULE >= ADAM && RULE <= RADAM && MODE >= NEAREST && MODE <= EXACT, "unknown rule or mode");
+static_assert(RULE >= ADAM && RULE <= STABLE && MODE >= NEAREST && MODE <= EXACT, "unknown rule or mode");
 static_assert(WT <= F16 && GT <= F16 && BT <= I16 && ST[0] <= F16 && ST[1] <= F16 && ST[2] <= F16, "unknown dtype");
 static_assert(NSTATES >= 0 && NSTATES <= 3, "at most three states");
 static_assert(MODE != EXACT || (WT == BF16 && BT == I16), "exact mode: bf16 weights and an int16 remainder");
@@ -184,18 +184,21 @@ static inline vu hash32(vu x) {
 }
 
 // ---- the optimizer rules (lowp/optim/kernels/rules.py; ``r`` is h[1:]) -------------------------
-// The step's numbers h[1:], as scalars and broadcast once per work unit (not per block).
-// For a lerp with weight r[j]: the coefficient (w or w - 1) and whether it starts from ``start``.
+// The step's numbers h[1:] (computed on the host in float64), as fp32 scalars and broadcast once
+// per work unit (not per block); for a lerp with weight r[j], the coefficient (w or w - 1) and
+// whether it starts from ``start``; StableAdamW's per-tensor step and decay factors.
 struct Numbers {
+  double d[9];
   float r[9];
-  vf v[9], lerp_coef[9];
+  vf v[9], lerp_coef[9], tensor_step, tensor_decay;
   vi lerp_from_start[9];
-  void set(const float *h) {
+  void set(const double *h) {
     for (int j = 0; j < 9; j++) {
-      r[j] = h[j];
-      v[j] = bc(h[j]);
-      lerp_coef[j] = bc(h[j] < 0.5f ? h[j] : h[j] - 1.0f);
-      lerp_from_start[j] = (vi){} - (h[j] < 0.5f ? 1 : 0);
+      d[j] = h[j];
+      r[j] = (float)h[j];
+      v[j] = bc(r[j]);
+      lerp_coef[j] = bc(r[j] < 0.5f ? r[j] : r[j] - 1.0f);
+      lerp_from_start[j] = (vi){} - (r[j] < 0.5f ? 1 : 0);
     }
   }
 };
@@ -243,6 +246,14 @@ static inline vf rule(const Numbers &n, vf w, vf g, const vf *s, vf *out) {
     if constexpr (CFG[0]) u = fma_(w, c[1], u);
     out[0] = lerp(n, s[0], g, 3);
     return u * c[2];
+  } else if constexpr (RULE == STABLE) {  // cfg = (has_wd,); lr_t per tensor (see stable_scales)
+    vf m = lerp(n, s[0], g, 0);
+    vf v = fma_(c[2] * g, g, s[1] * c[1]);
+    out[0] = m;
+    out[1] = v;
+    vf u = m / (sqrt_(v / c[3]) + c[4]) * n.tensor_step;
+    if constexpr (CFG[0]) u = fma_(w, n.tensor_decay, u);
+    return u;
   } else {  // RADAM, cfg = (has_wd, decoupled)
     if constexpr (CFG[0] && !CFG[1]) g = fma_(w, c[8], g);
     vf m = lerp(n, s[0], g, 0);
@@ -314,6 +325,23 @@ static inline void update_block(const Pointers &p, int64_t i, const Numbers &n, 
                  state_value<ST[2]>(out[1][2], half_bits(noise[1][1], 0)));
 }
 
+// StableAdamW's pre-pass over 16 elements: the sum of g^2 / max(v_hat, eps^2) over the valid
+// lanes, with v_hat = v' / bc2 and v' the new second moment (recomputed, not stored).
+static inline double stable_block(const Pointers &p, int64_t i, const Numbers &n, const vf &factor, const vi *valid) {
+  vf g[2], v[2];
+  load<GT>(p.g, i, g[0], g[1]);
+  load<ST[1]>(p.s[1], i, v[0], v[1]);
+  vf sum = {};
+  for (int h = 0; h < 2; h++) {
+    vf gh = g[h] * factor;
+    vf v_hat = fma_(n.v[2] * gh, gh, v[h] * n.v[1]) / n.v[3];
+    sum += select(valid[h], (gh * gh) / maximum(v_hat, n.v[8]), bc(0.0f));
+  }
+  double total = 0;
+  for (int l = 0; l < 8; l++) total += sum[l];
+  return total;
+}
+
 // Pass 2 over 16 elements: the write-back of lowp/optim/kernels/step.py. ``valid`` marks the
 // lanes inside the tensor (all but a tail block's padding), the only ones that may count as
 // stalled; a stalled lane adds -1 to ``stalled``.
@@ -376,6 +404,7 @@ struct Task {
   float factor;
   Keys k;
   std::atomic<int64_t> next{0};
+  std::vector<float> tensor_step, tensor_decay;  // StableAdamW: -lr_t / bc1 and -lr_t * wd per tensor
 };
 
 static Pointers pointers_at(const Task &t, int64_t tensor) {
@@ -387,9 +416,9 @@ static Pointers pointers_at(const Task &t, int64_t tensor) {
   return p;
 }
 
-// The last ``count`` (< 16) elements of a tensor: copied into zero-padded local blocks, run,
-// and the written ones copied back.
-static void tail(const Pointers &p, int64_t i, int64_t count, const Task &t, vu index, vi &stalled) {
+// The last ``count`` (< 16) elements of a tensor: copied into zero-padded local blocks, run
+// through ``fn(local pointers, valid lanes)``, and the written ones copied back.
+template <typename Fn> static void tail(const Pointers &p, int64_t i, int64_t count, Fn fn) {
   alignas(32) unsigned char local[6][64] = {};
   Pointers q;
   void **src[6] = {&q.w, &q.g, &q.b, &q.s[0], &q.s[1], &q.s[2]};
@@ -402,23 +431,61 @@ static void tail(const Pointers &p, int64_t i, int64_t count, const Task &t, vu 
   vi valid[2] = {};
   for (int h = 0; h < 2; h++)
     for (int l = 0; l < 8; l++) valid[h][l] = (2 * l + h < count) ? -1 : 0;
-  vf u[2];
-  update_block(q, 0, t.n, bc(t.factor), t.k, index, u);
-  write_back_block(q, 0, t.k, index, u, valid, stalled);
+  fn(q, valid);
   for (int r = 0; r < 6; r++)
     if (orig[r] && r != 1) memcpy((char *)orig[r] + i * itemsize(types[r]), local[r], count * itemsize(types[r]));
 }
 
-static int64_t work(Task *t) {
-  const vi all = (vi){} - 1, valid[2] = {all, all};
+static const vi ALL_VALID[2] = {(vi){} - 1, (vi){} - 1};
+
+// StableAdamW's pre-pass: partial[unit] = the unit's sum (threads share units; the sums are added
+// per tensor in unit order afterwards, so the result does not depend on the thread count).
+static void stable_sums(Task *t, std::vector<double> &partial) {
   const vf factor = bc(t->factor);
-  const vu lanes = {0, 2, 4, 6, 8, 10, 12, 14};
-  int64_t total = 0, tensor = 0, units = t->first_unit[t->tensors];
+  int64_t tensor = 0, units = t->first_unit[t->tensors];
   for (int64_t unit; (unit = t->next.fetch_add(1)) < units;) {
     while (t->first_unit[tensor + 1] <= unit) tensor++;
     const Pointers p = pointers_at(*t, tensor);
     const int64_t start = (unit - t->first_unit[tensor]) * UNIT;
     const int64_t end = start + UNIT < t->numel[tensor] ? start + UNIT : t->numel[tensor];
+    double sum = 0;
+    int64_t i = start;
+    for (; i + 16 <= end; i += 16) sum += stable_block(p, i, t->n, factor, ALL_VALID);
+    if (i < end) tail(p, i, end - i, [&](const Pointers &q, const vi *valid) { sum += stable_block(q, 0, t->n, factor, valid); });
+    partial[unit] = sum;
+  }
+}
+
+// lr_t = lr / max(1, RMS) per tensor, RMS = sqrt(mean) in fp32 as the reference computes it
+// (lowp/optim/stableadamw.py); h = [1-b1, b2, 1-b2, bc2, eps, lr, bc1, wd, eps^2].
+static void stable_scales(Task &t, const std::vector<double> &partial) {
+  t.tensor_step.resize(t.tensors);
+  t.tensor_decay.resize(t.tensors);
+  for (int64_t j = 0; j < t.tensors; j++) {
+    double sum = 0;
+    for (int64_t unit = t.first_unit[j]; unit < t.first_unit[j + 1]; unit++) sum += partial[unit];
+    float rms = __builtin_sqrtf((float)(sum / (double)t.numel[j]));
+    double lr_t = t.n.d[5] / (rms > 1.0f ? (double)rms : 1.0);
+    t.tensor_step[j] = (float)(-lr_t / t.n.d[6]);
+    t.tensor_decay[j] = (float)(-lr_t * t.n.d[7]);
+  }
+}
+
+static int64_t work(Task *t) {
+  const vi *valid = ALL_VALID;
+  const vf factor = bc(t->factor);
+  const vu lanes = {0, 2, 4, 6, 8, 10, 12, 14};
+  int64_t total = 0, tensor = 0, units = t->first_unit[t->tensors];
+  Numbers n = t->n;
+  for (int64_t unit; (unit = t->next.fetch_add(1)) < units;) {
+    while (t->first_unit[tensor + 1] <= unit) tensor++;
+    const Pointers p = pointers_at(*t, tensor);
+    const int64_t start = (unit - t->first_unit[tensor]) * UNIT;
+    const int64_t end = start + UNIT < t->numel[tensor] ? start + UNIT : t->numel[tensor];
+    if constexpr (RULE == STABLE) {
+      n.tensor_step = bc(t->tensor_step[tensor]);
+      n.tensor_decay = bc(t->tensor_decay[tensor]);
+    }
     vi stalled = {};
     int64_t i = start;
     vu index = lanes + (uint32_t)(t->offset[tensor] + start);
@@ -427,23 +494,28 @@ static int64_t work(Task *t) {
     for (; i + GROUP <= end; i += GROUP, index += (uint32_t)GROUP) {
       vf u[GROUP / 16][2];
       for (int64_t j = 0; j < GROUP; j += 16)
-        update_block(p, i + j, t->n, factor, t->k, index + (uint32_t)j, u[j / 16]);
+        update_block(p, i + j, n, factor, t->k, index + (uint32_t)j, u[j / 16]);
       for (int64_t j = 0; j < GROUP; j += 16)
         write_back_block(p, i + j, t->k, index + (uint32_t)j, u[j / 16], valid, stalled);
     }
     for (; i + 16 <= end; i += 16, index += 16u) {
       vf u[2];
-      update_block(p, i, t->n, factor, t->k, index, u);
+      update_block(p, i, n, factor, t->k, index, u);
       write_back_block(p, i, t->k, index, u, valid, stalled);
     }
-    if (i < end) tail(p, i, end - i, *t, index, stalled);
+    if (i < end)
+      tail(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
+        vf u[2];
+        update_block(q, 0, n, factor, t->k, index, u);
+        write_back_block(q, 0, t->k, index, u, lanes_valid, stalled);
+      });
     for (int l = 0; l < 8; l++) total -= stalled[l];
   }
   return total;
 }
 
 extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
-                             const float *h, const int32_t *keys, int threads) {
+                             const double *h, const int32_t *keys, int threads) {
   Task t;
   t.tensors = tensors;
   t.ptrs = ptrs;
@@ -451,16 +523,24 @@ extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *
   t.offset = offset;
   t.first_unit.assign(tensors + 1, 0);
   for (int64_t j = 0; j < tensors; j++) t.first_unit[j + 1] = t.first_unit[j] + (numel[j] + UNIT - 1) / UNIT;
-  t.factor = h[0];
+  t.factor = (float)h[0];
   t.n.set(h + 1);
   t.k.weight = bcu((uint32_t)keys[1]);
   t.k.state[0] = bcu((uint32_t)keys[2]);
   t.k.state[1] = bcu((uint32_t)keys[3]);
   int64_t units = t.first_unit[tensors], total = 0;
   int n = threads < 1 ? 1 : (threads > units ? (int)units : threads);
+  if (n < 1) n = 1;
   // OpenMP, so that the work runs on torch's own thread pool (the libgomp torch loaded): a pool of
   // our own would compete with torch's workers, which spin for a while after each parallel op.
-#pragma omp parallel num_threads(n > 0 ? n : 1) reduction(+ : total)
+  if constexpr (RULE == STABLE) {
+    std::vector<double> partial(units, 0.0);
+#pragma omp parallel num_threads(n)
+    stable_sums(&t, partial);
+    stable_scales(t, partial);
+    t.next = 0;
+  }
+#pragma omp parallel num_threads(n) reduction(+ : total)
   total += work(&t);
   return total;
 }
