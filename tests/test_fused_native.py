@@ -324,3 +324,20 @@ def test_stableadamw_stochastic_reproducible_and_fused():
     assert_same_run(a, stable_run("native", "stochastic", [1.0, 0.5]))
     assert not any(torch.equal(p, q) for p, q in zip(a[0], stable_data([1.0])[0]))
     assert a[1].backend.fuses(rule_for(a[1]))  # the native kernel ran it, not the reference pipeline
+
+
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic"])
+def test_zero_updates_count_as_stalled_like_the_reference(mode):
+    """``stalled_fraction`` counts elements whose stored weight did not change, zero updates
+    included (lowp.optim.writeback); a parameter with an all-zero gradient and no weight decay
+    has u = 0 everywhere."""
+    runs = []
+    for backend in ("native", "foreach"):
+        params = [torch.full((100,), 0.5, dtype=torch.bfloat16), torch.full((60,), 0.5, dtype=torch.bfloat16)]
+        opt = lo.AdamW(params, lr=1e-2, weight_decay=0.0, backend=backend, mode=mode, state_rounding="nearest",
+                       **FP32_STATES)
+        params[0].grad = torch.zeros(100, dtype=torch.bfloat16)
+        params[1].grad = torch.ones(60, dtype=torch.bfloat16)
+        opt.step()
+        runs.append(opt.diagnostics()[0]["stalled_fraction"])
+    assert runs[0] == runs[1] == pytest.approx(100 / 160)

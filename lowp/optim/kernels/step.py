@@ -77,7 +77,7 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         new = (w + v).to(p.dtype)
         change = new.float() - w
         buf.copy_((v - change).to(buf.dtype))
-        stalled = ((change == 0) & (v != 0)).sum(dtype=torch.int32) if count else None
+        stalled = (change == 0).sum(dtype=torch.int32) if count else None
     elif mode == "exact":
         bits = (w + u).view(torch.int32)
         hi = (bits + _HALF) >> 16
@@ -86,6 +86,6 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         stalled = torch.zeros((), dtype=torch.int32, device=p.device) if count else None
     else:
         new = stochastic_bf16(w + u, random16(index, keys[1], 0)) if mode == "stochastic" else (w + u).to(p.dtype)
-        stalled = ((new.float() == w) & (u != 0)).sum(dtype=torch.int32) if count else None
+        stalled = (new.float() == w).sum(dtype=torch.int32) if count else None
     p.copy_(new)
     return stalled

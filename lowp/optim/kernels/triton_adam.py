@@ -110,7 +110,7 @@ def adam_kernel(P, G, M, V, B, SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, H, KEY
         new = _round(w + c, P_T)
         change = new.to(tl.float32) - w
         tl.store(b_ptr, _round(c - change, B_T), mask=mask)
-        stalled = ((change == 0) & (c != 0) & mask).to(tl.int32)
+        stalled = ((change == 0) & mask).to(tl.int32)
     elif MODE == 3:
         bits = (w + u).to(tl.int32, bitcast=True)
         top = (bits + 32768) >> 16
@@ -121,7 +121,7 @@ def adam_kernel(P, G, M, V, B, SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, H, KEY
             new = _stochastic_bf16(w + u, index, tl.load(KEYS + 1), 0)
         else:
             new = _round(w + u, P_T)
-        stalled = ((new.to(tl.float32) == w) & (u != 0) & mask).to(tl.int32)
+        stalled = ((new.to(tl.float32) == w) & mask).to(tl.int32)
     tl.store(p_ptr, new, mask=mask)
     if COUNT:
         tl.atomic_add(STALLED, tl.sum(stalled, axis=0).to(tl.int64))

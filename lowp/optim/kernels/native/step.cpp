@@ -342,9 +342,10 @@ static inline double stable_block(const Pointers &p, int64_t i, const Numbers &n
   return total;
 }
 
-// Pass 2 over 16 elements: the write-back of lowp/optim/kernels/step.py. ``valid`` marks the
-// lanes inside the tensor (all but a tail block's padding), the only ones that may count as
-// stalled; a stalled lane adds -1 to ``stalled``.
+// Pass 2 over 16 elements: the write-back of lowp/optim/kernels/step.py. A lane is stalled when
+// its stored weight did not change (the update was lost to rounding, or zero), as in
+// lowp/optim/writeback.py; ``valid`` marks the lanes inside the tensor (all but a tail block's
+// padding), the only ones that may count; a stalled lane adds -1 to ``stalled``.
 static inline void write_back_block(const Pointers &p, int64_t i, const Keys &k, vu index, const vf u[2],
                                     const vi *valid, vi &stalled) {
   vf w[2], neww[2];
@@ -358,7 +359,7 @@ static inline void write_back_block(const Pointers &p, int64_t i, const Keys &k,
       neww[h] = round_to<WT>(w[h] + v);
       vf change = neww[h] - w[h];
       newb[h] = round_to<BT>(v - change);
-      still[h] = (change == 0.0f) & (v != 0.0f);
+      still[h] = change == 0.0f;
     }
     store<BT>(p.b, i, newb[0], newb[1]);
   } else if constexpr (MODE == EXACT) {
@@ -378,7 +379,7 @@ static inline void write_back_block(const Pointers &p, int64_t i, const Keys &k,
         neww[h] = stochastic_bf16(w[h] + u[h], hash32((index + (uint32_t)h) ^ k.weight) & 0xFFFFu);
       else
         neww[h] = round_to<WT>(w[h] + u[h]);
-      still[h] = (neww[h] == w[h]) & (u[h] != 0.0f);
+      still[h] = neww[h] == w[h];
     }
   }
   if constexpr (MODE != EXACT) store<WT>(p.w, i, neww[0], neww[1]);
