@@ -418,8 +418,8 @@ static Pointers pointers_at(const Task &t, int64_t tensor) {
 }
 
 // The last ``count`` (< 16) elements of a tensor: copied into zero-padded local blocks, run
-// through ``fn(local pointers, valid lanes)``, and the written ones copied back.
-template <typename Fn> static void tail(const Pointers &p, int64_t i, int64_t count, Fn fn) {
+// through ``fn(local pointers, valid lanes)``, and (WRITE) the written ones copied back.
+template <bool WRITE, typename Fn> static void tail(const Pointers &p, int64_t i, int64_t count, Fn fn) {
   alignas(32) unsigned char local[6][64] = {};
   Pointers q;
   void **src[6] = {&q.w, &q.g, &q.b, &q.s[0], &q.s[1], &q.s[2]};
@@ -433,7 +433,7 @@ template <typename Fn> static void tail(const Pointers &p, int64_t i, int64_t co
   for (int h = 0; h < 2; h++)
     for (int l = 0; l < 8; l++) valid[h][l] = (2 * l + h < count) ? -1 : 0;
   fn(q, valid);
-  for (int r = 0; r < 6; r++)
+  for (int r = 0; r < 6 && WRITE; r++)
     if (orig[r] && r != 1) memcpy((char *)orig[r] + i * itemsize(types[r]), local[r], count * itemsize(types[r]));
 }
 
@@ -452,7 +452,8 @@ static void stable_sums(Task *t, std::vector<double> &partial) {
     double sum = 0;
     int64_t i = start;
     for (; i + 16 <= end; i += 16) sum += stable_block(p, i, t->n, factor, ALL_VALID);
-    if (i < end) tail(p, i, end - i, [&](const Pointers &q, const vi *valid) { sum += stable_block(q, 0, t->n, factor, valid); });
+    if (i < end)
+      tail<false>(p, i, end - i, [&](const Pointers &q, const vi *valid) { sum += stable_block(q, 0, t->n, factor, valid); });
     partial[unit] = sum;
   }
 }
@@ -505,7 +506,7 @@ static int64_t work(Task *t) {
       write_back_block(p, i, t->k, index, u, valid, stalled);
     }
     if (i < end)
-      tail(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
+      tail<true>(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
         vf u[2];
         update_block(q, 0, n, factor, t->k, index, u);
         write_back_block(q, 0, t->k, index, u, lanes_valid, stalled);
