@@ -1,4 +1,4 @@
-"""The multi-tensor Triton Adam/AdamW kernel, checked on CPU through the Triton interpreter
+"""The multi-tensor Triton kernel (every elementwise rule), checked on CPU through the Triton interpreter
 (``TRITON_INTERPRET=1``, which must be set before triton is imported, hence a subprocess), and on
 a real GPU by the ``gpu``-marked test.
 
@@ -27,13 +27,15 @@ def _interpret(case: str) -> None:
     assert "OK" in done.stdout
 
 
-@pytest.mark.parametrize("case", ["adamw-kahan", "adam-nearest", "adamw-exact"])
+@pytest.mark.parametrize("case", ["adamw-kahan", "adam-nearest", "adamw-exact", "amsgrad-kahan", "sgd-kahan",
+                                  "sgd-exact", "lion-nearest", "radam-kahan", "radam-exact"])
 def test_triton_bit_identical_to_reference(case):
     _interpret(case)
 
 
-def test_triton_stochastic_same_bits_as_compiled():
-    _interpret("adamw-stochastic")
+@pytest.mark.parametrize("case", ["adamw-stochastic", "sgd-stochastic"])
+def test_triton_stochastic_same_bits_as_compiled(case):
+    _interpret(case)
 
 
 @pytest.mark.gpu
@@ -63,15 +65,30 @@ def _main(case: str) -> None:
     from fused_helpers import assert_same_run, correctly_rounded_sqrt, train
 
     name, mode = case.split("-")
-    opt_class = {"adamw": lo.AdamW, "adam": lo.Adam}[name]
-    kw = dict(lr=1e-2, weight_decay=0.1)
+    opt_class, kw = {
+        "adamw": (lo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+        "adam": (lo.Adam, dict(lr=1e-2, weight_decay=0.1)),
+        "amsgrad": (lo.AdamW, dict(lr=1e-2, amsgrad=True, maximize=True)),
+        "sgd": (lo.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+        "lion": (lo.Lion, dict(lr=1e-3, weight_decay=0.1)),
+        "radam": (lo.RAdam, dict(lr=1e-2, weight_decay=0.1)),
+    }[name]
+    kw = dict(kw, steps=8)  # RAdam rectifies from step 6
+    backend = "triton"
+    from lowp.optim.kernels.triton_backend import TritonBackend
+    launches = []
+    launch = TritonBackend.launch
+    TritonBackend.launch = lambda self, *a: launches.append(a[0].name) or launch(self, *a)
     if mode == "stochastic":
-        assert_same_run(train(opt_class, "triton", mode, **kw), train(opt_class, "compiled", mode, **kw))
+        fused = train(opt_class, backend, mode, **kw)
+        assert fused[1].backend.name == backend
+        assert_same_run(fused, train(opt_class, "compiled", mode, **kw))
     else:
         kw["state_dtype"] = torch.float32
-        fused = train(opt_class, "triton", mode, **kw)
+        fused = train(opt_class, backend, mode, **kw)
         with correctly_rounded_sqrt():
             assert_same_run(fused, train(opt_class, "foreach", mode, **kw))
+    assert launches, "the Triton kernel did not run"  # not the compiled fallback
     print("OK")
 
 

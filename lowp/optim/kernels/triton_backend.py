@@ -1,5 +1,6 @@
-"""``backend="triton"``: Adam/AdamW steps through one multi-tensor Triton launch per batch
-(:mod:`lowp.optim.kernels.triton_adam`); every other case runs the ``compiled`` backend.
+"""``backend="triton"``: SGD, Adam/AdamW, Lion and RAdam steps through one multi-tensor Triton
+launch per batch of parameters with the same dtypes (:mod:`lowp.optim.kernels.triton_step`);
+every other case runs the ``compiled`` backend.
 
 Needs CUDA tensors, or CPU tensors with the Triton interpreter (``TRITON_INTERPRET=1`` set before
 triton is imported), which is how the tests check it on machines without a GPU.
@@ -13,12 +14,13 @@ import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
 from lowp.optim.kernels.compiled import CompiledBackend, fusable, partition, step_keys, step_numbers
-from lowp.optim.kernels.rules import RULES, rule_for
+from lowp.optim.kernels.rules import Rule, rule_for
 
 __all__ = ["TritonBackend", "triton_available", "BLOCK"]
 
 #: Elements per Triton program.
 BLOCK = 1024
+_TRITON_RULES = ("adam", "adamw", "sgd", "lion", "radam")
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,7 +38,7 @@ def _interpreting() -> bool:
 
 
 class TritonBackend(CompiledBackend):
-    """Adam/AdamW (amsgrad off) in one Triton launch per batch; other optimizers, amsgrad and
+    """Every elementwise rule in one Triton launch per batch; StableAdamW, Adafactor and
     unsupported dtypes go through :class:`~lowp.optim.kernels.compiled.CompiledBackend`."""
 
     name = "triton"
@@ -49,26 +51,27 @@ class TritonBackend(CompiledBackend):
     def run(self, optimizer, ctx, slices):
         rule = rule_for(optimizer)
         stochastic = ctx.group["state_rounding"] == "stochastic"
-        ok = (rule is not None and rule.name in ("adam", "adamw") and not ctx.group["amsgrad"]
+        ok = (rule is not None and rule.name in _TRITON_RULES
               and (_interpreting() or all(s.param.is_cuda for s in slices)))
         mine, rest = partition(slices, lambda s: ok and fusable(ctx, s, stochastic))
         counts = [super().run(optimizer, ctx, rest)] if rest else []
         signatures: dict[tuple, list[ParamSlice]] = {}
         for s in mine:
             signatures.setdefault((s.grad.dtype, *(t.dtype for t in s.states.values())), []).append(s)
-        counts += [self.launch(rule.name, ctx, group) for group in signatures.values()]
+        counts += [self.launch(rule, ctx, group) for group in signatures.values()]
         counts = [c for c in counts if c is not None]
         return torch.stack(counts).sum() if counts else None
 
-    def launch(self, rule_name: str, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def launch(self, rule: Rule, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """One kernel launch over ``slices`` (same dtypes); returns the stalled count."""
-        from lowp.optim.kernels.triton_adam import MODE_IDS, adam_kernel, tl_dtype
+        from lowp.optim.kernels.triton_step import MODE_IDS, RULE_IDS, step_kernel, tl_dtype
 
         device = slices[0].param.device
-        rule = RULES[rule_name]
-        _, decoupled, has_wd = rule.config(ctx.group)
+        names = list(slices[0].states)
+        cfg = [bool(c) for c in rule.config(ctx.group)] + [False] * 3
         h = step_numbers(rule, ctx, device)
-        keys = step_keys(ctx, 3, device)
+        keys = step_keys(ctx, 1 + len(names), device)
+        keys = torch.cat([keys, torch.zeros(4, dtype=keys.dtype, device=device)])  # keys[3] for a third state
         grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in slices]
         sizes = [s.numel for s in slices]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -81,16 +84,16 @@ class TritonBackend(CompiledBackend):
             return table([t.data_ptr() for t in tensors])
 
         params = [s.param for s in slices]
-        m = [s.states["exp_avg"] for s in slices]
-        v = [s.states["exp_avg_sq"] for s in slices]
         buffers = [s.buffer if s.buffer is not None else s.param for s in slices]
+        # absent states point at the weights (never read or written: NSTATES says how many exist)
+        states = [[s.states[names[j]] if j < len(names) else s.param for s in slices] for j in range(3)]
+        sr = [ctx.group["state_rounding"] == "stochastic" and st[0].dtype == torch.bfloat16 for st in states]
         stalled = torch.zeros(1, dtype=torch.int64, device=device)
-        sr = ctx.group["state_rounding"] == "stochastic"
-        adam_kernel[(len(blocks),)](
-            ptrs(params), ptrs(grads), ptrs(m), ptrs(v), ptrs(buffers), table(sizes), table(offsets),
+        step_kernel[(len(blocks),)](
+            ptrs(params), ptrs(grads), ptrs(buffers), *(ptrs(st) for st in states), table(sizes), table(offsets),
             table([b[0] for b in blocks]), table([b[1] for b in blocks]), h, keys, stalled,
-            P_T=tl_dtype(params[0].dtype), G_T=tl_dtype(grads[0].dtype), M_T=tl_dtype(m[0].dtype),
-            V_T=tl_dtype(v[0].dtype), B_T=tl_dtype(buffers[0].dtype), MODE=MODE_IDS[ctx.mode.name],
-            DECOUPLED=decoupled, HAS_WD=has_wd, SR_M=sr and m[0].dtype == torch.bfloat16,
-            SR_V=sr and v[0].dtype == torch.bfloat16, COUNT=ctx.count, BLOCK=BLOCK)
+            P_T=tl_dtype(params[0].dtype), G_T=tl_dtype(grads[0].dtype), B_T=tl_dtype(buffers[0].dtype),
+            S0_T=tl_dtype(states[0][0].dtype), S1_T=tl_dtype(states[1][0].dtype), S2_T=tl_dtype(states[2][0].dtype),
+            NSTATES=len(names), SR0=sr[0], SR1=sr[1], SR2=sr[2], RULE=RULE_IDS[rule.name], C0=cfg[0], C1=cfg[1],
+            C2=cfg[2], MODE=MODE_IDS[ctx.mode.name], COUNT=ctx.count, BLOCK=BLOCK)
         return stalled[0] if ctx.count else None
