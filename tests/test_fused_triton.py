@@ -41,13 +41,17 @@ def test_triton_stochastic_same_bits_as_compiled(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic", "exact"])
-def test_triton_on_gpu_matches_compiled(mode):
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion", "RAdam"])
+def test_triton_on_gpu_matches_compiled(name, mode):
     """On CUDA both backends use tl.fma / correctly rounded sqrt and the same random hash."""
     import lowp.optim as lo
 
+    kw = {"AdamW": dict(lr=1e-2, weight_decay=0.1), "SGD": dict(lr=0.05, momentum=0.9, nesterov=True),
+          "Lion": dict(lr=1e-3, weight_decay=0.1), "RAdam": dict(lr=1e-2)}[name]
+
     def run(backend):
         params = [torch.randn(n, device="cuda").bfloat16() for n in (5000, 37, 1 << 20)]
-        opt = lo.AdamW(params, backend=backend, mode=mode, seed=1, lr=1e-2, weight_decay=0.1)
+        opt = getattr(lo, name)(params, backend=backend, mode=mode, seed=1, **kw)
         for t in range(3):
             gen = torch.Generator(device="cuda").manual_seed(t)
             for p in params:
