@@ -341,3 +341,24 @@ def test_zero_updates_count_as_stalled_like_the_reference(mode):
         opt.step()
         runs.append(opt.diagnostics()[0]["stalled_fraction"])
     assert runs[0] == runs[1] == pytest.approx(100 / 160)
+
+
+def test_no_new_variant_across_steps_lr_changes_groups_and_sizes(monkeypatch):
+    """A variant is one compiled kernel (built once per machine); the step's numbers are data."""
+    variants = []
+    library = native_build._library
+    monkeypatch.setattr(native_build, "_library",
+                        lambda name, macros: variants.append((name, tuple(sorted(macros.items())))) or library(name, macros))
+    params, opt = train(lo.AdamW, "native", "kahan", steps=1, lr=1e-3, weight_decay=0.01)
+    first = set(variants)
+    extra = [torch.randn(123, 7).bfloat16(), torch.randn(3).bfloat16()]
+    opt.add_param_group({"params": extra, "lr": 3e-3, "weight_decay": 0.05})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+    before = [p.clone() for p in extra]
+    for _ in range(3):
+        for p in [*params, *extra]:
+            p.grad = torch.randn(p.shape).bfloat16()
+        opt.step()
+        sched.step()
+    assert len(variants) > len(first) and set(variants) == first  # ran again, with the same variants only
+    assert all(not torch.equal(p, q) for p, q in zip(extra, before))
