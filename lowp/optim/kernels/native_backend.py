@@ -1,6 +1,7 @@
-"""``backend="native"``: every elementwise optimizer rule in every write-back mode through the
-hand-written AVX2 kernel ``native/step.cpp``, one call per step and dtype signature over all
-parameters (multi-tensor), on the same threads count as torch (``torch.get_num_threads()``).
+"""``backend="native"``: every elementwise optimizer rule (and StableAdamW, with a per-tensor
+pre-pass) in every write-back mode through the hand-written AVX2 kernel ``native/step.cpp``, one
+call per step and dtype signature over all parameters (multi-tensor), on torch's OpenMP threads
+(``torch.get_num_threads()``).
 
 It runs the same math as :mod:`~lowp.optim.kernels.rules` and :mod:`~lowp.optim.kernels.step`
 (results bit-identical to the ``foreach`` reference for nearest, kahan and exact; stochastic
@@ -52,14 +53,15 @@ class NativeBackend(CompiledBackend):
     name = "native"
     min_numel = 1
 
-    def fuses(self, rule: Rule | None) -> bool:
-        return rule is not None and rule.name in _RULE_IDS
-
     def __init__(self, chunk_size: int = 1 << 17) -> None:
         if not native_available():
             raise RuntimeError("backend='native': needs an x86-64 CPU with AVX2, FMA and F16C and a C++ "
                                "compiler (g++, c++ or clang++) on PATH")
         super().__init__(chunk_size)
+
+    def fuses(self, rule: Rule | None) -> bool:
+        """Every rule of :data:`~lowp.optim.kernels.rules.RULES`, StableAdamW's included."""
+        return rule is not None and rule.name in _RULE_IDS
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
         """The check of :class:`~lowp.optim.backends.Backend` in one native call over every
