@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from lowp.optim.backends import register_backend
 from lowp.optim.kernels.compiled import CompiledBackend, compiler_available
 from lowp.optim.kernels.native_backend import NativeBackend
 from lowp.optim.kernels.native_build import native_available
 from lowp.optim.kernels.triton_backend import TritonBackend, triton_available
 
-__all__ = ["CompiledBackend", "NativeBackend", "TritonBackend", "choose_backend", "compiler_available",
+__all__ = ["CompiledBackend", "NativeBackend", "TritonBackend", "choose_backend", "backend_for", "compiler_available",
            "native_available", "triton_available", "AUTO_MIN_NUMEL", "AUTO_MIN_NUMEL_NATIVE"]
 
 register_backend("compiled", CompiledBackend)
@@ -31,7 +33,12 @@ AUTO_MIN_NUMEL_NATIVE = 1 << 16
 
 
 def choose_backend(optimizer: Any, fused: bool | None, foreach: bool | None) -> str:
-    """The backend name for the optimizers' ``fused`` option.
+    """The backend name for the optimizers' ``fused`` option (see :func:`backend_for`)."""
+    return backend_for([p for g in optimizer.param_groups for p in g["params"]], fused, foreach)
+
+
+def backend_for(params: list[torch.Tensor], fused: bool | None, foreach: bool | None) -> str:
+    """The backend name that ``fused`` / ``foreach`` select for an optimizer over ``params``.
 
     ``False``: ``foreach`` (``eager`` when ``foreach=False``). ``True``: ``triton`` for CUDA
     parameters when Triton imports; on CPU ``native`` where it builds (x86-64 with AVX2), else
@@ -45,7 +52,6 @@ def choose_backend(optimizer: Any, fused: bool | None, foreach: bool | None) -> 
     plain = "eager" if foreach is False else "foreach"
     if fused is False or (fused is None and os.environ.get("LOWP_FUSED") == "0"):
         return plain
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     on_cuda = any(p.is_cuda for p in params)
     if on_cuda and triton_available():
         return "triton"
