@@ -13,6 +13,11 @@
 // even elements are `x << 16` and its odd ones `x & 0xFFFF0000`, and storing is `hi | lo >> 16`:
 // no shuffles at all for bf16 (fp32 and fp16 tensors pay one shuffle pair per 8 elements).
 // Elementwise math does not care in which order the lanes hold the elements.
+//
+// Driver: tensors are cut into work units of UNIT elements that torch's OpenMP threads take
+// from an atomic counter; within a unit, groups of GROUP elements go through two passes
+// (update_block, then write_back_block). StableAdamW first runs a per-tensor reduction pass
+// (stable_sums, stable_scales). Measurements behind these choices: docs/fused.md.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
