@@ -362,3 +362,47 @@ def test_no_new_variant_across_steps_lr_changes_groups_and_sizes(monkeypatch):
         sched.step()
     assert len(variants) > len(first) and set(variants) == first  # ran again, with the same variants only
     assert all(not torch.equal(p, q) for p, q in zip(extra, before))
+
+
+def _stochastic_fp16(x: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """SR_fp16(x) through the kernel: SGD with lr 1 from a zero fp16 weight adds exactly -g = x."""
+    w = torch.zeros(x.numel(), dtype=torch.float16)
+    if hasattr(w, "grad_dtype"):
+        w.grad_dtype = None
+    opt = lo.SGD([w], lr=1.0, mode="stochastic", backend="native", seed=seed, nonfinite="off")
+    w.grad = -x.float()
+    opt.step()
+    return w
+
+
+def test_fp16_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
+    from lowp import quantize
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(50000, generator=gen) * 10.0 ** torch.randint(-9, 5, (50000,), generator=gen).float()
+    x = torch.cat([x, torch.tensor([65504.0, 65519.0, 65530.0, 1e6, -1e6, float("inf"), -float("inf"), 0.0, -0.0,
+                                    6e-8, 3e-8, -1e-7, float("nan")])])
+    r = _stochastic_fp16(x).float()
+    down, up = (quantize(x, "fp16", mode=m).float() for m in ("down", "up"))
+    assert ((r == down) | (r == up) | (r.isnan() & x.isnan())).all()  # overflow included: 1e6 -> inf
+    n = 1 << 16
+    for value, p_up, moved in [(1.0 + 2.0 ** -10 / 4, 0.25, lambda y: y > 1),    # a quarter ulp above 1
+                               (2.0 ** -24 * 0.3, 0.3, lambda y: y > 0),        # subnormal range
+                               (65504 + 32 * 0.5, 0.5, lambda y: y.isinf())]:   # half way to overflow
+        freq = float(moved(_stochastic_fp16(torch.full((n,), value)).float()).float().mean())
+        assert abs(freq - p_up) < 5 * (p_up * (1 - p_up) / n) ** 0.5
+
+
+def test_fp16_weights_and_states_with_stochastic_rounding_are_fused(monkeypatch):
+    variants = []
+    library = native_build._library
+    monkeypatch.setattr(native_build, "_library",
+                        lambda name, macros: variants.append(dict(macros)) or library(name, macros))
+    kw = dict(lr=1e-3, dtype=torch.float16, state_dtype=torch.float16)  # fp16 states, stochastic rounding
+    a = train(lo.AdamW, "native", "stochastic", **kw)
+    assert any(v.get("MODE") == 1 and v.get("W") == 2 and v.get("S0") == 2 and v.get("SR") for v in variants)
+    assert_same_run(a, train(lo.AdamW, "native", "stochastic", **kw))  # reproducible from the seed
+    nearest = train(lo.AdamW, "native", "nearest", steps=1, **dict(kw, state_rounding="nearest"))[0]
+    one = train(lo.AdamW, "native", "stochastic", steps=1, **kw)[0]
+    for x, y in zip(one, nearest):  # one step from zero states: at most one fp16 ulp apart
+        assert ((x.double() - y.double()).abs() <= ulp(y.double(), "fp16")).all()

@@ -38,21 +38,23 @@ def compiler_available() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
-def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool, min_numel: int = 2) -> bool:
+def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool, min_numel: int = 2,
+            fp16_stochastic: bool = False) -> bool:
     """Whether slice ``s`` can take the fused step (dtypes and layout it supports). The default
     ``min_numel`` is torch.compile's: dynamo specializes sizes 0 and 1, so one-element tensors
-    would compile twice more."""
+    would compile twice more; ``fp16_stochastic``: the backend rounds fp16 stochastically too."""
     low16 = (torch.bfloat16, torch.float16)
     if s.numel < min_numel:
         return False
     if s.param.dtype not in (torch.float32, *low16) or s.grad.dtype not in (torch.float32, *low16):
         return False
-    if ctx.mode.name == "stochastic" and s.param.dtype != torch.bfloat16:
+    if ctx.mode.name == "stochastic" and s.param.dtype not in ((torch.bfloat16, torch.float16) if fp16_stochastic
+                                                                else (torch.bfloat16,)):
         return False
     tensors = [s.param, *s.states.values(), *([s.buffer] if s.buffer is not None else [])]
     if any(not t.is_contiguous() or t.shape != s.param.shape for t in tensors):
         return False
-    return not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
+    return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
 
 
 def partition(slices: list[ParamSlice], keep: Callable[[ParamSlice], bool]) -> tuple[list[ParamSlice], list[ParamSlice]]:
@@ -168,8 +170,9 @@ class CompiledBackend(ForeachBackend):
                                             options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
         return _FUNCTIONS[key]
 
-    #: the smallest tensor this backend fuses (see :func:`fusable`)
+    #: the smallest tensor this backend fuses, and whether it rounds fp16 stochastically (see :func:`fusable`)
     min_numel = 2
+    fp16_stochastic = False
 
     def fuses(self, rule: Rule | None) -> bool:
         """Whether this backend has a fused form of ``rule`` (the tensor math, for torch.compile)."""
@@ -178,7 +181,8 @@ class CompiledBackend(ForeachBackend):
     def run(self, optimizer, ctx, slices):
         rule = rule_for(optimizer)
         stochastic = ctx.group["state_rounding"] == "stochastic"
-        fused, rest = partition(slices, lambda s: self.fuses(rule) and fusable(ctx, s, stochastic, self.min_numel))
+        fused, rest = partition(slices, lambda s: self.fuses(rule) and fusable(
+            ctx, s, stochastic, self.min_numel, self.fp16_stochastic))
         counts = [super().run(optimizer, ctx, rest)] if rest else []
         if fused:
             counts.append(self.run_fused(rule, ctx, fused))

@@ -52,6 +52,7 @@ class NativeBackend(CompiledBackend):
 
     name = "native"
     min_numel = 1
+    fp16_stochastic = True
 
     def __init__(self, chunk_size: int = 1 << 17) -> None:
         if not native_available():

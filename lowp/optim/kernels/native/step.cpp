@@ -81,7 +81,7 @@ static_assert(RULE >= ADAM && RULE <= STABLE && MODE >= NEAREST && MODE <= EXACT
 static_assert(WT <= F16 && GT <= F16 && BT <= I16 && ST[0] <= F16 && ST[1] <= F16 && ST[2] <= F16, "unknown dtype");
 static_assert(NSTATES >= 0 && NSTATES <= 3, "at most three states");
 static_assert(MODE != EXACT || (WT == BF16 && BT == I16), "exact mode: bf16 weights and an int16 remainder");
-static_assert(MODE != STOCHASTIC || WT == BF16, "stochastic write-back: bf16 weights");
+static_assert(MODE != STOCHASTIC || WT == BF16 || WT == F16, "stochastic write-back: bf16 or fp16 weights");
 
 typedef float vf __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
@@ -151,6 +151,23 @@ static inline vf stochastic_bf16(vf x, vu noise) { return nan_guard(x, ((vu)x + 
 
 static inline vf round_f16(vf x) {
   return (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// fp32 -> fp16 with stochastic rounding, 16 random bits: with t = x truncated toward zero and
+// ulp the fp16 spacing above |t| (2^(e-10), at least 2^-24 in the subnormal range), round away
+// from zero when floor(frac * 2^16) + noise >= 2^16, frac = (|x| - |t|) / ulp (exact: Sterbenz,
+// and ulp is a power of two). P(up) = frac for normal fp16 values (13 dropped bits < 16); beyond
+// 65504 + ulp the result is +-inf (65536 stores as inf), and inf and NaN stay themselves.
+static inline vf stochastic_f16(vf x, vu noise) {
+  const vu sign_bit = bcu(0x80000000u);
+  vf t = (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+  vf at = (vf)((vu)t & ~sign_bit), ax = (vf)((vu)x & ~sign_bit);
+  vf spacing = (vf)((vu)at & 0x7F800000u) * bc(0x1p-10f);
+  vf ulp = select(spacing > bc(0x1p-24f), spacing, bc(0x1p-24f));
+  vf frac = (ax - at) / ulp;
+  vf drawn = (vf)_mm256_floor_ps((__m256)(frac * bc(65536.0f))) + (vf)_mm256_cvtepi32_ps((__m256i)noise);
+  vf r = select(drawn >= bc(65536.0f), at + ulp, at);
+  return select(x != x, x, (vf)((vu)r | ((vu)x & sign_bit)));
 }
 
 // ``x`` rounded to the nearest value of DT (ties to even), still as fp32.
@@ -284,6 +301,7 @@ struct Keys {
 // The stored value of a new state: stochastic rounding for bf16 states when asked, else nearest.
 template <int DT> static inline vf state_value(vf x, vu noise) {
   if constexpr (DT == BF16 && SR) return stochastic_bf16(x, noise);
+  else if constexpr (DT == F16 && SR) return stochastic_f16(x, noise);
   else return round_to<DT>(x);
 }
 
@@ -380,7 +398,9 @@ static inline void write_back_block(const Pointers &p, int64_t i, const Keys &k,
     memcpy((uint16_t *)p.b + i, &pr, 32);
   } else {
     for (int h = 0; h < 2; h++) {
-      if constexpr (MODE == STOCHASTIC)
+      if constexpr (MODE == STOCHASTIC && WT == F16)
+        neww[h] = stochastic_f16(w[h] + u[h], hash32((index + (uint32_t)h) ^ k.weight) & 0xFFFFu);
+      else if constexpr (MODE == STOCHASTIC)
         neww[h] = stochastic_bf16(w[h] + u[h], hash32((index + (uint32_t)h) ^ k.weight) & 0xFFFFu);
       else
         neww[h] = round_to<WT>(w[h] + u[h]);
