@@ -388,3 +388,20 @@ def test_store_rejects_an_unknown_rounding_and_leaves_dst_alone():
     with pytest.raises(ValueError, match="rounding"):
         store(dst, torch.full((4,), 3.0), "upward", None)
     assert torch.equal(dst, torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_grad_scaler_checked_gradients_are_not_checked_again(monkeypatch):
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = lo.AdamW(model.parameters(), lr=1e-2)
+    calls = []
+    check = opt.backend.finite_flags
+    monkeypatch.setattr(opt.backend, "finite_flags", lambda grads: calls.append(len(grads)) or check(grads))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    w = model.weight.detach().clone()
+    scaler.scale(model(torch.randn(16, 8).bfloat16()).float().square().mean()).backward()
+    scaler.step(opt)  # GradScaler found no inf and says so through opt.found_inf
+    assert not calls and not torch.equal(model.weight.detach(), w)
+    for p in model.parameters():  # without GradScaler the optimizer checks by itself
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == [2]
