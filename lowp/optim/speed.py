@@ -174,7 +174,12 @@ def parse_size(text: str) -> int:
 
 def measure(total: int, device: torch.device, rounds: int, with_compiled: bool = False) -> dict:
     """Time every contender and both bandwidth probes on ``total`` parameters; returns
-    ``{"rows": [...], "copy": B/s, "in_place": B/s, "optimi": bool}``."""
+    ``{"total", "results": {name: (ideal bytes/param, timings)}, "copy" and "in_place": bytes/s,
+    "optimi": whether optimi ran}`` for :func:`report`."""
+    if not isinstance(total, int) or total < MIN_SIZE:
+        raise ValueError(f"total: expected a parameter count of at least {MIN_SIZE}, got {total!r}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds: expected a positive int, got {rounds!r}")
     rows_in = contenders(device, with_compiled)
     makers = {name: (dtype, make) for name, dtype, _, make in rows_in}
     timings = time_all({COPY: (torch.float32, copier), IN_PLACE: (torch.float32, updater), **makers},

@@ -25,7 +25,8 @@ from lowp.optim.backends import ForeachBackend, ParamSlice, StepContext
 from lowp.optim.kernels.rules import Rule, rule_for
 from lowp.optim.kernels.step import fused_step
 
-__all__ = ["CompiledBackend", "compiler_available", "fusable", "partition", "step_numbers", "step_keys", "grad_factor"]
+__all__ = ["CompiledBackend", "compiler_available", "fusable", "partition", "step_numbers", "step_values", "step_keys",
+           "grad_factor", "by_signature"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,16 +72,37 @@ def grad_factor(ctx: StepContext) -> float:
     return (-1.0 if ctx.group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
 
 
+def step_values(rule: Rule, ctx: StepContext) -> list[float]:
+    """The gradient factor followed by the rule's numbers (float64, computed on the host)."""
+    return [grad_factor(ctx), *rule.hyper(ctx.group, ctx.step)]
+
+
 def step_numbers(rule: Rule, ctx: StepContext, device: torch.device) -> torch.Tensor:
-    """``h``: the gradient factor followed by the rule's numbers, as one small fp32 tensor."""
-    return torch.tensor([grad_factor(ctx), *rule.hyper(ctx.group, ctx.step)], dtype=torch.float32, device=device)
+    """``h``: :func:`step_values` as one small fp32 tensor."""
+    return torch.tensor(step_values(rule, ctx), dtype=torch.float32, device=device)
 
 
 def step_keys(ctx: StepContext, streams: int, device: torch.device) -> torch.Tensor:
-    """``[0, key per random stream]`` (int32): one draw from the optimizer's generator per step."""
-    keys = torch.zeros(streams + 1, dtype=torch.int32, device=device)
-    keys[1:] = torch.randint(0, 1 << 31, (streams,), dtype=torch.int32, device=device, generator=ctx.generator)
+    """``[0, key per random stream]`` (int32): one draw from the optimizer's generator per step,
+    zero-padded to at least 4 entries (weight key and keys for up to three states, which the
+    kernels read at fixed places)."""
+    keys = torch.zeros(max(streams + 1, 4), dtype=torch.int32, device=device)
+    keys[1:streams + 1] = torch.randint(0, 1 << 31, (streams,), dtype=torch.int32, device=device,
+                                        generator=ctx.generator)
     return keys
+
+
+def by_signature(slices: list[ParamSlice], signature: Callable[[ParamSlice], tuple]
+                 ) -> dict[tuple, list[tuple[ParamSlice, int]]]:
+    """The slices grouped by ``signature`` (one kernel launch each), with every slice's offset in
+    the concatenation of all ``slices``: the element index its random streams count from, the same
+    whatever the grouping (so every backend draws the same bits)."""
+    groups: dict[tuple, list[tuple[ParamSlice, int]]] = {}
+    offset = 0
+    for s in slices:
+        groups.setdefault(signature(s), []).append((s, offset))
+        offset += s.numel
+    return groups
 
 
 #: Elements per call of the static-shape kernel. Inductor's code for dynamic shapes is tuned for

@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
-from lowp.optim.kernels.compiled import CompiledBackend, grad_factor, step_keys
+from lowp.optim.kernels.compiled import CompiledBackend, by_signature, step_keys, step_values
 from lowp.optim.kernels.native_build import DTYPE_CODES, finite_function, native_available, step_function
 from lowp.optim.kernels.rules import Rule
 
@@ -87,19 +87,12 @@ class NativeBackend(CompiledBackend):
     def run_fused(self, rule: Rule, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         names = list(slices[0].states)
         cpu = torch.device("cpu")
-        # the gradient factor and the rule's numbers in float64; the kernel rounds them to fp32
-        # as step_numbers() does (StableAdamW keeps lr, bc1 and wd in float64)
-        h = (ctypes.c_double * 10)(grad_factor(ctx), *rule.hyper(ctx.group, ctx.step))
-        keys = torch.zeros(4, dtype=torch.int32)
-        drawn = step_keys(ctx, 1 + len(names), cpu)  # the compiled backend's draws, for the same bits
-        keys[:min(4, len(drawn))] = drawn[:4]
-        groups: dict[tuple, list[tuple[ParamSlice, int]]] = {}
-        offset = 0
-        for s in slices:  # one kernel call per dtype signature; offsets count over all slices
-            groups.setdefault(slice_dtypes(s), []).append((s, offset))
-            offset += s.numel
+        # the step's numbers in float64; the kernel rounds them to fp32 as step_numbers() does
+        # (StableAdamW keeps lr, bc1 and wd in float64)
+        h = (ctypes.c_double * 10)(*step_values(rule, ctx))
+        keys = step_keys(ctx, 1 + len(names), cpu)  # the compiled backend's draws, for the same bits
         stalled = sum(self.launch(variant_macros(rule, ctx, dtypes), members, names, h, keys)
-                      for dtypes, members in groups.items())
+                      for dtypes, members in by_signature(slices, slice_dtypes).items())
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     @staticmethod
