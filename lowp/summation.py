@@ -191,7 +191,8 @@ def neumaier_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *, m
     for i in range(values.shape[-1]):
         v = values[..., i]
         t = ar.add(total, v)
-        big, small = torch.where(total.abs() >= v.abs(), total, v), torch.where(total.abs() >= v.abs(), v, total)
+        keep = total.abs() >= v.abs()
+        big, small = torch.where(keep, total, v), torch.where(keep, v, total)
         comp = ar.add(comp, ar.add(ar.sub(big, t), small))
         total = t
     return ar.add(total, comp)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from lowp.distributed.advisor import BucketStats
 from lowp.formats import get_format
+from lowp.rounding import quantize
 
 __all__ = ["ReduceState", "fp32_reduce_hook", "alltoall_fp32_hook", "stochastic_rounding_hook",
            "sum_then_divide_hook", "HOOKS"]
@@ -151,8 +152,6 @@ def _stream_seed(seed: int, rank: int, call: int) -> int:
 def _compress(state: ReduceState, values: torch.Tensor, stochastic: bool) -> torch.Tensor:
     if not stochastic or state.wire_dtype == torch.float32:
         return values.to(state.wire_dtype)
-    from lowp.rounding import quantize
-
     rank = dist.get_rank(state.process_group)
     gen = torch.Generator(device=values.device).manual_seed(_stream_seed(state.seed, rank, state.calls))
     return quantize(values.to(torch.float32), state.wire_dtype, "stochastic", generator=gen).to(state.wire_dtype)
