@@ -1,0 +1,143 @@
+"""Counter-based random bits for stochastic rounding, the same on every backend and every sharding.
+
+Stochastic rounding needs 16 uniform random bits per element and stream. lowp draws them from a
+pure function instead of a stateful generator (the approach of Salmon et al., "Parallel random
+numbers: as easy as 1, 2, 3", SC 2011)::
+
+    key  = stream_key(seed, step, param_id, stream)          # 32 bits, once per tensor and step
+    bits = random16(i, key)                                  # per element, i = global element index
+
+``i`` is the element's index in the *whole* parameter (row-major), so a parameter sharded over
+any number of ranks, cut into any chunks, or run by any backend (reference, native C++,
+torch.compile, Triton) draws the same bits for the same element. Nothing needs checkpointing
+beyond the seed and the step counters.
+
+``random16`` hashes the low 32 bits of ``i`` with the key, after folding the high 32 bits into the
+key, so elements ``i`` and ``i + 2**32`` draw different bits::
+
+    random16(i, key) = hash32(lo32(i) ^ key ^ hash32(hi32(i))) >> 16      (hash32(0) = 0)
+
+``hash32`` is an xor-shift-multiply integer mixer (constants from C. Wellons' "hash prospector",
+2018, a low-bias 32-bit mixer); ``stream_key`` mixes its inputs with SplitMix64's finalizer
+(Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Stream", "stream_key", "hash32_int", "random16_int", "hash32", "random16", "ElementIndex"]
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+class Stream:
+    """Stream numbers of one parameter: the weight's rounding, the Kahan compensation's, then
+    one per optimizer state (``STATE + i`` for the ``i``-th state name)."""
+
+    WEIGHT = 0
+    COMPENSATION = 1
+    STATE = 2
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_key(seed: int, step: int, param_id: int, stream: int) -> int:
+    """The 32-bit key (``0 <= key < 2**32``) of one random stream of one parameter at one step."""
+    x = _splitmix64(seed & _MASK64)
+    for v in (step, param_id, stream):
+        x = _splitmix64(x ^ (v & _MASK64))
+    return x & _MASK32
+
+
+def hash32_int(x: int) -> int:
+    """``hash32`` on one Python int in ``[0, 2**32)``: the reference the tensor versions match."""
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def random16_int(index: int, key: int) -> int:
+    """16 random bits of global element ``index`` (``0 <= index < 2**63``) in the stream ``key``."""
+    return hash32_int((index & _MASK32) ^ key ^ hash32_int(index >> 32)) >> 16
+
+
+def _as_int32(value: int) -> int:
+    """A 32-bit pattern as the signed value torch's int32 holds."""
+    value &= _MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """:func:`hash32_int` elementwise on an int32 tensor (wrap-around products; the masks make the
+    arithmetic shifts logical, so the bits equal the uint32 version in C++ and Triton)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _as_int32(0x7FEB352D)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _as_int32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def random16(index: torch.Tensor, key: int) -> torch.Tensor:
+    """:func:`random16_int` elementwise on an int64 tensor of global indices; int32 result in
+    ``[0, 2**16)``."""
+    lo = (index & _MASK32).to(torch.int32)   # int64 -> int32 keeps the low 32 bits (two's complement)
+    hi = hash32((index >> 32).to(torch.int32))
+    return (hash32(lo ^ hi ^ _as_int32(key)) >> 16) & 0xFFFF
+
+
+@dataclass(frozen=True)
+class ElementIndex:
+    """Where the elements of a local tensor sit in the whole parameter, for the random streams.
+
+    Local flat element ``j`` has the global index::
+
+        offset + ((start + j) // block) * stride + (start + j) % block      (block > 0)
+        offset + start + j                                                  (block == 0)
+
+    ``block == 0`` is a contiguous range (a whole tensor, a chunk of one, a ``Shard(0)`` shard).
+    A shard along dimension ``d > 0`` of a row-major tensor is a run of ``block`` local elements
+    (the product of the local sizes from ``d`` on) every ``stride`` global elements (the product
+    of the global sizes from ``d`` on), starting at ``offset``. ``start`` moves along the local
+    tensor when it is cut into chunks.
+    """
+
+    offset: int = 0
+    start: int = 0
+    block: int = 0
+    stride: int = 0
+
+    @property
+    def contiguous(self) -> bool:
+        """True when the global indices of the local elements are one contiguous range."""
+        return self.block == 0
+
+    def first(self) -> int:
+        """Global index of local element 0 (for a contiguous range: of every element, plus ``j``)."""
+        return self.global_index(0)
+
+    def global_index(self, j: int) -> int:
+        """Global index of local flat element ``j``."""
+        k = self.start + j
+        return self.offset + k if self.block == 0 else self.offset + (k // self.block) * self.stride + k % self.block
+
+    def shifted(self, n: int) -> "ElementIndex":
+        """The index of the local tensor that starts ``n`` elements further on (a chunk)."""
+        return ElementIndex(self.offset, self.start + n, self.block, self.stride)
+
+    def tensor(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The global indices of local elements ``0 .. n-1`` as an int64 tensor."""
+        k = torch.arange(self.start, self.start + n, dtype=torch.int64, device=device)
+        if self.block == 0:
+            return k + self.offset
+        return (k // self.block) * self.stride + k % self.block + self.offset

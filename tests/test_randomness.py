@@ -1,0 +1,53 @@
+"""Counter-based random bits: the tensor versions equal the pure-integer reference, the index map
+of sharded and chunked tensors equals a direct enumeration, and the bits are uniform."""
+from __future__ import annotations
+
+import torch
+
+from lowp.optim.randomness import ElementIndex, Stream, random16, random16_int, stream_key
+
+
+def test_random16_matches_the_integer_reference_across_the_64_bit_range():
+    starts = [0, (1 << 31) - 5, (1 << 32) - 5, 3 << 32, (1 << 62) + 12345]
+    index = torch.tensor([s + d for s in starts for d in range(10)], dtype=torch.int64)
+    for key in (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, stream_key(7, 3, 2, Stream.WEIGHT)):
+        got = random16(index, key).tolist()
+        assert got == [random16_int(int(i), key) for i in index]
+
+
+def test_elements_two_to_the_32_apart_draw_different_bits():
+    i = torch.arange(4096, dtype=torch.int64)
+    key = stream_key(0, 1, 0, Stream.WEIGHT)
+    assert (random16(i, key) != random16(i + (1 << 32), key)).float().mean() > 0.99
+
+
+def test_stream_keys_differ_by_every_input():
+    base = (5, 10, 3, Stream.STATE)
+    keys = {stream_key(*base)}
+    for pos in range(4):
+        for delta in (1, 2):
+            args = list(base)
+            args[pos] += delta
+            keys.add(stream_key(*args))
+    assert len(keys) == 9
+    assert all(0 <= k < 1 << 32 for k in keys)
+
+
+def test_bits_are_uniform():
+    bits = random16(torch.arange(1 << 16, dtype=torch.int64), stream_key(0, 1, 0, 0))
+    counts = torch.bincount(bits >> 12, minlength=16).double()   # 16 bins of 4096 expected
+    chi2 = float(((counts - 4096) ** 2 / 4096).sum())
+    assert chi2 < 40   # 15 degrees of freedom: p < 1e-3 above 37.7
+    assert 0.45 < float((bits & 1).double().mean()) < 0.55
+
+
+def test_element_index_of_a_shard_along_dim_1_enumerates_the_global_positions():
+    full = torch.arange(6 * 10 * 4).reshape(6, 10, 4)
+    local = full[:, 3:7, :]                    # a Shard(1) piece: columns 3..6 of 10
+    index = ElementIndex(offset=3 * 4, block=4 * 4, stride=10 * 4)
+    assert index.tensor(local.numel()).tolist() == local.reshape(-1).tolist()
+    chunk = index.shifted(20)
+    assert chunk.tensor(30).tolist() == local.reshape(-1)[20:50].tolist()
+    assert [chunk.global_index(j) for j in range(30)] == local.reshape(-1)[20:50].tolist()
+    assert ElementIndex(offset=100).shifted(5).tensor(3).tolist() == [105, 106, 107]
+    assert ElementIndex(offset=100).contiguous and not index.contiguous
