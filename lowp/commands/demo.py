@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=700, help="training steps per run (default 700)")
     parser.add_argument("--modes", default=DEFAULT_RUNS,
                         help=f"comma-separated runs from fp32, bf16-nearest, bf16-kahan, bf16-stochastic, "
-                             f"bf16-exact (default {DEFAULT_RUNS})")
+                             f"bf16-exact, fp16-kahan (default {DEFAULT_RUNS})")
     parser.add_argument("--out", default="lowp-report/demo", help="folder for demo_loss.png and demo.csv")
     parser.add_argument("--jobs", type=int, default=None,
                         help="runs trained in parallel, one single-threaded process each (default: CPU count, "

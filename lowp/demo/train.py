@@ -27,6 +27,7 @@ RUNS: dict[str, tuple[torch.dtype, str]] = {
     "bf16-kahan": (torch.bfloat16, "kahan"),
     "bf16-stochastic": (torch.bfloat16, "stochastic"),
     "bf16-exact": (torch.bfloat16, "exact"),
+    "fp16-kahan": (torch.float16, "kahan"),
 }
 
 
