@@ -13,8 +13,9 @@ safeguards:
   need it in fp32; bf16 rows above about 2**60 or below 2**-40 do.
 * **shifted, corrected mean** for LayerNorm: ``mu = c + mean(x - c)`` with ``c`` the row's
   first element, ``mu += mean(x - mu)``, then ``var = mean((x - mu)**2)``. Large nearly equal
-  values do not cancel as ``E[x^2] - E[x]^2`` does, the shifted sum cannot overflow where
-  ``sum x`` does (1.7e38 * 8 in fp32), and a row of equal values gets exactly that value as its
+  values do not cancel as ``E[x^2] - E[x]^2`` does, the shifted sum does not overflow on
+  same-sign rows where ``sum x`` does (8 * 1.7e38 in fp32; rows whose differences overflow are
+  rescaled), and a row of equal values gets exactly that value as its
   mean (every difference is 0), so its output is exactly the bias. On rescaled rows the mean is
   taken of ``x * 2**-E1`` and the deviations get their own exponent ``E2`` (see
   :func:`_rescaled_statistics`).
