@@ -3,6 +3,7 @@ parent; SIGKILL of the parent covered by the workers' PR_SET_PDEATHSIG on Linux)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,14 +47,21 @@ def test_demo_workers_die_with_the_parent(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "lowp", "demo", "--jobs", "2", "--modes", "fp32,bf16-kahan", "--steps", "100000",
            "--batch-size", "2", "--max-bytes", "20000", "--out", str(tmp_path / "out")]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp_path / "stderr.txt"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
     workers: list[int] = []
     try:
+        # wait until both workers train (the progress bar counts steps): a worker still starting
+        # up exits on its own when the parent goes, so that would prove nothing
         deadline = time.monotonic() + 120
-        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
+        training = re.compile(rb"\| *[1-9]\d*/\d+ \[")
+        while time.monotonic() < deadline and proc.poll() is None:
             workers = _workers(proc.pid)
-        assert len(workers) == 2, f"workers never started: {proc.poll()}"
+            if len(workers) == 2 and training.search(log.read_bytes()):
+                break
+            time.sleep(0.2)
+        assert len(workers) == 2 and proc.poll() is None, f"workers never started: {log.read_text()[-2000:]}"
         proc.send_signal(sig)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 10
@@ -63,7 +71,7 @@ def test_demo_workers_die_with_the_parent(tmp_path, sig):
         assert not survivors, f"workers {survivors} outlived the parent"
         if sig == signal.SIGTERM:
             assert proc.returncode == 128 + signal.SIGTERM
-            assert b"Traceback" not in proc.stderr.read()
+            assert b"Traceback" not in log.read_bytes()
             assert not (tmp_path / "out" / "demo.csv").exists()
     finally:
         if proc.poll() is None:
