@@ -87,6 +87,7 @@ BAD_INVOCATIONS = [
     (["audit", "--kinds", "binary", "--points", "1e7"], "--points"),
     (["audit", "--kinds", "reductions", "--lengths", "10,1e15"], "--lengths"),
     (["audit", "--kinds", "unary", "--out", "{blocked}"], "--out"),
+    (["audit", "--threads", "5000"], "--threads"),
     (["demo", "--modes", "bf16-kahn"], "--modes"),
     (["demo", "--steps", "0"], "--steps"),
     (["demo", "--steps", "1e12"], "--steps"),

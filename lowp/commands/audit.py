@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lowp.cli_args import check_memory, format_list, int_at_least, int_list, output_dir, usage_error, writable_folder
+from lowp.cli_args import check_at_most, check_memory, format_list, int_at_least, int_list, output_dir, usage_error, writable_folder
 
 HELP = "audit op precision (ulp error vs correctly rounded fp64) for fp16/bf16/fp8: native, opmath and low-format"
 
@@ -16,6 +16,7 @@ KINDS = ("unary", "binary", "reductions")
 #: reduction element (the input, its exact partial results and every method's output)
 BYTES_PER_PAIR = 96
 BYTES_PER_REDUCTION_ELEMENT = 256
+MAX_THREADS = 1024
 
 
 def _csv_list(text: str) -> list[str]:
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if "reductions" in kinds:
         longest = max(args.lengths)
         check_memory("audit", "--lengths", longest * BYTES_PER_REDUCTION_ELEMENT, f"a reduction of length {longest:,}")
+    check_at_most("audit", "--threads", args.threads, MAX_THREADS, "torch's thread pool")
     if args.out is not None:
         writable_folder("audit", "--out", args.out)
     torch.set_num_threads(args.threads)

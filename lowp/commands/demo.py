@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from lowp.cli_args import check_at_most, check_memory, float_in, int_at_least, output_dir, usage_error, writable_folder
+
+if TYPE_CHECKING:
+    from lowp.demo.train import DemoConfig
 
 HELP = "train a tiny char-level LM on Python's stdlib in fp32 and bf16 (nearest/kahan/stochastic) and compare"
 
 DEFAULT_RUNS = "fp32,bf16-nearest,bf16-kahan,bf16-stochastic"
-#: sane limits: more steps than a day of CPU time, more processes than a machine schedules
+#: sane limits: 10M steps is weeks of CPU time; more processes than this only queue up
 MAX_STEPS = 10_000_000
 MAX_JOBS = 256
 
@@ -33,13 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-norms-fp32", action="store_true", help="keep LayerNorm weights in fp32 (seed 001 tip)")
 
 
-def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: "DemoConfig") -> None:
+def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: DemoConfig) -> None:
     """Usage errors for bad runs and for limits and memory, before any data is read."""
     unknown = [r for r in runs if r not in known]
     if unknown or not runs:
         usage_error("demo", "--modes", f"unknown run(s) {', '.join(unknown) or '(none given)'}; expected a "
                                        f"comma-separated list of {', '.join(known)}")
-    check_at_most("demo", "--steps", args.steps, MAX_STEPS, "a day of CPU time is far fewer")
+    check_at_most("demo", "--steps", args.steps, MAX_STEPS, "steps per run")
     if args.jobs is not None:
         check_at_most("demo", "--jobs", args.jobs, MAX_JOBS, "processes")
     jobs = min(args.jobs or os.cpu_count() or 1, len(runs))
