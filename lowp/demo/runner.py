@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,7 +68,12 @@ class Terminated(Exception):
 
 @contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM into :class:`Terminated` in the main thread for the block (so cleanup runs)."""
+    """Turn SIGTERM into :class:`Terminated` for the block (so cleanup runs); only the main thread
+    can install signal handlers, elsewhere the workers' PR_SET_PDEATHSIG is the only guard."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
     def handler(signum: int, frame: object) -> None:
         raise Terminated(f"terminated by signal {signum}")
 
@@ -104,7 +110,6 @@ def train_all(runs: list[str], data: TextData, cfg: DemoConfig, jobs: int) -> li
                 bar.refresh()
                 time.sleep(0.5)
             bar.n = counter.value
-            bar.close()
             results = [p.get() for p in pending]
         except BaseException:
             pool.terminate()
@@ -112,5 +117,6 @@ def train_all(runs: list[str], data: TextData, cfg: DemoConfig, jobs: int) -> li
         else:
             pool.close()
         finally:
+            bar.close()
             pool.join()
     return results
