@@ -121,16 +121,28 @@ def writable_file(command: str, option: str, path: "str | os.PathLike[str]") -> 
 
 
 def available_memory() -> int:
-    """Bytes of memory available to a new allocation: ``MemAvailable`` of /proc/meminfo on Linux,
-    else the physical memory (``SC_PAGE_SIZE * SC_PHYS_PAGES``)."""
+    """Bytes of memory available to a new allocation: ``MemAvailable`` of /proc/meminfo on Linux
+    (else the physical memory, ``SC_PAGE_SIZE * SC_PHYS_PAGES``), lowered to what a cgroup v2
+    memory limit still allows (``memory.max - memory.current``) when the process runs in one."""
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    have = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            limit = fh.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as fh:
+            used = int(fh.read().strip())
+        if limit != "max":
+            have = min(have, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return have
 
 
 def _gib(nbytes: float) -> str:

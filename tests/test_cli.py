@@ -176,3 +176,30 @@ def test_reduce_sim_interrupted_leaves_the_previous_outputs(tmp_path, monkeypatc
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rs"]
     assert "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["optim-speed"], "--size"),
+    (["audit", "--kinds", "binary"], "--points"),
+    (["audit", "--kinds", "reductions"], "--lengths"),
+    (["norm-check"], "--n-long"),
+    (["demo"], "--batch-size"),
+    (["reduce-sim"], "--elements"),
+])
+def test_default_sizes_are_refused_when_memory_is_short(argv, option, monkeypatch, tmp_path, capsys):
+    """The memory check compares each command's estimate with what is available now (1 MiB here)."""
+    import lowp.cli_args
+
+    monkeypatch.setattr(lowp.cli_args, "available_memory", lambda: 2**20)
+    with pytest.raises(SystemExit) as exc:
+        main(argv + (["--out", str(tmp_path)] if argv[0] in ("demo", "reduce-sim") else []))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {option}:" in err and "GiB is available" in err
+
+
+def test_available_memory_is_positive_and_at_most_physical():
+    import os
+
+    from lowp.cli_args import available_memory
+
+    assert 0 < available_memory() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="native,opmath,lowformat", help="comma-separated methods")
     parser.add_argument("--no-exhaustive", dest="stride", action="store_const", const=16, default=1,
                         help="unary: every 16th input instead of every finite value (default: exhaustive)")
-    parser.add_argument("--points", type=int_at_least(2), default=384, help="binary: grid points per axis (default 384)")
+    parser.add_argument("--points", type=int_at_least(2), default=384,
+                        help="binary: grid points per axis (default 384, at most 65536)")
     parser.add_argument("--lengths", type=int_list(2), default="10,1000,100000,1000000",
                         help="reductions: comma-separated lengths (integers >= 2)")
     parser.add_argument("--seed-tables", action="store_true",
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if bad or not methods:
         usage_error("audit", "--methods", f"unknown {bad or '(none given)'}; expected some of {', '.join(METHODS)}")
     if "binary" in kinds:
-        pairs = min(args.points, 2**16) ** 2  # the grid holds at most every value of a 16-bit format
+        check_at_most("audit", "--points", args.points, 2**16, "every value of a 16-bit format")
+        pairs = args.points ** 2
         check_memory("audit", "--points", pairs * BYTES_PER_PAIR, f"a {args.points}-point grid")
     if "reductions" in kinds:
         longest = max(args.lengths)
