@@ -46,11 +46,13 @@ def _parse_specs(text: str) -> list[tuple[str, str]]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, compute = item.partition(":")
         fmt = get_format(name)
-        if compute != "native":
-            wide = get_format(compute or name)
-            if not fits_in(fmt, wide):
-                raise ValueError(f"compute format {wide.name} cannot hold every {fmt.name} value in {item!r}")
-        specs.append((fmt.name, "native" if compute == "native" else get_format(compute or name).name))
+        if compute == "native":
+            specs.append((fmt.name, "native"))
+            continue
+        wide = get_format(compute or name)
+        if not fits_in(fmt, wide):
+            raise ValueError(f"compute format {wide.name} cannot hold every {fmt.name} value in {item!r}")
+        specs.append((fmt.name, wide.name))
     if not specs:
         raise ValueError("--formats: expected at least one format")
     return specs
