@@ -42,7 +42,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 15-25 s on a loaded 2-core machine: two spawned workers import torch
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_demo_workers_die_with_the_parent(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "lowp", "demo", "--jobs", "2", "--modes", "fp32,bf16-kahan", "--steps", "100000",
