@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"\nlowp {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

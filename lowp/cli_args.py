@@ -13,7 +13,8 @@ import os
 import sys
 from typing import Callable, NoReturn
 
-__all__ = ["int_at_least", "int_list", "output_dir", "usage_error"]
+__all__ = ["int_at_least", "int_list", "float_in", "format_spec", "format_list", "output_dir", "usage_error", "writable_folder", "writable_file",
+           "available_memory", "check_memory", "check_at_most"]
 
 
 def _integer(text: str, minimum: int) -> int:
@@ -46,6 +47,41 @@ def int_list(minimum: int) -> Callable[[str], list[int]]:
     return parse
 
 
+def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+            raise argparse.ArgumentTypeError(f"expected a finite number in {'(' if low_open else '['}{low:g}, "
+                                             f"{high:g}], got {text!r}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def format_spec(text: str) -> str:
+    """An argparse type: a number format lowp knows (a preset name or ``eXmY``), returned as
+    given; the message lists the known names."""
+    from lowp.formats import get_format
+
+    try:
+        get_format(text.strip())
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("format: ")) from None
+    return text.strip()
+
+
+def format_list(text: str) -> list[str]:
+    """An argparse type: a comma-separated, non-empty list of :func:`format_spec` names."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated format names, got {text!r}")
+    return [format_spec(t) for t in items]
+
+
 def output_dir(text: str) -> str:
     """An argparse type: a folder to write into (it may not exist yet, but must not be a file)."""
     if not text:
@@ -60,3 +96,72 @@ def usage_error(command: str, option: str, message: str) -> NoReturn:
     argparse does: ``lowp <command>: error: argument <option>: <message>`` and exit status 2."""
     print(f"lowp {command}: error: argument {option}: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def writable_folder(command: str, option: str, path: "str | os.PathLike[str]") -> None:
+    """Before any work: create the folder ``path`` if missing and write (then delete) a probe file
+    in it, so an unwritable output fails now, with a usage error naming ``option``, and not after
+    the whole run."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        usage_error(command, option, f"cannot write into the folder {os.fspath(path)!r}: {exc.strerror or exc}")
+
+
+def writable_file(command: str, option: str, path: "str | os.PathLike[str]") -> None:
+    """Before any work: ``path`` must not be a folder and its folder must be writable
+    (:func:`writable_folder`; created if missing)."""
+    if os.path.isdir(path):
+        usage_error(command, option, f"expected a file path, but {os.fspath(path)!r} is a folder")
+    writable_folder(command, option, os.path.dirname(os.path.abspath(path)))
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation: ``MemAvailable`` of /proc/meminfo on Linux
+    (else the physical memory, ``SC_PAGE_SIZE * SC_PHYS_PAGES``), lowered to what a cgroup v2
+    memory limit still allows (``memory.max - memory.current``) when the process runs in one."""
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    have = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            limit = fh.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as fh:
+            used = int(fh.read().strip())
+        if limit != "max":
+            have = min(have, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return have
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+def check_memory(command: str, option: str, need: float, what: str) -> None:
+    """A usage error naming ``option`` when ``need`` bytes (the caller's estimate of ``what``)
+    exceed the memory available now."""
+    have = available_memory()
+    if need > have:
+        usage_error(command, option, f"{what} needs about {_gib(need)} of memory, {_gib(have)} is available")
+
+
+def check_at_most(command: str, option: str, value: float, limit: float, why: str) -> None:
+    """A usage error naming ``option`` when ``value`` exceeds a documented ``limit``."""
+    if value > limit:
+        usage_error(command, option, f"expected at most {_number(limit)} ({why}), got {_number(value)}")
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"

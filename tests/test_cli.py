@@ -1,3 +1,4 @@
+import pytest
 import subprocess
 import sys
 
@@ -53,3 +54,152 @@ def test_optim_speed_times_lowp_against_torch_fused(capsys):
         main(["optim-speed", "--size", "12"])
     assert exc.value.code == 2
     assert "--size" in capsys.readouterr().err
+
+
+# ---- bad invocations: one line on stderr naming the option, exit status 2, no traceback -------------
+
+BAD_INVOCATIONS = [
+    (["formats", "--custom", "bogus"], "--custom"),
+    (["formats", "--custom", "e9m60"], "--custom"),
+    (["doctor", "--format", "fp64"], "--format"),
+    (["doctor", "--format", "bogus"], "--format"),
+    (["doctor", "--scale", "nan"], "--scale"),
+    (["doctor", "--scale", "-1"], "--scale"),
+    (["doctor", "--loss-factor", "inf"], "--loss-factor"),
+    (["doctor", "--seed", "-1"], "--seed"),
+    (["norm-check", "--formats", "bogus"], "--formats"),
+    (["norm-check", "--formats", "bf16:fp16"], "--formats"),
+    (["norm-check", "--formats", "fp4_e2m1"], "--formats"),
+    (["norm-check", "--methods", "nope"], "--methods"),
+    (["norm-check", "--methods", ","], "--methods"),
+    (["norm-check", "--rows", "2"], "--rows"),
+    (["norm-check", "--rows", "1e15"], "--rows"),
+    (["norm-check", "--n-long", "1e9"], "--n-long"),
+    (["norm-check", "--seed", "-3"], "--seed"),
+    (["norm-check", "--csv", "{dir}"], "--csv"),
+    (["norm-check", "--markdown", "{blocked}/n.md"], "--markdown"),
+    (["audit", "--formats", "fp32"], "--formats"),
+    (["audit", "--formats", "bogus"], "--formats"),
+    (["audit", "--kinds", "x"], "--kinds"),
+    (["audit", "--methods", "y"], "--methods"),
+    (["audit", "--ops", "nope"], "--ops"),
+    (["audit", "--points", "1"], "--points"),
+    (["audit", "--kinds", "binary", "--points", "1e7"], "--points"),
+    (["audit", "--kinds", "reductions", "--lengths", "10,1e15"], "--lengths"),
+    (["audit", "--kinds", "unary", "--out", "{blocked}"], "--out"),
+    (["audit", "--threads", "5000"], "--threads"),
+    (["demo", "--modes", "bf16-kahn"], "--modes"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--steps", "1e12"], "--steps"),
+    (["demo", "--jobs", "0"], "--jobs"),
+    (["demo", "--jobs", "100000"], "--jobs"),
+    (["demo", "--batch-size", "1e12"], "--batch-size"),
+    (["demo", "--lr", "nan"], "--lr"),
+    (["demo", "--lr", "-1"], "--lr"),
+    (["demo", "--max-bytes", "10"], "--max-bytes"),
+    (["demo", "--max-bytes", "1e15"], "--max-bytes"),
+    (["demo", "--out", "{blocked}"], "--out"),
+    (["demo", "--out", "{file}"], "--out"),
+    (["optim-speed", "--size", "100G"], "--size"),
+    (["optim-speed", "--size", "x"], "--size"),
+    (["optim-speed", "--rounds", "0"], "--rounds"),
+    (["optim-speed", "--rounds", "100000"], "--rounds"),
+    (["optim-speed", "--threads", "100000"], "--threads"),
+    (["reduce-sim", "--max-world-size", "1e6"], "--max-world-size"),
+    (["reduce-sim", "--elements", "1e9"], "--elements"),
+    (["reduce-sim", "--elements", "0"], "--elements"),
+    (["reduce-sim", "--only", "bogus"], "--only"),
+    (["reduce-sim", "--out", "{blocked}"], "--out"),
+]
+
+
+@pytest.mark.parametrize("argv,option", BAD_INVOCATIONS, ids=[" ".join(a) for a, _ in BAD_INVOCATIONS])
+def test_bad_invocations_exit_2_naming_the_option(argv, option, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    paths = {"dir": str(tmp_path), "file": str(tmp_path / "file"), "blocked": str(tmp_path / "file" / "sub")}
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(**paths) for a in argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert option in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"lowp {argv[0]}: error: argument {option}")
+
+
+def test_optim_speed_without_cuda_names_device(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device cuda is valid here")
+    with pytest.raises(SystemExit) as exc:
+        main(["optim-speed", "--device", "cuda"])
+    assert exc.value.code == 2 and "--device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,heavy", [
+    (["demo", "--out", "{blocked}"], "lowp.demo.data.load_data"),
+    (["audit", "--kinds", "unary", "--out", "{blocked}"], "lowp.audit.unary.audit_unary"),
+    (["norm-check", "--csv", "{blocked}/n.csv"], "lowp.norms.check.score"),
+    (["reduce-sim", "--out", "{blocked}"], "lowp.distributed.experiments.seed_grid"),
+])
+def test_unwritable_output_fails_before_any_work(argv, heavy, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    module, name = heavy.rsplit(".", 1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{heavy} ran although the output cannot be written")
+
+    monkeypatch.setattr(importlib.import_module(module), name, refuse)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(blocked=str(tmp_path / "file" / "sub")) for a in argv])
+    assert exc.value.code == 2 and "cannot write" in capsys.readouterr().err
+
+
+def test_reduce_sim_interrupted_leaves_the_previous_outputs(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second section: the folder keeps the previous run's files, byte for byte,
+    and gets none of this run's; no staging folder is left behind."""
+    from lowp.distributed import experiments
+
+    out = tmp_path / "rs"
+    assert main(["reduce-sim", "--only", "premultiply", "--only", "fp16", "--elements", "16", "--no-plots",
+                 "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"premultiply.csv", "fp16.csv"}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiments, "fp16_table", interrupted)
+    assert main(["reduce-sim", "--only", "premultiply", "--only", "fp16", "--elements", "32", "--no-plots",
+                 "--out", str(out)]) == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rs"]
+    assert "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["optim-speed"], "--size"),
+    (["audit", "--kinds", "binary"], "--points"),
+    (["audit", "--kinds", "reductions"], "--lengths"),
+    (["norm-check"], "--n-long"),
+    (["demo"], "--batch-size"),
+    (["reduce-sim"], "--elements"),
+])
+def test_default_sizes_are_refused_when_memory_is_short(argv, option, monkeypatch, tmp_path, capsys):
+    """The memory check compares each command's estimate with what is available now (1 MiB here)."""
+    import lowp.cli_args
+
+    monkeypatch.setattr(lowp.cli_args, "available_memory", lambda: 2**20)
+    with pytest.raises(SystemExit) as exc:
+        main(argv + (["--out", str(tmp_path)] if argv[0] in ("demo", "reduce-sim") else []))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {option}:" in err and "GiB is available" in err
+
+
+def test_available_memory_is_positive_and_at_most_physical():
+    import os
+
+    from lowp.cli_args import available_memory
+
+    assert 0 < available_memory() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

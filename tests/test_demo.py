@@ -59,8 +59,9 @@ def test_demo_command_writes_table_csv_and_png(tmp_path, capsys):
 
 
 def test_demo_command_rejects_unknown_runs(tmp_path, capsys):
-    assert main(["demo", "--modes", "fp32,bf16-kahn", "--out", str(tmp_path)]) == 2
-    assert "--modes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--modes", "fp32,bf16-kahn", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--modes" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -109,3 +109,22 @@ def test_advisor_rejects_unknown_average_and_rounding():
         advise(BucketStats(10, 4, 0.0, 1.0), "bf16", "ring", average="median")
     with pytest.raises(ValueError, match="rounding"):
         advise(BucketStats(10, 4, 0.0, 1.0), "bf16", "ring", rounding="up")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mean_rms", float("nan")), ("mean_rms", float("inf")), ("mean_rms", -1.0), ("spread_rms", float("nan")),
+    ("spread_rms", -0.5), ("absmax", float("inf")), ("underflow_fraction", float("nan")),
+    ("underflow_fraction", 1.5), ("world_size", 10**6), ("world_size", 0), ("numel", 2.5), ("world_size", True),
+])
+def test_advise_rejects_non_finite_or_out_of_range_stats(field, value):
+    """A NaN mean used to answer ok=True; every number is checked, the error names the field."""
+    stats = dict(numel=4096, world_size=8, mean_rms=0.01, spread_rms=0.1)
+    stats[field] = value
+    with pytest.raises(ValueError, match=f"stats.{field}"):
+        advise(BucketStats(**stats))
+
+
+@pytest.mark.parametrize("loss_scale", [float("nan"), float("inf"), 0.0, -8.0])
+def test_advise_rejects_bad_loss_scale(loss_scale):
+    with pytest.raises(ValueError, match="loss_scale"):
+        advise(BucketStats(4096, 8, 0.0, 0.1), "fp16", loss_scale=loss_scale)

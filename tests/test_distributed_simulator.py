@@ -194,3 +194,45 @@ def test_fp8_stochastic_rounding_ring_is_unbiased():
 def test_reduce_rejects_bad_offset_and_total(kwargs, name):
     with pytest.raises(ValueError, match=name):
         reduce(torch.ones(3, 4), ReduceConfig(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(sigma=float("nan")), "sigma"), (dict(sigma=-1.0), "sigma"), (dict(sigma=1.0, mean=float("inf")), "mean"),
+    (dict(sigma=1.0, outlier_scale=float("nan")), "outlier_scale"), (dict(sigma="1"), "sigma"),
+])
+def test_gaussian_grads_reject_non_finite_numbers(kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        GaussianGrads(**kwargs)
+
+
+def test_sizes_beyond_the_documented_limits_are_refused_before_any_work():
+    """World sizes above MAX_WORLD_SIZE and simulations above MAX_SIMULATED_VALUES are refused at
+    once (they used to run for tens of minutes), naming the argument."""
+    import time
+
+    from lowp.distributed import experiments
+    from lowp.distributed.simulator import MAX_SIMULATED_VALUES, MAX_WORLD_SIZE
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="world_size"):
+        measure_error(MAX_WORLD_SIZE + 1, 1, GaussianGrads(1.0))
+    with pytest.raises(ValueError, match="elements"):
+        measure_error(2, MAX_SIMULATED_VALUES // 2 + 1, GaussianGrads(1.0))
+    with pytest.raises(ValueError, match="world_size"):
+        measure_error(2.5, 10, GaussianGrads(1.0))
+    with pytest.raises(ValueError, match="world_size"):
+        experiments.seed_grid([2, 2 * MAX_WORLD_SIZE])
+    with pytest.raises(ValueError, match="elements"):
+        experiments.seed_grid([MAX_WORLD_SIZE], elements=MAX_SIMULATED_VALUES // MAX_WORLD_SIZE)  # x 5 sigmas
+    with pytest.raises(ValueError, match="elements"):
+        experiments.outlier_table(elements=0)
+    assert time.perf_counter() - start < 5
+
+
+def test_experiments_report_progress_per_row():
+    from lowp.distributed import experiments
+
+    ticks = []
+    headers, rows = experiments.outlier_table(world_sizes=(4, 8), scales=(1.0,), elements=16,
+                                              progress=lambda: ticks.append(1))
+    assert len(ticks) == len(rows) == 2

@@ -1,5 +1,7 @@
 """Safe RMSNorm/LayerNorm: drop-in compatibility, fp64 gradcheck, and fp16/bf16 forward and
 backward accuracy against an fp64 reference on inputs that break the plain formula."""
+import math
+
 import pytest
 import torch
 
@@ -109,3 +111,91 @@ def test_cuda_matches_cpu_on_hard_rows(dtype):
             gpu = module.cuda()(x.cuda()).double().cpu()
             assert (ulp_error(gpu, cpu, dtype) <= 1).all()
         assert (ulp_error(vector_norm(x.cuda()).double().cpu(), vector_norm(x).double(), dtype) <= 1).all()
+
+
+def _constant_row_values(dtype: torch.dtype) -> torch.Tensor:
+    """Values across the whole range of ``dtype``, both signs, subnormals to the maximum: every
+    finite value of a 16-bit format; for fp32/fp64 every binade with 3 random significands each."""
+    info = torch.finfo(dtype)
+    if info.bits == 16:
+        bits = torch.arange(0, 2**15, dtype=torch.int32).to(torch.int16)
+        v = bits.view(dtype)
+        v = v[torch.isfinite(v) & (v != 0)]
+    else:
+        g = torch.Generator().manual_seed(5)
+        mant = {torch.float32: 23, torch.float64: 52}[dtype]
+        lowest = math.frexp(info.smallest_normal)[1] - 1 - mant  # exponent of the smallest subnormal
+        e = torch.arange(lowest, math.frexp(info.max)[1], dtype=torch.float64).repeat_interleave(3)
+        frac = 1 + torch.randint(0, 2**min(mant, 52), e.shape, generator=g).double() / 2**min(mant, 52)
+        v = torch.cat([torch.ldexp(frac, e).to(dtype), torch.tensor([info.max, info.max / 2], dtype=dtype)])
+        v = v[v != 0]
+    return torch.cat([v, -v])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_layernorm_rows_of_equal_values_give_exactly_the_bias_over_the_whole_range(dtype):
+    """x - mean(x) = 0 exactly, so the output is the bias and the gradient of sum(y) is 0, for every
+    magnitude (the plain mean of 1.7e38 * 7 overflowed fp32 and gave NaN; see docs/norms.md)."""
+    values = _constant_row_values(dtype)
+    ln = LayerNorm(7).to(dtype)
+    with torch.no_grad():
+        ln.bias.copy_(torch.linspace(-1, 1, 7, dtype=dtype))
+    x = values.unsqueeze(-1).expand(-1, 7).contiguous().requires_grad_()
+    y = ln(x)
+    assert torch.equal(y, ln.bias.detach().expand_as(y))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert torch.equal(ln.weight.grad, torch.zeros_like(ln.weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layernorm_equal_rows_near_max_have_the_fp64_gradient(dtype):
+    """Random weight and upstream gradient on rows of max/2 and max: dx = r (g' - mean g') with
+    r = 1/sqrt(eps), as the fp64 formula gives."""
+    v = torch.finfo(dtype).max
+    x = torch.tensor([[v / 2] * 16, [v] * 16, [-v] * 16], dtype=dtype)
+    gen = torch.Generator().manual_seed(4)
+    ln = LayerNorm(16).to(dtype)
+    with torch.no_grad():
+        ln.weight.copy_(torch.rand(16, generator=gen) + 0.5)
+    xg = x.clone().requires_grad_()
+    gy = torch.randn(3, 16, generator=gen).to(dtype)
+    ln(xg).backward(gy)
+    x64, ref = reference_norm(x, ln.weight, ln.bias, 1e-5, True)
+    ref.backward(gy.double())
+    err = (xg.grad.double() - x64.grad).abs().amax(-1) / x64.grad.abs().amax(-1)
+    assert (err <= 2 * torch.finfo(dtype).eps).all(), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layernorm_random_rows_near_max_match_fp64(dtype):
+    """Rows near max/2 and near max, same sign or mixed. bf16 (fp32 opmath): forward within 2 ulp,
+    gradient within 2 eps of the row's largest true gradient (the hard-row table's tolerances).
+    fp32 computes in fp32, so both errors scale with the condition number max|x| / std(x) of
+    centering: within 4 eps times it (documented in docs/norms.md)."""
+    gen = torch.Generator().manual_seed(6)
+    info = torch.finfo(dtype)
+    u = torch.rand(12, 64, generator=gen, dtype=torch.float64)
+    sign = torch.where(torch.rand(12, 64, generator=gen) < 0.5, -1.0, 1.0).double()
+    rows = torch.cat([info.max / 2 * (1 + u[:4] * 2**-10), info.max * (1 - u[4:8] * 0.01),
+                      info.max * (1 - u[8:] * 0.5) * sign[8:]])
+    x = rows.to(dtype)
+    ln = LayerNorm(64).to(dtype)
+    with torch.no_grad():
+        ln.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+        ln.bias.copy_(torch.randn(64, generator=gen) * 0.1)
+    xg = x.clone().requires_grad_()
+    y = ln(xg)
+    gy = torch.randn(y.shape, generator=gen).to(dtype)
+    y.backward(gy)
+    x64, ref = reference_norm(x, ln.weight, ln.bias, 1e-5, True)
+    ref.backward(gy.double())
+    assert torch.isfinite(y).all() and torch.isfinite(xg.grad).all()
+    grad_err = (xg.grad.double() - x64.grad).abs().amax(-1) / x64.grad.abs().amax(-1)
+    if dtype == torch.bfloat16:
+        assert ulp_error(y.detach().double(), ref.detach(), dtype).max() <= 2
+        assert (grad_err <= 2 * info.eps).all(), grad_err
+    else:
+        kappa = x64.detach().abs().amax(-1) / x64.detach().std(-1, unbiased=False)
+        assert ((y.detach().double() - ref.detach()).abs().amax(-1) <= 4 * info.eps * kappa).all()
+        assert (grad_err <= 4 * info.eps * kappa).all(), grad_err / kappa

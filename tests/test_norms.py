@@ -14,6 +14,7 @@ from lowp.norms.compute import Native, two_square, two_sum
 from lowp.norms.methods import blue_constants, seed_thresholds
 from lowp.formats import get_format
 from lowp.norms.reference import exact_norm
+from lowp.ulp import ulp
 
 
 def _norm(values, fmt="fp16", **kw):
@@ -202,6 +203,75 @@ def test_dim_argument_and_output_dtype():
     assert e4.dtype == torch.float8_e4m3fn and float(e4[0]) == 5.0
 
 
+# ---- 1-D, 0-D and empty inputs: every method x compute format ---------------------------------
+
+SHAPE_SPECS = [("fp16", "fp16"), ("fp16", torch.float16), ("fp16", None), ("bf16", "bf16"),
+               ("bf16", torch.bfloat16), ("bf16", None), ("e4m3", "fp16"), ("e5m2", "bf16"),
+               ("dlfloat16", "dlfloat16"), ("fp32", None)]
+
+
+def _vectors(fmt):
+    """1-D vectors that stress range: at the maximum (overflows to inf: the true norm is larger),
+    half the maximum, the smallest subnormal, mixed magnitudes, and 3-4-5."""
+    f = get_format(fmt)
+    tiny = f.min_subnormal if f.subnormals else f.min_normal
+    return [[3.0, 4.0], [f.max, f.max], [f.max / 2, -f.max / 2], [tiny, tiny, tiny],
+            [f.max / 4, 1.0, -tiny], [-1.5, 0.0, 2.0, 0.25, 3.0]]
+
+
+def _exact(values, fmt, eps=0.0):
+    """fsum-based fp64 value and its correct rounding to ``fmt`` (lowp.norms.reference)."""
+    v, r = exact_norm(torch.tensor([values], dtype=torch.float64), eps, fmt)
+    return float(v[0]), float(r[0])
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("fmt,compute", SHAPE_SPECS)
+def test_one_dimensional_inputs_match_rows_and_the_exact_norm(method, fmt, compute):
+    """1-D input takes the 2-D path (bf16 [3e38, 3e38] raised IndexError): same bits as the row of
+    a 2-D tensor, and robust is faithful to the fsum reference (inf where the norm overflows)."""
+    f = get_format(fmt)
+    for values in _vectors(fmt):
+        x, container = as_input(torch.tensor(values, dtype=torch.float64), f)
+        got = vector_norm(x, method=method, compute=compute, format=container)
+        assert got.shape == () and got.dtype == x.dtype
+        row = vector_norm(x.unsqueeze(0), method=method, compute=compute, format=container)[0]
+        assert torch.equal(got, row) or (got.isnan() and row.isnan())
+        value, rounded = _exact(values, f)
+        if method == "robust":
+            if math.isinf(rounded) or rounded == f.max:
+                assert float(got) == rounded, (values, float(got), rounded)
+            else:
+                assert abs(float(got) - value) < float(ulp(torch.tensor(value), f)), (values, float(got), value)
+        elif values == [3.0, 4.0]:
+            assert float(got) == 5.0
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("fmt,compute", SHAPE_SPECS)
+def test_zero_dimensional_and_empty_inputs(method, fmt, compute):
+    """0-D x is one element: ``sqrt(x**2 + eps)``; an empty dimension is an empty sum: ``sqrt(eps)``
+    (NaN for eps < 0), with torch.linalg.vector_norm's shapes; zero rows give an empty result."""
+    f = get_format(fmt)
+    x, container = as_input(torch.tensor(-3.0, dtype=torch.float64), f)
+    got = vector_norm(x, method=method, compute=compute, format=container)
+    assert got.shape == () and float(got) == _exact([3.0], f)[1] == 3.0
+    with_eps = float(vector_norm(x, 0, eps=0.25, method=method, compute=compute, format=container))
+    value, rounded = _exact([3.0], f, 0.25)
+    assert with_eps == rounded if method == "robust" else abs(with_eps - value) <= 2 * float(ulp(torch.tensor(value), f))
+    empty, container = as_input(torch.empty(2, 0, dtype=torch.float64), f)
+    for eps, want in ((0.0, 0.0), (0.25, 0.5), (-0.25, math.nan)):
+        got = vector_norm(empty, eps=eps, method=method, compute=compute, format=container)
+        assert got.shape == (2,) and got.dtype == empty.dtype
+        assert _exact([], f, eps)[1] == want or math.isnan(want)
+        assert torch.equal(got.double(), torch.full((2,), want, dtype=torch.float64)) or \
+            (math.isnan(want) and got.isnan().all())
+    flat, container = as_input(torch.empty(0, dtype=torch.float64), f)
+    assert float(vector_norm(flat, eps=0.25, method=method, compute=compute, format=container)) == 0.5
+    no_rows, container = as_input(torch.empty(0, 5, dtype=torch.float64), f)
+    assert vector_norm(no_rows, method=method, compute=compute, format=container).shape == (0,)
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 def test_bad_arguments_raise_clear_errors():
@@ -220,10 +290,12 @@ def test_bad_arguments_raise_clear_errors():
         vector_norm(x, compute=3)
     with pytest.raises(ValueError, match="compute"):
         Native(torch.int8)
-    with pytest.raises(ValueError, match="empty"):
-        vector_norm(torch.ones(2, 0, dtype=torch.float16))
-    with pytest.raises(ValueError, match="dimension"):
-        vector_norm(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="dim"):
+        vector_norm(x, dim=2)
+    with pytest.raises(ValueError, match="dim"):
+        vector_norm(torch.tensor(1.0), dim=1)
+    with pytest.raises(ValueError, match="dim"):
+        vector_norm(x, dim=1.0)
     with pytest.raises(ValueError, match="too narrow"):
         vector_norm(torch.tensor([[1.0, 2.0]]), compute="fp4_e2m1", format="fp4_e2m1")
 
@@ -246,13 +318,13 @@ def test_norm_check_command_writes_markdown_and_csv(tmp_path, capsys):
     assert md.read_text().startswith("| method |")
 
 
-def test_norm_check_rejects_bad_arguments():
+@pytest.mark.parametrize("argv,option", [(["--methods", "nope"], "--methods"), (["--formats", "notaformat"], "--formats")])
+def test_norm_check_rejects_bad_arguments(argv, option, capsys):
     from lowp.cli import main
 
-    with pytest.raises(SystemExit, match="methods"):
-        main(["norm-check", "--methods", "nope"])
-    with pytest.raises((SystemExit, ValueError)):
-        main(["norm-check", "--formats", "notaformat"])
+    with pytest.raises(SystemExit) as exc:
+        main(["norm-check", *argv])
+    assert exc.value.code == 2 and f"argument {option}" in capsys.readouterr().err
 
 
 def test_float32_inputs_use_float64_opmath_without_overflow():

@@ -5,35 +5,53 @@ import argparse
 import json
 from pathlib import Path
 
-from lowp.cli_args import int_at_least, int_list
+from lowp.cli_args import check_at_most, check_memory, format_list, int_at_least, int_list, output_dir, usage_error, writable_folder
 
 HELP = "audit op precision (ulp error vs correctly rounded fp64) for fp16/bf16/fp8: native, opmath and low-format"
 
 TABLE_COLUMNS = ["kind", "op", "format", "method", "length", "n", "max_ulp", "mean_ulp", "p99_ulp", "frac_correct",
                  "max_rel", "overflow", "underflow_to_zero", "nan_mismatch", "inf_mismatch", "near_midpoint"]
 KINDS = ("unary", "binary", "reductions")
+#: working bytes per grid pair (binary: inputs, exact and rounded results in float64) and per
+#: reduction element (the input, its exact partial results and every method's output)
+BYTES_PER_PAIR = 96
+BYTES_PER_REDUCTION_ELEMENT = 256
+MAX_THREADS = 1024
 
 
 def _csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _audit_formats(text: str) -> list[str]:
+    """Comma-separated formats of at most 16 bits (the unary audit enumerates every value)."""
+    from lowp.formats import get_format
+
+    names = format_list(text)
+    wide = [n for n in names if get_format(n).bits > 16]
+    if wide:
+        raise argparse.ArgumentTypeError(f"expected formats of at most 16 bits (every value is enumerated), "
+                                         f"got {', '.join(wide)}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--formats", default="fp16,bf16",
+    parser.add_argument("--formats", type=_audit_formats, default="fp16,bf16",
                         help="comma-separated formats (fp16, bf16 natively; fp8_e4m3fn, fp8_e5m2, dlfloat16 emulated)")
     parser.add_argument("--ops", default=None, help="comma-separated op names (default: every op of the chosen kinds)")
     parser.add_argument("--kinds", default="unary,binary,reductions", help="comma-separated subset of " + ",".join(KINDS))
     parser.add_argument("--methods", default="native,opmath,lowformat", help="comma-separated methods")
     parser.add_argument("--no-exhaustive", dest="stride", action="store_const", const=16, default=1,
                         help="unary: every 16th input instead of every finite value (default: exhaustive)")
-    parser.add_argument("--points", type=int_at_least(2), default=384, help="binary: grid points per axis (default 384)")
+    parser.add_argument("--points", type=int_at_least(2), default=384,
+                        help="binary: grid points per axis (default 384, at most 65536)")
     parser.add_argument("--lengths", type=int_list(2), default="10,1000,100000,1000000",
                         help="reductions: comma-separated lengths (integers >= 2)")
     parser.add_argument("--seed-tables", action="store_true",
                         help="also reproduce seed 004's appendix 3.3 and 3.4 tables")
     parser.add_argument("--conversion-stride", type=int_at_least(1), default=97,
                         help="3.4 table: use every k-th float32 value (1 = all 335M, ~70 s)")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=output_dir, default=None,
                         help="folder for audit.csv, audit.json and audit.md (created if missing)")
     parser.add_argument("--threads", type=int_at_least(1), default=1,
                         help="torch threads (default 1: the audit's tensors are small and extra OpenMP threads "
@@ -50,18 +68,33 @@ def run(args: argparse.Namespace) -> int:
 
     from lowp.report import text_table
 
-    torch.set_num_threads(args.threads)
+    from lowp.audit.unary import METHODS
+
     kinds = _csv_list(args.kinds)
     bad = [k for k in kinds if k not in KINDS]
-    if bad:
-        raise SystemExit(f"lowp audit: --kinds: unknown {bad}; expected some of {', '.join(KINDS)}")
+    if bad or not kinds:
+        usage_error("audit", "--kinds", f"unknown {bad or '(none given)'}; expected some of {', '.join(KINDS)}")
     ops = _csv_list(args.ops) if args.ops else None
     if ops is not None:
         known = set(UNARY_OPS) | set(BINARY_OPS) | set(REDUCTIONS)
         unknown = [o for o in ops if o not in known]
         if unknown:
-            raise SystemExit(f"lowp audit: --ops: unknown {unknown}; expected names from {', '.join(sorted(known))}")
-    formats, methods, progress = _csv_list(args.formats), _csv_list(args.methods), not args.no_progress
+            usage_error("audit", "--ops", f"unknown {unknown}; expected names from {', '.join(sorted(known))}")
+    formats, methods, progress = args.formats, _csv_list(args.methods), not args.no_progress
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        usage_error("audit", "--methods", f"unknown {bad or '(none given)'}; expected some of {', '.join(METHODS)}")
+    if "binary" in kinds:
+        check_at_most("audit", "--points", args.points, 2**16, "every value of a 16-bit format")
+        pairs = args.points ** 2
+        check_memory("audit", "--points", pairs * BYTES_PER_PAIR, f"a {args.points}-point grid")
+    if "reductions" in kinds:
+        longest = max(args.lengths)
+        check_memory("audit", "--lengths", longest * BYTES_PER_REDUCTION_ELEMENT, f"a reduction of length {longest:,}")
+    check_at_most("audit", "--threads", args.threads, MAX_THREADS, "torch's thread pool")
+    if args.out is not None:
+        writable_folder("audit", "--out", args.out)
+    torch.set_num_threads(args.threads)
 
     def pick(table: object) -> "list[str] | None":
         return None if ops is None else [o for o in ops if o in table]  # type: ignore[operator]
@@ -75,32 +108,32 @@ def run(args: argparse.Namespace) -> int:
         if "reductions" in kinds and pick(REDUCTIONS) != []:
             rows += audit_reductions(pick(REDUCTIONS), formats, methods, lengths=args.lengths, progress=progress)
     except ValueError as exc:
-        raise SystemExit(f"lowp audit: {exc}") from exc
+        usage_error("audit", "--formats", str(exc))
     print(text_table(TABLE_COLUMNS, [[r.get(c) for c in TABLE_COLUMNS] for r in rows]))
     print("\nulp errors against the float64 reference; <= 0.5 means correctly rounded. native: torch kernel in the "
           "format's dtype; opmath: fp32 compute, one rounding; lowformat: every step rounded to the format.")
     if args.seed_tables:
         print("\n" + seed_tables_text(args.conversion_stride))
     if args.out is not None:
-        write_outputs(rows, args.out)
-        print(f"\nwrote {args.out / 'audit.csv'}, audit.json, audit.md")
+        write_outputs(rows, Path(args.out))
+        print(f"\nwrote {Path(args.out) / 'audit.csv'}, audit.json, audit.md")
     return 0
 
 
 def write_outputs(rows: list[dict[str, object]], out: Path) -> None:
     """audit.csv, audit.json and audit.md (one table per kind) under ``out``."""
-    from lowp.report import csv_text, markdown_table
+    from lowp.report import csv_text, markdown_table, write_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     columns = list(dict.fromkeys(c for r in rows for c in r))
-    (out / "audit.csv").write_text(csv_text(columns, [[r.get(c) for c in columns] for r in rows]))
-    (out / "audit.json").write_text(json.dumps(rows, indent=1, default=str))
+    write_atomic(out / "audit.csv", csv_text(columns, [[r.get(c) for c in columns] for r in rows]))
+    write_atomic(out / "audit.json", json.dumps(rows, indent=1, default=str))
     parts = ["## summary: max ulp error (number of results not correctly rounded)\n\n" + markdown_table(*pivot(rows))]
     for kind in dict.fromkeys(str(r["kind"]) for r in rows):
         sub = [r for r in rows if r["kind"] == kind]
         cols = [c for c in TABLE_COLUMNS if any(c in r for r in sub)]
         parts.append(f"## {kind}\n\n" + markdown_table(cols, [[r.get(c) for c in cols] for r in sub]))
-    (out / "audit.md").write_text("# lowp audit\n\n" + "\n\n".join(parts) + "\n")
+    write_atomic(out / "audit.md", "# lowp audit\n\n" + "\n\n".join(parts) + "\n")
 
 
 def pivot(rows: list[dict[str, object]]) -> tuple[list[str], list[list[object]]]:

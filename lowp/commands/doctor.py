@@ -3,14 +3,32 @@ from __future__ import annotations
 
 import argparse
 
+from lowp.cli_args import float_in, format_spec, int_at_least
+
 HELP = "run the overflow/underflow monitor on a demo model and print per-module advice for a low format"
 
 
+def _checkable_format(text: str) -> str:
+    """A format narrower than fp32: the demo computes in fp32, so only those can be checked against."""
+    from lowp.formats import get_format
+    from lowp.rounding import fits_in
+
+    name = format_spec(text)
+    fmt, fp32 = get_format(name), get_format("fp32")
+    if fmt == fp32 or not fits_in(fmt, fp32):
+        raise argparse.ArgumentTypeError(f"expected a format narrower than fp32 (the demo computes in fp32), "
+                                         f"such as fp16, bf16 or fp8_e4m3fn; got {text!r}")
+    return name
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", default="fp16", help="target format to check against (default fp16)")
-    parser.add_argument("--scale", type=float, default=300.0, help="input scale (large values overflow fp16)")
-    parser.add_argument("--loss-factor", type=float, default=1e-6, help="loss multiplier (small values underflow grads)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
+    parser.add_argument("--format", type=_checkable_format, default="fp16",
+                        help="target format to check against, narrower than fp32 (default fp16)")
+    parser.add_argument("--scale", type=float_in(0, 1e30, low_open=True), default=300.0,
+                        help="input scale in (0, 1e30] (large values overflow fp16)")
+    parser.add_argument("--loss-factor", type=float_in(0, 1e30, low_open=True), default=1e-6,
+                        help="loss multiplier in (0, 1e30] (small values underflow grads)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="random seed for weights and inputs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,10 +40,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = DemoModel()
     x, y = demo_batch(scale=args.scale, seed=args.seed)
-    try:
-        monitor = PrecisionMonitor(model, args.format)
-    except ValueError as exc:
-        raise SystemExit(f"lowp doctor: --format: {exc}") from exc
+    monitor = PrecisionMonitor(model, args.format)
     with monitor:
         loss = run_demo(model, x, y, args.loss_factor)
     print(f"demo model: {sum(p.numel() for p in model.parameters())} parameters, input scale {args.scale:g}, "

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from lowp.cli_args import format_spec
+
 HELP = "print every number format lowp knows, with eps, range and precision"
 
 COLUMNS = ["name", "bits", "exponent_bits", "mantissa_bits", "bias", "subnormals", "special", "overflow",
@@ -12,7 +14,7 @@ COLUMNS = ["name", "bits", "exponent_bits", "mantissa_bits", "bias", "subnormals
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--csv", action="store_true", help="print CSV")
-    parser.add_argument("--custom", metavar="EXMY", action="append", default=[],
+    parser.add_argument("--custom", metavar="EXMY", type=format_spec, action="append", default=[],
                         help="also show a custom IEEE-style format, e.g. e3m4 (repeatable)")
 
 

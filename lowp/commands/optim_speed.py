@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from lowp.cli_args import check_at_most, check_memory, usage_error
+
 HELP = "time lowp's fused optimizer step here against torch's fused AdamW and optimi"
+
+
+#: every contender's parameters, gradients and states are alive together (fp32 AdamW 16 bytes,
+#: each bf16 variant about 10, the bandwidth probes 20, optimi 10): an upper estimate per parameter
+BYTES_PER_PARAM = 128
+MAX_ROUNDS = 10_000
+MAX_THREADS = 1024
 
 
 def _size(text: str) -> int:
@@ -13,7 +22,8 @@ def _size(text: str) -> int:
     try:
         return parse_size(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        message = str(e) if str(e).startswith("size:") else f"expected a parameter count such as 8M, got {text!r}"
+        raise argparse.ArgumentTypeError(message.removeprefix("size: ")) from None
 
 
 def _positive(text: str) -> int:
@@ -43,9 +53,19 @@ def run(args: argparse.Namespace) -> int:
     from lowp.optim.speed import measure, report
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("lowp optim-speed: error: --device cuda: no CUDA device here")
-        return 2
+        usage_error("optim-speed", "--device", "cuda: no CUDA device here")
+    check_at_most("optim-speed", "--rounds", args.rounds, MAX_ROUNDS, "timed steps per optimizer")
+    if args.threads:
+        check_at_most("optim-speed", "--threads", args.threads, MAX_THREADS, "torch's thread pool")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    need = args.size * BYTES_PER_PARAM
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            usage_error("optim-speed", "--size", f"{args.size:,} parameters need about {need / 2**30:.3g} GiB of "
+                                                 f"GPU memory, {free / 2**30:.3g} GiB is free")
+    else:
+        check_memory("optim-speed", "--size", need, f"{args.size:,} parameters")
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = backend_for([torch.zeros(args.size, dtype=torch.bfloat16, device=device)], None, None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from lowp.cli_args import int_at_least, output_dir, usage_error
+from lowp.cli_args import check_at_most, check_memory, int_at_least, output_dir, usage_error, writable_folder
 
 HELP = "simulate bf16/fp16/fp8 gradient all-reduce (ring, tree, all-to-all): error tables and plots"
 
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run only these sections (repeatable; default: all)")
     parser.add_argument("--elements", type=int_at_least(1), default=4096, help="elements per simulated tensor (default 4096)")
     parser.add_argument("--max-world-size", type=int_at_least(2), default=1024,
-                        help="largest R in the seed grid (powers of two from 2; default 1024)")
+                        help="largest R in the seed grid (powers of two from 2; default 1024, at most 65536)")
     parser.add_argument("--no-plots", action="store_true", help="print the tables only")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
 
@@ -80,43 +80,66 @@ def _plot_lines(headers: list[str], rows: list[list[object]], x: str, group: str
     plt.close(fig)
 
 
+#: the largest R any section simulates besides the seed grid (mean_bias_table's 4096)
+LARGEST_FIXED_R = 4096
+#: bytes per simulated value held at once (inputs, three algorithms' results, exact sums)
+BYTES_PER_VALUE = 64
+
+
+def _check_sizes(args: argparse.Namespace, sections: list[str]) -> None:
+    """Usage errors, before any work, for a world size or element count beyond the simulator's
+    limits (:data:`lowp.distributed.simulator.MAX_WORLD_SIZE`, ``MAX_SIMULATED_VALUES``) or memory."""
+    from lowp.distributed.simulator import MAX_SIMULATED_VALUES, MAX_WORLD_SIZE
+
+    check_at_most("reduce-sim", "--max-world-size", args.max_world_size, MAX_WORLD_SIZE, "simulated ranks")
+    largest_r = max(args.max_world_size if "seed" in sections else 2, LARGEST_FIXED_R)
+    # the seed grid simulates its five sigmas at once; premultiply uses 2 * elements
+    per_r = 5 * args.elements if "seed" in sections else 2 * args.elements
+    if largest_r * per_r > MAX_SIMULATED_VALUES:
+        usage_error("reduce-sim", "--elements", f"{args.elements:,} elements make {largest_r * per_r:,} simulated "
+                                                f"values at R = {largest_r}, more than the simulator's limit of "
+                                                f"{MAX_SIMULATED_VALUES:,}")
+    check_memory("reduce-sim", "--elements", largest_r * per_r * BYTES_PER_VALUE, f"R = {largest_r} ranks")
+
+
 def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from lowp.distributed import experiments as ex
-    from lowp.report import csv_text, markdown_table, text_table
+    from lowp.report import csv_text, markdown_table, staged_folder, text_table, write_atomic
     from lowp.threads import single_thread
 
-    sections = args.only or list(SECTIONS)
+    sections = list(dict.fromkeys(args.only or SECTIONS))
+    _check_sizes(args, sections)
+    writable_folder("reduce-sim", "--out", args.out)
     seed_sizes = [2**i for i in range(1, args.max_world_size.bit_length()) if 2**i <= args.max_world_size]
     n = args.elements
     runners = {
-        "seed": lambda: ex.seed_grid(seed_sizes, elements=n),
-        "mean": lambda: ex.mean_bias_table(elements=max(n // 2, 1)),
-        "microbatch": lambda: ex.microbatch_table(elements=n),
-        "fp16": lambda: ex.fp16_table(elements=n),
-        "fp8": lambda: ex.fp8_table(elements=n),
-        "premultiply": lambda: ex.premultiply_table(elements=2 * n),
-        "outlier": lambda: ex.outlier_table(elements=n),
+        "seed": lambda tick: ex.seed_grid(seed_sizes, elements=n, progress=tick),
+        "mean": lambda tick: ex.mean_bias_table(elements=max(n // 2, 1), progress=tick),
+        "microbatch": lambda tick: ex.microbatch_table(elements=n, progress=tick),
+        "fp16": lambda tick: ex.fp16_table(elements=n, progress=tick),
+        "fp8": lambda tick: ex.fp8_table(elements=n, progress=tick),
+        "premultiply": lambda tick: ex.premultiply_table(elements=2 * n, progress=tick),
+        "outlier": lambda tick: ex.outlier_table(elements=n, progress=tick),
     }
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as exc:
-        usage_error("reduce-sim", "--out", f"cannot create the folder {args.out!r}: {exc.strerror}")
-    with single_thread():
+    # every file goes to a staging folder, moved into --out only when all sections are done
+    with single_thread(), staged_folder(args.out) as stage:
         for name in sections:
-            headers, rows = runners[name]()
+            with tqdm(desc=f"reduce-sim {name}", unit="row", leave=False) as bar:
+                headers, rows = runners[name](bar.update)
             print(f"\n## {TITLES[name]}\n")
             print(markdown_table(headers, rows) if args.markdown else text_table(headers, rows))
-            with open(os.path.join(args.out, f"{name}.csv"), "w") as fh:
-                fh.write(csv_text(headers, rows))
+            write_atomic(os.path.join(stage, f"{name}.csv"), csv_text(headers, rows))
             if args.no_plots:
                 continue
             if name == "seed":
-                _plot_seed(headers, rows, os.path.join(args.out, "seed003_error_vs_R.png"))
+                _plot_seed(headers, rows, os.path.join(stage, "seed003_error_vs_R.png"))
             elif name == "mean":
                 _plot_lines(headers, [r for r in rows if r[1] > 0], "R", "mu/sigma", "ring_bias%",
-                            os.path.join(args.out, "stagnation_bias.png"), "bf16 ring: bias of the mean gradient (%)")
+                            os.path.join(stage, "stagnation_bias.png"), "bf16 ring: bias of the mean gradient (%)")
             elif name == "fp16":
-                _plot_lines(headers, rows, "R", "sigma", "ring_err/noise", os.path.join(args.out, "fp16_underflow.png"),
+                _plot_lines(headers, rows, "R", "sigma", "ring_err/noise", os.path.join(stage, "fp16_underflow.png"),
                             "fp16 ring without loss scaling: error / noise")
     print(f"\ntables (CSV){'' if args.no_plots else ' and plots (PNG)'} written to {args.out}")
     return 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowp.distributed import model
-from lowp.distributed.simulator import AVERAGING, ROUNDINGS
+from lowp.distributed.simulator import AVERAGING, MAX_WORLD_SIZE, ROUNDINGS, check_number
 from lowp.formats import get_format
 
 __all__ = ["BucketStats", "Advice", "advise", "advise_buckets", "check_reduce_dtype"]
@@ -85,6 +85,20 @@ def check_reduce_dtype(requested: torch.dtype | None, param_dtype: torch.dtype |
     return []
 
 
+def _check_stats(stats: BucketStats) -> None:
+    """ValueError naming the field of ``stats`` that is not a finite number in its range."""
+    for name in ("numel", "world_size"):
+        value = getattr(stats, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"stats.{name}: expected a positive int, got {value!r}")
+    if stats.world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"stats.world_size: expected at most {MAX_WORLD_SIZE} (the stagnation estimate simulates "
+                         f"every rank), got {stats.world_size}")
+    for name in ("mean_rms", "spread_rms", "absmax"):
+        check_number(f"stats.{name}", getattr(stats, name), 0.0)
+    check_number("stats.underflow_fraction", stats.underflow_fraction, 0.0, 1.0)
+
+
 def advise(stats: BucketStats, dtype: "str | torch.dtype" = "bf16", algorithm: str = "ring",
            average: str = "pre_divide", rounding: str = "nearest", loss_scale: float | None = None) -> Advice:
     """Predict the error of reducing a bucket with these statistics and flag risky set-ups.
@@ -93,8 +107,9 @@ def advise(stats: BucketStats, dtype: "str | torch.dtype" = "bf16", algorithm: s
     """
     if not isinstance(stats, BucketStats):
         raise TypeError(f"stats: expected BucketStats, got {type(stats).__name__}")
-    if stats.world_size < 1 or stats.numel < 1:
-        raise ValueError(f"stats: world_size and numel must be positive, got {stats.world_size}, {stats.numel}")
+    _check_stats(stats)
+    if loss_scale is not None:
+        check_number("loss_scale", loss_scale, 0.0, low_open=True)
     if average not in AVERAGING:
         raise ValueError(f"average: expected one of {AVERAGING}, got {average!r}")
     if rounding not in ROUNDINGS:

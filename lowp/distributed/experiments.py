@@ -3,16 +3,21 @@ and the regimes where low-precision reduction does hurt. Each returns ``(headers
 
 Every error is reported against the gradient's own sampling noise ``sigma / sqrt(R)`` (the std
 of a mean of R per-rank gradients), which is what decides whether training can notice.
+
+Each function checks its largest simulation against the simulator's limits before any work
+(ValueError naming ``world_size`` or ``elements``) and calls ``progress()``, when given, after
+every row.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from lowp.distributed import model
-from lowp.distributed.simulator import GaussianGrads, ReduceConfig, accumulate, exact_reduce, measure_error, reduce
+from lowp.distributed.simulator import (GaussianGrads, ReduceConfig, accumulate, check_size, exact_reduce, measure_error,
+                                        reduce)
 from lowp.rounding import quantize
 
 __all__ = ["SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "microbatch_table", "fp16_table",
@@ -21,15 +26,32 @@ __all__ = ["SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "m
 SEED_WORLD_SIZES: tuple[int, ...] = tuple(2**i for i in range(1, 11))
 SEED_SIGMAS: tuple[float, ...] = tuple(2.0**-i for i in range(8, 3, -1))
 Table = tuple[list[str], list[list[object]]]
+Progress = Callable[[], None]
+
+
+def _tick(progress: "Progress | None") -> None:
+    """Report one finished row (or one world size of the seed grid) to the caller's progress bar."""
+    if progress is not None:
+        progress()
+
+
+def _check_sizes(world_sizes: Sequence[int], elements: int, per_rank: int = 1) -> None:
+    """ValueError naming ``world_size`` or ``elements`` when the largest simulation is beyond the
+    simulator's limits (:func:`lowp.distributed.simulator.check_size`), before any work."""
+    if not world_sizes:
+        raise ValueError("world_sizes: expected at least one world size")
+    check_size(max(world_sizes), elements)
+    check_size(max(world_sizes), elements * per_rank)
 
 
 def seed_grid(world_sizes: Sequence[int] = SEED_WORLD_SIZES, sigmas: Sequence[float] = SEED_SIGMAS,
               elements: int = 4096, fmt: str = "bf16", seed: int = 0,
-              algorithms: Sequence[str] = ("ring", "tree", "alltoall")) -> Table:
+              algorithms: Sequence[str] = ("ring", "tree", "alltoall"), progress: "Progress | None" = None) -> Table:
     """Seed 003's experiment: inputs ``N(0, sigma**2)`` in ``fmt``, pre-divided by R and reduced
     by each algorithm; error std (in units of sigma) measured against the exact fp64 mean and
     predicted by :mod:`lowp.distributed.model`. ``seed_std`` is the seed's own metric (std of
     ring - fl(exact)). All sigmas run in one pass per R."""
+    _check_sizes(world_sizes, elements, len(sigmas))
     headers = ["R", "sigma", "seed_std/sigma"]
     for alg in algorithms:
         headers += [f"{alg}/sigma", f"{alg}_model"]
@@ -47,13 +69,15 @@ def seed_grid(world_sizes: Sequence[int] = SEED_WORLD_SIZES, sigmas: Sequence[fl
             for alg in algorithms:
                 row += [float(errors[alg][i].std()) / s, model.reduction_error_std(alg, R, s, fmt) / s]
             rows.append(row + [float(errors["ring"][i].std()) / model.sampling_noise(R, s)])
+            _tick(progress)
     return headers, rows
 
 
 def mean_bias_table(world_sizes: Sequence[int] = (64, 256, 1024, 4096), ratios: Sequence[float] = (0.0, 0.1, 1.0, 10.0),
-                    elements: int = 2048, fmt: str = "bf16") -> Table:
+                    elements: int = 2048, fmt: str = "bf16", progress: "Progress | None" = None) -> Table:
     """Components whose mean across ranks is not 0 (``mu = ratio * sigma``): nearest-rounded ring
     sums stagnate once the partial sum exceeds ``2**p`` addends; SR and fp32 accumulation do not."""
+    _check_sizes(world_sizes, elements)
     headers = ["R", "mu/sigma", "ring_bias%", "ring_err/noise", "ring_SR_bias%", "ring_SR_err/noise",
                "alltoall_bias%", "alltoall_err/noise"]
     rows = []
@@ -66,13 +90,15 @@ def mean_bias_table(world_sizes: Sequence[int] = (64, 256, 1024, 4096), ratios: 
                 st = measure_error(R, elements, grads, cfg)
                 row += [100 * st.bias / (ratio * sigma) if ratio else math.nan, st.error_to_noise]
             rows.append(row)
+            _tick(progress)
     return headers, rows
 
 
 def microbatch_table(counts: Sequence[int] = (8, 64, 256, 1024), ratios: Sequence[float] = (0.0, 1.0),
-                     elements: int = 4096, fmt: str = "bf16") -> Table:
+                     elements: int = 4096, fmt: str = "bf16", progress: "Progress | None" = None) -> Table:
     """Local accumulation of M micro-batch gradients ``g_m / M`` in a bf16 ``.grad``: the same
     stagnation as a long ring, against fp32 accumulation and the micro-batch noise ``sigma/sqrt(M)``."""
+    _check_sizes(counts, elements)
     headers = ["M", "mu/sigma", "bf16_err/noise", "bf16_bias%", "bf16_SR_err/noise", "fp32_err/noise"]
     sigma, rows = 2**-6, []
     gen = torch.Generator().manual_seed(0)
@@ -86,13 +112,15 @@ def microbatch_table(counts: Sequence[int] = (8, 64, 256, 1024), ratios: Sequenc
             rms = {k: float(v.pow(2).mean().sqrt()) / noise for k, v in err.items()}
             bias = 100 * float(err["n"].mean()) / (ratio * sigma) if ratio else math.nan
             rows.append([M, ratio, rms["n"], bias, rms["sr"], rms["f"]])
+            _tick(progress)
     return headers, rows
 
 
 def fp16_table(world_sizes: Sequence[int] = (8, 64, 1024), sigmas: Sequence[float] = (1e-3, 1e-4, 1e-5, 1e-6),
-               elements: int = 4096) -> Table:
+               elements: int = 4096, progress: "Progress | None" = None) -> Table:
     """fp16 without loss scaling: pre-dividing small gradients by R pushes them below fp16's
     subnormals (6e-8). Dividing after an fp32 sum (all-to-all hook) avoids it."""
+    _check_sizes(world_sizes, elements)
     headers = ["R", "sigma", "g/R<subnormal%", "g/R->0%", "ring_err/noise", "ring_zero%", "sum_then_divide_err/noise"]
     rows = []
     for R in world_sizes:
@@ -103,13 +131,15 @@ def fp16_table(world_sizes: Sequence[int] = (8, 64, 1024), sigmas: Sequence[floa
             rows.append([R, s, 100 * model.underflow_fraction(R, s, "fp16", threshold="subnormal"),
                          100 * model.underflow_fraction(R, s, "fp16"), ring.error_to_noise, 100 * ring.zero_fraction,
                          fair.error_to_noise])
+            _tick(progress)
     return headers, rows
 
 
 def fp8_table(world_sizes: Sequence[int] = (8, 64, 512), formats: Sequence[str] = ("fp8_e4m3fn", "fp8_e5m2"),
-              sigma: float = 0.5, elements: int = 4096) -> Table:
+              sigma: float = 0.5, elements: int = 4096, progress: "Progress | None" = None) -> Table:
     """fp8 per-hop rounding (p = 4 or 3 bits): the ring's error passes the sampling noise quickly;
     sending fp8 but accumulating in fp32 keeps only the compression error."""
+    _check_sizes(world_sizes, elements)
     headers = ["format", "R", "ring_err/noise", "tree_err/noise", "alltoall_fp32_err/noise", "ring_model/noise"]
     rows = []
     for fmt in formats:
@@ -119,15 +149,18 @@ def fp8_table(world_sizes: Sequence[int] = (8, 64, 512), formats: Sequence[str] 
                                                                    else "pre_divide")).error_to_noise
                     for alg in ("ring", "tree", "alltoall")]
             rows.append([fmt, R, *errs, model.ring_error_std(R, sigma, fmt) / model.sampling_noise(R, sigma)])
+            _tick(progress)
     return headers, rows
 
 
 def premultiply_table(world_sizes: Sequence[int] = (3, 6, 12, 24, 96, 1000),
-                      formats: Sequence[str] = ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"), elements: int = 8192) -> Table:
+                      formats: Sequence[str] = ("bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"), elements: int = 8192,
+                      progress: "Progress | None" = None) -> Table:
     """NCCL-style averaging (premultiply by fl(1/R)) when R is not a power of two: every gradient is
     scaled by ``R fl(1/R)``. Model value, and the measured slope of premultiply results relative to
     dividing after an fp32 sum (all-to-all, so no per-hop rounding; in fp8 the rounding of each
     product ``fl(x fl(1/R))`` adds its own bias on top)."""
+    _check_sizes(world_sizes, elements)
     headers = ["R"] + [f"{f}_bias%" for f in formats] + [f"{f}_measured%" for f in formats]
     rows = []
     for R in world_sizes:
@@ -140,14 +173,16 @@ def premultiply_table(world_sizes: Sequence[int] = (3, 6, 12, 24, 96, 1000),
                       for got in (reduce(x, ReduceConfig("alltoall", fmt, average=avg)) for avg in ("premultiply", "post_divide"))]
             measured.append(100 * (slopes[0] / slopes[1] - 1))
         rows.append([R] + [100 * model.premultiply_bias(R, f) for f in formats] + measured)
+        _tick(progress)
     return headers, rows
 
 
 def outlier_table(world_sizes: Sequence[int] = (16, 256, 1024), scales: Sequence[float] = (1.0, 100.0, 1e4),
-                  elements: int = 4096, fmt: str = "bf16") -> Table:
+                  elements: int = 4096, fmt: str = "bf16", progress: "Progress | None" = None) -> Table:
     """One rank (the first in every chunk's ring order is rank c+1; rank 0 here) with gradients
     ``scale`` times larger: every later hop rounds at the outlier's ulp. Error vs the other
     ranks' noise ``sigma/sqrt(R)``."""
+    _check_sizes(world_sizes, elements)
     headers = ["R", "outlier_scale", "ring_err/noise", "tree_err/noise", "alltoall_err/noise"]
     rows = []
     for R in world_sizes:
@@ -155,4 +190,5 @@ def outlier_table(world_sizes: Sequence[int] = (16, 256, 1024), scales: Sequence
             grads = GaussianGrads(2**-6, fmt=fmt, outlier_ranks=(0,), outlier_scale=scale)
             rows.append([R, scale] + [measure_error(R, elements, grads, ReduceConfig(alg, fmt)).error_to_noise
                                       for alg in ("ring", "tree", "alltoall")])
+            _tick(progress)
     return headers, rows

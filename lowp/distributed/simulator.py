@@ -50,12 +50,46 @@ from lowp.formats import FloatFormat, get_format
 from lowp.rounding import _native_cast_matches, canonical_mode, quantize
 
 __all__ = ["ALGORITHMS", "AVERAGING", "Rounder", "ReduceConfig", "reduce", "accumulate", "exact_reduce",
-           "GaussianGrads", "ErrorStats", "measure_error"]
+           "GaussianGrads", "ErrorStats", "measure_error", "MAX_WORLD_SIZE", "MAX_SIMULATED_VALUES", "check_size",
+           "check_number"]
 
 ALGORITHMS: tuple[str, ...] = ("ring", "tree", "alltoall", "exact")
 AVERAGING: tuple[str, ...] = ("sum", "pre_divide", "post_divide", "premultiply")
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 DEFAULT_CHUNK_BUDGET = 1 << 22   # elements (R x columns) processed at once
+#: Largest simulated world size: beyond any data-parallel degree in use, and the ring's R hops
+#: are a Python loop, so larger R only means a longer wait.
+MAX_WORLD_SIZE = 1 << 16
+#: Largest number of per-rank values (world size x elements) one measurement simulates: about
+#: ten minutes on one CPU core; more is refused rather than left running for hours.
+MAX_SIMULATED_VALUES = 1 << 30
+
+
+def check_number(name: str, value: object, low: float = -math.inf, high: float = math.inf, *,
+                 low_open: bool = False) -> float:
+    """``value`` as a float if it is a finite real number in ``[low, high]`` (``(low, high]`` with
+    ``low_open``); otherwise a ValueError (TypeError for non-numbers) naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a finite number, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or v < low or v > high or (low_open and v == low):
+        raise ValueError(f"{name}: expected a finite number in {'(' if low_open else '['}{low:g}, {high:g}], "
+                         f"got {value!r}")
+    return v
+
+
+def check_size(world_size: object, elements: object) -> None:
+    """ValueError naming ``world_size`` or ``elements`` unless both are positive ints,
+    ``world_size <= MAX_WORLD_SIZE`` and their product ``<= MAX_SIMULATED_VALUES``."""
+    for name, value in (("world_size", world_size), ("elements", elements)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if world_size > MAX_WORLD_SIZE:  # type: ignore[operator]
+        raise ValueError(f"world_size: expected at most {MAX_WORLD_SIZE} (lowp.distributed.simulator.MAX_WORLD_SIZE), "
+                         f"got {world_size}")
+    if world_size * elements > MAX_SIMULATED_VALUES:  # type: ignore[operator]
+        raise ValueError(f"elements: world_size x elements = {world_size * elements:,} exceeds "  # type: ignore[operator]
+                         f"MAX_SIMULATED_VALUES = {MAX_SIMULATED_VALUES:,}; use fewer elements")
 # dtypes whose CPU add/div/mul are computed in fp32 (or natively) and rounded once: exact emulation
 NATIVE_ARITHMETIC = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -255,6 +289,11 @@ class GaussianGrads:
     outlier_ranks: Sequence[int] = field(default_factory=tuple)
     outlier_scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        check_number("sigma", self.sigma, 0.0)
+        check_number("mean", self.mean)
+        check_number("outlier_scale", self.outlier_scale)
+
     def sample(self, world_size: int, count: int, generator: torch.Generator) -> torch.Tensor:
         """``[world_size, count]`` values of ``fmt`` (float32 container; float64 for wider formats)."""
         fmt = get_format(self.fmt)
@@ -301,8 +340,9 @@ def measure_error(world_size: int, elements: int, grads: GaussianGrads, config: 
                   sampler: Callable[[int, int, torch.Generator], torch.Tensor] | None = None) -> ErrorStats:
     """Simulate ``config`` on ``world_size`` ranks x ``elements`` fresh gradients, in column chunks
     of at most ``chunk_budget`` values so R = 4096 x millions of elements fits in memory."""
-    if world_size < 1 or elements < 1:
-        raise ValueError(f"world_size, elements: expected positive ints, got {world_size}, {elements}")
+    check_size(world_size, elements)
+    if isinstance(chunk_budget, bool) or not isinstance(chunk_budget, int) or chunk_budget < 1:
+        raise ValueError(f"chunk_budget: expected a positive int, got {chunk_budget!r}")
     data_gen = torch.Generator().manual_seed(seed)
     round_gen = torch.Generator().manual_seed(seed + 1)
     sample = sampler or grads.sample

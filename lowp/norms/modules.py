@@ -11,11 +11,17 @@ safeguards:
   ``x / sqrt(mean x**2 + eps)`` unchanged; the statistics are then computed on values near 1.
   Only rows that need it are rescaled, so ordinary rows cost what torch's do. fp16 rows never
   need it in fp32; bf16 rows above about 2**60 or below 2**-40 do.
-* **two-pass, corrected mean** for LayerNorm: ``mu = mean(x)``, ``mu += mean(x - mu)``, then
-  ``var = mean((x - mu)**2)``, so large nearly equal values do not cancel as ``E[x^2] - E[x]^2`` does.
+* **shifted, corrected mean** for LayerNorm: ``mu = c + mean(x - c)`` with ``c`` the row's
+  first element, ``mu += mean(x - mu)``, then ``var = mean((x - mu)**2)``. Large nearly equal
+  values do not cancel as ``E[x^2] - E[x]^2`` does, the shifted sum does not overflow on
+  same-sign rows where ``sum x`` does (8 * 1.7e38 in fp32; rows whose differences overflow are
+  rescaled), and a row of equal values gets exactly that value as its
+  mean (every difference is 0), so its output is exactly the bias. On rescaled rows the mean is
+  taken of ``x * 2**-E1`` and the deviations get their own exponent ``E2`` (see
+  :func:`_rescaled_statistics`).
 
 The backward is a custom autograd function using the saved ``1/sigma`` and the same scaling:
-``dx = 2**-E * r * (g' - mean(g') - xhat * mean(g' * xhat))`` with ``g' = g * weight`` (the
+``dx = 2**-(E1+E2) * r * (g' - mean(g') - xhat * mean(g' * xhat))`` with ``g' = g * weight`` (the
 ``mean(g')`` term only for LayerNorm), so it never forms ``x**2`` or ``1/sigma**3``.
 """
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lowp.formats import get_format
+from lowp.norms.compute import ZERO_EXPONENT, logb
 from lowp.norms.native import needs_rescale, row_exponent, rows_to_rescale
 from lowp.pow2 import scale_pow2
 
@@ -34,70 +41,96 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _centered_mean(rows: torch.Tensor) -> torch.Tensor:
+    """Per-row mean (keepdim) shifted by the row's first element, then corrected once:
+    ``mu = c + mean(x - c)``, ``mu += mean(x - mu)``. A row of identical values gives exactly that
+    value (every difference is 0), and the shifted sum cannot overflow where ``sum x`` would."""
+    c = rows[..., :1]
+    mu = c + (rows - c).mean(-1, keepdim=True)
+    return mu + (rows - mu).mean(-1, keepdim=True)
+
+
 def _stats(rows: torch.Tensor, eps: "float | torch.Tensor", center: bool, opmath: torch.dtype
            ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(mu, r)`` per row: the corrected two-pass mean (``None`` unless ``center``) and
+    """``(mu, r)`` per row: the shifted, corrected mean (``None`` unless ``center``) and
     ``r = 1/sqrt(mean((rows - mu)**2) + eps)``, in ``opmath``."""
     n = rows.shape[-1]
     if not center:  # torch reduces fp16/bf16 rows in opmath without an opmath copy
         norm = torch.linalg.vector_norm(rows, dim=-1, dtype=opmath)
         return None, torch.rsqrt(norm * norm / n + eps)
     wide = rows.to(opmath)
-    mu = wide.mean(-1, keepdim=True)
-    mu = mu + (wide - mu).mean(-1, keepdim=True)
+    mu = _centered_mean(wide)
     d = wide - mu
     return mu.squeeze(-1), torch.rsqrt(torch.linalg.vecdot(d, d) / n + eps)
 
 
 def _rescaled_statistics(rows: torch.Tensor, eps: float, center: bool
-                         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Statistics of opmath rows after exact power-of-two scaling. ``E1`` from the largest
-    magnitude (and ``sqrt eps``) makes the mean safe to form; for LayerNorm a second exponent
-    ``E2`` from the largest deviation brings the deviations near 1, so a row of large, nearly
-    (or exactly) equal values neither overflows nor loses ``eps`` to underflow."""
+                         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mu, r, E1, E2)`` of opmath rows after exact power-of-two scaling.
+
+    ``E1`` is the exponent of the largest magnitude (or of ``sqrt eps``), so ``z = x * 2**-E1``
+    has ``|z| < 2`` and its mean is safe to form; ``mu`` is that mean, in ``z``'s scale. For
+    LayerNorm, ``E1 + E2`` is the exponent of the largest deviation ``max |x - mean|`` (or of
+    ``sqrt eps``), found in integers, so ``(z - mu) * 2**-E2`` has its largest value in [1, 2)
+    and ``eps * 4**-(E1 + E2)`` neither overflows nor underflows: a row of huge, nearly (or
+    exactly) equal values keeps its ``eps``. Neither scaled quantity is ever formed at the scale
+    of the other (``mu * 2**-E2`` would overflow when the deviations are tiny)."""
     eps64 = torch.full(rows.shape[:-1], float(eps), dtype=torch.float64, device=rows.device)
-    e = row_exponent(rows.abs().amax(-1), eps64)
-    z = scale_pow2(rows, -e.unsqueeze(-1))
+    e1 = row_exponent(rows.abs().amax(-1), eps64)
+    z = scale_pow2(rows, -e1.unsqueeze(-1))
+    e2 = torch.zeros_like(e1)
     mu = None
     if center:
-        mu = z.mean(-1, keepdim=True)
-        mu = mu + (z - mu).mean(-1, keepdim=True)
-        e2 = row_exponent((z - mu).abs().amax(-1), scale_pow2(eps64, -2 * e))
-        mu, z, e = scale_pow2(mu.squeeze(-1), -e2), scale_pow2(z - mu, -e2.unsqueeze(-1)), e + e2
-    eps_scaled = scale_pow2(eps64, -2 * e).to(rows.dtype)
+        mu = _centered_mean(z)
+        z = z - mu
+        mu = mu.squeeze(-1)
+        e_dev = logb(z.abs().amax(-1)) + e1  # ZERO_EXPONENT + E1 for a row of equal values
+        e_eps = logb(eps64.abs().sqrt())
+        top = torch.maximum(e_dev, e_eps)
+        e2 = torch.where(top > ZERO_EXPONENT // 2, top - e1, e2)
+        z = scale_pow2(z, -e2.unsqueeze(-1))
+    eps_scaled = scale_pow2(eps64, -2 * (e1 + e2)).to(rows.dtype)
     r = torch.rsqrt(torch.linalg.vecdot(z, z) / rows.shape[-1] + eps_scaled)
-    return mu, r, e
+    return mu, r, e1, e2
 
 
 def row_statistics(rows: torch.Tensor, eps: float, center: bool
-                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``(mu, r, E)`` for rows of any float dtype: with ``z = x * 2**-E`` (exact),
-    ``xhat = (z - mu) * r`` is the normalized row. ``E`` is 0 except on rows that need rescaling."""
+                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mu, r, E1, E2)`` for rows of any float dtype: ``xhat = ((x * 2**-E1 - mu) * 2**-E2) * r``
+    (both scalings exact) is the normalized row. ``E1 = E2 = 0`` except on rows that need rescaling."""
     opmath = _opmath(rows.dtype)
     mu, r = _stats(rows, eps, center, opmath)
-    e = torch.zeros(rows.shape[:-1], dtype=torch.int64, device=rows.device)
+    e1 = torch.zeros(rows.shape[:-1], dtype=torch.int64, device=rows.device)
+    e2 = e1
     n = rows.shape[-1]
     sumsq = n / (r * r)  # n * (mean square + eps): what squares lost to underflow are compared with
     bad = rows_to_rescale(rows, needs_rescale(sumsq, n, opmath, get_format(rows.dtype)) | (r == 0))
     if bool(bad.any()):
-        mu_bad, r_bad, e_bad = _rescaled_statistics(rows[bad].to(opmath), eps, center)
-        r, e = r.clone(), e.clone()
-        r[bad], e[bad] = r_bad, e_bad
+        mu_bad, r_bad, e1_bad, e2_bad = _rescaled_statistics(rows[bad].to(opmath), eps, center)
+        r, e1, e2 = r.clone(), e1.clone(), e2.clone()
+        r[bad], e1[bad], e2[bad] = r_bad, e1_bad, e2_bad
         if center:
             mu = mu.clone()
             mu[bad] = mu_bad
-    return mu, r, e
+    return mu, r, e1, e2
 
 
-def normalized(rows: torch.Tensor, mu: torch.Tensor | None, r: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """``xhat = (x * 2**-E - mu) * r`` in opmath (the scaling only touches rescaled rows)."""
-    z = rows.to(r.dtype) if mu is not None else rows
+def _scale_rows(z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``z * 2**-e`` per row, in place on the rows where ``e != 0`` (``z`` must be a fresh tensor)."""
     if bool((e != 0).any()):
-        z = z.to(r.dtype).clone()
-        scaled = e != 0
-        z[scaled] = scale_pow2(z[scaled], -e[scaled].unsqueeze(-1))
+        sel = e != 0
+        z[sel] = scale_pow2(z[sel], -e[sel].unsqueeze(-1))
+    return z
+
+
+def normalized(rows: torch.Tensor, mu: torch.Tensor | None, r: torch.Tensor, e1: torch.Tensor, e2: torch.Tensor
+               ) -> torch.Tensor:
+    """``xhat = ((x * 2**-E1 - mu) * 2**-E2) * r`` in opmath (the scalings only touch rescaled rows)."""
+    z = rows
+    if bool((e1 != 0).any()):
+        z = _scale_rows(rows.to(r.dtype).clone(), e1)
     if mu is not None:
-        z = z - mu.unsqueeze(-1)
+        z = _scale_rows(z.to(r.dtype) - mu.unsqueeze(-1), e2)
     return torch.mul(z, r.unsqueeze(-1))  # fp16/bf16 * opmath promotes: one pass
 
 
@@ -109,21 +142,22 @@ class _NormFunction(torch.autograd.Function):
         for s in shape[len(shape) - ndim:]:
             n *= s
         rows = x.reshape(-1, n)
-        mu, r, e = row_statistics(rows, eps, center)
-        y = normalized(rows, mu, r, e)  # a fresh opmath tensor: update it in place
+        mu, r, e1, e2 = row_statistics(rows, eps, center)
+        y = normalized(rows, mu, r, e1, e2)  # a fresh opmath tensor: update it in place
         if weight is not None:
             y.mul_(weight.reshape(-1))
         if bias is not None:
             y.add_(bias.reshape(-1))
-        ctx.save_for_backward(rows, mu, r, e, weight)
+        ctx.save_for_backward(rows, mu, r, e1, e2, weight)
         ctx.center, ctx.shape, ctx.has_bias = center, shape, bias is not None
         return y.to(x.dtype).reshape(shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
-        rows, mu, r, e, weight = ctx.saved_tensors
-        xhat = normalized(rows, mu if ctx.center else None, r, e)
+        rows, mu, r, e1, e2, weight = ctx.saved_tensors
+        xhat = normalized(rows, mu if ctx.center else None, r, e1, e2)
+        e = e1 + e2
         g = grad.reshape(xhat.shape).to(xhat.dtype)
         gw = g * weight.reshape(-1).to(xhat.dtype) if weight is not None else g
         inner = gw - xhat * torch.linalg.vecdot(gw, xhat).unsqueeze(-1) / xhat.shape[-1]

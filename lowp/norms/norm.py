@@ -30,8 +30,10 @@ def vector_norm(x: torch.Tensor, dim: int = -1, *, eps: float = 0.0, method: str
     """``sqrt(sum_i x_i**2 + eps)`` along ``dim``, rounded to x's format, returned in ``x.dtype``.
 
     Args:
-        x: floating tensor (fp64 ... fp8). Its values must be representable in ``compute``.
-        dim: the reduced dimension.
+        x: floating tensor (fp64 ... fp8). Its values must be representable in ``compute``. A 0-D
+            ``x`` is one element (the result is ``sqrt(x**2 + eps)``, 0-D); an empty ``dim`` has
+            an empty sum of squares (the result is ``sqrt(eps)``), as in ``torch.linalg.vector_norm``.
+        dim: the reduced dimension (``0`` or ``-1`` for a 0-D ``x``).
         eps: a bias added to the sum of squares, positive or negative (seed 002 allows both). It
             is held in the compute format (rounded to it once, like a constant on the machine).
             When ``sum x**2 + eps < 0`` the result is NaN, as for the square root of a negative.
@@ -59,15 +61,21 @@ def vector_norm(x: torch.Tensor, dim: int = -1, *, eps: float = 0.0, method: str
     if not fits_in(in_fmt, ops.format):
         raise ValueError(f"compute: {ops.format.name} cannot hold every {in_fmt.name} value exactly; "
                          f"choose a compute format at least as wide as the input")
-    if x.ndim == 0:
-        raise ValueError("x: expected at least one dimension")
-    rows = x.movedim(dim, -1)
-    if rows.shape[-1] == 0:
-        raise ValueError(f"x: dimension {dim} is empty")
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -max(x.ndim, 1) <= dim < max(x.ndim, 1):
+        raise ValueError(f"dim: expected an integer in [{-max(x.ndim, 1)}, {max(x.ndim, 1)}) for a {x.ndim}-D x, "
+                         f"got {dim!r}")
+    # 0-D: one element (as torch.linalg.vector_norm); every method sees 2-D rows (rows, n)
+    moved = x.reshape(1) if x.ndim == 0 else x.movedim(dim, -1)
+    out_shape = moved.shape[:-1]
+    rows = moved.reshape(math.prod(out_shape), moved.shape[-1])
+    if rows.shape[0] == 0:
+        return torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    if rows.shape[-1] == 0:  # an empty sum of squares is 0: the norm of one zero
+        rows = torch.zeros(rows.shape[0], 1, dtype=x.dtype, device=x.device)
     container = torch.float64 if rows.dtype == torch.float64 else torch.float32
     if method == "robust" and isinstance(ops, Native) and 2 * in_fmt.precision + 2 <= ops.format.precision:
         return wide_norm(rows.to(container) if rows.dtype.itemsize == 1 else rows, float(eps), ops.dtype,
-                         in_fmt, x.dtype)
+                         in_fmt, x.dtype).reshape(out_shape)
     values = ops.cast(rows.to(container)).abs()
     eps_c = quantize(torch.tensor(float(eps), dtype=torch.float64, device=values.device), ops.format).to(values.dtype)
     if method == "robust":
@@ -77,4 +85,4 @@ def vector_norm(x: torch.Tensor, dim: int = -1, *, eps: float = 0.0, method: str
         result = torch.where(torch.isnan(values).any(-1), torch.full_like(result, math.nan), result)
     else:
         result = METHODS[method](ops, values, eps_c)
-    return quantize(result, in_fmt).to(x.dtype)
+    return quantize(result, in_fmt).to(x.dtype).reshape(out_shape)

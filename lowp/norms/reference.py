@@ -32,7 +32,7 @@ def exact_norm(rows: torch.Tensor, eps: float, out_format: "str | torch.dtype | 
     ``value`` is ``sqrt(sum x**2 + eps)`` in float64 (NaN when negative) and ``rounded`` its
     correct rounding (nearest-even) to ``out_format``, both float64 tensors of the row shape."""
     fmt = get_format(out_format)
-    flat = rows.reshape(-1, rows.shape[-1]).to(torch.float64)
+    flat = rows.reshape(math.prod(rows.shape[:-1]), rows.shape[-1]).to(torch.float64)
     squares = (flat * flat).numpy()
     sums = np.array([math.fsum(list(r) + [eps]) for r in squares])
     with np.errstate(invalid="ignore"):
