@@ -132,13 +132,18 @@ def _from_optimi(optimizer: "LowpOptimizer", entry: dict[str, Any], step: int | 
 
 
 def to_torch_state_dict(optimizer: "LowpOptimizer") -> dict[str, Any]:
-    """``optimizer``'s state dict in ``torch.optim``'s layout: states as fp32 (``torch.optim``
+    """``optimizer``'s state dict in ``torch.optim``'s layout: states as fp32 copies (``torch.optim``
     casts them to the parameter's dtype on load, so load it into an optimizer over fp32
     parameters), ``step`` as a float32 0-dim tensor, without the compensation/remainder buffers
     (their value is in :func:`lowp.optim.convert.full_precision_weights`) and without lowp's
-    group keys and extras."""
+    group keys and extras. Adam and AdamW groups get torch's ``decoupled_weight_decay`` (torch
+    would otherwise take a group without it for Adam's L2 decay)."""
     sd = optimizer.state_dict()
     groups = [{k: v for k, v in g.items() if k not in _LOWP_GROUP_KEYS} for g in sd["param_groups"]]
+    decoupled = getattr(type(optimizer), "decoupled_weight_decay", None)
+    if decoupled is not None:
+        for g in groups:
+            g["decoupled_weight_decay"] = decoupled
     state = {}
     for key, entry in sd["state"].items():
         out = {}
@@ -146,6 +151,6 @@ def to_torch_state_dict(optimizer: "LowpOptimizer") -> dict[str, Any]:
             if name == "step":
                 out["step"] = torch.tensor(float(value), dtype=torch.float32)
             elif name not in ("compensation", "remainder") and isinstance(value, torch.Tensor):
-                out[name] = value.float()
+                out[name] = value.to(torch.float32, copy=True)
         state[key] = out
     return {"state": state, "param_groups": groups}
