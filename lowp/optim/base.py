@@ -430,9 +430,13 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (``state`` by parameter index, ``param_groups``), each state in its own
-        dtype; the :meth:`extras` ride in every group under the key ``"lowp"``, where
-        ``torch.distributed.checkpoint`` and its ``get_state_dict`` keep them."""
+        dtype, ``step`` as a 0-dim int64 tensor; the :meth:`extras` ride in every group under the
+        key ``"lowp"``. Both are what ``torch.distributed.checkpoint`` restores in place (it
+        leaves a plain int inside ``state`` at the value of the state dict it loads into)."""
         sd = super().state_dict()
+        sd["state"] = {key: {**entry, **({"step": torch.tensor(entry["step"], dtype=torch.int64)}
+                                         if isinstance(entry.get("step"), int) else {})}
+                       for key, entry in sd["state"].items()}
         extras = self.extras()
         for group in sd["param_groups"]:
             group["lowp"] = extras
