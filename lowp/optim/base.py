@@ -143,8 +143,7 @@ class LowpOptimizer(torch.optim.Optimizer):
                  kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: expected one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        check_flag("foreach", foreach, allow_none=True)
-        check_flag("fused", fused, allow_none=True)
+        check_flag("foreach", foreach, allow_none=True)   # fused: checked by choose_backend
         check_flag("diagnostics", diagnostics)
         check_flag("capturable", capturable)
         check_flag("differentiable", differentiable)

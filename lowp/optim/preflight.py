@@ -25,7 +25,7 @@ def check_flag(name: str, value: Any, allow_none: bool = False) -> None:
     if isinstance(value, bool) or (allow_none and value is None):
         return
     expected = "True, False or None" if allow_none else "True or False"
-    raise TypeError(f"{name}: expected {expected}, got {value!r}")
+    raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
 
 def check_seed(value: Any) -> int:
