@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -268,24 +269,25 @@ class LowpOptimizer(torch.optim.Optimizer):
         Missing states and buffers are fine: the step creates them."""
         if not state:
             return
-        if "step" not in state or isinstance(state["step"], torch.Tensor):
-            raise ValueError(f"{where}['step']: expected a step count (an int >= 0), got {state.get('step')!r}")
-        preflight.step_count(state["step"], f"{where}['step']")
+        step = state.get("step")
+        if type(step) is not int or step < 0:
+            raise ValueError(f"{where}['step']: expected a step count (an int >= 0), got {step!r}")
         for name in self.state_names(group, p):
             if name in state:
-                preflight.check_tensor(state[name], f"{where}[{name!r}]", self.state_shape(name, p),
-                                       self.state_dtypes(group, name, p), p.device)
+                preflight.check_tensor(state[name], where, self.state_shape(name, p),
+                                       self.state_dtypes(group, name, p), p.device, name)
         if "compensation" in state:
-            preflight.check_tensor(state["compensation"], f"{where}['compensation']", p.shape,
-                                   (p.dtype, torch.float32), p.device)
+            preflight.check_tensor(state["compensation"], where, p.shape, (p.dtype, torch.float32), p.device,
+                                   "compensation")
         if "remainder" in state:
-            preflight.check_tensor(state["remainder"], f"{where}['remainder']", p.shape, (torch.int16,), p.device)
+            preflight.check_tensor(state["remainder"], where, p.shape, (torch.int16,), p.device, "remainder")
 
     def init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack) -> dict[str, Any]:
         """The state of ``p`` with everything a step in ``mode`` needs: ``step`` and the
         optimizer's states (zeros when missing) and the mode's buffer (:func:`ensure_buffer`)."""
         state = self.state[p]
-        state.setdefault("step", 0)
+        if "step" not in state:
+            state["step"] = 0
         for name in self.state_names(group, p):
             if name not in state:
                 state[name] = torch.zeros(self.state_shape(name, p), dtype=self._state_dtype(group, name, p),

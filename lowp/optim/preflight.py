@@ -8,7 +8,7 @@ argument or entry at fault (``maximize``, ``seed``, ``grad of params[3]``, ``sta
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -52,9 +52,9 @@ def check_param(p: Any, where: str) -> None:
     if not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{where}: expected real floating-point tensors, got "
                         f"{getattr(p, 'dtype', type(p).__name__)}")
-    if p.is_sparse or p.layout != torch.strided:
+    if p.layout != torch.strided:
         raise TypeError(f"{where}: expected a dense (strided) tensor, got layout {p.layout}")
-    if torch._debug_has_internal_overlap(p) == 1:
+    if not p.is_contiguous() and torch._debug_has_internal_overlap(p) == 1:
         raise ValueError(f"{where}: its elements overlap in memory (an expanded or stride-0 view, strides "
                          f"{p.stride()}); pass a tensor that owns its elements, e.g. p.clone()")
 
@@ -64,7 +64,7 @@ def check_grad(p: torch.Tensor, g: Any, where: str) -> None:
     dtype or float32."""
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"grad of {where}: expected a tensor, got {type(g).__name__}")
-    if g.is_sparse or g.layout != torch.strided:
+    if g.layout != torch.strided:
         raise TypeError(f"grad of {where}: sparse gradients are not supported")
     if g.shape != p.shape:
         raise ValueError(f"grad of {where}: shape {tuple(g.shape)} does not match the parameter's shape "
@@ -90,10 +90,14 @@ def step_count(value: Any, where: str) -> int:
     return value
 
 
-def check_tensor(t: Any, where: str, shape: torch.Size, dtypes: Iterable[torch.dtype], device: torch.device) -> None:
-    """``t`` is a tensor of ``shape`` on ``device`` with one of ``dtypes``, whose elements do not
-    overlap in memory."""
-    dtypes = tuple(dtypes)
+def check_tensor(t: Any, where: str, shape: torch.Size, dtypes: tuple[torch.dtype, ...], device: torch.device,
+                 key: str | None = None) -> None:
+    """``t`` (entry ``key`` of ``where``, when given) is a dense tensor of ``shape`` on
+    ``device`` with one of ``dtypes``, whose elements do not overlap in memory."""
+    if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device \
+            and t.layout == torch.strided and (t.is_contiguous() or torch._debug_has_internal_overlap(t) != 1):
+        return
+    where = where if key is None else f"{where}[{key!r}]"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: expected a tensor, got {type(t).__name__}")
     if t.shape != shape:
@@ -102,5 +106,4 @@ def check_tensor(t: Any, where: str, shape: torch.Size, dtypes: Iterable[torch.d
         raise ValueError(f"{where}: dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
     if t.device != device:
         raise ValueError(f"{where}: on {t.device}, expected {device}")
-    if t.is_sparse or t.layout != torch.strided or torch._debug_has_internal_overlap(t) == 1:
-        raise ValueError(f"{where}: expected a dense tensor whose elements do not overlap in memory")
+    raise ValueError(f"{where}: expected a dense tensor whose elements do not overlap in memory")

@@ -166,20 +166,23 @@ def resolve_mode(mode: str, param: torch.Tensor) -> WriteBack:
 BUFFER_NAMES: tuple[str, ...] = tuple(m.buffer_name for m in MODES.values() if m.buffer_name is not None)
 
 
-@torch.no_grad()
 def ensure_buffer(param: torch.Tensor, state: dict, mode: WriteBack) -> None:
     """Give ``state`` the buffer of ``mode`` (zeros when nothing can be folded into it) and remove
     the buffers of other modes, folding them as the module docstring says. Shapes and dtypes
     of existing buffers must have been checked (``compensation``: the weight's shape;
     ``remainder``: int16 of the weight's shape)."""
-    others = {name: state.pop(name) for name in BUFFER_NAMES if name != mode.buffer_name and name in state}
-    if mode.buffer_name is None or mode.buffer_name in state:
-        return
-    buffer = mode.init_buffer(param.detach())
-    if mode.name == "exact" and "compensation" in others:       # kahan -> exact
-        held = param.float() + others["compensation"].float()
-        _apply_exact(param, torch.full_like(held, -0.0), held, buffer, None, False)
-    elif mode.name == "kahan" and "remainder" in others and param.dtype == torch.bfloat16:   # exact -> kahan
-        held = _exact_load(param, others["remainder"])
-        buffer.copy_(held - param.float())
-    state[mode.buffer_name] = buffer
+    wanted = mode.buffer_name
+    if (wanted is None or wanted in state) and not any(n in state for n in BUFFER_NAMES if n != wanted):
+        return      # the common case, every step: nothing to do
+    with torch.no_grad():
+        others = {name: state.pop(name) for name in BUFFER_NAMES if name != wanted and name in state}
+        if wanted is None or wanted in state:
+            return
+        buffer = mode.init_buffer(param.detach())
+        if mode.name == "exact" and "compensation" in others:       # kahan -> exact
+            held = param.float() + others["compensation"].float()
+            _apply_exact(param, torch.full_like(held, -0.0), held, buffer, None, False)
+        elif mode.name == "kahan" and "remainder" in others and param.dtype == torch.bfloat16:   # exact -> kahan
+            held = _exact_load(param, others["remainder"])
+            buffer.copy_(held - param.float())
+        state[wanted] = buffer
