@@ -313,18 +313,18 @@ class LowpOptimizer(torch.optim.Optimizer):
         gradient (shape, dtype, device) and its states and buffers. Returns the (group,
         parameter, mode) triples to step."""
         todo = []
-        index = 0
-        for g, group in enumerate(self.param_groups):
+        index = -1
+        for group in self.param_groups:
             self.check_group(group)
             for p in group["params"]:
-                where = f"params[{index}]"
                 index += 1
                 if p.grad is None:
                     continue
+                where = f"params[{index}]"
                 preflight.check_param(p, where)
                 preflight.check_grad(p, p.grad, where)
                 mode = resolve_mode(group["mode"], p)
-                self.check_state(group, p, self.state.get(p, {}), f"state[{index - 1}]")
+                self.check_state(group, p, self.state.get(p, {}), f"state[{index}]")
                 todo.append((group, p, mode))
         return todo
 
@@ -493,11 +493,9 @@ class LowpOptimizer(torch.optim.Optimizer):
             groups.append(group)
         state: defaultdict = defaultdict(dict)
         saved_state = sd["state"]
-        index = 0
         for group, new in zip(groups, saved_groups):
             for key, p in zip(new["params"], group["params"]):
                 where = f"state_dict['state'][{key!r}]"
-                index += 1
                 if key not in saved_state:
                     continue
                 entry = saved_state[key]
@@ -516,11 +514,12 @@ class LowpOptimizer(torch.optim.Optimizer):
         return groups, state, _checked_extras(sd.get("lowp"), self)
 
     def _loaded_tensor(self, group: dict[str, Any], name: str, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """A private copy of a saved tensor on ``p``'s device; cast only when the group's
-        ``state_dtype`` names a dtype for this state."""
+        """A private copy of a saved tensor on ``p``'s device; a floating-point state is cast only
+        when the group's ``state_dtype`` names a dtype for it."""
         spec = group["state_dtype"]
         wanted = spec.get(name) if isinstance(spec, Mapping) else spec
-        dtype = wanted if wanted is not None and name in self.state_names(group, p) else value.dtype
+        cast = wanted is not None and value.is_floating_point() and name in self.state_names(group, p)
+        dtype = wanted if cast else value.dtype
         return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
 
