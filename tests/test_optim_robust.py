@@ -5,14 +5,21 @@ when a group switches mode, and what a torch.optim or optimi user passes."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import lowp.optim as lo
+from lowp.optim.kernels import native_available
 from lowp.optim.writeback import MODES
 from lowp.threads import single_thread
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -180,7 +187,7 @@ def _break_mode(opt, params):
     opt.param_groups[1]["mode"] = "exact"
 
 
-@pytest.mark.parametrize("breaker, error, match", [
+BREAKERS = [
     (_break_betas, ValueError, r"betas\[0\]"),
     (_break_maximize, ValueError, "maximize"),
     (_break_layout, ValueError, r"params\[2\].*overlap"),
@@ -191,9 +198,10 @@ def _break_mode(opt, params):
     (_break_buffer, ValueError, r"state\[2\]\['compensation'\]"),
     (_break_step, ValueError, r"state\[2\]\['step'\]"),
     (_break_mode, TypeError, "mode"),
-])
-@pytest.mark.parametrize("backend", ["foreach", "native"])
-def test_a_failing_step_changes_nothing_in_any_group(breaker, error, match, backend):
+]
+
+
+def _failing_step_changes_nothing(breaker, error, match, backend):
     """The fault sits in the second group: the first group must not have been stepped either."""
     opt, params = _two_groups(mode="stochastic" if breaker is _break_mode else "kahan", backend=backend)
     breaker(opt, params)
@@ -201,6 +209,24 @@ def test_a_failing_step_changes_nothing_in_any_group(breaker, error, match, back
     with pytest.raises(error, match=match):
         opt.step()
     assert _same(before, _snapshot(opt, params))
+
+
+@pytest.mark.parametrize("breaker, error, match", BREAKERS)
+def test_a_failing_step_changes_nothing_in_any_group(breaker, error, match):
+    _failing_step_changes_nothing(breaker, error, match, "foreach")
+
+
+@pytest.mark.skipif(not native_available(), reason="the native kernel needs x86-64 with AVX2 and a C++ compiler")
+def test_a_failing_native_step_changes_nothing_and_never_reaches_the_kernel():
+    """The same faults on the native backend, in a subprocess: a state of the wrong size that
+    reached the C++ kernel would be written out of bounds."""
+    code = ("import test_optim_robust as t\n"
+            "for case in t.BREAKERS:\n"
+            "    t._failing_step_changes_nothing(*case, 'native')\n"
+            "print('all refused')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "all refused" in run.stdout, run.stderr[-3000:]
 
 
 def test_float64_states_and_huge_seeds_no_longer_fail_at_every_step():
