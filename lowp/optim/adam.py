@@ -10,7 +10,8 @@ __all__ = ["Adam"]
 
 
 class Adam(AdamW):
-    """``Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, ...)``."""
+    """``Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, ...)``
+    (torch's positional order: ``eps`` before ``weight_decay``, unlike optimi)."""
 
     decoupled_weight_decay = False
 

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lowp.optim.base import TwoMomentOptimizer
+from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
 
 __all__ = ["AdamW", "adamw_update"]
 
@@ -50,9 +50,11 @@ class AdamW(TwoMomentOptimizer):
     """
 
     decoupled_weight_decay = True
+    optimi_debiased = {"exp_avg": 0, "exp_avg_sq": 1}
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **options: Any) -> None:
+        warn_if_swapped(eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad),
                          **options)
 

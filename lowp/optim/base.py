@@ -13,24 +13,42 @@ state, step counting, the non-finite guard with skip counters, GradScaler suppor
 diagnostics, the backend that runs the step and the write-back mode that stores it, and an exact
 ``state_dict`` round trip (dtypes, compensation/remainder buffers and the stochastic-rounding
 generator included).
+
+A step is all or nothing for everything that can be checked beforehand: :meth:`LowpOptimizer._prepare`
+validates every group's hyper-parameters and every (parameter, gradient, state, buffer) before
+the first counter, state or weight changes, and ``load_state_dict`` validates the whole
+checkpoint (foreign layouts are translated first, :mod:`lowp.optim.migrate`) before it replaces
+anything. The step itself is never traced by ``torch.compile`` (:data:`COMPILE_REASON`).
 """
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable
 
 import torch
 
+from lowp.optim import preflight
 from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
+from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
-from lowp.optim.writeback import MODES, WriteBack, get_mode, resolve_mode
+from lowp.optim.writeback import MODES, WriteBack, ensure_buffer, get_mode, resolve_mode
 
 __all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "default_state_dtype", "check_betas",
-           "check_nonnegative", "real_value"]
+           "check_nonnegative", "real_value", "warn_if_swapped", "COMPILE_REASON"]
 
 NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: What a state may be stored in (float64 states are refused: the fused kernels and the mixed
+#: fp32/fp64 foreach pipeline cannot run them).
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Why ``torch.compile`` must not trace a lowp step (shown by ``fullgraph=True``).
+COMPILE_REASON = ("a lowp optimizer step runs eagerly (its fused kernels and exact bf16 round trips, e.g. the Kahan "
+                  "update k' = v - (theta' - theta), would be rewritten by Inductor); compile the model and call "
+                  "opt.step() outside the compiled function, or use fullgraph=False so the compiled code "
+                  "graph-breaks around the step")
 
 
 def real_value(value: Any, allow_tensor: bool = False) -> float | None:
@@ -80,10 +98,23 @@ def default_state_dtype(weight_dtype: torch.dtype) -> torch.dtype:
 
 
 def _check_state_dtype(value: Any) -> None:
+    if isinstance(value, Mapping) and not all(isinstance(k, str) for k in value):
+        raise ValueError(f"state_dtype: expected a dict keyed by state names, got {value!r}")
     dtypes = value.values() if isinstance(value, Mapping) else [value]
     for d in dtypes:
-        if d is not None and d not in _FLOAT_DTYPES:
-            raise ValueError(f"state_dtype: expected None, a float dtype or a dict of them, got {value!r}")
+        if d is not None and d not in STATE_DTYPES:
+            raise ValueError(f"state_dtype: expected None, torch.float32, torch.bfloat16, torch.float16 or a dict "
+                             f"of them, got {value!r}")
+
+
+def warn_if_swapped(eps: Any, weight_decay: Any) -> None:
+    """Warn when ``eps`` and ``weight_decay`` look exchanged: optimi's positional order is
+    ``lr, betas, weight_decay, eps``, torch's and lowp's ``lr, betas, eps, weight_decay``."""
+    e, wd = real_value(eps, allow_tensor=True), real_value(weight_decay, allow_tensor=True)
+    if e is not None and wd is not None and e >= 1e-2 and wd <= 1e-5:
+        warnings.warn(f"eps={eps!r} is large and weight_decay={weight_decay!r} tiny: were they passed in optimi's "
+                      f"positional order (lr, betas, weight_decay, eps)? lowp follows torch's order (lr, betas, eps, "
+                      f"weight_decay); pass them by keyword", UserWarning, stacklevel=3)
 
 
 class LowpOptimizer(torch.optim.Optimizer):
@@ -113,20 +144,35 @@ class LowpOptimizer(torch.optim.Optimizer):
     elementwise: bool = True
     #: GradScaler hands ``grad_scale``/``found_inf`` to ``step`` instead of unscaling in place.
     _step_supports_amp_scaling = True
+    #: optimi checkpoints: ``{state name: index of its beta}`` for states optimi stores
+    #: bias-corrected (:mod:`lowp.optim.migrate`); ``None`` when optimi's layout is not known.
+    optimi_debiased: dict[str, int] | None = None
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, mode: str = "auto",
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
                  state_rounding: str = "stochastic", maximize: bool = False, nonfinite: str = "skip_param",
                  foreach: bool | None = None, backend: str | None = None, chunk_size: int = 1 << 17,
-                 seed: int | None = None, diagnostics: bool = True, fused: bool | None = None) -> None:
+                 seed: int | None = None, diagnostics: bool = True, fused: bool | None = None,
+                 kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: expected one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        check_flag("foreach", foreach, allow_none=True)   # fused: checked by choose_backend
+        check_flag("diagnostics", diagnostics)
+        check_flag("capturable", capturable)
+        check_flag("differentiable", differentiable)
+        if capturable:
+            raise ValueError("capturable: capturable=True (CUDA-graph capture of the step) is not supported; the step "
+                             "reads its counters on the host. Use capturable=False")
+        if differentiable:
+            raise ValueError("differentiable: differentiable=True (autograd through the step) is not supported; "
+                             "the low-precision write-back is not differentiable. Use differentiable=False")
+        mode = self._mode_from_kahan_sum(mode, kahan_sum)
         if backend is not None and fused:
             raise ValueError(f"fused: fused=True conflicts with backend={backend!r}; give one of them")
         get_backend(backend or "eager", chunk_size)  # checks backend and chunk_size before any state exists
         self.nonfinite = nonfinite
-        self.diagnostics_enabled = bool(diagnostics)
-        self.seed = torch.initial_seed() if seed is None else int(seed)
+        self.diagnostics_enabled = diagnostics
+        self.seed = torch.initial_seed() if seed is None else check_seed(seed)
         self.skipped_params = 0
         self.skipped_steps = 0
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -138,6 +184,18 @@ class LowpOptimizer(torch.optim.Optimizer):
             from lowp.optim.kernels import choose_backend
             backend = choose_backend(self, fused, foreach)
         self.backend: Backend = get_backend(backend, chunk_size)
+
+    @staticmethod
+    def _mode_from_kahan_sum(mode: str, kahan_sum: bool | None) -> str:
+        """optimi's ``kahan_sum``: ``True`` is ``mode="kahan"``, ``False`` ``mode="nearest"``."""
+        check_flag("kahan_sum", kahan_sum, allow_none=True)
+        if kahan_sum is None:
+            return mode
+        implied = "kahan" if kahan_sum else "nearest"
+        if mode not in ("auto", implied):
+            raise ValueError(f"kahan_sum: kahan_sum={kahan_sum} means mode={implied!r}, which conflicts with "
+                             f"mode={mode!r}; give one of them")
+        return implied
 
     # ---- subclass hooks -------------------------------------------------------------------
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
@@ -151,28 +209,52 @@ class LowpOptimizer(torch.optim.Optimizer):
     def validate(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` naming the bad hyper-parameter of ``group``."""
 
+    def infer_step(self, state: Mapping[str, Any]) -> int | None:
+        """The step count of a loaded state that has none (``None``: it cannot be inferred)."""
+        return None
+
     def update(self, group: dict[str, Any], weights: list[torch.Tensor], grads: list[torch.Tensor],
                states: dict[str, list[torch.Tensor]], step: int) -> list[torch.Tensor]:
         """The intended weight changes (fresh fp32 tensors); see the module docstring."""
         raise NotImplementedError
 
     # ---- parameter groups -----------------------------------------------------------------
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        merged = {**self.defaults, **param_group}
-        check_nonnegative("lr", merged["lr"])
-        if merged["mode"] != "auto":
-            get_mode(merged["mode"])
-        if merged["state_rounding"] not in STATE_ROUNDINGS:
+    #: Group keys that must be bools (checked with the hyper-parameters).
+    flag_keys: tuple[str, ...] = ("maximize", "amsgrad", "nesterov", "decoupled_weight_decay")
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the first bad hyper-parameter of ``group``
+        (a complete group: defaults merged in). Used by ``add_param_group``, ``load_state_dict``
+        and before every step."""
+        check_nonnegative("lr", group["lr"])
+        if group["mode"] != "auto":
+            get_mode(group["mode"])
+        if group["state_rounding"] not in STATE_ROUNDINGS:
             raise ValueError(f"state_rounding: expected one of {', '.join(STATE_ROUNDINGS)}, "
-                             f"got {merged['state_rounding']!r}")
-        _check_state_dtype(merged["state_dtype"])
-        self.validate(merged)
+                             f"got {group['state_rounding']!r}")
+        _check_state_dtype(group["state_dtype"])
+        for key in self.flag_keys:
+            if key in group:
+                check_flag(key, group[key])
+        self.validate(group)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, Mapping) or "params" not in param_group:
+            raise TypeError(f"param_group: expected a dict with a 'params' entry, got {type(param_group).__name__}")
         params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("params: expected an ordered collection of tensors; sets have no fixed order")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
-            if not isinstance(p, torch.Tensor) or p.dtype not in _FLOAT_DTYPES:
-                raise TypeError(f"params: expected real floating-point tensors, got "
-                                f"{getattr(p, 'dtype', type(p).__name__)}")
+        named = [isinstance(p, tuple) for p in params]
+        if any(named):   # (name, tensor) pairs, as named_parameters() yields them (torch >= 2.5 convention)
+            if not all(named) or not all(len(p) == 2 and isinstance(p[0], str) for p in params):
+                raise ValueError("params: expected all tensors or all (name, tensor) pairs")
+            names, params = [n for n, _ in params], [t for _, t in params]
+            param_group = {**param_group, "param_names": names}
+        merged = {**self.defaults, **param_group}
+        self.check_group(merged)
+        for i, p in enumerate(params):
+            preflight.check_param(p, f"params[{i}]")
             resolve_mode(merged["mode"], p)
         super().add_param_group({**param_group, "params": params})
 
@@ -182,15 +264,47 @@ class LowpOptimizer(torch.optim.Optimizer):
         dtype = spec.get(name) if isinstance(spec, Mapping) else spec
         return dtype or default_state_dtype(param.dtype)
 
-    def init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack) -> dict[str, Any]:
-        state = self.state[p]
+    def state_dtypes(self, group: dict[str, Any], name: str, param: torch.Tensor) -> tuple[torch.dtype, ...]:
+        """The dtypes a stored state ``name`` of ``param`` may have: the one ``state_dtype``
+        asks for, else any of fp32/bf16/fp16 (fp64 too for fp64 parameters), since a loaded
+        checkpoint keeps its states' dtypes."""
+        spec = group["state_dtype"]
+        dtype = spec.get(name) if isinstance(spec, Mapping) else spec
+        if dtype is not None:
+            return (dtype,)
+        return STATE_DTYPES + ((torch.float64,) if param.dtype == torch.float64 else ())
+
+    def check_state(self, group: dict[str, Any], p: torch.Tensor, state: Mapping[str, Any], where: str) -> None:
+        """Raise naming ``where[key]`` unless every entry the step reads is usable: ``step`` a
+        count, each present state of the right shape, dtype and device, each present buffer of
+        the weight's shape (``compensation``: the weight's dtype or fp32; ``remainder``: int16).
+        Missing states and buffers are fine: the step creates them."""
         if not state:
+            return
+        step = state.get("step")
+        if type(step) is not int or step < 0:
+            raise ValueError(f"{where}['step']: expected a step count (an int >= 0), got {step!r}")
+        for name in self.state_names(group, p):
+            if name in state:
+                preflight.check_tensor(state[name], where, self.state_shape(name, p),
+                                       self.state_dtypes(group, name, p), p.device, name)
+        if "compensation" in state:
+            preflight.check_tensor(state["compensation"], where, p.shape, (p.dtype, torch.float32), p.device,
+                                   "compensation")
+        if "remainder" in state:
+            preflight.check_tensor(state["remainder"], where, p.shape, (torch.int16,), p.device, "remainder")
+
+    def init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack) -> dict[str, Any]:
+        """The state of ``p`` with everything a step in ``mode`` needs: ``step`` and the
+        optimizer's states (zeros when missing) and the mode's buffer (:func:`ensure_buffer`)."""
+        state = self.state[p]
+        if "step" not in state:
             state["step"] = 0
-            for name in self.state_names(group, p):
+        for name in self.state_names(group, p):
+            if name not in state:
                 state[name] = torch.zeros(self.state_shape(name, p), dtype=self._state_dtype(group, name, p),
                                           device=p.device)
-            if mode.buffer_name is not None:
-                state[mode.buffer_name] = mode.init_buffer(p.detach())
+        ensure_buffer(p, state, mode)
         return state
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -205,9 +319,35 @@ class LowpOptimizer(torch.optim.Optimizer):
     def _finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
         return [True] * len(grads) if self.nonfinite == "off" else self.backend.finite_flags(grads)
 
+    def _prepare(self) -> list[tuple[dict[str, Any], torch.Tensor, WriteBack]]:
+        """Check everything the step will read or write, before anything changes: every group's
+        hyper-parameters, and for each parameter with a gradient its layout, its mode, the
+        gradient (shape, dtype, device) and its states and buffers. Returns the (group,
+        parameter, mode) triples to step."""
+        todo = []
+        index = -1
+        for group in self.param_groups:
+            self.check_group(group)
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                where = f"params[{index}]"
+                preflight.check_param(p, where)
+                preflight.check_grad(p, p.grad, where)
+                mode = resolve_mode(group["mode"], p)
+                self.check_state(group, p, self.state.get(p, {}), f"state[{index}]")
+                todo.append((group, p, mode))
+        return todo
+
+    @torch.compiler.disable(reason=COMPILE_REASON)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step; returns ``closure()``'s loss when a closure is given."""
+        """One optimizer step; returns ``closure()``'s loss when a closure is given.
+
+        Everything is checked before anything changes (:meth:`_prepare`): after an error the
+        weights, states, counters and hyper-parameters are as they were. Under
+        ``torch.compile`` the step is not traced: it runs eagerly (:data:`COMPILE_REASON`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -219,23 +359,19 @@ class LowpOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = None if grad_scale is None else float(grad_scale.double().reciprocal())
 
-        todo = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p in (p for _, p in todo):
-            if p.grad.is_sparse:
-                raise TypeError("params: sparse gradients are not supported")
+        todo = self._prepare()
         # GradScaler hands over found_inf only after checking every gradient of this optimizer:
         # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
-        finite = [True] * len(todo) if found_inf is not None else self._finite_flags([p.grad for _, p in todo])
+        finite = [True] * len(todo) if found_inf is not None else self._finite_flags([p.grad for _, p, _ in todo])
         if not all(finite) and self.nonfinite == "skip_step":
             self.skipped_steps += 1
             return loss
         self.skipped_params += finite.count(False)
 
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        for (group, p), ok in zip(todo, finite):
+        for (group, p, mode), ok in zip(todo, finite):
             if not ok:
                 continue
-            mode = resolve_mode(group["mode"], p)
             state = self.init_state(group, p, mode)
             state["step"] += 1
             names = self.state_names(group, p)
@@ -297,33 +433,129 @@ class LowpOptimizer(torch.optim.Optimizer):
         return out
 
     # ---- checkpoints ----------------------------------------------------------------------
+    def extras(self) -> dict[str, Any]:
+        """What a checkpoint holds besides groups and states: the seed, the skip counters and
+        the stochastic-rounding generator of every parameter device."""
+        for device in {p.device for g in self.param_groups for p in g["params"]}:
+            self.generator(device)   # created from the seed if unused, so every checkpoint has the same layout
+        return {"seed": self.seed, "skipped_params": self.skipped_params, "skipped_steps": self.skipped_steps,
+                "generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+
     def state_dict(self) -> dict[str, Any]:
+        """torch's layout (``state`` by parameter index, ``param_groups``), each state in its own
+        dtype, ``step`` as a 0-dim int64 tensor; the :meth:`extras` ride in every group under the
+        key ``"lowp"``. Both are what ``torch.distributed.checkpoint`` restores in place (it
+        leaves a plain int inside ``state`` at the value of the state dict it loads into)."""
         sd = super().state_dict()
-        sd["lowp"] = {"seed": self.seed, "skipped_params": self.skipped_params,
-                      "skipped_steps": self.skipped_steps,
-                      "generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+        sd["state"] = {key: {**entry, **({"step": torch.tensor(entry["step"], dtype=torch.int64)}
+                                         if isinstance(entry.get("step"), int) else {})}
+                       for key, entry in sd["state"].items()}
+        extras = self.extras()
+        for group in sd["param_groups"]:
+            group["lowp"] = extras
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint keeping every state's own dtype (torch's loader would cast
-        floating-point states to the parameter's dtype, losing fp32 states of bf16 weights)."""
-        saved_groups = state_dict["param_groups"]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a checkpoint of this optimizer, of ``torch.optim`` or of optimi
+        (:mod:`lowp.optim.migrate` translates the latter two), keeping every state's own dtype
+        unless the group's ``state_dtype`` names one. Everything is checked first: group count
+        and sizes, each group's hyper-parameters, each state's shape, dtype and step count, and
+        the extras; on any error nothing has changed."""
+        from lowp.optim.migrate import to_lowp_layout
+
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        sd = to_lowp_layout(self, state_dict)
+        groups, state, extras = self._checked_load(sd)
+        generators = {}
+        for device, rng in extras["generators"].items():
+            generators[torch.device(device)] = torch.Generator(device=device)
+            generators[torch.device(device)].set_state(rng)
+        self.__setstate__({"state": state, "param_groups": groups})
+        self.seed, self.skipped_params, self.skipped_steps = (extras["seed"], extras["skipped_params"],
+                                                              extras["skipped_steps"])
+        self._generators = generators
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _checked_load(self, sd: Mapping[str, Any]) -> tuple[list[dict[str, Any]], defaultdict, dict[str, Any]]:
+        """The new groups, states and extras of a checkpoint in lowp's layout, all checked."""
+        saved_groups = sd["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError("state_dict: it has a different number of parameter groups")
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
-        ids = [i for g in saved_groups for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(ids, params):
-            if i in state_dict["state"]:
-                self.state[p] = {k: v.to(device=p.device, copy=True) if isinstance(v, torch.Tensor) else v
-                                 for k, v in state_dict["state"][i].items()}
-        extra = state_dict.get("lowp", {})
-        self.seed = extra.get("seed", self.seed)
-        self.skipped_params = extra.get("skipped_params", 0)
-        self.skipped_steps = extra.get("skipped_steps", 0)
-        self._generators = {}
-        for d, rng in extra.get("generators", {}).items():
-            self.generator(torch.device(d)).set_state(rng)
+            raise ValueError(f"state_dict: it has {len(saved_groups)} parameter groups, the optimizer "
+                             f"{len(self.param_groups)}")
+        for i, (old, new) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(old["params"]) != len(new["params"]):
+                raise ValueError(f"state_dict: param_groups[{i}] has {len(new['params'])} parameters, the "
+                                 f"optimizer's {len(old['params'])}")
+        groups = []
+        for i, (old, new) in enumerate(zip(self.param_groups, saved_groups)):
+            group = {**{k: v for k, v in old.items() if k != "params"}, **new, "params": old["params"]}
+            try:
+                self.check_group(group)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"state_dict: param_groups[{i}]: {e}") from None
+            for p in group["params"]:
+                resolve_mode(group["mode"], p)
+            groups.append(group)
+        state: defaultdict = defaultdict(dict)
+        saved_state = sd["state"]
+        for group, new in zip(groups, saved_groups):
+            for key, p in zip(new["params"], group["params"]):
+                where = f"state_dict['state'][{key!r}]"
+                if key not in saved_state:
+                    continue
+                entry = saved_state[key]
+                if not isinstance(entry, Mapping):
+                    raise TypeError(f"{where}: expected a dict of states, got {type(entry).__name__}")
+                loaded = {}
+                for name, value in entry.items():
+                    if name == "step":
+                        value = preflight.step_count(value, f"{where}['step']")
+                    elif isinstance(value, torch.Tensor):
+                        value = self._loaded_tensor(group, name, p, value)
+                    loaded[name] = value
+                if loaded:
+                    self.check_state(group, p, loaded, where)
+                    state[p] = loaded
+        return groups, state, _checked_extras(sd.get("lowp"), self)
+
+    def _loaded_tensor(self, group: dict[str, Any], name: str, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A private copy of a saved tensor on ``p``'s device; a floating-point state is cast only
+        when the group's ``state_dtype`` names a dtype for it."""
+        spec = group["state_dtype"]
+        wanted = spec.get(name) if isinstance(spec, Mapping) else spec
+        cast = wanted is not None and value.is_floating_point() and name in self.state_names(group, p)
+        dtype = wanted if cast else value.dtype
+        return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+
+
+def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:
+    """The checkpoint's extras, checked (missing entries: the optimizer's seed, zero counters,
+    no generator state)."""
+    extras = {} if extras is None else extras
+    if not isinstance(extras, Mapping):
+        raise TypeError(f"state_dict: 'lowp' extras: expected a dict, got {type(extras).__name__}")
+    out = {"seed": check_seed(extras.get("seed", optimizer.seed)),
+           "skipped_params": preflight.check_count("skipped_params", extras.get("skipped_params", 0)),
+           "skipped_steps": preflight.check_count("skipped_steps", extras.get("skipped_steps", 0))}
+    generators = extras.get("generators", {})
+    if not isinstance(generators, Mapping):
+        raise TypeError(f"generators: expected a dict of device -> generator state, got {type(generators).__name__}")
+    out["generators"] = {}
+    for device, rng in generators.items():
+        try:
+            probe = torch.Generator(device=str(device))
+            probe.set_state(rng)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ValueError(f"generators[{device!r}]: not a generator state of that device ({e})") from None
+        out["generators"][str(device)] = rng.clone()
+    return out
 
 
 class TwoMomentOptimizer(LowpOptimizer):

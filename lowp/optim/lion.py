@@ -31,6 +31,8 @@ def lion_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
 class Lion(LowpOptimizer):
     """``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, ...)``."""
 
+    optimi_debiased: dict[str, int] = {}   # optimi's Lion momentum is not bias-corrected
+
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, **options: Any) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), **options)
@@ -41,6 +43,10 @@ class Lion(LowpOptimizer):
 
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
         return ("exp_avg",)
+
+    def infer_step(self, state):
+        """optimi's Lion saves no step count, and Lion's update does not use one: 0."""
+        return 0
 
     def update(self, group, weights, grads, states, step):
         return lion_update(weights, grads, states["exp_avg"], lr=float(group["lr"]), betas=group["betas"],

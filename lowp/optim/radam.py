@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lowp.optim.base import TwoMomentOptimizer
+from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
 
 __all__ = ["RAdam", "radam_update"]
 
@@ -52,6 +52,7 @@ class RAdam(TwoMomentOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
                  **options: Any) -> None:
+        warn_if_swapped(eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       decoupled_weight_decay=decoupled_weight_decay), **options)
 

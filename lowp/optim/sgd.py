@@ -48,6 +48,11 @@ class SGD(LowpOptimizer):
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] else ()
 
+    def infer_step(self, state):
+        """``torch.optim.SGD`` saves no step: a momentum buffer means at least one step was taken
+        (the next step then updates the buffer instead of initialising it)."""
+        return 1 if "momentum_buffer" in state else 0
+
     def update(self, group, weights, grads, states, step):
         return sgd_update(weights, grads, states.get("momentum_buffer"), step=step, lr=float(group["lr"]),
                           momentum=group["momentum"], dampening=group["dampening"],

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lowp.optim.base import TwoMomentOptimizer
+from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
 
 __all__ = ["StableAdamW", "stableadamw_update"]
 
@@ -49,6 +49,7 @@ class StableAdamW(TwoMomentOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
                  eps: float = 1e-6, weight_decay: float = 1e-2, **options: Any) -> None:
+        warn_if_swapped(eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), **options)
 
     def update(self, group, weights, grads, states, step):

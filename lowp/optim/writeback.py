@@ -27,6 +27,14 @@ Each mode is a :class:`WriteBack` with three small functions over lists of tenso
 ``init_buffer`` (the mode's extra per-parameter tensor or ``None``), ``load`` (the fp32 weight
 the optimizer sees) and ``apply`` (write ``w + u`` back; returns the number of elements whose
 stored weight did not change, when asked).
+
+:func:`ensure_buffer` creates the buffer a parameter's mode needs when it is missing (first step,
+a group switched mode, a state dict from another optimizer) and folds the other mode's buffer
+into it: kahan -> exact stores ``rn_fp32(theta + k)`` as the exact pair (``theta + k`` needs
+more than fp32's 24 bits only when ``|k| < 2**-16 |theta|``); exact -> kahan keeps the fp32
+master weight ``t`` as ``theta = hi`` and ``k = t - hi`` rounded to the buffer's dtype (about 16
+of t's 24 bits survive in bf16); a switch to nearest or stochastic drops the buffer (its sub-ulp
+part is lost, the visible weight is kept).
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ import torch
 
 from lowp.optim.storage import store, working_copy
 
-__all__ = ["WriteBack", "MODES", "get_mode", "resolve_mode", "LOW_PRECISION"]
+__all__ = ["WriteBack", "MODES", "get_mode", "resolve_mode", "ensure_buffer", "BUFFER_NAMES", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ALL = (torch.float64, torch.float32, *LOW_PRECISION)
@@ -152,3 +160,29 @@ def resolve_mode(mode: str, param: torch.Tensor) -> WriteBack:
         raise TypeError(f"mode: {chosen.name!r} does not support {param.dtype} parameters "
                         f"(it needs one of {', '.join(str(d) for d in chosen.dtypes)})")
     return chosen
+
+
+#: Every mode's buffer name.
+BUFFER_NAMES: tuple[str, ...] = tuple(m.buffer_name for m in MODES.values() if m.buffer_name is not None)
+
+
+def ensure_buffer(param: torch.Tensor, state: dict, mode: WriteBack) -> None:
+    """Give ``state`` the buffer of ``mode`` (zeros when nothing can be folded into it) and remove
+    the buffers of other modes, folding them as the module docstring says. Shapes and dtypes
+    of existing buffers must have been checked (``compensation``: the weight's shape;
+    ``remainder``: int16 of the weight's shape)."""
+    wanted = mode.buffer_name
+    if (wanted is None or wanted in state) and not any(n in state for n in BUFFER_NAMES if n != wanted):
+        return      # the common case, every step: nothing to do
+    with torch.no_grad():
+        others = {name: state.pop(name) for name in BUFFER_NAMES if name != wanted and name in state}
+        if wanted is None or wanted in state:
+            return
+        buffer = mode.init_buffer(param.detach())
+        if mode.name == "exact" and "compensation" in others:       # kahan -> exact
+            held = param.float() + others["compensation"].float()
+            _apply_exact(param, torch.full_like(held, -0.0), held, buffer, None, False)
+        elif mode.name == "kahan" and "remainder" in others and param.dtype == torch.bfloat16:   # exact -> kahan
+            held = _exact_load(param, others["remainder"])
+            buffer.copy_(held - param.float())
+        state[wanted] = buffer

@@ -1,0 +1,109 @@
+"""Checks that run before an optimizer changes anything: option types, parameter layouts,
+gradients against their parameters, and saved or live states against what a step needs.
+
+Every function raises ``TypeError``/``ValueError`` whose message starts with the name of the
+argument or entry at fault (``maximize``, ``seed``, ``grad of params[3]``, ``state[2]['exp_avg']``,
+...) and says what was expected; none of them modifies its inputs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["SEED_LIMIT", "FLOAT_DTYPES", "check_flag", "check_seed", "check_param", "check_grad", "step_count",
+           "check_tensor", "check_count"]
+
+#: Seeds are 64-bit: ``seed`` must lie in ``[0, SEED_LIMIT)``.
+SEED_LIMIT = 1 << 64
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_flag(name: str, value: Any, allow_none: bool = False) -> None:
+    """``value`` must be a bool (or ``None`` when allowed): ``maximize="no"`` is not false."""
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    expected = "True, False or None" if allow_none else "True or False"
+    raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def check_seed(value: Any) -> int:
+    """``value`` as a seed: an int in ``[0, 2**64)`` (not a bool); a 0-dim integer tensor is accepted."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"seed: expected an int in [0, 2**64), got {value!r}")
+    return value
+
+
+def check_count(name: str, value: Any) -> int:
+    """A counter: an int >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    return value
+
+
+def check_param(p: Any, where: str) -> None:
+    """A parameter the write-back can store into: a real floating-point tensor whose elements
+    occupy distinct memory (an expanded or otherwise self-overlapping tensor cannot be written
+    element by element)."""
+    if not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{where}: expected real floating-point tensors, got "
+                        f"{getattr(p, 'dtype', type(p).__name__)}")
+    if p.layout != torch.strided:
+        raise TypeError(f"{where}: expected a dense (strided) tensor, got layout {p.layout}")
+    if not p.is_contiguous() and torch._debug_has_internal_overlap(p) == 1:
+        raise ValueError(f"{where}: its elements overlap in memory (an expanded or stride-0 view, strides "
+                         f"{p.stride()}); pass a tensor that owns its elements, e.g. p.clone()")
+
+
+def check_grad(p: torch.Tensor, g: Any, where: str) -> None:
+    """``g`` can be the gradient of ``p``: a dense tensor of ``p``'s shape and device, of ``p``'s
+    dtype or float32."""
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"grad of {where}: expected a tensor, got {type(g).__name__}")
+    if g.layout != torch.strided:
+        raise TypeError(f"grad of {where}: sparse gradients are not supported")
+    if g.shape != p.shape:
+        raise ValueError(f"grad of {where}: shape {tuple(g.shape)} does not match the parameter's shape "
+                         f"{tuple(p.shape)}")
+    if g.dtype not in (p.dtype, torch.float32):
+        raise ValueError(f"grad of {where}: dtype {g.dtype} is neither the parameter's dtype {p.dtype} nor "
+                         f"torch.float32")
+    if g.device != p.device:
+        raise ValueError(f"grad of {where}: on {g.device}, the parameter is on {p.device}")
+
+
+def step_count(value: Any, where: str) -> int:
+    """A step counter as an int: an int >= 0, or a one-element tensor holding one (as
+    ``torch.optim`` saves it: a float32 0-dim tensor)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool \
+            and not value.is_complex():
+        number = value.item()
+        if isinstance(number, float) and math.isfinite(number) and number == int(number):
+            number = int(number)
+        value = number
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: expected a step count (an int >= 0), got {value!r}")
+    return value
+
+
+def check_tensor(t: Any, where: str, shape: torch.Size, dtypes: tuple[torch.dtype, ...], device: torch.device,
+                 key: str | None = None) -> None:
+    """``t`` (entry ``key`` of ``where``, when given) is a dense tensor of ``shape`` on
+    ``device`` with one of ``dtypes``, whose elements do not overlap in memory."""
+    if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device \
+            and t.layout == torch.strided and (t.is_contiguous() or torch._debug_has_internal_overlap(t) != 1):
+        return
+    where = where if key is None else f"{where}[{key!r}]"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: expected a tensor, got {type(t).__name__}")
+    if t.shape != shape:
+        raise ValueError(f"{where}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{where}: dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
+    if t.device != device:
+        raise ValueError(f"{where}: on {t.device}, expected {device}")
+    raise ValueError(f"{where}: expected a dense tensor whose elements do not overlap in memory")

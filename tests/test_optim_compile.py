@@ -1,0 +1,107 @@
+"""``torch.compile(opt.step)`` keeps every mode's semantics: the lowp step is never traced (it
+runs eagerly, fused kernels included), so sub-ulp progress is bit-identical to the eager step;
+``fullgraph=True`` says why it cannot trace the step and what to do."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.optim.kernels import native_available
+from lowp.optim.writeback import MODES
+from lowp.threads import single_thread
+
+OPTIMIZERS = [
+    (lo.SGD, dict(lr=1e-4, momentum=0.9)),
+    (lo.Adam, dict(lr=1e-4)),
+    (lo.AdamW, dict(lr=1e-4, weight_decay=0.1)),
+    (lo.Lion, dict(lr=1e-4)),
+    (lo.RAdam, dict(lr=1e-4)),
+    (lo.StableAdamW, dict(lr=1e-4)),
+    (lo.Adafactor, dict(lr=1e-4)),
+]
+BACKENDS = ["foreach"] + (["native"] if native_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+def _run(cls, kw, mode, backend, compiled, steps):
+    """``steps`` sub-ulp steps of one bf16 weight (ones: an update of 1e-4 is 1/40 of its ulp)."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.ones(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    opt = cls([p], mode=mode, backend=backend, seed=5, **kw)
+    step = torch.compile(opt.step) if compiled else opt.step
+    for _ in range(steps):
+        p.grad = (torch.rand(p.shape, generator=gen) + 0.5).bfloat16()
+        step()
+    return p, opt
+
+
+def _held(p, opt):
+    state = opt.state[p]
+    if "remainder" in state:
+        return MODES["exact"].load(p.detach(), state["remainder"])
+    return p.detach().float() + (state["compensation"].float() if "compensation" in state else 0)
+
+
+def _check(cls, kw, backend, steps):
+    torch._dynamo.reset()
+    for mode in MODES:
+        (pe, oe), (pc, oc) = (_run(cls, kw, mode, backend, compiled, steps) for compiled in (False, True))
+        assert torch.equal(pe, pc), (mode, backend)
+        for name, value in oe.state[pe].items():
+            other = oc.state[pc][name]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, (mode, backend, name)
+        if mode in ("kahan", "exact"):    # the sub-ulp progress is there, and the same
+            assert not torch.equal(_held(pe, oe), torch.ones(4, 8)), (mode, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_step_is_bit_identical_to_eager_adamw(backend):
+    _check(lo.AdamW, dict(lr=1e-4, weight_decay=0.1), backend, steps=50)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cls, kw", OPTIMIZERS, ids=[c.__name__ for c, _ in OPTIMIZERS])
+def test_compiled_step_is_bit_identical_to_eager_for_every_optimizer(cls, kw, backend):
+    _check(cls, kw, backend, steps=50)
+
+
+def test_fullgraph_explains_why_the_step_is_not_traced():
+    torch._dynamo.reset()
+    p = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    opt = lo.SGD([p], lr=1e-4)
+    with pytest.raises(Exception, match="runs eagerly") as info:
+        torch.compile(opt.step, fullgraph=True)()
+    assert "fullgraph=False" in str(info.value)
+    assert opt.state == {} or opt.state[p]["step"] == 0
+
+
+@pytest.mark.slow
+def test_a_compiled_training_step_graph_breaks_around_the_optimizer():
+    torch._dynamo.reset()
+    model = torch.nn.Linear(8, 4).bfloat16()
+    opt = lo.AdamW(model.parameters(), lr=1e-4)
+    twin = torch.nn.Linear(8, 4).bfloat16()
+    twin.load_state_dict(model.state_dict())
+    opt_twin = lo.AdamW(twin.parameters(), lr=1e-4)
+    x = torch.randn(16, 8).bfloat16()
+
+    def train_step(m, o):
+        o.zero_grad()
+        m(x).float().square().mean().backward()
+        o.step()
+
+    compiled = torch.compile(train_step)
+    for _ in range(10):
+        compiled(model, opt)
+        train_step(twin, opt_twin)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["compensation"], opt_twin.state[b]["compensation"])
