@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from lowp.optim import sharding
 from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
 from lowp.optim.writeback import MODES, WriteBack, get_mode, resolve_mode
@@ -118,7 +119,9 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.skipped_params = 0
         self.skipped_steps = 0
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._last_stalled: dict[int, tuple[torch.Tensor | None, int]] = {}
+        # per group: (stalled count, elements, weight) of each job of the last step; weight 0 for
+        # plain parameters, else the share of this rank in a sum over all ranks
+        self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
         defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_rounding=state_rounding,
                         maximize=maximize)
         super().__init__(params, defaults)
@@ -162,6 +165,8 @@ class LowpOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"params: expected real floating-point tensors, got "
                                 f"{getattr(p, 'dtype', type(p).__name__)}")
             resolve_mode(merged["mode"], p)
+            if sharding.is_dtensor(p):
+                sharding.check_placements(p)
         super().add_param_group({**param_group, "params": params})
 
     # ---- state ----------------------------------------------------------------------------
@@ -174,11 +179,10 @@ class LowpOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = 0
-            for name in self.state_names(group, p):
-                state[name] = torch.zeros(self.state_shape(name, p), dtype=self._state_dtype(group, name, p),
-                                          device=p.device)
+            for name in self.state_names(group, p):   # DTensor parameters: sharded like p
+                state[name] = sharding.new_state(p, self.state_shape(name, p), self._state_dtype(group, name, p))
             if mode.buffer_name is not None:
-                state[mode.buffer_name] = mode.init_buffer(p.detach())
+                state[mode.buffer_name] = sharding.new_buffer(p, mode.init_buffer)
         return state
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -190,8 +194,11 @@ class LowpOptimizer(torch.optim.Optimizer):
         return self._generators[device]
 
     # ---- the step -------------------------------------------------------------------------
-    def _finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
-        return [True] * len(grads) if self.nonfinite == "off" else self.backend.finite_flags(grads)
+    def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[bool]:
+        """Per (local) gradient: finite; for DTensor parameters finite on every rank."""
+        if self.nonfinite == "off":
+            return [True] * len(grads)
+        return sharding.agree(self.backend.finite_flags(grads), params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -213,34 +220,51 @@ class LowpOptimizer(torch.optim.Optimizer):
                 raise TypeError("params: sparse gradients are not supported")
         # GradScaler hands over found_inf only after checking every gradient of this optimizer:
         # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
-        finite = [True] * len(todo) if found_inf is not None else self._finite_flags([p.grad for _, p in todo])
+        params = [p for _, p in todo]
+        grads = [sharding.local_grad(p) for p in params]
+        finite = [True] * len(todo) if found_inf is not None else self._finite_flags(grads, params)
         if not all(finite) and self.nonfinite == "skip_step":
             self.skipped_steps += 1
             return loss
         self.skipped_params += finite.count(False)
 
+        positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        for (group, p), ok in zip(todo, finite):
+        gathered: list[tuple[ParamSlice, torch.Tensor, list[torch.Tensor]]] = []
+        for (group, p), grad, ok in zip(todo, grads, finite):
             if not ok:
                 continue
             mode = resolve_mode(group["mode"], p)
             state = self.init_state(group, p, mode)
             state["step"] += 1
             names = self.state_names(group, p)
-            key = (id(group), mode.name, state["step"], p.dtype, p.device, names)
-            jobs[key].append(ParamSlice(p, p.grad, {n: state[n] for n in names},
-                                        state.get(mode.buffer_name) if mode.buffer_name else None))
+            tensors = [state[n] for n in names] + ([state[mode.buffer_name]] if mode.buffer_name else [])
+            if sharding.is_dtensor(p) and not self.elementwise:
+                # a per-tensor update: run it on the full tensors, keep this rank's box afterwards
+                full = [sharding.gather(t) for t in tensors]
+                piece = ParamSlice(sharding.gather(p.detach()), sharding.gather(p.grad), dict(zip(names, full)),
+                                   full[-1] if mode.buffer_name else None, positions[id(p)])
+                gathered.append((piece, p, tensors))
+                weight = 1.0 / sharding.world_size()
+            else:
+                local = [sharding.local(t) for t in tensors]
+                piece = ParamSlice(sharding.local(p), grad, dict(zip(names, local)),
+                                   local[-1] if mode.buffer_name else None, positions[id(p)],
+                                   sharding.element_index(p))
+                weight = 1.0 / sharding.replicas(p) if sharding.is_dtensor(p) else 0.0
+            jobs[(id(group), mode.name, state["step"], p.dtype, p.device, names, weight)].append(piece)
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
-        self._last_stalled = {}
-        for (gid, mode_name, step, _, device, _), slices in jobs.items():
+        self._last_stalled = defaultdict(list)
+        for (gid, mode_name, step, _, device, _, weight), slices in jobs.items():
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.generator(device),
                               self.diagnostics_enabled)
             stalled = self.backend.run(self, ctx, slices)
-            old, n = self._last_stalled.get(index, (None, 0))
-            if stalled is not None:
-                stalled = stalled if old is None else old + stalled
-            self._last_stalled[index] = (stalled, n + sum(s.numel for s in slices))
+            self._last_stalled[index].append((stalled, sum(s.numel for s in slices), weight))
+        for piece, p, tensors in gathered:
+            sharding.local(p).copy_(sharding.keep_local(piece.param, p))
+            for t, full in zip(tensors, [*piece.states.values(), *([piece.buffer] if piece.buffer is not None else [])]):
+                sharding.local(t).copy_(sharding.keep_local(full, t) if tuple(t.shape) == tuple(p.shape) else full)
         return loss
 
     def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
@@ -266,18 +290,31 @@ class LowpOptimizer(torch.optim.Optimizer):
     def diagnostics(self) -> list[dict[str, float]]:
         """Per parameter group: ``stalled_fraction`` (elements of the last step whose stored
         weight did not change: their update was lost to rounding, or zero), ``compensation_rel``
-        (``||k|| / ||theta||`` over the group's Kahan buffers, 0 without any) and skip counters."""
-        out = []
+        (``||k|| / ||theta||`` over the group's Kahan buffers, 0 without any) and skip counters.
+        With DTensor parameters the counts and squares are summed over ranks (one all-reduce:
+        every rank must call it)."""
+        sums = []   # per group: stalled, elements, ||k||^2, ||theta||^2; plain (local) then DTensor shares
         for i, group in enumerate(self.param_groups):
-            stalled, n = self._last_stalled.get(i, (None, 0))
-            comp_sq, weight_sq = 0.0, 0.0
+            plain, shared = [0.0] * 4, [0.0] * 4
+            for stalled, n, weight in self._last_stalled.get(i, []):
+                acc, w = (plain, 1.0) if weight == 0 else (shared, weight)
+                acc[0] += w * float(stalled) if stalled is not None else math.nan
+                acc[1] += w * n
             for p in group["params"]:
                 k = self.state.get(p, {}).get("compensation")
                 if k is not None:
-                    comp_sq += float(k.float().square().sum())
-                    weight_sq += float(p.detach().float().square().sum())
+                    acc, w = (shared, 1.0 / sharding.replicas(p)) if sharding.is_dtensor(p) else (plain, 1.0)
+                    acc[2] += w * float(sharding.local(k).float().square().sum())
+                    acc[3] += w * float(sharding.local(p).detach().float().square().sum())
+            sums.append((plain, shared))
+        if any(sharding.is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            reduced = iter(sharding.global_sums([v for _, shared in sums for v in shared]))
+            sums = [(plain, [next(reduced) for _ in shared]) for plain, shared in sums]
+        out = []
+        for plain, shared in sums:
+            stalled, n, comp_sq, weight_sq = (a + b for a, b in zip(plain, shared))
             out.append({
-                "stalled_fraction": float(stalled) / n if stalled is not None and n else 0.0,
+                "stalled_fraction": stalled / n if n and not math.isnan(stalled) else 0.0,
                 "compensation_rel": math.sqrt(comp_sq / weight_sq) if weight_sq else 0.0,
                 "skipped_params": float(self.skipped_params),
                 "skipped_steps": float(self.skipped_steps),
@@ -303,7 +340,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
             if i in state_dict["state"]:
-                self.state[p] = {k: v.to(device=p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                self.state[p] = {k: sharding.load_state(v, p) if isinstance(v, torch.Tensor) else v
                                  for k, v in state_dict["state"][i].items()}
         extra = state_dict.get("lowp", {})
         self.seed = extra.get("seed", self.seed)
