@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lowp.optim.randomness import ElementIndex
 
-__all__ = ["is_dtensor", "local", "new_state", "new_buffer", "element_index", "box", "gather", "keep_local",
+__all__ = ["is_dtensor", "local", "new_state", "new_buffer", "element_index", "box_index", "box", "gather", "keep_local",
            "local_grad", "load_state", "agree", "global_sums", "replicas", "world_size", "check_placements"]
 
 
@@ -91,18 +91,22 @@ def box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def element_index(t: torch.Tensor) -> ElementIndex:
-    """Where the local elements of ``t`` sit in the whole tensor, row-major (:class:`ElementIndex`).
+    """Where the local elements of ``t`` sit in the whole tensor (:func:`box_index` of its box)."""
+    if not is_dtensor(t):
+        return ElementIndex()
+    shape, offset = box(t)
+    return box_index(tuple(shape), tuple(offset), tuple(t.shape))
 
-    With local shape ``L``, global shape ``G``, offset ``O`` and row-major global strides ``S``:
+
+def box_index(shape: tuple[int, ...], offset: tuple[int, ...], gshape: tuple[int, ...]) -> ElementIndex:
+    """:class:`ElementIndex` of the box of local shape ``L = shape`` at ``O = offset`` in a
+    row-major tensor of shape ``G = gshape`` (global strides ``S``).
+
     ``d`` is the last dimension with ``L_d < G_d``. The box is one contiguous range when every
     dimension before ``d`` has one local element; otherwise it is ``prod(L_{<d})`` runs of
     ``block = L_d * S_d`` elements every ``stride = S_{d-1}``, which needs the dimensions strictly
     between the first one and ``d`` to be whole.
     """
-    if not is_dtensor(t):
-        return ElementIndex()
-    shape, offset = box(t)
-    gshape = tuple(t.shape)
     strides = [math.prod(gshape[i + 1:]) for i in range(len(gshape))]
     start = sum(o * s for o, s in zip(offset, strides))
     partial = [i for i, (n, g) in enumerate(zip(shape, gshape)) if n < g]
@@ -112,8 +116,8 @@ def element_index(t: torch.Tensor) -> ElementIndex:
     if math.prod(shape[:d]) <= 1:
         return ElementIndex(offset=start)
     if any(shape[i] < gshape[i] for i in range(1, d)):
-        raise ValueError(f"params: a local box of shape {shape} in {gshape} (placements "
-                         f"{tuple(t.placements)}) is not a strided range of the global tensor")
+        raise ValueError(f"params: a local box of shape {shape} at {offset} in {gshape} is not a strided "
+                         f"range of the global tensor")
     return ElementIndex(offset=start, block=shape[d] * strides[d], stride=strides[d - 1])
 
 

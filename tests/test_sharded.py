@@ -1,0 +1,169 @@
+"""lowp optimizers on DTensor parameters (FSDP2 ``fully_shard``, tensor parallel placements) and
+torch.distributed.checkpoint, on real gloo process groups of spawned ranks.
+
+The ranks run everything in two launches (module fixtures; a launch is mostly process start
+and torch's import): 2 ranks for the step cases, checkpoints and mixed precision, then 1 rank
+resuming the 2-rank checkpoints. ``run_local_group`` fails the test when a rank raises, hangs or
+dies by a signal. Every comparison is bit for bit against a single-process run on plain tensors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sharded_worker as w
+from lowp.distributed.launch import run_local_group
+from lowp.optim import sharding
+
+STEP_CASES = [("fsdp", name, mode, backend, None, "skip_param")
+              for name in w.OPTIMIZERS for mode in w.MODES for backend in w.BACKENDS]
+TP_CASES = [("shard1", "AdamW", "kahan", "fused", None, "skip_param"),
+            ("shard1", "StableAdamW", "exact", "fused", None, "skip_param"),
+            ("shard1", "Adafactor", "kahan", "unfused", None, "skip_param"),
+            ("replicate", "AdamW", "exact", "fused", None, "skip_param"),
+            ("replicate", "Lion", "kahan", "unfused", None, "skip_param")]
+# flat element 29 of the (6, 5) parameter is in the last row: rank 1's shard of 2, rank 3's... of 4
+NAN_CASES = [("fsdp", "AdamW", "kahan", "fused", (0, 29), "skip_param"),
+             ("fsdp", "Lion", "exact", "unfused", (0, 29), "skip_step"),
+             ("fsdp", "Adafactor", "kahan", "fused", (0, 29), "skip_param")]
+SR_CASES = [("fsdp", name, "stochastic", backend, None, "skip_param")
+            for name in ("AdamW", "SGD") for backend in w.BACKENDS]
+CASES = STEP_CASES + TP_CASES + NAN_CASES + SR_CASES
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dtype.is_floating_point else t
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, f"{what}: {k}"
+        assert torch.equal(_bits(got[k]), _bits(want[k])), f"{what}: {k} differs"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dcp")
+    spec = {"folder": str(folder), "steps": CASES, "save": ["kahan", "exact"], "reload": True, "mp": ["fp32", "bf16"]}
+    return folder, run_local_group(w.session, 2, spec, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def one_rank(two_ranks):
+    folder, _ = two_ranks
+    spec = {"folder": str(folder), "load": ["kahan-2", "exact-2"], "mp": ["fp32"]}
+    return run_local_group(w.session, 1, spec, timeout_s=120)[0]
+
+
+def _case_id(case) -> str:
+    layout, name, mode, backend, nan_at, nonfinite = case
+    return f"{layout}-{name}-{mode}-{backend}" + (f"-nan-{nonfinite}" if nan_at else "")
+
+
+@pytest.mark.parametrize("case", STEP_CASES + TP_CASES + NAN_CASES, ids=_case_id)
+def test_sharded_step_equals_unsharded(two_ranks, case):
+    _, ranks = two_ranks
+    index = CASES.index(case)
+    layout, name, mode, backend, nan_at, nonfinite = case
+    want = w.reference(name, mode, backend, nan_at, nonfinite)
+    for rank, results in enumerate(ranks):
+        got = dict(results["steps"][index])
+        skipped, meta = got.pop("skipped"), got.pop("meta")
+        assert_same(got, want, f"rank {rank}")
+        assert int(meta[0]) == 1, "to_local() must alias the parameter's storage"
+        if nan_at is not None:   # every rank skipped, also the one whose shard was finite
+            assert skipped.tolist() == ([1, 0] if nonfinite == "skip_param" else [0, 1])
+        if layout == "fsdp" and "p0.exp_avg" in want:   # moments sharded: about half per rank
+            assert int(meta[1]) < sum(v.numel() for k, v in want.items() if k.endswith(".exp_avg"))
+
+
+@pytest.mark.parametrize("case", SR_CASES, ids=_case_id)
+def test_stochastic_rounding_same_bits_at_any_world_size(two_ranks, case):
+    """Counter-based random bits indexed by the global element (lowp.optim.randomness): the bits
+    of a 2-rank run equal the single-process run's. Needs the stochastic-rounding backends drawn
+    from ``random16(global index, stream_key(...))``; generator-based draws depend on the shard."""
+    _, ranks = two_ranks
+    _, name, mode, backend, nan_at, nonfinite = case
+    want = w.reference(name, mode, backend, nan_at, nonfinite)
+    for rank, results in enumerate(ranks):
+        got = dict(results["steps"][CASES.index(case)])
+        got.pop("skipped"), got.pop("meta")
+        assert_same(got, want, f"rank {rank}")
+
+
+@pytest.mark.parametrize("mode", ["kahan", "exact"])
+def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(two_ranks, one_rank, mode):
+    _, ranks = two_ranks
+    plain = w.plain_train(mode)
+    saved = ranks[0]["save"][mode]
+    assert saved["sharded"], "DCP must see DTensor optimizer states"
+    assert saved["losses"] == plain["losses"]
+    assert_same(saved["model"], plain["model"], "weights after 4 FSDP steps")
+    assert_same(saved["optim"], plain["optim"], "states after 4 FSDP steps")
+    remainder = "compensation" if mode == "kahan" else "remainder"
+    assert saved["dtypes"]["0.exp_avg"] == "torch.float32"
+    assert saved["dtypes"][f"0.{remainder}"] == ("torch.bfloat16" if mode == "kahan" else "torch.int16")
+    for rank, results in enumerate(ranks):   # same world size, fresh model and optimizer
+        resumed = results["load"][f"{mode}-2"]
+        assert resumed["losses"] == plain["losses"][2:]
+        assert resumed["dtypes"] == saved["dtypes"]
+        assert_same(resumed["model"], plain["model"], f"rank {rank} resumed weights")
+        assert_same(resumed["optim"], plain["optim"], f"rank {rank} resumed states")
+    resumed = one_rank["load"][f"{mode}-2"]   # saved at 2 ranks, loaded at 1
+    assert resumed["dtypes"] == saved["dtypes"]
+    assert resumed["losses"] == plain["losses"][2:]
+    assert_same(resumed["model"], plain["model"], "resumed at 1 rank")
+    assert_same(resumed["optim"], plain["optim"], "resumed at 1 rank")
+
+
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_mixed_precision_policy_fp32_params(two_ranks, one_rank, reduce):
+    """fp32 parameters, bf16 compute: with the same batch on every rank the reduced gradient is
+    exact (g + g in either dtype, halved), so 2 ranks equal 1 rank bit for bit."""
+    _, ranks = two_ranks
+    two = ranks[0]["mp"][reduce]
+    assert all(d == "torch.float32" for d in two["dtypes"].values())
+    assert_same(ranks[1]["mp"][reduce]["model"], two["model"], "rank 1 vs rank 0")
+    if reduce in one_rank["mp"]:
+        one = one_rank["mp"][reduce]
+        assert two["losses"] == one["losses"]
+        assert_same(two["model"], one["model"], "2 ranks vs 1")
+        assert_same(two["optim"], one["optim"], "2 ranks vs 1")
+    assert two["losses"][-1] < two["losses"][0]
+
+
+@pytest.mark.slow
+def test_four_ranks_and_one_to_many_reshard(tmp_path):
+    """4 ranks (one with an empty shard of the (6, 5) parameter); a 1-rank checkpoint resumed at 4."""
+    one = run_local_group(w.session, 1, {"folder": str(tmp_path), "save": ["kahan", "exact"]}, timeout_s=120)[0]
+    spec = {"folder": str(tmp_path), "steps": CASES, "load": ["kahan-1", "exact-1"]}
+    ranks = run_local_group(w.session, 4, spec, timeout_s=300)
+    for case, index in ((c, i) for i, c in enumerate(CASES)):
+        want = w.reference(*case[1:4], case[4], case[5])
+        for rank, results in enumerate(ranks):
+            got = dict(results["steps"][index])
+            got.pop("skipped"), got.pop("meta")
+            assert_same(got, want, f"{_case_id(case)} rank {rank}")
+    for mode in ("kahan", "exact"):
+        for results in ranks:
+            resumed = results["load"][f"{mode}-1"]
+            assert resumed["losses"] == one["save"][mode]["losses"][2:]
+            assert_same(resumed["model"], one["save"][mode]["model"], "1 -> 4 ranks")
+            assert_same(resumed["optim"], one["save"][mode]["optim"], "1 -> 4 ranks")
+
+
+def test_element_index_of_boxes():
+    """``box_index`` gives the global row-major positions of a box's elements: Shard(0) ranges,
+    Shard(1)/Shard(2) strided boxes, 2-D boxes (two sharded dimensions) and empty boxes."""
+    full = torch.arange(6 * 5 * 4).reshape(6, 5, 4)
+    for shape, offset in [((2, 5, 4), (2, 0, 0)), ((6, 2, 4), (0, 3, 0)), ((3, 2, 4), (3, 1, 0)),
+                          ((1, 2, 4), (4, 1, 0)), ((6, 5, 1), (0, 0, 3)), ((2, 5, 2), (4, 0, 2)),
+                          ((0, 5, 4), (6, 0, 0)), ((6, 5, 4), (0, 0, 0)), ((2, 2, 4), (1, 3, 0))]:
+        index = sharding.box_index(shape, offset, tuple(full.shape))
+        region = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].reshape(-1)
+        assert torch.equal(index.tensor(region.numel()), region), (shape, offset)
+        half = region.numel() // 2   # a chunk starting half way
+        assert torch.equal(index.shifted(half).tensor(region.numel() - half), region[half:]), (shape, offset)
+    with pytest.raises(ValueError, match="params"):
+        sharding.box_index((2, 2, 2), (0, 0, 0), (6, 5, 4))
