@@ -229,7 +229,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``save``: modes to train, checkpoint (into ``folder/<mode>-<world size>``) and continue;
       with ``reload`` also resumed right away in a fresh model and optimizer (same world size);
     - ``load``: checkpoints ``<mode>-<world size it was saved at>`` to resume here;
-    - ``mp``: ``reduce_dtype`` names of mixed-precision runs (fp32 parameters, bf16 compute).
+    - ``mp``: ``reduce_dtype`` names of mixed-precision runs (fp32 parameters, bf16 compute);
+    - ``reduce_scatter``: :func:`reduce_scatter_checks`.
     """
     torch.manual_seed(0)
     folder = Path(spec.get("folder", "."))
@@ -244,4 +245,67 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         out["load"][tag] = load_continue(rank, world_size, str(folder / tag), tag.split("-")[0])
     for mp in spec.get("mp", []):
         out["mp"][mp] = train_save(rank, world_size, str(folder / f"mp-{mp}-{world_size}"), "kahan", mp)
+    if spec.get("reduce_scatter"):
+        out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
+    return out
+
+
+# ---- FSDP2 reduce-scatter ------------------------------------------------------------------------
+RS_NUMEL = 1 << 14
+
+
+def rs_input(rank: int, world_size: int) -> torch.Tensor:
+    """fp32 reduce-scatter input of ``rank``: values over 2**-12 .. 2**12 and both signs."""
+    g = torch.Generator().manual_seed(77 + rank)
+    scale = torch.exp2(torch.randint(-12, 13, (world_size * RS_NUMEL,), generator=g).float())
+    return torch.randn(world_size * RS_NUMEL, generator=g) * scale
+
+
+def reduce_scatter_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """FP32ReduceScatter called directly (SUM and AVG, bf16 and fp32 outputs, nearest and
+    stochastic compression) and the advisor's view of FSDP2 policies."""
+    import torch.distributed as dist
+
+    from lowp.distributed.advisor import advise_fsdp
+    from lowp.distributed.fsdp import FP32ReduceScatter, set_fp32_reduce_scatter
+    group = dist.group.WORLD
+    out: dict[str, Any] = {}
+    x = rs_input(rank, world_size)
+    for name, comm, op, dtype in [("sum", FP32ReduceScatter(), dist.ReduceOp.SUM, torch.float32),
+                                  ("avg", FP32ReduceScatter(), dist.ReduceOp.AVG, torch.float32),
+                                  ("sum_bf16", FP32ReduceScatter(), dist.ReduceOp.SUM, torch.bfloat16),
+                                  ("stochastic", FP32ReduceScatter(stochastic=True, seed=5), dist.ReduceOp.SUM,
+                                   torch.float32)]:
+        result = comm.allocate((RS_NUMEL,), dtype=dtype, device=torch.device("cpu"))
+        comm(result, x.to(dtype), group, dist.ReduceOp.SUM if op == dist.ReduceOp.SUM else op)
+        out[name] = result
+    # unbiasedness: 1 + 2**-10 lies between bf16 neighbours 1 and 1 + 2**-7
+    tiny = torch.full((world_size * RS_NUMEL,), 1 + 2.0 ** -10)
+    result = torch.empty(RS_NUMEL)
+    FP32ReduceScatter(stochastic=True, seed=rank)(result, tiny, group, dist.ReduceOp.SUM)
+    out["stochastic_tiny"] = result
+    nearest = torch.empty(RS_NUMEL)
+    FP32ReduceScatter()(nearest, tiny, group, dist.ReduceOp.SUM)
+    out["nearest_tiny"] = nearest
+    try:
+        FP32ReduceScatter()(torch.empty(RS_NUMEL), x, group, dist.ReduceOp.PREMUL_SUM(0.5))
+    except ValueError as exc:
+        out["premul_error"] = str(exc)
+    # FSDP2 integration: fp32 parameters, bf16 compute, fp32 reduce through the custom comm; the
+    # same batch on every rank makes the reduction exact, so it must equal the default path
+    default = _dcp_model(world_size, "fp32")
+    custom = _dcp_model(world_size, "fp32")
+    advice_before = advise_fsdp(custom)
+    comm = set_fp32_reduce_scatter(custom)
+    for model in (default, custom):
+        opt = lo.AdamW(model.parameters(), lr=1e-2)
+        _train(model, opt, range(2))
+    out["fsdp_default"], out["fsdp_custom"] = _full_model(default), _full_model(custom)
+    out["fsdp_calls"] = comm.calls
+    out["advice_fp32"] = advice_before
+    out["advice_bf16_reduce"] = advise_fsdp(_dcp_model(world_size, "bf16"))
+    out["advice_pure_bf16"] = advise_fsdp(_dcp_model(world_size))
+    pure = _dcp_model(world_size)
+    set_fp32_reduce_scatter(pure)
+    out["advice_pure_bf16_fixed"] = advise_fsdp(pure)
     return out

@@ -45,7 +45,8 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dcp")
-    spec = {"folder": str(folder), "steps": CASES, "save": ["kahan", "exact"], "reload": True, "mp": ["fp32", "bf16"]}
+    spec = {"folder": str(folder), "steps": CASES, "save": ["kahan", "exact"], "reload": True, "mp": ["fp32", "bf16"],
+            "reduce_scatter": True}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
@@ -131,6 +132,51 @@ def test_mixed_precision_policy_fp32_params(two_ranks, one_rank, reduce):
         assert_same(two["model"], one["model"], "2 ranks vs 1")
         assert_same(two["optim"], one["optim"], "2 ranks vs 1")
     assert two["losses"][-1] < two["losses"][0]
+
+
+def _compressed_inputs(world_size: int) -> torch.Tensor:
+    """Every rank's reduce-scatter input as it crosses the wire (bf16), in fp64, [rank, element]."""
+    return torch.stack([w.rs_input(r, world_size).bfloat16().double() for r in range(world_size)])
+
+
+def test_fp32_reduce_scatter_against_fp64(two_ranks):
+    """bf16 on the wire, fp32 sum: rank r's output is its shard of the fp64 sum of the compressed
+    inputs within one fp32 rounding per addition (``(R - 1) u32 sum |x|``); the AVG is that
+    divided by R; a bf16 output is that sum rounded once more."""
+    _, ranks = two_ranks
+    R = len(ranks)
+    wire = _compressed_inputs(R)
+    for rank, results in enumerate(ranks):
+        got = results["reduce_scatter"]
+        shard = slice(rank * w.RS_NUMEL, (rank + 1) * w.RS_NUMEL)
+        exact = wire[:, shard].sum(0)
+        bound = (R - 1) * 2.0 ** -24 * wire[:, shard].abs().sum(0)
+        assert got["sum"].dtype == torch.float32
+        assert ((got["sum"].double() - exact).abs() <= bound).all()
+        assert ((got["avg"].double() - exact / R).abs() <= bound / R).all()
+        assert torch.equal(got["sum_bf16"], got["sum"].bfloat16())
+        # stochastic compression: each addend is one of its two bf16 neighbours
+        x = torch.stack([w.rs_input(r, R).double() for r in range(R)])[:, shard]
+        ulp_bound = (2.0 ** -7 * x.abs()).sum(0) + bound + 2.0 ** -24 * x.abs().sum(0)
+        assert ((got["stochastic"].double() - x.sum(0)).abs() <= ulp_bound).all()
+        assert not torch.equal(got["stochastic"], got["sum"])
+        # unbiased: 1 + 2**-10 (1/8 of a bf16 ulp above 1) sums to R (1 + 2**-10) on average;
+        # rounding to nearest loses the 2**-10 on every rank
+        sigma = 2.0 ** -7 * (1 / 8 * 7 / 8) ** 0.5 * R ** 0.5 / w.RS_NUMEL ** 0.5
+        assert abs(got["stochastic_tiny"].double().mean() - R * (1 + 2.0 ** -10)) < 5 * sigma
+        assert torch.equal(got["nearest_tiny"], torch.full((w.RS_NUMEL,), float(R)))
+        assert "set_force_sum_reduction_for_comms" in got["premul_error"]
+
+
+def test_fp32_reduce_scatter_in_fsdp_and_advisor(two_ranks):
+    _, ranks = two_ranks
+    for results in ranks:
+        got = results["reduce_scatter"]
+        assert got["fsdp_calls"] > 0
+        assert_same(got["fsdp_custom"], got["fsdp_default"], "custom reduce-scatter, exact sums")
+        assert got["advice_fp32"] == [] and got["advice_pure_bf16_fixed"] == []
+        assert got["advice_bf16_reduce"] and all("reduce_dtype=torch.bfloat16" in m for m in got["advice_bf16_reduce"])
+        assert got["advice_pure_bf16"] and all("reduce_dtype is None" in m for m in got["advice_pure_bf16"])
 
 
 @pytest.mark.slow
