@@ -132,10 +132,45 @@ def case_run(world_size: int, layout: str, name: str, mode: str, backend: str, n
     return out
 
 
-def steps_cases(rank: int, world_size: int, cases: list[tuple]) -> list[dict[str, torch.Tensor]]:
-    """Run every case ``(layout, optimizer, mode, backend, nan_at, nonfinite)``; return their snapshots."""
-    torch.manual_seed(0)
-    return [case_run(world_size, *c) for c in cases]
+def plain_state_dict(name: str, mode: str, steps: int) -> dict[str, Any]:
+    """``state_dict()`` of the single-process run after ``steps`` steps."""
+    params = [p.clone().requires_grad_() for p in full_params()]
+    opt = make_optimizer(name, params, mode, "fused")
+
+    def set_grad(p, g):
+        p.grad = g.clone()
+    run_steps(opt, params, set_grad, range(steps))
+    return opt.state_dict()
+
+
+def state_dict_case(world_size: int, name: str, mode: str, plain_sd: dict[str, Any]) -> dict[str, Any]:
+    """``opt.state_dict()`` / ``load_state_dict`` with sharded parameters, after 2 of :data:`STEPS`
+    steps: the sharded dict into a fresh sharded optimizer, the single-process dict into a sharded
+    optimizer, the sharded dict into a single-process optimizer; each then takes the last step."""
+    params = fsdp_params(world_size)
+    opt = make_optimizer(name, params, mode, "fused")
+    run_steps(opt, params, set_dtensor_grad, range(STEPS - 1))
+    sd = opt.state_dict()
+    out = {"sharded_states": all(type(v).__name__ == "DTensor" for st in sd["state"].values()
+                                 for v in st.values() if isinstance(v, torch.Tensor))}
+    from lowp.optim.sharding import gather
+    plain = [gather(p.detach()).clone().requires_grad_() for p in params]
+    for tag, source in (("resumed", sd), ("from_plain", plain_sd)):
+        fresh = make_optimizer(name, params, mode, "fused")
+        fresh.load_state_dict(source)
+        weights = [p.detach().to_local().clone() for p in params]
+        run_steps(fresh, params, set_dtensor_grad, range(STEPS - 1, STEPS))
+        out[tag] = snapshot(fresh, params)
+        for p, w0 in zip(params, weights):   # back to step 2 for the next variant
+            p.detach().to_local().copy_(w0)
+    single = make_optimizer(name, plain, mode, "fused")
+    single.load_state_dict(sd)
+
+    def set_grad(p, g):
+        p.grad = g.clone()
+    run_steps(single, plain, set_grad, range(STEPS - 1, STEPS))
+    out["to_plain"] = snapshot(single, plain)
+    return out
 
 
 # ---- checkpoints ------------------------------------------------------------------------------
@@ -230,6 +265,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
       with ``reload`` also resumed right away in a fresh model and optimizer (same world size);
     - ``load``: checkpoints ``<mode>-<world size it was saved at>`` to resume here;
     - ``mp``: ``reduce_dtype`` names of mixed-precision runs (fp32 parameters, bf16 compute);
+    - ``state_dict``: cases ``(optimizer, mode, single-process state_dict)`` of :func:`state_dict_case`;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`.
     """
     torch.manual_seed(0)
@@ -245,6 +281,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         out["load"][tag] = load_continue(rank, world_size, str(folder / tag), tag.split("-")[0])
     for mp in spec.get("mp", []):
         out["mp"][mp] = train_save(rank, world_size, str(folder / f"mp-{mp}-{world_size}"), "kahan", mp)
+    out["state_dict"] = [state_dict_case(world_size, *c) for c in spec.get("state_dict", [])]
     if spec.get("reduce_scatter"):
         out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
     return out

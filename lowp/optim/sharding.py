@@ -139,14 +139,14 @@ def load_state(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     parameter ``p``: sharded like ``p`` when it has ``p``'s shape, replicated over ``p``'s mesh
     otherwise, a plain full tensor for a plain ``p``. The dtype is kept."""
     if not is_dtensor(p):
-        full = value.full_tensor() if is_dtensor(value) else value
-        return full.to(device=p.device, copy=True)
+        return gather(value).to(device=p.device, copy=True)
     from torch.distributed.tensor import DTensor, Replicate
     own_shape = tuple(value.shape) == tuple(p.shape)
     if is_dtensor(value):
         placements = p.placements if own_shape else [Replicate()] * p.device_mesh.ndim
         if tuple(value.placements) != tuple(placements):
-            value = value.redistribute(p.device_mesh, placements)
+            bits = _int16_as_bf16(value).redistribute(p.device_mesh, placements)
+            return _wrap(local(bits).view(value.dtype).clone(), bits)
         return _wrap(local(value).clone(), value)
     value = value.to(device=local(p).device)
     if own_shape:
@@ -159,13 +159,16 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     bits (gloo has no int16 collectives), which only copies them."""
     if not is_dtensor(t):
         return t
-    loc = local(t)
-    if loc.dtype != torch.int16:
-        return t.full_tensor()
+    return _int16_as_bf16(t).full_tensor().view(local(t).dtype)
+
+
+def _int16_as_bf16(t: torch.Tensor) -> torch.Tensor:
+    """The DTensor ``t`` itself, or for int16 the same bits as a bf16 DTensor (collectives copy them)."""
+    if local(t).dtype != torch.int16:
+        return t
     from torch.distributed.tensor import DTensor
-    bits = DTensor.from_local(loc.view(torch.bfloat16), t.device_mesh, t.placements, run_check=False,
+    return DTensor.from_local(local(t).view(torch.bfloat16), t.device_mesh, t.placements, run_check=False,
                               shape=t.shape, stride=t.stride())
-    return bits.full_tensor().view(torch.int16)
 
 
 def keep_local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
