@@ -27,7 +27,7 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "Adafactor": (lo.Adafactor, dict(lr=1e-2, weight_decay=0.1)),
 }
 MODES = ("kahan", "exact", "nearest")
-BACKENDS = {"fused": {}, "unfused": {"fused": False}}
+BACKENDS = {"fused": {"fused": True}, "unfused": {"fused": False}}   # native C++ / foreach on CPU
 
 
 def full_params(seed: int = 0) -> list[torch.Tensor]:
@@ -128,7 +128,7 @@ def case_run(world_size: int, layout: str, name: str, mode: str, backend: str, n
     out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
     local_alias = all(p.to_local().data_ptr() == p._local_tensor.data_ptr() for p in params)
     shards = [opt.state[p]["exp_avg"].to_local().numel() for p in params if "exp_avg" in opt.state.get(p, {})]
-    out["meta"] = torch.tensor([int(local_alias), sum(shards)])
+    out["meta"] = torch.tensor([int(local_alias), sum(shards), int(opt.backend.name == "native")])
     return out
 
 
@@ -182,7 +182,7 @@ def mlp(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
 def plain_train(mode: str) -> dict[str, Any]:
     """The unsharded single-process run of :func:`train_save` (bf16 MLP, lowp AdamW)."""
     model = mlp()
-    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32)
+    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
     losses = _train(model, opt, range(4))
     return {"losses": losses, "model": _full_model(model), "optim": _full_optim(opt)}
 
@@ -230,7 +230,7 @@ def train_save(rank: int, world_size: int, folder: str, mode: str, mp: str | Non
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model = _dcp_model(world_size, mp)
-    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32)
+    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
     losses = _train(model, opt, range(2))
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
@@ -246,7 +246,7 @@ def load_continue(rank: int, world_size: int, folder: str, mode: str) -> dict[st
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model = _dcp_model(world_size)
-    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32)
+    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=folder)
@@ -266,7 +266,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``load``: checkpoints ``<mode>-<world size it was saved at>`` to resume here;
     - ``mp``: ``reduce_dtype`` names of mixed-precision runs (fp32 parameters, bf16 compute);
     - ``state_dict``: cases ``(optimizer, mode, single-process state_dict)`` of :func:`state_dict_case`;
-    - ``reduce_scatter``: :func:`reduce_scatter_checks`.
+    - ``reduce_scatter``: :func:`reduce_scatter_checks`;
+    - ``errors``: :func:`placement_errors`.
     """
     torch.manual_seed(0)
     folder = Path(spec.get("folder", "."))
@@ -284,6 +285,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     out["state_dict"] = [state_dict_case(world_size, *c) for c in spec.get("state_dict", [])]
     if spec.get("reduce_scatter"):
         out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
+    if spec.get("errors"):
+        out["errors"] = placement_errors(world_size)
     return out
 
 
@@ -346,3 +349,19 @@ def reduce_scatter_checks(rank: int, world_size: int) -> dict[str, Any]:
     set_fp32_reduce_scatter(pure)
     out["advice_pure_bf16_fixed"] = advise_fsdp(pure)
     return out
+
+
+def placement_errors(world_size: int) -> dict[str, Any]:
+    """A ``Partial`` parameter is refused when the optimizer is built (message and whether the
+    parameter kept its bits)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = torch.arange(6, dtype=torch.float32).bfloat16()
+    p = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Partial()], run_check=False))
+    try:
+        lo.AdamW([p])
+        message = ""
+    except TypeError as exc:
+        message = str(exc)
+    return {"partial": message, "unchanged": torch.equal(p.to_local(), local)}

@@ -48,7 +48,7 @@ def two_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dcp")
     state_dicts = [(name, mode, w.plain_state_dict(name, mode, w.STEPS - 1)) for name, mode in SD_CASES]
     spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact"], "reload": True, "mp": ["fp32", "bf16"],
-            "reduce_scatter": True}
+            "reduce_scatter": True, "errors": True}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
@@ -75,6 +75,7 @@ def test_sharded_step_equals_unsharded(two_ranks, case):
         skipped, meta = got.pop("skipped"), got.pop("meta")
         assert_same(got, want, f"rank {rank}")
         assert int(meta[0]) == 1, "to_local() must alias the parameter's storage"
+        assert int(meta[2]) == (backend == "fused"), "fused=True runs the native kernel on CPU"
         if nan_at is not None:   # every rank skipped, also the one whose shard was finite
             assert skipped.tolist() == ([1, 0] if nonfinite == "skip_param" else [0, 1])
         if layout == "fsdp" and "p0.exp_avg" in want:   # moments sharded: about half per rank
@@ -148,6 +149,13 @@ def test_optimizer_state_dict_between_sharded_and_plain(two_ranks, case):
         assert got["sharded_states"]
         for tag in ("resumed", "from_plain", "to_plain"):
             assert_same(got[tag], want, f"rank {rank} {tag}")
+
+
+def test_unsupported_placement_is_refused(two_ranks):
+    _, ranks = two_ranks
+    for results in ranks:
+        assert "params" in results["errors"]["partial"] and "Partial" in results["errors"]["partial"]
+        assert results["errors"]["unchanged"]
 
 
 def _compressed_inputs(world_size: int) -> torch.Tensor:
