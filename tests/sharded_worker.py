@@ -27,7 +27,8 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "Adafactor": (lo.Adafactor, dict(lr=1e-2, weight_decay=0.1)),
 }
 MODES = ("kahan", "exact", "nearest")
-BACKENDS = {"fused": {"fused": True}, "unfused": {"fused": False}}   # native C++ / foreach on CPU
+BACKENDS = {"fused": {"fused": True}, "unfused": {"fused": False},   # native C++ / foreach on CPU
+            "compiled": {"backend": "compiled"}}
 
 
 def full_params(seed: int = 0) -> list[torch.Tensor]:
@@ -80,7 +81,15 @@ def reference(name: str, mode: str, backend: str, nan_at=None, nonfinite: str = 
     def set_grad(p, g):
         p.grad = g.clone()
     run_steps(opt, params, set_grad, range(steps), nan_at)
-    return snapshot(opt, params)
+    out = snapshot(opt, params)
+    out["diag"] = diagnostics(opt)
+    return out
+
+
+def diagnostics(opt) -> torch.Tensor:
+    """Group 0's stalled fraction and compensation_rel (fp64)."""
+    d = opt.diagnostics()[0]
+    return torch.tensor([d["stalled_fraction"], d["compensation_rel"]], dtype=torch.float64)
 
 
 # ---- rank side ----------------------------------------------------------------------------------
@@ -125,6 +134,7 @@ def case_run(world_size: int, layout: str, name: str, mode: str, backend: str, n
     opt = make_optimizer(name, params, mode, backend, nonfinite=nonfinite)
     run_steps(opt, params, set_dtensor_grad, range(STEPS), nan_at)
     out = snapshot(opt, params)
+    out["diag"] = diagnostics(opt)
     out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
     local_alias = all(p.to_local().data_ptr() == p._local_tensor.data_ptr() for p in params)
     shards = [opt.state[p]["exp_avg"].to_local().numel() for p in params if "exp_avg" in opt.state.get(p, {})]
