@@ -230,7 +230,7 @@ class LowpOptimizer(torch.optim.Optimizer):
 
         positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        gathered: list[tuple[ParamSlice, torch.Tensor, list[torch.Tensor]]] = []
+        gathered: list[sharding.Gathered] = []
         for (group, p), grad, ok in zip(todo, grads, finite):
             if not ok:
                 continue
@@ -238,20 +238,11 @@ class LowpOptimizer(torch.optim.Optimizer):
             state = self.init_state(group, p, mode)
             state["step"] += 1
             names = self.state_names(group, p)
-            tensors = [state[n] for n in names] + ([state[mode.buffer_name]] if mode.buffer_name else [])
-            if sharding.is_dtensor(p) and not self.elementwise:
-                # a per-tensor update: run it on the full tensors, keep this rank's box afterwards
-                full = [sharding.gather(t) for t in tensors]
-                piece = ParamSlice(sharding.gather(p.detach()), sharding.gather(p.grad), dict(zip(names, full)),
-                                   full[-1] if mode.buffer_name else None, positions[id(p)])
-                gathered.append((piece, p, tensors))
-                weight = 1.0 / sharding.world_size()
-            else:
-                local = [sharding.local(t) for t in tensors]
-                piece = ParamSlice(sharding.local(p), grad, dict(zip(names, local)),
-                                   local[-1] if mode.buffer_name else None, positions[id(p)],
-                                   sharding.element_index(p))
-                weight = 1.0 / sharding.replicas(p) if sharding.is_dtensor(p) else 0.0
+            piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
+                                                      state.get(mode.buffer_name) if mode.buffer_name else None,
+                                                      positions[id(p)], self.elementwise)
+            if full is not None:
+                gathered.append(full)
             jobs[(id(group), mode.name, state["step"], p.dtype, p.device, names, weight)].append(piece)
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
         self._last_stalled = defaultdict(list)
@@ -261,10 +252,8 @@ class LowpOptimizer(torch.optim.Optimizer):
                               self.diagnostics_enabled)
             stalled = self.backend.run(self, ctx, slices)
             self._last_stalled[index].append((stalled, sum(s.numel for s in slices), weight))
-        for piece, p, tensors in gathered:
-            sharding.local(p).copy_(sharding.keep_local(piece.param, p))
-            for t, full in zip(tensors, [*piece.states.values(), *([piece.buffer] if piece.buffer is not None else [])]):
-                sharding.local(t).copy_(sharding.keep_local(full, t) if tuple(t.shape) == tuple(p.shape) else full)
+        for full in gathered:
+            full.write_back()
         return loss
 
     def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:

@@ -23,14 +23,16 @@ parameters (as FSDP2 and tensor parallelism do).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from lowp.optim.backends import ParamSlice
 from lowp.optim.randomness import ElementIndex
 
-__all__ = ["is_dtensor", "local", "new_state", "new_buffer", "element_index", "box_index", "box", "gather", "keep_local",
+__all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_buffer", "element_index", "box_index", "box", "gather", "keep_local",
            "local_grad", "load_state", "agree", "global_sums", "replicas", "world_size", "check_placements"]
 
 
@@ -188,6 +190,47 @@ def replicas(t: torch.Tensor) -> int:
 def world_size() -> int:
     """Ranks in the default group (1 without one)."""
     return dist.get_world_size() if _distributed() else 1
+
+
+@dataclass
+class Gathered:
+    """A step of a non-elementwise optimizer on full copies (``piece``) of the DTensor parameter
+    ``param`` and its ``states`` / ``buffer``; :meth:`write_back` keeps this rank's box."""
+
+    piece: ParamSlice
+    param: torch.Tensor
+    states: dict[str, torch.Tensor]
+    buffer: torch.Tensor | None
+
+    def write_back(self) -> None:
+        local(self.param).copy_(keep_local(self.piece.param, self.param))
+        pairs = [(self.states[n], self.piece.states[n]) for n in self.states]
+        if self.buffer is not None:
+            pairs.append((self.buffer, self.piece.buffer))
+        for t, full in pairs:   # replicated states (another shape than the parameter's) are whole
+            local(t).copy_(keep_local(full, t) if tuple(t.shape) == tuple(self.param.shape) else full)
+
+
+def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], buffer: torch.Tensor | None,
+               param_id: int, elementwise: bool) -> tuple[ParamSlice, float, Gathered | None]:
+    """The :class:`ParamSlice` a backend runs for parameter ``p`` (``grad``: its local gradient),
+    its weight in the diagnostics' sums and, for a gathered step, what to write back.
+
+    - plain ``p``: the tensors themselves, weight 0 (counted on this rank only);
+    - DTensor ``p``, elementwise optimizer: the local shards with their :class:`ElementIndex`,
+      weight ``1 / replicas`` (each element counted once over the ranks);
+    - DTensor ``p``, per-tensor optimizer: all-gathered full copies, weight ``1 / world size``
+      (every rank computes the whole tensor).
+    """
+    if not is_dtensor(p):
+        return ParamSlice(p, grad, states, buffer, param_id), 0.0, None
+    if elementwise:
+        piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
+                           None if buffer is None else local(buffer), param_id, element_index(p))
+        return piece, 1.0 / replicas(p), None
+    piece = ParamSlice(gather(p.detach()), gather(p.grad), {n: gather(t) for n, t in states.items()},
+                       None if buffer is None else gather(buffer), param_id)
+    return piece, 1.0 / world_size(), Gathered(piece, p, states, buffer)
 
 
 def _distributed() -> bool:
