@@ -1,10 +1,11 @@
 """lowp optimizers on DTensor parameters (FSDP2 ``fully_shard``, tensor parallel placements) and
 torch.distributed.checkpoint, on real gloo process groups of spawned ranks.
 
-The ranks run everything in two launches (module fixtures; a launch is mostly process start
-and torch's import): 2 ranks for the step cases, checkpoints and mixed precision, then 1 rank
-resuming the 2-rank checkpoints. ``run_local_group`` fails the test when a rank raises, hangs or
-dies by a signal. Every comparison is bit for bit against a single-process run on plain tensors.
+The ranks run everything in three launches (module fixtures; a launch is mostly process start
+and torch's import): 1 rank saving checkpoints, 2 ranks for the step cases, checkpoints (saved
+here and resumed from 1 rank) and mixed precision, then 1 rank resuming the 2-rank checkpoints.
+``run_local_group`` fails the test when a rank raises, hangs or dies by a signal. Every
+comparison is bit for bit against a single-process run on plain tensors.
 """
 from __future__ import annotations
 
@@ -60,19 +61,28 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def first_rank(tmp_path_factory):
+    """1 rank: checkpoints for the 2 ranks to resume, and the 1-rank mixed-precision run."""
     folder = tmp_path_factory.mktemp("dcp")
+    spec = {"folder": str(folder), "save": ["kahan", "exact"], "mp": ["fp32"]}
+    return folder, run_local_group(w.session, 1, spec, timeout_s=120)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(first_rank):
+    folder, _ = first_rank
     state_dicts = [(name, mode, w.plain_state_dict(name, mode, w.STEPS - 1)) for name, mode in SD_CASES]
-    spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact"], "reload": True, "mp": ["fp32", "bf16"],
-            "reduce_scatter": True, "errors": True}
+    spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact"],
+            "reload": True, "load": ["kahan-1", "exact-1"], "mp": ["fp32", "bf16"], "reduce_scatter": True,
+            "errors": True}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
 @pytest.fixture(scope="module")
 def one_rank(two_ranks):
+    """1 rank resuming the 2-rank checkpoints."""
     folder, _ = two_ranks
-    spec = {"folder": str(folder), "load": ["kahan-2", "exact-2"], "mp": ["fp32"]}
-    return run_local_group(w.session, 1, spec, timeout_s=120)[0]
+    return run_local_group(w.session, 1, {"folder": str(folder), "load": ["kahan-2", "exact-2"]}, timeout_s=120)[0]
 
 
 def _case_id(case) -> str:
@@ -113,7 +123,7 @@ def test_stochastic_rounding_same_bits_at_any_world_size(two_ranks, case):
 
 
 @pytest.mark.parametrize("mode", ["kahan", "exact"])
-def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(two_ranks, one_rank, mode):
+def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(first_rank, two_ranks, one_rank, mode):
     _, ranks = two_ranks
     plain = w.plain_train(mode)
     saved = ranks[0]["save"][mode]
@@ -135,18 +145,24 @@ def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(two_ranks, one_ra
     assert resumed["losses"] == plain["losses"][2:]
     assert_same(resumed["model"], plain["model"], "resumed at 1 rank")
     assert_same(resumed["optim"], plain["optim"], "resumed at 1 rank")
+    assert_same(first_rank[1]["save"][mode]["optim"], plain["optim"], "1 rank")
+    for rank, results in enumerate(ranks):   # saved at 1 rank, loaded at 2
+        resumed = results["load"][f"{mode}-1"]
+        assert resumed["losses"] == plain["losses"][2:]
+        assert_same(resumed["model"], plain["model"], f"rank {rank} resumed from 1 rank")
+        assert_same(resumed["optim"], plain["optim"], f"rank {rank} resumed from 1 rank")
 
 
 @pytest.mark.parametrize("reduce", ["fp32", "bf16"])
-def test_mixed_precision_policy_fp32_params(two_ranks, one_rank, reduce):
+def test_mixed_precision_policy_fp32_params(first_rank, two_ranks, reduce):
     """fp32 parameters, bf16 compute: with the same batch on every rank the reduced gradient is
     exact (g + g in either dtype, halved), so 2 ranks equal 1 rank bit for bit."""
     _, ranks = two_ranks
     two = ranks[0]["mp"][reduce]
     assert all(d == "torch.float32" for d in two["dtypes"].values())
     assert_same(ranks[1]["mp"][reduce]["model"], two["model"], "rank 1 vs rank 0")
-    if reduce in one_rank["mp"]:
-        one = one_rank["mp"][reduce]
+    if reduce in first_rank[1]["mp"]:
+        one = first_rank[1]["mp"][reduce]
         assert two["losses"] == one["losses"]
         assert_same(two["model"], one["model"], "2 ranks vs 1")
         assert_same(two["optim"], one["optim"], "2 ranks vs 1")
