@@ -13,12 +13,15 @@ needs the other ranks:
 - optimizers whose update is not elementwise (StableAdamW's per-tensor RMS, Adafactor's factors
   and RMS clip): the parameter, its gradient, states and buffer are all-gathered, the step runs
   on the full tensors exactly as on one process, and each rank keeps its box
-  (:func:`gather` / :func:`keep_local`). This is bit-for-bit the unsharded step; the price is
+  (:func:`make_slice`, :class:`Gathered`). This is bit-for-bit the unsharded step; the price is
   one all-gather of every tensor of the parameter per step and a full-size temporary;
 - diagnostics: sums of counts and squares over ranks (:func:`global_sums`).
 
 Collectives run on the default process group, so every rank must step the same list of
 parameters (as FSDP2 and tensor parallelism do).
+
+Every element is placed by :class:`~lowp.optim.randomness.ElementIndex` (:func:`element_index`),
+so stochastic rounding can draw the same bits for it at any sharding.
 """
 from __future__ import annotations
 
@@ -32,8 +35,9 @@ import torch.distributed as dist
 from lowp.optim.backends import ParamSlice
 from lowp.optim.randomness import ElementIndex
 
-__all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_buffer", "element_index", "box_index", "box", "gather", "keep_local",
-           "local_grad", "load_state", "agree", "global_sums", "replicas", "world_size", "check_placements"]
+__all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_buffer", "element_index",
+           "box_index", "box", "gather", "keep_local", "local_grad", "load_state", "agree", "global_sums",
+           "replicas", "world_size", "check_placements"]
 
 
 def is_dtensor(t: object) -> bool:
