@@ -19,7 +19,7 @@ from lowp.distributed import model
 from lowp.distributed.simulator import AVERAGING, MAX_WORLD_SIZE, ROUNDINGS, check_number
 from lowp.formats import get_format
 
-__all__ = ["BucketStats", "Advice", "advise", "advise_buckets", "check_reduce_dtype"]
+__all__ = ["BucketStats", "Advice", "advise", "advise_buckets", "check_reduce_dtype", "advise_fsdp"]
 
 NOISE_RATIO_WARN = 0.1     # error above 10 % of the sampling noise is worth a look
 BIAS_WARN = 0.01           # 1 % systematic shrinkage of the mean gradient
@@ -155,3 +155,30 @@ def advise_buckets(stats: dict[int, BucketStats], dtype: "str | torch.dtype" = "
                    loss_scale: float | None = None) -> dict[int, Advice]:
     """:func:`advise` for every bucket a hook recorded (``ReduceState.stats``), by bucket index."""
     return {index: advise(s, dtype, algorithm, average, rounding, loss_scale) for index, s in sorted(stats.items())}
+
+
+def advise_fsdp(model: torch.nn.Module) -> list[str]:
+    """Warnings for the gradient reduction of an FSDP2 model (``fully_shard``), one per sharded
+    module whose gradients are reduce-scattered in 16 bits: ``MixedPrecisionPolicy(reduce_dtype=
+    None)`` with a bf16/fp16 ``param_dtype`` or bf16/fp16 parameters, or an explicit 16-bit
+    ``reduce_dtype``, unless the module's reduce-scatter accumulates in fp32
+    (:class:`lowp.distributed.fsdp.FP32ReduceScatter`). Empty when nothing is to be changed."""
+    from torch.distributed.fsdp import FSDPModule
+    warnings = []
+    names = {m: n or "<root>" for n, m in model.named_modules()}
+    for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:   # torch < 2.13 keeps one group
+            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in groups:
+            if getattr(getattr(group, "_reduce_scatter_comm", None), "accumulates_in_fp32", False):
+                continue
+            policy = group.mp_policy
+            param_dtype = policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
+            messages = check_reduce_dtype(policy.reduce_dtype, param_dtype)
+            if policy.reduce_dtype in (torch.bfloat16, torch.float16):
+                messages.append(f"reduce_dtype={policy.reduce_dtype} sums gradients in 16 bits at every hop; "
+                                "use reduce_dtype=torch.float32 or lowp.distributed.fsdp.set_fp32_reduce_scatter")
+            warnings += [f"{names[module]}: {m}" for m in messages]
+    return warnings

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 
+from lowp.optim.randomness import ElementIndex
 from lowp.optim.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -37,13 +38,18 @@ class ParamSlice:
     """One parameter (or a flat chunk of it) with everything its update touches.
 
     ``states`` maps state names to tensors (possibly of other dtypes than ``param``);
-    ``buffer`` is the mode's compensation/remainder (``None`` for nearest/stochastic).
+    ``buffer`` is the mode's compensation/remainder (``None`` for nearest/stochastic);
+    ``param_id`` is the parameter's position in the optimizer's flat parameter list and ``index``
+    the global element indices of these (possibly local, sharded) elements, for the random streams
+    of :mod:`lowp.optim.randomness`.
     """
 
     param: torch.Tensor
     grad: torch.Tensor
     states: dict[str, torch.Tensor] = field(default_factory=dict)
     buffer: torch.Tensor | None = None
+    param_id: int = 0
+    index: ElementIndex = field(default_factory=ElementIndex)
 
     @property
     def numel(self) -> int:
@@ -58,7 +64,8 @@ class ParamSlice:
         grad = self.grad.reshape(-1).split(size)
         states = {k: v.view(-1).split(size) for k, v in self.states.items()}
         buffer = self.buffer.view(-1).split(size) if self.buffer is not None else None
-        return [ParamSlice(p, grad[i], {k: v[i] for k, v in states.items()}, buffer[i] if buffer else None)
+        return [ParamSlice(p, grad[i], {k: v[i] for k, v in states.items()}, buffer[i] if buffer else None,
+                           self.param_id, self.index.shifted(i * size))
                 for i, p in enumerate(self.param.view(-1).split(size))]
 
 

@@ -30,11 +30,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lowp.optim import preflight
+from lowp.optim import preflight, sharding
 from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
 from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
-from lowp.optim.writeback import MODES, WriteBack, ensure_buffer, get_mode, resolve_mode
+from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer, get_mode, resolve_mode
 
 __all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "default_state_dtype", "check_betas",
            "check_nonnegative", "real_value", "warn_if_swapped", "COMPILE_REASON"]
@@ -176,7 +176,9 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.skipped_params = 0
         self.skipped_steps = 0
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._last_stalled: dict[int, tuple[torch.Tensor | None, int]] = {}
+        # per group: (stalled count, elements, weight) of each job of the last step; weight 0 for
+        # plain parameters, else the share of this rank in a sum over all ranks
+        self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
         defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_rounding=state_rounding,
                         maximize=maximize)
         super().__init__(params, defaults)
@@ -256,6 +258,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(params):
             preflight.check_param(p, f"params[{i}]")
             resolve_mode(merged["mode"], p)
+            if sharding.is_dtensor(p):
+                sharding.check_placements(p)
         super().add_param_group({**param_group, "params": params})
 
     # ---- state ----------------------------------------------------------------------------
@@ -300,11 +304,12 @@ class LowpOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if "step" not in state:
             state["step"] = 0
-        for name in self.state_names(group, p):
+        for name in self.state_names(group, p):   # DTensor parameters: sharded like p
             if name not in state:
-                state[name] = torch.zeros(self.state_shape(name, p), dtype=self._state_dtype(group, name, p),
-                                          device=p.device)
-        ensure_buffer(p, state, mode)
+                state[name] = sharding.new_state(p, self.state_shape(name, p), self._state_dtype(group, name, p))
+        if mode.buffer_name is not None and not any(n in state for n in BUFFER_NAMES):
+            state[mode.buffer_name] = sharding.new_buffer(p, mode.init_buffer)
+        ensure_buffer(p, state, mode)   # a mode switch: folds or drops the other mode's buffer
         return state
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -316,8 +321,11 @@ class LowpOptimizer(torch.optim.Optimizer):
         return self._generators[device]
 
     # ---- the step -------------------------------------------------------------------------
-    def _finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
-        return [True] * len(grads) if self.nonfinite == "off" else self.backend.finite_flags(grads)
+    def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[bool]:
+        """Per (local) gradient: finite; for DTensor parameters finite on every rank."""
+        if self.nonfinite == "off":
+            return [True] * len(grads)
+        return sharding.agree(self.backend.finite_flags(grads), params)
 
     def _prepare(self) -> list[tuple[dict[str, Any], torch.Tensor, WriteBack]]:
         """Check everything the step will read or write, before anything changes: every group's
@@ -362,33 +370,39 @@ class LowpOptimizer(torch.optim.Optimizer):
         todo = self._prepare()
         # GradScaler hands over found_inf only after checking every gradient of this optimizer:
         # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
-        finite = [True] * len(todo) if found_inf is not None else self._finite_flags([p.grad for _, p, _ in todo])
+        params = [p for _, p, _ in todo]
+        grads = [sharding.local_grad(p) for p in params]
+        finite = [True] * len(todo) if found_inf is not None else self._finite_flags(grads, params)
         if not all(finite) and self.nonfinite == "skip_step":
             self.skipped_steps += 1
             return loss
         self.skipped_params += finite.count(False)
 
+        positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        for (group, p, mode), ok in zip(todo, finite):
+        gathered: list[sharding.Gathered] = []
+        for (group, p, mode), grad, ok in zip(todo, grads, finite):
             if not ok:
                 continue
             state = self.init_state(group, p, mode)
             state["step"] += 1
             names = self.state_names(group, p)
-            key = (id(group), mode.name, state["step"], p.dtype, p.device, names)
-            jobs[key].append(ParamSlice(p, p.grad, {n: state[n] for n in names},
-                                        state.get(mode.buffer_name) if mode.buffer_name else None))
+            piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
+                                                      state.get(mode.buffer_name) if mode.buffer_name else None,
+                                                      positions[id(p)], self.elementwise)
+            if full is not None:
+                gathered.append(full)
+            jobs[(id(group), mode.name, state["step"], p.dtype, p.device, names, weight)].append(piece)
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
-        self._last_stalled = {}
-        for (gid, mode_name, step, _, device, _), slices in jobs.items():
+        self._last_stalled = defaultdict(list)
+        for (gid, mode_name, step, _, device, _, weight), slices in jobs.items():
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.generator(device),
                               self.diagnostics_enabled)
             stalled = self.backend.run(self, ctx, slices)
-            old, n = self._last_stalled.get(index, (None, 0))
-            if stalled is not None:
-                stalled = stalled if old is None else old + stalled
-            self._last_stalled[index] = (stalled, n + sum(s.numel for s in slices))
+            self._last_stalled[index].append((stalled, sum(s.numel for s in slices), weight))
+        for full in gathered:
+            full.write_back()
         return loss
 
     def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
@@ -414,18 +428,31 @@ class LowpOptimizer(torch.optim.Optimizer):
     def diagnostics(self) -> list[dict[str, float]]:
         """Per parameter group: ``stalled_fraction`` (elements of the last step whose stored
         weight did not change: their update was lost to rounding, or zero), ``compensation_rel``
-        (``||k|| / ||theta||`` over the group's Kahan buffers, 0 without any) and skip counters."""
-        out = []
+        (``||k|| / ||theta||`` over the group's Kahan buffers, 0 without any) and skip counters.
+        With DTensor parameters the counts and squares are summed over ranks (one all-reduce:
+        every rank must call it)."""
+        sums = []   # per group: stalled, elements, ||k||^2, ||theta||^2; plain (local) then DTensor shares
         for i, group in enumerate(self.param_groups):
-            stalled, n = self._last_stalled.get(i, (None, 0))
-            comp_sq, weight_sq = 0.0, 0.0
+            plain, shared = [0.0] * 4, [0.0] * 4
+            for stalled, n, weight in self._last_stalled.get(i, []):
+                acc, w = (plain, 1.0) if weight == 0 else (shared, weight)
+                acc[0] += w * float(stalled) if stalled is not None else math.nan
+                acc[1] += w * n
             for p in group["params"]:
                 k = self.state.get(p, {}).get("compensation")
                 if k is not None:
-                    comp_sq += float(k.float().square().sum())
-                    weight_sq += float(p.detach().float().square().sum())
+                    acc, w = (shared, 1.0 / sharding.replicas(p)) if sharding.is_dtensor(p) else (plain, 1.0)
+                    acc[2] += w * float(sharding.local(k).float().square().sum())
+                    acc[3] += w * float(sharding.local(p).detach().float().square().sum())
+            sums.append((plain, shared))
+        if any(sharding.is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            reduced = iter(sharding.global_sums([v for _, shared in sums for v in shared]))
+            sums = [(plain, [next(reduced) for _ in shared]) for plain, shared in sums]
+        out = []
+        for plain, shared in sums:
+            stalled, n, comp_sq, weight_sq = (a + b for a, b in zip(plain, shared))
             out.append({
-                "stalled_fraction": float(stalled) / n if stalled is not None and n else 0.0,
+                "stalled_fraction": stalled / n if n and not math.isnan(stalled) else 0.0,
                 "compensation_rel": math.sqrt(comp_sq / weight_sq) if weight_sq else 0.0,
                 "skipped_params": float(self.skipped_params),
                 "skipped_steps": float(self.skipped_steps),
@@ -532,6 +559,9 @@ class LowpOptimizer(torch.optim.Optimizer):
         wanted = spec.get(name) if isinstance(spec, Mapping) else spec
         cast = wanted is not None and value.is_floating_point() and name in self.state_names(group, p)
         dtype = wanted if cast else value.dtype
+        if sharding.is_dtensor(p) or sharding.is_dtensor(value):   # laid out (sharded) like p
+            value = sharding.load_state(value, p)
+            return value.to(dtype) if cast else value
         return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
 

@@ -1,0 +1,102 @@
+"""Train lowp's demo byte-level language model with FSDP2 on CPU (gloo), bf16 weights and lowp AdamW,
+with a torch.distributed.checkpoint (DCP) checkpoint half way.
+
+    torchrun --nproc_per_node 2 examples/fsdp_train.py                # train, checkpoint at steps/2
+    torchrun --nproc_per_node 2 examples/fsdp_train.py --resume       # resume from the checkpoint
+
+Every rank trains on its own batches (data parallel); the weights, the moments and the Kahan
+compensation are sharded over the ranks (``fully_shard``), and the optimizer works on each
+rank's shards. A resumed run prints the same losses, bit for bit, as the steps after the
+checkpoint in the first run. The global batch is drawn per sample, so the data is also the same
+with another number of ranks (``--batch`` must be divisible by it; DCP reshards the
+checkpoint), though the gradient's sums are then grouped differently.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from lowp.demo.data import load_data
+from lowp.demo.model import CharLM
+from lowp.optim import AdamW
+from lowp.optim.convert import cast_model
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60, help="total optimizer steps (the checkpoint is at steps/2)")
+    ap.add_argument("--batch", type=int, default=16, help="global batch size (divided over the ranks)")
+    ap.add_argument("--mode", default="kahan", choices=["kahan", "exact", "stochastic", "nearest"])
+    ap.add_argument("--checkpoint", default="lowp-fsdp-checkpoint", help="DCP checkpoint folder")
+    ap.add_argument("--resume", action="store_true", help="load the checkpoint and train the second half")
+    return ap.parse_args()
+
+
+def build(mesh) -> tuple[torch.nn.Module, AdamW]:
+    torch.manual_seed(0)
+    model = cast_model(CharLM(dim=64, layers=2, heads=4, seq_len=64), torch.bfloat16, keep_types=(), keep_names=())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch(data, step: int, args, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the global batch of ``step`` (the same global batch at any world size)."""
+    xs, ys = [], []
+    per_rank = args.batch // world
+    for sample in range(rank * per_rank, (rank + 1) * per_rank):
+        x, y = data.batch(1, 64, torch.Generator().manual_seed(step * 100_003 + sample))
+        xs.append(x)
+        ys.append(y)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch % world:
+        raise SystemExit(f"--batch: expected a multiple of the world size {world}, got {args.batch}")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    mesh = init_device_mesh("cpu", (world,))
+    data = load_data(max_bytes=200_000)
+    model = build(mesh)
+    opt = AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), mode=args.mode, seed=0)
+    half = args.steps // 2
+    first = 0
+    if args.resume:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=args.checkpoint)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        first = half
+    for step in range(first, args.steps):
+        x, y = batch(data, step, args, rank, world)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        stalled = opt.diagnostics()[0]["stalled_fraction"]   # a collective: every rank calls it
+        if rank == 0:
+            print(f"step {step + 1:4d}  loss {float(total) / world:.6f}  stalled {stalled:.3f}", flush=True)
+        if step + 1 == half and not args.resume:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.checkpoint)
+            if rank == 0:
+                print(f"checkpoint saved to {args.checkpoint}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

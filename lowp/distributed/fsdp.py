@@ -1,0 +1,135 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) gradient reduce-scatter that sums in fp32.
+
+FSDP2 reduce-scatters the gradients in ``MixedPrecisionPolicy.reduce_dtype`` (the gradient's
+dtype when ``None``): with bf16 that is a bf16 sum, rounded at every hop of the backend's ring.
+torch 2.13 exposes a hook for the collective, ``FSDPModule.set_custom_reduce_scatter``, taking an
+object with the ``ReduceScatter`` interface of ``torch.distributed.fsdp._fully_shard._fsdp_api``
+(``allocate`` a buffer, then ``__call__(output_tensor, input_tensor, group, op)``);
+:func:`has_custom_reduce_scatter` checks that the running torch has both.
+:class:`FP32ReduceScatter` implements it as the DDP hooks of :mod:`lowp.distributed.hooks` do:
+
+    1. compress the flat gradient input to ``wire_dtype`` (bf16 by default; to nearest or
+       stochastically),
+    2. ``all_to_all_single``: rank r receives every rank's r-th shard (the same wire bytes as a
+       ring reduce-scatter, ``(R - 1) / R`` of the input per rank),
+    3. add the R shards in fp32 (``AVG``: divide by R in fp32),
+    4. write the result in the output's dtype (one rounding, when ``reduce_dtype`` is bf16).
+
+With ``reduce_dtype=torch.float32`` the gradient crosses the wire in bf16 (half the bytes of an
+fp32 reduce-scatter) and arrives as an fp32 sum of the bf16 values; with ``reduce_dtype=bf16``
+the only roundings are the compression and the final one, instead of ``R - 1`` bf16 additions.
+FSDP's ``PREMUL_SUM`` op (a gradient divide factor other than R) is not supported: call
+``set_force_sum_reduction_for_comms(True)`` and FSDP divides before/after a plain sum.
+
+The collective runs to completion inside the call (no ``async_op``): simple and
+deterministic, not overlapped with the backward pass.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lowp.distributed.hooks import _stream_seed
+from lowp.rounding import quantize
+
+__all__ = ["FP32ReduceScatter", "set_fp32_reduce_scatter", "fsdp_modules", "has_custom_reduce_scatter"]
+
+try:   # the interface FSDPModule.set_custom_reduce_scatter takes; without it there is no hook
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - older torch
+    _ReduceScatterBase = object
+
+_WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def has_custom_reduce_scatter() -> bool:
+    """True when this torch's FSDP2 accepts a custom reduce-scatter (``set_custom_reduce_scatter``)."""
+    from torch.distributed.fsdp import FSDPModule
+    return _ReduceScatterBase is not object and hasattr(FSDPModule, "set_custom_reduce_scatter")
+
+
+class FP32ReduceScatter(_ReduceScatterBase):
+    """FSDP2 reduce-scatter: ``wire_dtype`` on the wire, fp32 sum (see the module docstring).
+
+    ``stochastic=True`` compresses with stochastic rounding (unbiased; one independent stream
+    per rank and call, from ``seed``), so components far below an ulp of their neighbours are
+    not lost on average.
+    """
+
+    #: read by :func:`lowp.distributed.advisor.advise_fsdp`
+    accumulates_in_fp32 = True
+
+    def __init__(self, wire_dtype: torch.dtype = torch.bfloat16, stochastic: bool = False, seed: int = 0) -> None:
+        if wire_dtype not in _WIRE_DTYPES:
+            raise ValueError(f"wire_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {wire_dtype}")
+        self.wire_dtype = wire_dtype
+        self.stochastic = bool(stochastic)
+        self.seed = int(seed)
+        self.calls = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def _compress(self, values: torch.Tensor, rank: int) -> torch.Tensor:
+        if not self.stochastic or self.wire_dtype == torch.float32:
+            return values.to(self.wire_dtype)
+        gen = torch.Generator(device=values.device).manual_seed(_stream_seed(self.seed, rank, self.calls))
+        return quantize(values.to(torch.float32), self.wire_dtype, "stochastic", generator=gen).to(self.wire_dtype)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object = dist.ReduceOp.SUM, async_op: bool = False) -> None:
+        R = dist.get_world_size(group)
+        n = input_tensor.numel()
+        if n != R * output_tensor.numel():
+            raise ValueError(f"input_tensor: expected {R} x the output's {output_tensor.numel()} elements, got {n}")
+        if op == dist.ReduceOp.SUM:
+            average = False
+        elif op == dist.ReduceOp.AVG:
+            average = True
+        else:
+            raise ValueError(f"op: FP32ReduceScatter supports SUM and AVG, got {op}; with a gradient divide "
+                             "factor call set_force_sum_reduction_for_comms(True)")
+        send = self._compress(input_tensor.reshape(-1), dist.get_rank(group))
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        total = received.view(R, -1).to(torch.float32).sum(dim=0)
+        if average:
+            total.div_(R)
+        output_tensor.view(-1).copy_(total)
+        self.calls += 1
+        return None
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` (itself included) that ``fully_shard`` was applied to."""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def set_fp32_reduce_scatter(model: torch.nn.Module, comm: FP32ReduceScatter | None = None) -> FP32ReduceScatter:
+    """Install ``comm`` (default: a new :class:`FP32ReduceScatter`) on every FSDP module of
+    ``model`` that owns parameters; returns it. Raises ``RuntimeError`` when this torch has no
+    custom reduce-scatter hook, ``ValueError`` when ``model`` has no FSDP module."""
+    if not has_custom_reduce_scatter():
+        raise RuntimeError(f"torch {torch.__version__}: FSDP2 has no set_custom_reduce_scatter / ReduceScatter")
+    comm = FP32ReduceScatter() if comm is None else comm
+    if not isinstance(comm, FP32ReduceScatter):
+        raise TypeError(f"comm: expected an FP32ReduceScatter, got {type(comm).__name__}")
+    modules = fsdp_modules(model)
+    if not modules:
+        raise ValueError("model: no module of it was sharded with fully_shard")
+    for m in modules:
+        if _param_groups(m):
+            m.set_custom_reduce_scatter(comm)
+    return comm
+
+
+def _param_groups(module: torch.nn.Module) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:   # torch < 2.13 keeps one group
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)

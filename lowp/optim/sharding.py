@@ -1,0 +1,268 @@
+"""DTensor parameters (FSDP2 ``fully_shard``, tensor parallel ``distribute_tensor``) in lowp's
+optimizers: local views, sharded states, and the few quantities that must be global.
+
+A parameter ``p`` that is a :class:`~torch.distributed.tensor.DTensor` holds, on each rank, a
+local tensor ``p.to_local()`` (a plain tensor aliasing the parameter's storage) that is one box
+of the global tensor, given by the mesh and the placements (``Shard(d)`` or ``Replicate()`` per
+mesh dimension). lowp keeps every state sharded like its parameter and runs the elementwise
+work on the local boxes, so the kernels only ever see plain tensors. What is not elementwise
+needs the other ranks:
+
+- the non-finite check: one all-reduce (MIN) of the per-parameter flags of a step, so that
+  ``skip_param`` / ``skip_step`` decide the same on every rank (:func:`agree`);
+- optimizers whose update is not elementwise (StableAdamW's per-tensor RMS, Adafactor's factors
+  and RMS clip): the parameter, its gradient, states and buffer are all-gathered, the step runs
+  on the full tensors exactly as on one process, and each rank keeps its box
+  (:func:`make_slice`, :class:`Gathered`). This is bit-for-bit the unsharded step; the price is
+  one all-gather of every tensor of the parameter per step and a full-size temporary;
+- diagnostics: sums of counts and squares over ranks (:func:`global_sums`).
+
+Collectives run on the default process group, so every rank must step the same list of
+parameters (as FSDP2 and tensor parallelism do).
+
+Every element is placed by :class:`~lowp.optim.randomness.ElementIndex` (:func:`element_index`),
+so stochastic rounding can draw the same bits for it at any sharding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lowp.optim.backends import ParamSlice
+from lowp.optim.randomness import ElementIndex
+
+__all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_buffer", "element_index",
+           "box_index", "box", "gather", "keep_local", "local_grad", "load_state", "agree", "global_sums",
+           "replicas", "world_size", "check_placements"]
+
+
+def is_dtensor(t: object) -> bool:
+    """True when ``t`` is a :class:`~torch.distributed.tensor.DTensor`."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The plain local tensor of ``t`` (``t`` itself when it is not a DTensor); it aliases ``t``'s
+    storage, so writing it writes the parameter or state."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def check_placements(p: torch.Tensor) -> None:
+    """Raise ``TypeError`` unless every placement of the DTensor ``p`` is ``Shard(d)`` or
+    ``Replicate()`` (the layouts whose local box :func:`box` computes)."""
+    from torch.distributed.tensor import Replicate, Shard
+    for pl in p.placements:
+        if type(pl) not in (Shard, Replicate):
+            raise TypeError(f"params: DTensor placements must be Shard(d) or Replicate(), got {tuple(p.placements)}")
+
+
+def _wrap(local_tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``like``'s mesh, placements and global shape around ``local_tensor``."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local_tensor, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def new_state(p: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zero state of ``shape`` and ``dtype`` for parameter ``p``: sharded like ``p`` when it has
+    ``p``'s shape, replicated over ``p``'s mesh otherwise (Adafactor's row/column factors)."""
+    if not is_dtensor(p):
+        return torch.zeros(shape, dtype=dtype, device=p.device)
+    if tuple(shape) == tuple(p.shape):
+        return _wrap(torch.zeros(local(p).shape, dtype=dtype, device=local(p).device), p)
+    from torch.distributed.tensor import DTensor, Replicate
+    return DTensor.from_local(torch.zeros(shape, dtype=dtype, device=local(p).device), p.device_mesh,
+                              [Replicate()] * p.device_mesh.ndim, run_check=False)
+
+
+def new_buffer(p: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:
+    """The write-back mode's buffer of ``p`` (``init`` runs on the local tensor), sharded like ``p``."""
+    if not is_dtensor(p):
+        return init(p.detach())
+    buf = init(local(p).detach())
+    return None if buf is None else _wrap(buf, p)
+
+
+def box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shape and global offset of this rank's box of the DTensor ``t``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+
+
+def element_index(t: torch.Tensor) -> ElementIndex:
+    """Where the local elements of ``t`` sit in the whole tensor (:func:`box_index` of its box)."""
+    if not is_dtensor(t):
+        return ElementIndex()
+    shape, offset = box(t)
+    return box_index(tuple(shape), tuple(offset), tuple(t.shape))
+
+
+def box_index(shape: tuple[int, ...], offset: tuple[int, ...], gshape: tuple[int, ...]) -> ElementIndex:
+    """:class:`ElementIndex` of the box of local shape ``L = shape`` at ``O = offset`` in a
+    row-major tensor of shape ``G = gshape`` (global strides ``S``).
+
+    ``d`` is the last dimension with ``L_d < G_d``. The box is one contiguous range when every
+    dimension before ``d`` has one local element; otherwise it is ``prod(L_{<d})`` runs of
+    ``block = L_d * S_d`` elements every ``stride = S_{d-1}``, which needs the dimensions strictly
+    between the first one and ``d`` to be whole.
+    """
+    strides = [math.prod(gshape[i + 1:]) for i in range(len(gshape))]
+    start = sum(o * s for o, s in zip(offset, strides))
+    partial = [i for i, (n, g) in enumerate(zip(shape, gshape)) if n < g]
+    if math.prod(shape) == 0 or not partial:
+        return ElementIndex(offset=start)
+    d = partial[-1]
+    if math.prod(shape[:d]) <= 1:
+        return ElementIndex(offset=start)
+    if any(shape[i] < gshape[i] for i in range(1, d)):
+        raise ValueError(f"params: a local box of shape {shape} at {offset} in {gshape} is not a strided "
+                         f"range of the global tensor")
+    return ElementIndex(offset=start, block=shape[d] * strides[d], stride=strides[d - 1])
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """The plain local gradient of ``p``: a DTensor gradient placed unlike ``p`` is redistributed
+    first, a plain full gradient of a DTensor ``p`` is cut to this rank's box."""
+    g = p.grad
+    if not is_dtensor(p):
+        return g.full_tensor() if is_dtensor(g) else g
+    if not is_dtensor(g):
+        return keep_local(g, p)
+    if tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return local(g)
+
+
+def load_state(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A copy of the checkpointed state ``value`` (plain or DTensor, any sharding) laid out for
+    parameter ``p``: sharded like ``p`` when it has ``p``'s shape, replicated over ``p``'s mesh
+    otherwise, a plain full tensor for a plain ``p``. The dtype is kept."""
+    if not is_dtensor(p):
+        return gather(value).to(device=p.device, copy=True)
+    from torch.distributed.tensor import DTensor, Replicate
+    own_shape = tuple(value.shape) == tuple(p.shape)
+    if is_dtensor(value):
+        placements = p.placements if own_shape else [Replicate()] * p.device_mesh.ndim
+        if tuple(value.placements) != tuple(placements):
+            bits = _int16_as_bf16(value).redistribute(p.device_mesh, placements)
+            return _wrap(local(bits).view(value.dtype).clone(), bits)
+        return _wrap(local(value).clone(), value)
+    value = value.to(device=local(p).device)
+    if own_shape:
+        return _wrap(keep_local(value, p).clone(), p)
+    return DTensor.from_local(value.clone(), p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    """The full plain tensor of the DTensor ``t`` (a plain ``t`` itself) (an all-gather; a copy). int16 travels as bf16
+    bits (gloo has no int16 collectives), which only copies them."""
+    if not is_dtensor(t):
+        return t
+    return _int16_as_bf16(t).full_tensor().view(local(t).dtype)
+
+
+def _int16_as_bf16(t: torch.Tensor) -> torch.Tensor:
+    """The DTensor ``t`` itself, or for int16 the same bits as a bf16 DTensor (collectives copy them)."""
+    if local(t).dtype != torch.int16:
+        return t
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local(t).view(torch.bfloat16), t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
+def keep_local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's box of the full tensor ``full``, for the DTensor ``like`` (a view)."""
+    shape, offset = box(like)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def replicas(t: torch.Tensor) -> int:
+    """How many ranks hold the same local box of ``t`` (product of its replicated mesh sizes)."""
+    if not is_dtensor(t):
+        return 1
+    from torch.distributed.tensor import Replicate
+    return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if isinstance(pl, Replicate))
+
+
+def world_size() -> int:
+    """Ranks in the default group (1 without one)."""
+    return dist.get_world_size() if _distributed() else 1
+
+
+@dataclass
+class Gathered:
+    """A step of a non-elementwise optimizer on full copies (``piece``) of the DTensor parameter
+    ``param`` and its ``states`` / ``buffer``; :meth:`write_back` keeps this rank's box."""
+
+    piece: ParamSlice
+    param: torch.Tensor
+    states: dict[str, torch.Tensor]
+    buffer: torch.Tensor | None
+
+    def write_back(self) -> None:
+        local(self.param).copy_(keep_local(self.piece.param, self.param))
+        pairs = [(self.states[n], self.piece.states[n]) for n in self.states]
+        if self.buffer is not None:
+            pairs.append((self.buffer, self.piece.buffer))
+        for t, full in pairs:   # replicated states (another shape than the parameter's) are whole
+            local(t).copy_(keep_local(full, t) if tuple(t.shape) == tuple(self.param.shape) else full)
+
+
+def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], buffer: torch.Tensor | None,
+               param_id: int, elementwise: bool) -> tuple[ParamSlice, float, Gathered | None]:
+    """The :class:`ParamSlice` a backend runs for parameter ``p`` (``grad``: its local gradient),
+    its weight in the diagnostics' sums and, for a gathered step, what to write back.
+
+    - plain ``p``: the tensors themselves, weight 0 (counted on this rank only);
+    - DTensor ``p``, elementwise optimizer: the local shards with their :class:`ElementIndex`,
+      weight ``1 / replicas`` (each element counted once over the ranks);
+    - DTensor ``p``, per-tensor optimizer: all-gathered full copies, weight ``1 / world size``
+      (every rank computes the whole tensor).
+    """
+    if not is_dtensor(p):
+        return ParamSlice(p, grad, states, buffer, param_id), 0.0, None
+    if elementwise:
+        piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
+                           None if buffer is None else local(buffer), param_id, element_index(p))
+        return piece, 1.0 / replicas(p), None
+    piece = ParamSlice(gather(p.detach()), gather(p.grad), {n: gather(t) for n, t in states.items()},
+                       None if buffer is None else gather(buffer), param_id)
+    return piece, 1.0 / world_size(), Gathered(piece, p, states, buffer)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def agree(flags: Sequence[bool], params: Sequence[torch.Tensor]) -> list[bool]:
+    """The finite flags of all parameters, true only when true on every rank: one all-reduce
+    (MIN) over the default group when any parameter is a DTensor, else ``flags`` unchanged."""
+    flags = list(flags)
+    if not flags or not _distributed() or not any(is_dtensor(p) for p in params):
+        return flags
+    t = torch.tensor(flags, dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(v) for v in t.tolist()]
+
+
+def global_sums(values: Sequence[float]) -> list[float]:
+    """``values`` summed over the ranks of the default group in fp64 (unchanged without one)."""
+    if not _distributed():
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _comm_device() -> torch.device:
+    """The device the default group's backend communicates from (CUDA for NCCL, else CPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,377 @@
+"""Rank functions for tests/test_sharded.py, run by :func:`lowp.distributed.launch.run_local_group`
+(spawned processes on a gloo group), and the case definitions both sides share.
+
+Every case builds the same deterministic full tensors on every rank, shards them (FSDP2
+``fully_shard`` or ``distribute_tensor``), runs lowp steps with the same full gradients on every
+rank (so there is no reduction noise) and returns the full tensors (parameters and states,
+gathered) for the test process to compare with a single-process run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lowp.optim as lo
+
+SHAPES = [(6, 5), (7,), (3, 4)]   # 6 rows over 4 ranks leave rank 3 an empty shard
+STEPS = 3
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "AdamW": (lo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "Adam": (lo.Adam, dict(lr=1e-2, weight_decay=0.01)),
+    "SGD": (lo.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    "Lion": (lo.Lion, dict(lr=1e-2, weight_decay=0.1)),
+    "RAdam": (lo.RAdam, dict(lr=1e-2)),
+    "StableAdamW": (lo.StableAdamW, dict(lr=1e-2)),
+    "Adafactor": (lo.Adafactor, dict(lr=1e-2, weight_decay=0.1)),
+}
+MODES = ("kahan", "exact", "nearest")
+BACKENDS = {"fused": {"fused": True}, "unfused": {"fused": False},   # native C++ / foreach on CPU
+            "compiled": {"backend": "compiled"}}
+
+
+def full_params(seed: int = 0) -> list[torch.Tensor]:
+    """bf16 parameters of :data:`SHAPES` and one fp32 vector (updated plainly whatever the mode)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).bfloat16() for s in SHAPES] + [torch.randn(5, generator=g)]
+
+
+def full_grads(step: int, nan_at: tuple[int, int] | None = None) -> list[torch.Tensor]:
+    """The gradients of step ``step`` (same on every rank); ``nan_at=(param, flat index)`` puts a NaN there."""
+    g = torch.Generator().manual_seed(1000 + step)
+    grads = [torch.randn(s, generator=g).bfloat16() for s in SHAPES] + [torch.randn(5, generator=g)]
+    if nan_at is not None:
+        grads[nan_at[0]].view(-1)[nan_at[1]] = float("nan")
+    return grads
+
+
+def make_optimizer(name: str, params: list[torch.Tensor], mode: str, backend: str, **extra: Any):
+    """States round to nearest except in stochastic mode, whose random bits are the point of its test."""
+    cls, kwargs = OPTIMIZERS[name]
+    rounding = "stochastic" if mode == "stochastic" else "nearest"
+    return cls(params, mode=mode, seed=7, state_rounding=rounding, **kwargs, **BACKENDS[backend], **extra)
+
+
+def run_steps(opt, params: list[torch.Tensor], set_grad, steps: range, nan_at=None) -> None:
+    for t in steps:
+        for p, g in zip(params, full_grads(t, nan_at if t == steps.start else None)):
+            set_grad(p, g)
+        opt.step()
+
+
+def snapshot(opt, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full plain copies of every parameter and state (a collective for DTensors)."""
+    from lowp.optim.sharding import gather
+    out = {}
+    for i, p in enumerate(params):
+        out[f"p{i}"] = gather(p.detach()).clone()
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"p{i}.{k}"] = gather(v).clone()
+    return out
+
+
+def reference(name: str, mode: str, backend: str, nan_at=None, nonfinite: str = "skip_param",
+              steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The single-process run of a case on plain tensors."""
+    params = [p.clone().requires_grad_() for p in full_params()]
+    opt = make_optimizer(name, params, mode, backend, nonfinite=nonfinite)
+
+    def set_grad(p, g):
+        p.grad = g.clone()
+    run_steps(opt, params, set_grad, range(steps), nan_at)
+    out = snapshot(opt, params)
+    out["diag"] = diagnostics(opt)
+    return out
+
+
+def diagnostics(opt) -> torch.Tensor:
+    """Group 0's stalled fraction and compensation_rel (fp64)."""
+    d = opt.diagnostics()[0]
+    return torch.tensor([d["stalled_fraction"], d["compensation_rel"]], dtype=torch.float64)
+
+
+# ---- rank side ----------------------------------------------------------------------------------
+class Bag(torch.nn.Module):
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in tensors])
+
+
+def fsdp_params(world_size: int) -> list[torch.Tensor]:
+    """:func:`full_params` sharded by ``fully_shard`` (bf16 and fp32 parameters in separate units)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = full_params()
+    low, high = Bag(full[:-1]), Bag(full[-1:])
+    fully_shard(low, mesh=mesh)
+    fully_shard(high, mesh=mesh)
+    return [*low.ws, *high.ws]
+
+
+def tp_params(world_size: int, placement: str) -> list[torch.Tensor]:
+    """:func:`full_params` distributed with ``Shard(1)`` (matrices; vectors ``Shard(0)``) or ``Replicate()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = []
+    for t in full_params():
+        pl = Replicate() if placement == "replicate" else Shard(1 if t.dim() > 1 else 0)
+        out.append(torch.nn.Parameter(distribute_tensor(t, mesh, [pl], src_data_rank=None)))
+    return out
+
+
+def set_dtensor_grad(p, g) -> None:
+    from torch.distributed.tensor import distribute_tensor
+    p.grad = distribute_tensor(g.clone(), p.device_mesh, p.placements, src_data_rank=None)
+
+
+def case_run(world_size: int, layout: str, name: str, mode: str, backend: str, nan_at=None,
+             nonfinite: str = "skip_param") -> dict[str, torch.Tensor]:
+    params = fsdp_params(world_size) if layout == "fsdp" else tp_params(world_size, layout)
+    opt = make_optimizer(name, params, mode, backend, nonfinite=nonfinite)
+    run_steps(opt, params, set_dtensor_grad, range(STEPS), nan_at)
+    out = snapshot(opt, params)
+    out["diag"] = diagnostics(opt)
+    out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
+    local_alias = all(p.to_local().data_ptr() == p._local_tensor.data_ptr() for p in params)
+    shards = [opt.state[p]["exp_avg"].to_local().numel() for p in params if "exp_avg" in opt.state.get(p, {})]
+    out["meta"] = torch.tensor([int(local_alias), sum(shards), int(opt.backend.name == "native")])
+    return out
+
+
+def plain_state_dict(name: str, mode: str, steps: int) -> dict[str, Any]:
+    """``state_dict()`` of the single-process run after ``steps`` steps."""
+    params = [p.clone().requires_grad_() for p in full_params()]
+    opt = make_optimizer(name, params, mode, "fused")
+
+    def set_grad(p, g):
+        p.grad = g.clone()
+    run_steps(opt, params, set_grad, range(steps))
+    return opt.state_dict()
+
+
+def state_dict_case(world_size: int, name: str, mode: str, plain_sd: dict[str, Any]) -> dict[str, Any]:
+    """``opt.state_dict()`` / ``load_state_dict`` with sharded parameters, after 2 of :data:`STEPS`
+    steps: the sharded dict into a fresh sharded optimizer, the single-process dict into a sharded
+    optimizer, the sharded dict into a single-process optimizer; each then takes the last step."""
+    params = fsdp_params(world_size)
+    opt = make_optimizer(name, params, mode, "fused")
+    run_steps(opt, params, set_dtensor_grad, range(STEPS - 1))
+    sd = opt.state_dict()
+    out = {"sharded_states": all(type(v).__name__ == "DTensor" for st in sd["state"].values()
+                                 for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step")}
+    from lowp.optim.sharding import gather
+    plain = [gather(p.detach()).clone().requires_grad_() for p in params]
+    for tag, source in (("resumed", sd), ("from_plain", plain_sd)):
+        fresh = make_optimizer(name, params, mode, "fused")
+        fresh.load_state_dict(source)
+        weights = [p.detach().to_local().clone() for p in params]
+        run_steps(fresh, params, set_dtensor_grad, range(STEPS - 1, STEPS))
+        out[tag] = snapshot(fresh, params)
+        for p, w0 in zip(params, weights):   # back to step 2 for the next variant
+            p.detach().to_local().copy_(w0)
+    single = make_optimizer(name, plain, mode, "fused")
+    single.load_state_dict(sd)
+
+    def set_grad(p, g):
+        p.grad = g.clone()
+    run_steps(single, plain, set_grad, range(STEPS - 1, STEPS))
+    out["to_plain"] = snapshot(single, plain)
+    return out
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+def mlp(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(dtype)
+
+
+def plain_train(mode: str) -> dict[str, Any]:
+    """The unsharded single-process run of :func:`train_save` (bf16 MLP, lowp AdamW)."""
+    model = mlp()
+    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
+    losses = _train(model, opt, range(4))
+    return {"losses": losses, "model": _full_model(model), "optim": _full_optim(opt)}
+
+
+def _dcp_model(world_size: int, mp: str | None = None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = mlp(torch.float32 if mp else torch.bfloat16)
+    policy = MixedPrecisionPolicy() if mp is None else MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if mp == "fp32" else torch.bfloat16)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _train(model, opt, steps: range) -> list[float]:
+    losses = []
+    for t in steps:
+        g = torch.Generator().manual_seed(50 + t)
+        x = torch.randn(12, 8, generator=g)
+        y = torch.randn(12, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _full_model(model) -> dict[str, torch.Tensor]:
+    from lowp.optim.sharding import gather
+    return {k: gather(v.detach()).clone() for k, v in model.state_dict().items()}
+
+
+def _full_optim(opt) -> dict[str, torch.Tensor]:
+    from lowp.optim.sharding import gather
+    return {f"{i}.{k}": gather(v).clone() for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+            for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+
+
+def train_save(rank: int, world_size: int, folder: str, mode: str, mp: str | None = None) -> dict[str, Any]:
+    """Train 2 steps, save a DCP checkpoint, train 2 more; return the losses, final weights and states."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = _dcp_model(world_size, mp)
+    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
+    losses = _train(model, opt, range(2))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+    dtypes = {k: str(v.dtype) for k, v in _full_optim(opt).items()}
+    losses += _train(model, opt, range(2, 4))
+    return {"losses": losses, "model": _full_model(model), "optim": _full_optim(opt), "dtypes": dtypes,
+            "sharded": all(type(v).__name__ == "DTensor" for k, v in osd["state"][next(iter(osd["state"]))].items()
+                           if isinstance(v, torch.Tensor) and k != "step")}   # step: a 0-dim int64 tensor
+
+
+def load_continue(rank: int, world_size: int, folder: str, mode: str) -> dict[str, Any]:
+    """Load the checkpoint into a fresh model and optimizer, train the last 2 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model = _dcp_model(world_size)
+    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dtypes = {k: str(v.dtype) for k, v in _full_optim(opt).items()}
+    losses = _train(model, opt, range(2, 4))
+    return {"losses": losses, "model": _full_model(model), "optim": _full_optim(opt), "dtypes": dtypes}
+
+
+def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One launch of the ranks running everything ``spec`` lists (process start and torch's import
+    are the cost of a launch):
+
+    - ``steps``: cases of :func:`case_run`; their snapshots by position;
+    - ``save``: modes to train, checkpoint (into ``folder/<mode>-<world size>``) and continue;
+      with ``reload`` also resumed right away in a fresh model and optimizer (same world size);
+    - ``load``: checkpoints ``<mode>-<world size it was saved at>`` to resume here;
+    - ``mp``: ``reduce_dtype`` names of mixed-precision runs (fp32 parameters, bf16 compute);
+    - ``state_dict``: cases ``(optimizer, mode, single-process state_dict)`` of :func:`state_dict_case`;
+    - ``reduce_scatter``: :func:`reduce_scatter_checks`;
+    - ``errors``: :func:`placement_errors`.
+    """
+    torch.manual_seed(0)
+    folder = Path(spec.get("folder", "."))
+    out: dict[str, Any] = {"steps": [case_run(world_size, *c) for c in spec.get("steps", [])],
+                           "save": {}, "load": {}, "mp": {}}
+    for mode in spec.get("save", []):
+        tag = f"{mode}-{world_size}"
+        out["save"][mode] = train_save(rank, world_size, str(folder / tag), mode)
+        if spec.get("reload"):
+            out["load"][tag] = load_continue(rank, world_size, str(folder / tag), mode)
+    for tag in spec.get("load", []):
+        out["load"][tag] = load_continue(rank, world_size, str(folder / tag), tag.split("-")[0])
+    for mp in spec.get("mp", []):
+        out["mp"][mp] = train_save(rank, world_size, str(folder / f"mp-{mp}-{world_size}"), "kahan", mp)
+    out["state_dict"] = [state_dict_case(world_size, *c) for c in spec.get("state_dict", [])]
+    if spec.get("reduce_scatter"):
+        out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
+    if spec.get("errors"):
+        out["errors"] = placement_errors(world_size)
+    return out
+
+
+# ---- FSDP2 reduce-scatter ------------------------------------------------------------------------
+RS_NUMEL = 1 << 14
+
+
+def rs_input(rank: int, world_size: int) -> torch.Tensor:
+    """fp32 reduce-scatter input of ``rank``: values over 2**-12 .. 2**12 and both signs."""
+    g = torch.Generator().manual_seed(77 + rank)
+    scale = torch.exp2(torch.randint(-12, 13, (world_size * RS_NUMEL,), generator=g).float())
+    return torch.randn(world_size * RS_NUMEL, generator=g) * scale
+
+
+def reduce_scatter_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """FP32ReduceScatter called directly (SUM and AVG, bf16 and fp32 outputs, nearest and
+    stochastic compression) and the advisor's view of FSDP2 policies."""
+    import torch.distributed as dist
+
+    from lowp.distributed.advisor import advise_fsdp
+    from lowp.distributed.fsdp import FP32ReduceScatter, set_fp32_reduce_scatter
+    group = dist.group.WORLD
+    out: dict[str, Any] = {}
+    x = rs_input(rank, world_size)
+    for name, comm, op, dtype in [("sum", FP32ReduceScatter(), dist.ReduceOp.SUM, torch.float32),
+                                  ("avg", FP32ReduceScatter(), dist.ReduceOp.AVG, torch.float32),
+                                  ("sum_bf16", FP32ReduceScatter(), dist.ReduceOp.SUM, torch.bfloat16),
+                                  ("stochastic", FP32ReduceScatter(stochastic=True, seed=5), dist.ReduceOp.SUM,
+                                   torch.float32)]:
+        result = comm.allocate((RS_NUMEL,), dtype=dtype, device=torch.device("cpu"))
+        comm(result, x.to(dtype), group, dist.ReduceOp.SUM if op == dist.ReduceOp.SUM else op)
+        out[name] = result
+    # unbiasedness: 1 + 2**-10 lies between bf16 neighbours 1 and 1 + 2**-7
+    tiny = torch.full((world_size * RS_NUMEL,), 1 + 2.0 ** -10)
+    result = torch.empty(RS_NUMEL)
+    FP32ReduceScatter(stochastic=True, seed=rank)(result, tiny, group, dist.ReduceOp.SUM)
+    out["stochastic_tiny"] = result
+    nearest = torch.empty(RS_NUMEL)
+    FP32ReduceScatter()(nearest, tiny, group, dist.ReduceOp.SUM)
+    out["nearest_tiny"] = nearest
+    try:
+        FP32ReduceScatter()(torch.empty(RS_NUMEL), x, group, dist.ReduceOp.PREMUL_SUM(0.5))
+    except ValueError as exc:
+        out["premul_error"] = str(exc)
+    # FSDP2 integration: fp32 parameters, bf16 compute, fp32 reduce through the custom comm; the
+    # same batch on every rank makes the reduction exact, so it must equal the default path
+    default = _dcp_model(world_size, "fp32")
+    custom = _dcp_model(world_size, "fp32")
+    advice_before = advise_fsdp(custom)
+    comm = set_fp32_reduce_scatter(custom)
+    for model in (default, custom):
+        opt = lo.AdamW(model.parameters(), lr=1e-2)
+        _train(model, opt, range(2))
+    out["fsdp_default"], out["fsdp_custom"] = _full_model(default), _full_model(custom)
+    out["fsdp_calls"] = comm.calls
+    out["advice_fp32"] = advice_before
+    out["advice_bf16_reduce"] = advise_fsdp(_dcp_model(world_size, "bf16"))
+    out["advice_pure_bf16"] = advise_fsdp(_dcp_model(world_size))
+    pure = _dcp_model(world_size)
+    set_fp32_reduce_scatter(pure)
+    out["advice_pure_bf16_fixed"] = advise_fsdp(pure)
+    return out
+
+
+def placement_errors(world_size: int) -> dict[str, Any]:
+    """A ``Partial`` parameter is refused when the optimizer is built (message and whether the
+    parameter kept its bits)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = torch.arange(6, dtype=torch.float32).bfloat16()
+    p = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Partial()], run_check=False))
+    try:
+        lo.AdamW([p])
+        message = ""
+    except TypeError as exc:
+        message = str(exc)
+    return {"partial": message, "unchanged": torch.equal(p.to_local(), local)}

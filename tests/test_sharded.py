@@ -1,0 +1,273 @@
+"""lowp optimizers on DTensor parameters (FSDP2 ``fully_shard``, tensor parallel placements) and
+torch.distributed.checkpoint, on real gloo process groups of spawned ranks.
+
+The ranks run everything in three launches (module fixtures; a launch is mostly process start
+and torch's import): 1 rank saving checkpoints, 2 ranks for the step cases, checkpoints (saved
+here and resumed from 1 rank) and mixed precision, then 1 rank resuming the 2-rank checkpoints.
+``run_local_group`` fails the test when a rank raises, hangs or dies by a signal. Every
+comparison is bit for bit against a single-process run on plain tensors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sharded_worker as w
+from lowp.distributed.launch import run_local_group
+from lowp.optim import sharding
+
+STEP_CASES = [("fsdp", name, mode, backend, None, "skip_param")
+              for name in w.OPTIMIZERS for mode in w.MODES for backend in ("fused", "unfused")]
+TP_CASES = [("shard1", "AdamW", "kahan", "fused", None, "skip_param"),
+            ("shard1", "StableAdamW", "exact", "fused", None, "skip_param"),
+            ("shard1", "Adafactor", "kahan", "unfused", None, "skip_param"),
+            ("replicate", "AdamW", "exact", "fused", None, "skip_param"),
+            ("replicate", "Lion", "kahan", "unfused", None, "skip_param")]
+# flat element 29 of the (6, 5) parameter is in the last row: rank 1's shard of 2, rank 3's... of 4
+NAN_CASES = [("fsdp", "AdamW", "kahan", "fused", (0, 29), "skip_param"),
+             ("fsdp", "Lion", "exact", "unfused", (0, 29), "skip_step"),
+             ("fsdp", "Adafactor", "kahan", "fused", (0, 29), "skip_param")]
+SR_CASES = [("fsdp", name, "stochastic", backend, None, "skip_param")
+            for name in ("AdamW", "SGD") for backend in ("fused", "unfused")]
+CASES = STEP_CASES + TP_CASES + NAN_CASES + SR_CASES
+SD_CASES = [("AdamW", "kahan"), ("Adafactor", "exact")]
+# torch.compile is slow to start: the compiled backend runs in the slow test only
+COMPILED_CASES = [("fsdp", "AdamW", "kahan", "compiled", None, "skip_param"),
+                  ("shard1", "Lion", "exact", "compiled", None, "skip_param")]
+
+
+def split(results: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A case's tensors (parameters and states) and its extras (skip counts, checks, diagnostics)."""
+    extras = ("skipped", "meta", "diag")
+    return ({k: v for k, v in results.items() if k not in extras},
+            {k: v for k, v in results.items() if k in extras})
+
+
+def assert_same_diagnostics(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Stalled fractions are ratios of exact counts; compensation_rel sums squares per shard."""
+    assert got[0] == want[0]
+    assert torch.allclose(got[1], want[1], rtol=1e-5, atol=0)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dtype.is_floating_point else t
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, f"{what}: {k}"
+        assert torch.equal(_bits(got[k]), _bits(want[k])), f"{what}: {k} differs"
+
+
+@pytest.fixture(scope="module")
+def first_rank(tmp_path_factory):
+    """1 rank: checkpoints for the 2 ranks to resume, and the 1-rank mixed-precision run."""
+    folder = tmp_path_factory.mktemp("dcp")
+    spec = {"folder": str(folder), "save": ["kahan", "exact"], "mp": ["fp32"]}
+    return folder, run_local_group(w.session, 1, spec, timeout_s=120)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(first_rank):
+    folder, _ = first_rank
+    state_dicts = [(name, mode, w.plain_state_dict(name, mode, w.STEPS - 1)) for name, mode in SD_CASES]
+    spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact"],
+            "reload": True, "load": ["kahan-1", "exact-1"], "mp": ["fp32", "bf16"], "reduce_scatter": True,
+            "errors": True}
+    return folder, run_local_group(w.session, 2, spec, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def one_rank(two_ranks):
+    """1 rank resuming the 2-rank checkpoints."""
+    folder, _ = two_ranks
+    return run_local_group(w.session, 1, {"folder": str(folder), "load": ["kahan-2", "exact-2"]}, timeout_s=120)[0]
+
+
+def _case_id(case) -> str:
+    layout, name, mode, backend, nan_at, nonfinite = case
+    return f"{layout}-{name}-{mode}-{backend}" + (f"-nan-{nonfinite}" if nan_at else "")
+
+
+@pytest.mark.parametrize("case", STEP_CASES + TP_CASES + NAN_CASES, ids=_case_id)
+def test_sharded_step_equals_unsharded(two_ranks, case):
+    _, ranks = two_ranks
+    index = CASES.index(case)
+    layout, name, mode, backend, nan_at, nonfinite = case
+    want, want_extra = split(w.reference(name, mode, backend, nan_at, nonfinite))
+    for rank, results in enumerate(ranks):
+        got, extra = split(results["steps"][index])
+        skipped, meta = extra["skipped"], extra["meta"]
+        assert_same(got, want, f"rank {rank}")
+        assert_same_diagnostics(extra["diag"], want_extra["diag"])
+        assert int(meta[0]) == 1, "to_local() must alias the parameter's storage"
+        assert int(meta[2]) == (backend == "fused"), "fused=True runs the native kernel on CPU"
+        if nan_at is not None:   # every rank skipped, also the one whose shard was finite
+            assert skipped.tolist() == ([1, 0] if nonfinite == "skip_param" else [0, 1])
+        if layout == "fsdp" and "p0.exp_avg" in want:   # moments sharded: about half per rank
+            assert int(meta[1]) < sum(v.numel() for k, v in want.items() if k.endswith(".exp_avg"))
+
+
+@pytest.mark.parametrize("case", SR_CASES, ids=_case_id)
+def test_stochastic_rounding_same_bits_at_any_world_size(two_ranks, case):
+    """Counter-based random bits indexed by the global element (lowp.optim.randomness): the bits
+    of a 2-rank run equal the single-process run's. Needs the stochastic-rounding backends drawn
+    from ``random16(global index, stream_key(...))``; generator-based draws depend on the shard."""
+    _, ranks = two_ranks
+    _, name, mode, backend, nan_at, nonfinite = case
+    want, _ = split(w.reference(name, mode, backend, nan_at, nonfinite))
+    for rank, results in enumerate(ranks):
+        got, _ = split(results["steps"][CASES.index(case)])
+        assert_same(got, want, f"rank {rank}")
+
+
+@pytest.mark.parametrize("mode", ["kahan", "exact"])
+def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(first_rank, two_ranks, one_rank, mode):
+    _, ranks = two_ranks
+    plain = w.plain_train(mode)
+    saved = ranks[0]["save"][mode]
+    assert saved["sharded"], "DCP must see DTensor optimizer states"
+    assert saved["losses"] == plain["losses"]
+    assert_same(saved["model"], plain["model"], "weights after 4 FSDP steps")
+    assert_same(saved["optim"], plain["optim"], "states after 4 FSDP steps")
+    remainder = "compensation" if mode == "kahan" else "remainder"
+    assert saved["dtypes"]["0.exp_avg"] == "torch.float32"
+    assert saved["dtypes"][f"0.{remainder}"] == ("torch.bfloat16" if mode == "kahan" else "torch.int16")
+    for rank, results in enumerate(ranks):   # same world size, fresh model and optimizer
+        resumed = results["load"][f"{mode}-2"]
+        assert resumed["losses"] == plain["losses"][2:]
+        assert resumed["dtypes"] == saved["dtypes"]
+        assert_same(resumed["model"], plain["model"], f"rank {rank} resumed weights")
+        assert_same(resumed["optim"], plain["optim"], f"rank {rank} resumed states")
+    resumed = one_rank["load"][f"{mode}-2"]   # saved at 2 ranks, loaded at 1
+    assert resumed["dtypes"] == saved["dtypes"]
+    assert resumed["losses"] == plain["losses"][2:]
+    assert_same(resumed["model"], plain["model"], "resumed at 1 rank")
+    assert_same(resumed["optim"], plain["optim"], "resumed at 1 rank")
+    assert_same(first_rank[1]["save"][mode]["optim"], plain["optim"], "1 rank")
+    for rank, results in enumerate(ranks):   # saved at 1 rank, loaded at 2
+        resumed = results["load"][f"{mode}-1"]
+        assert resumed["losses"] == plain["losses"][2:]
+        assert_same(resumed["model"], plain["model"], f"rank {rank} resumed from 1 rank")
+        assert_same(resumed["optim"], plain["optim"], f"rank {rank} resumed from 1 rank")
+
+
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_mixed_precision_policy_fp32_params(first_rank, two_ranks, reduce):
+    """fp32 parameters, bf16 compute: with the same batch on every rank the reduced gradient is
+    exact (g + g in either dtype, halved), so 2 ranks equal 1 rank bit for bit."""
+    _, ranks = two_ranks
+    two = ranks[0]["mp"][reduce]
+    assert all(d == "torch.float32" for d in two["dtypes"].values())
+    assert_same(ranks[1]["mp"][reduce]["model"], two["model"], "rank 1 vs rank 0")
+    if reduce in first_rank[1]["mp"]:
+        one = first_rank[1]["mp"][reduce]
+        assert two["losses"] == one["losses"]
+        assert_same(two["model"], one["model"], "2 ranks vs 1")
+        assert_same(two["optim"], one["optim"], "2 ranks vs 1")
+    assert two["losses"][-1] < two["losses"][0]
+
+
+@pytest.mark.parametrize("case", SD_CASES, ids="-".join)
+def test_optimizer_state_dict_between_sharded_and_plain(two_ranks, case):
+    """``opt.state_dict()`` of sharded parameters holds DTensor states; it loads into a fresh
+    sharded optimizer and into a single-process one, and a single-process dict loads into a sharded
+    optimizer; each continues bit-identically to the uninterrupted single-process run."""
+    _, ranks = two_ranks
+    want, _ = split(w.reference(*case, "fused"))
+    for rank, results in enumerate(ranks):
+        got = results["state_dict"][SD_CASES.index(case)]
+        assert got["sharded_states"]
+        for tag in ("resumed", "from_plain", "to_plain"):
+            assert_same(got[tag], want, f"rank {rank} {tag}")
+
+
+def test_unsupported_placement_is_refused(two_ranks):
+    _, ranks = two_ranks
+    for results in ranks:
+        assert "params" in results["errors"]["partial"] and "Partial" in results["errors"]["partial"]
+        assert results["errors"]["unchanged"]
+
+
+def _compressed_inputs(world_size: int) -> torch.Tensor:
+    """Every rank's reduce-scatter input as it crosses the wire (bf16), in fp64, [rank, element]."""
+    return torch.stack([w.rs_input(r, world_size).bfloat16().double() for r in range(world_size)])
+
+
+def test_fp32_reduce_scatter_against_fp64(two_ranks):
+    """bf16 on the wire, fp32 sum: rank r's output is its shard of the fp64 sum of the compressed
+    inputs within one fp32 rounding per addition (``(R - 1) u32 sum |x|``); the AVG is that
+    divided by R; a bf16 output is that sum rounded once more."""
+    _, ranks = two_ranks
+    R = len(ranks)
+    wire = _compressed_inputs(R)
+    for rank, results in enumerate(ranks):
+        got = results["reduce_scatter"]
+        shard = slice(rank * w.RS_NUMEL, (rank + 1) * w.RS_NUMEL)
+        exact = wire[:, shard].sum(0)
+        bound = (R - 1) * 2.0 ** -24 * wire[:, shard].abs().sum(0)
+        assert got["sum"].dtype == torch.float32
+        assert ((got["sum"].double() - exact).abs() <= bound).all()
+        assert ((got["avg"].double() - exact / R).abs() <= bound / R).all()
+        assert torch.equal(got["sum_bf16"], got["sum"].bfloat16())
+        # stochastic compression: each addend is one of its two bf16 neighbours
+        x = torch.stack([w.rs_input(r, R).double() for r in range(R)])[:, shard]
+        ulp_bound = (2.0 ** -7 * x.abs()).sum(0) + bound + 2.0 ** -24 * x.abs().sum(0)
+        assert ((got["stochastic"].double() - x.sum(0)).abs() <= ulp_bound).all()
+        assert not torch.equal(got["stochastic"], got["sum"])
+        # unbiased: 1 + 2**-10 (1/8 of a bf16 ulp above 1) sums to R (1 + 2**-10) on average;
+        # rounding to nearest loses the 2**-10 on every rank
+        sigma = 2.0 ** -7 * (1 / 8 * 7 / 8) ** 0.5 * R ** 0.5 / w.RS_NUMEL ** 0.5
+        assert abs(got["stochastic_tiny"].double().mean() - R * (1 + 2.0 ** -10)) < 5 * sigma
+        assert torch.equal(got["nearest_tiny"], torch.full((w.RS_NUMEL,), float(R)))
+        assert "set_force_sum_reduction_for_comms" in got["premul_error"]
+
+
+def test_fp32_reduce_scatter_in_fsdp_and_advisor(two_ranks):
+    _, ranks = two_ranks
+    for results in ranks:
+        got = results["reduce_scatter"]
+        assert got["fsdp_calls"] > 0
+        assert_same(got["fsdp_custom"], got["fsdp_default"], "custom reduce-scatter, exact sums")
+        assert got["advice_fp32"] == [] and got["advice_pure_bf16_fixed"] == []
+        assert got["advice_bf16_reduce"] and all("reduce_dtype=torch.bfloat16" in m for m in got["advice_bf16_reduce"])
+        assert got["advice_pure_bf16"] and all("reduce_dtype is None" in m for m in got["advice_pure_bf16"])
+
+
+@pytest.mark.slow
+def test_four_ranks_and_one_to_many_reshard(tmp_path):
+    """4 ranks (one with an empty shard of the (6, 5) parameter), the compiled backend too; a
+    1-rank checkpoint resumed at 4."""
+    one = run_local_group(w.session, 1, {"folder": str(tmp_path), "save": ["kahan", "exact"]}, timeout_s=120)[0]
+    cases = CASES + COMPILED_CASES
+    spec = {"folder": str(tmp_path), "steps": cases, "load": ["kahan-1", "exact-1"]}
+    ranks = run_local_group(w.session, 4, spec, timeout_s=300)
+    for mode in ("kahan", "exact"):
+        for results in ranks:
+            resumed = results["load"][f"{mode}-1"]
+            assert resumed["losses"] == one["save"][mode]["losses"][2:]
+            assert_same(resumed["model"], one["save"][mode]["model"], "1 -> 4 ranks")
+            assert_same(resumed["optim"], one["save"][mode]["optim"], "1 -> 4 ranks")
+    # the stochastic cases last: they need the counter-based random streams (see above)
+    for index, case in sorted(enumerate(cases), key=lambda c: c[1] in SR_CASES):
+        want, _ = split(w.reference(*case[1:4], case[4], case[5]))
+        for rank, results in enumerate(ranks):
+            got, _ = split(results["steps"][index])
+            assert_same(got, want, f"{_case_id(case)} rank {rank}")
+
+
+def test_element_index_of_boxes():
+    """``box_index`` gives the global row-major positions of a box's elements: Shard(0) ranges,
+    Shard(1)/Shard(2) strided boxes, 2-D boxes (two sharded dimensions) and empty boxes."""
+    full = torch.arange(6 * 5 * 4).reshape(6, 5, 4)
+    for shape, offset in [((2, 5, 4), (2, 0, 0)), ((6, 2, 4), (0, 3, 0)), ((3, 2, 4), (3, 1, 0)),
+                          ((1, 2, 4), (4, 1, 0)), ((6, 5, 1), (0, 0, 3)), ((2, 5, 2), (4, 0, 2)),
+                          ((0, 5, 4), (6, 0, 0)), ((6, 5, 4), (0, 0, 0)), ((2, 2, 4), (1, 3, 0))]:
+        index = sharding.box_index(shape, offset, tuple(full.shape))
+        region = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].reshape(-1)
+        assert torch.equal(index.tensor(region.numel()), region), (shape, offset)
+        half = region.numel() // 2   # a chunk starting half way
+        assert torch.equal(index.shifted(half).tensor(region.numel() - half), region[half:]), (shape, offset)
+    with pytest.raises(ValueError, match="params"):
+        sharding.box_index((2, 2, 2), (0, 0, 0), (6, 5, 4))
