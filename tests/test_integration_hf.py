@@ -76,8 +76,8 @@ class Run:
 def _train(out: Path, mode: str, resume: Path | None = None, bf16: bool = False, through_cls: bool = False,
            steps: int = STEPS) -> Run:
     model = _llama()
-    autocast: set[bool] = set()
-    model.register_forward_pre_hook(lambda *_: autocast.add(torch.is_autocast_enabled("cpu")))
+    autocast: set[bool] = set()   # on the inner model: accelerate enters autocast inside the outer forward
+    model.model.register_forward_pre_hook(lambda *_: autocast.add(torch.is_autocast_enabled("cpu")))
     args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=BATCH,
                              save_steps=SAVE_AT, logging_steps=1, report_to=[], use_cpu=True, seed=0,
                              max_grad_norm=MAX_GRAD_NORM, bf16=bf16, disable_tqdm=True, learning_rate=3e-3,
