@@ -231,6 +231,11 @@ def test_16_mixed_gradscaler_plugin(trained):
     assert run.module.forwards == run.module.backwards == 2 * BATCHES
     steps = {int(s["step"]) for s in run.optimizer().state.values()}
     assert steps == {2 * BATCHES - run.optimizer().skipped_steps}
+    # the gradients stayed scaled (by 2**9 or more) up to lowp's step, which unscaled them: the
+    # first moment, an average of unscaled gradients clipped to norm 0.5, has a norm below 0.5
+    assert plugin.scaler.get_scale() >= 2.0 ** 9
+    first_moment = sum(float(s["exp_avg"].double().square().sum()) for s in run.optimizer().state.values())
+    assert 0 < first_moment ** 0.5 <= 0.5 * (1 + 1e-3)
     means = _epoch_means(run.module.losses)
     assert means[-1] < means[0]
 
