@@ -15,8 +15,11 @@ Three outcomes for a parameter slice (:func:`check_slice`, then the backend's ow
 - *error* (``ValueError``/``TypeError`` naming the argument, raised before any tensor is
   written): inputs that no backend can run correctly: a gradient whose shape differs from its
   parameter's, tensors on another device, a missing compensation/remainder buffer, a state
-  whose shape differs from the parameter's, a storage too small for its tensor, a written tensor
-  whose elements overlap (stride 0), a plain tensor mixed with a subclass tensor.
+  whose shape differs from the parameter's or that is not floating-point, a gradient or state
+  in float64 for a weight that is not (or the reverse: the update cannot mix them), a buffer of the wrong
+  kind (exact mode's remainder is an integer, kahan's compensation floating-point), a storage
+  too small for its tensor, a written tensor whose elements overlap (stride 0), a plain tensor
+  mixed with a subclass tensor.
 
 Tensors that overlap *each other* (parameters sharing memory) make the result depend on the
 order of the writes: :func:`overlapping` finds them so the backend runs the whole batch in the
@@ -75,7 +78,8 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 
 def _check_tensor(name: str, t: torch.Tensor, param: torch.Tensor, written: bool) -> None:
     """The errors of :func:`check_slice` for one tensor of a slice (``param`` included)."""
-    if plain(t) != plain(param) or (not plain(t) and type(t) is not type(param)):
+    own = type(t) in PLAIN_TYPES
+    if own != (type(param) in PLAIN_TYPES) or (not own and type(t) is not type(param)):
         raise TypeError(f"{name}: a {type(t).__name__} next to a {type(param).__name__} parameter; the "
                         f"gradient, states and buffer must be tensors of the parameter's kind")
     if t is not param and t.device != param.device:
@@ -84,7 +88,7 @@ def _check_tensor(name: str, t: torch.Tensor, param: torch.Tensor, written: bool
         what = "gradient" if name == "grad" else "tensor"
         raise ValueError(f"{name}: a {what} of shape {_shape(t)} for a parameter of shape {_shape(param)}; "
                          f"the shapes must be equal")
-    if not plain(t) or t.device.type == "meta":
+    if not own or t.layout is not torch.strided or t.is_nested or t.is_meta:
         return
     if not storage_fits(t):
         raise ValueError(f"{name}: its storage holds {t.untyped_storage().nbytes()} bytes, fewer than its shape "
@@ -92,6 +96,15 @@ def _check_tensor(name: str, t: torch.Tensor, param: torch.Tensor, written: bool
     if written and not t.is_contiguous() and any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
         raise ValueError(f"{name}: several of its elements share one memory location (stride 0, e.g. an "
                          f"expanded view); an optimizer cannot write it")
+
+
+def _check_precision(name: str, t: torch.Tensor, param: torch.Tensor) -> None:
+    """The update computes in float64 for float64 weights and in float32 otherwise; a gradient or
+    state on the other side cannot enter the same arithmetic (torch refuses to mix them)."""
+    if (t.dtype == torch.float64) != (param.dtype == torch.float64):
+        raise TypeError(f"{name}: a {t.dtype} tensor for a {param.dtype} parameter; the update computes in "
+                        f"{'float64' if param.dtype == torch.float64 else 'float32'}, so it must be "
+                        f"{'float64' if param.dtype == torch.float64 else 'float32, bfloat16 or float16'}")
 
 
 def check_slice(ctx: StepContext, s: ParamSlice) -> None:
@@ -104,10 +117,17 @@ def check_slice(ctx: StepContext, s: ParamSlice) -> None:
                          f"parameter, and the optimizer state has none")
     _check_tensor("params", s.param, s.param, True)
     _check_tensor("grad", s.grad, s.param, False)
+    _check_precision("grad", s.grad, s.param)
     for name, t in s.states.items():
         _check_tensor(name, t, s.param, True)
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point optimizer state, got {t.dtype}")
+        _check_precision(name, t, s.param)
     if s.buffer is not None:
         _check_tensor(buffer_name or "buffer", s.buffer, s.param, True)
+        if s.buffer.is_floating_point() != (ctx.mode.name != "exact"):
+            kind = "an integer remainder" if ctx.mode.name == "exact" else "a floating-point compensation"
+            raise TypeError(f"{buffer_name or 'buffer'}: mode {ctx.mode.name!r} needs {kind}, got {s.buffer.dtype}")
 
 
 def check_kernel_args(slices: Iterable[ParamSlice], names: Sequence[str], device: str,
