@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,12 @@ def test_fuzz_compiled():
 
 
 # ---- the admission functions, directly ----------------------------------------------------------
+def quantized() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated: still a layout to refuse
+        return torch.quantize_per_tensor(torch.zeros(8), 0.1, 0, torch.qint8)
+
+
 def test_kernel_memory_accepts_plain_contiguous_aligned_tensors_only():
     ok = (torch.float32, torch.bfloat16)
     base = torch.zeros(64, dtype=torch.bfloat16)
@@ -98,7 +105,7 @@ def test_kernel_memory_accepts_plain_contiguous_aligned_tensors_only():
         "wrong dtype": base.double(), "empty": base[:0], "transposed": base.view(8, 8).t(),
         "expanded": base[:1].expand(8), "negative view": torch._neg_view(base), "sparse": base.to_sparse(),
         "meta": torch.zeros(8, device="meta", dtype=torch.bfloat16), "misaligned": raw, "freed": freed,
-        "quantized": torch.quantize_per_tensor(torch.zeros(8), 0.1, 0, torch.qint8),
+        "quantized": quantized(),
     }
     for name, t in refused.items():
         assert not checks.kernel_memory(t, ok), name
@@ -107,17 +114,21 @@ def test_kernel_memory_accepts_plain_contiguous_aligned_tensors_only():
 
 
 def test_overlapping_finds_shared_written_memory_only():
+    ctx = _slice_ctx("nearest")
     flat = torch.zeros(300)
     a, b, c = flat[:100], flat[100:200], flat[50:150]
-
-    def sl(p, g):
-        return ParamSlice(p, g, {"exp_avg": torch.zeros_like(p)})
-
     grads = torch.zeros(400)
-    assert not checks.overlapping([sl(a, grads[:100]), sl(b, grads[100:200])])  # adjacent views
-    assert not checks.overlapping([sl(a, grads[:100]), sl(b, grads[:100])])  # gradients may be shared
-    assert checks.overlapping([sl(a, grads[:100]), sl(c, grads[100:200])])  # weights overlap
-    assert checks.overlapping([sl(a, grads[:100]), sl(b, a)])  # a gradient is another slice's weight
+
+    def spans(*pairs) -> list:
+        out: list = []
+        for p, g in pairs:
+            checks.check_slice(ctx, ParamSlice(p, g, {"exp_avg": torch.zeros_like(p)}), spans=out)
+        return out
+
+    assert not checks.overlapping(spans((a, grads[:100]), (b, grads[100:200])))  # adjacent views
+    assert not checks.overlapping(spans((a, grads[:100]), (b, grads[:100])))  # gradients may be shared
+    assert checks.overlapping(spans((a, grads[:100]), (c, grads[100:200])))  # weights overlap
+    assert checks.overlapping(spans((a, grads[:100]), (b, a)))  # a gradient is another slice's weight
 
 
 def _slice_ctx(mode="kahan"):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from lowp.optim.backends import ForeachBackend, ParamSlice, StepContext
-from lowp.optim.kernels.checks import check_slice, kernel_memory, overlapping, plain
+from lowp.optim.kernels.checks import PLAIN_TYPES, Span, check_slice, overlapping
 from lowp.optim.kernels.rules import Rule, rule_for
 from lowp.optim.kernels.step import fused_step
 
@@ -41,27 +41,29 @@ def compiler_available() -> bool:
 
 
 def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool, min_numel: int = 2,
-            fp16_stochastic: bool = False, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
+            fp16_stochastic: bool = False, devices: tuple[str, ...] = ("cpu", "cuda"),
+            spans: list[Span] | None = None) -> bool:
     """Whether slice ``s`` can take the fused step: the admission checks of
-    :mod:`~lowp.optim.kernels.checks` (which raise for inputs no backend can run, before anything
-    is written), kernel memory on one of ``devices`` for the weight, states and buffer (a
-    gradient may be strided: the backends copy it), and the dtypes the kernels support. The
-    default ``min_numel`` is torch.compile's: dynamo specializes sizes 0 and 1, so one-element
-    tensors would compile twice more; ``fp16_stochastic``: the backend rounds fp16 stochastically too."""
-    check_slice(ctx, s)
-    low16 = (torch.bfloat16, torch.float16)
-    floats = (torch.float32, *low16)
-    if s.numel < min_numel or s.param.device.type not in devices:
+    :func:`~lowp.optim.kernels.checks.check_slice` (which raise for inputs no backend can run,
+    before anything is written), kernel memory on one of ``devices`` for the weight, states and
+    buffer (a gradient may be strided: the backends copy it), and the dtypes the kernels support.
+    The default ``min_numel`` is torch.compile's: dynamo specializes sizes 0 and 1, so one-element
+    tensors would compile twice more; ``fp16_stochastic``: the backend rounds fp16 stochastically too;
+    ``spans`` collects the byte ranges of the slice's tensors (:func:`~lowp.optim.kernels.checks.overlapping`)."""
+    floats = _KERNEL_FLOATS
+    weights, _, buffer = check_slice(ctx, s, floats, (torch.int16,) if ctx.mode.name == "exact" else floats, spans)
+    param, grad = s.param, s.grad
+    if not (weights and buffer) or param.numel() < min_numel or ("cpu" if param.is_cpu else param.device.type) not in devices:
         return False
-    if s.param.dtype not in floats or not plain(s.grad) or s.grad.dtype not in floats:
+    if type(grad) not in PLAIN_TYPES or grad.is_neg() or grad.dtype not in floats:
         return False
-    if ctx.mode.name == "stochastic" and s.param.dtype not in (low16 if fp16_stochastic else (torch.bfloat16,)):
-        return False
-    if not all(kernel_memory(t, floats) for t in (s.param, *s.states.values())):
-        return False
-    if s.buffer is not None and not kernel_memory(s.buffer, (torch.int16,) if ctx.mode.name == "exact" else floats):
+    if ctx.mode.name == "stochastic" and param.dtype not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
         return False
     return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
+
+
+_LOW16 = (torch.bfloat16, torch.float16)
+_KERNEL_FLOATS = (torch.float32, *_LOW16)
 
 
 def partition(slices: list[ParamSlice], keep: Callable[[ParamSlice], bool]) -> tuple[list[ParamSlice], list[ParamSlice]]:
@@ -209,9 +211,10 @@ class CompiledBackend(ForeachBackend):
     #: device types whose memory the kernels of this backend address
     devices: tuple[str, ...] = ("cpu", "cuda")
 
-    def admits(self, optimizer, rule: Rule | None, ctx: StepContext, s: ParamSlice) -> bool:
-        """Whether slice ``s`` takes the fused step (:func:`fusable` with this backend's limits);
-        ``ValueError`` when ``s`` lacks a state the optimizer reads, or has one it does not."""
+    def admits(self, optimizer, rule: Rule | None, ctx: StepContext, s: ParamSlice, spans: list[Span]) -> bool:
+        """Whether slice ``s`` takes the fused step (:func:`fusable` with this backend's limits;
+        ``spans`` collects its byte ranges); ``ValueError`` when ``s`` lacks a state the
+        optimizer reads, or has one it does not."""
         if not self.fuses(rule):
             return False
         expected = optimizer.state_names(ctx.group, s.param)
@@ -219,12 +222,13 @@ class CompiledBackend(ForeachBackend):
             raise ValueError(f"states: {type(optimizer).__name__} reads the states {list(expected)} of this "
                              f"parameter, the slice has {list(s.states)}")
         return fusable(ctx, s, ctx.group["state_rounding"] == "stochastic", self.min_numel, self.fp16_stochastic,
-                       self.devices)
+                       self.devices, spans)
 
     def run(self, optimizer, ctx, slices):
         rule = rule_for(optimizer)
-        fused, rest = partition(slices, lambda s: self.admits(optimizer, rule, ctx, s))
-        if fused and overlapping(slices):  # written memory shared: every slice in the reference's order
+        spans: list[Span] = []
+        fused, rest = partition(slices, lambda s: self.admits(optimizer, rule, ctx, s, spans))
+        if fused and overlapping(spans):  # written memory shared: every slice in the reference's order
             fused, rest = [], slices
         counts = [super().run(optimizer, ctx, rest)] if rest else []
         if fused:

@@ -122,7 +122,7 @@ class NativeBackend(CompiledBackend):
     def launch(macros: dict[str, int], members: list[tuple[ParamSlice, int]], names: list[str],
                h: "ctypes.Array[ctypes.c_double]", keys: torch.Tensor) -> int:
         """One kernel call over ``members`` (slices of one variant, with their stream offsets)."""
-        check_kernel_args((s for s, _ in members), names, "cpu", macro_dtypes(macros))
+        check_kernel_args((s for s, _ in members), names, macro_dtypes(macros))
         fn = step_function(macros)
         n = len(members)
         grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s, _ in members]
