@@ -100,8 +100,8 @@ def _admit(name: str, t: torch.Tensor, param: torch.Tensor, param_type: type, pa
             what = "gradient" if name == "grad" else "tensor"
             raise ValueError(f"{name}: a {what} of shape {_shape(t)} for a parameter of shape {_shape(param)}; "
                              f"the shapes must be equal")
-    if not own or t.layout is not _STRIDED or t.is_nested or t.is_meta or t.numel() == 0:
-        return False
+    if not own or t.layout is not _STRIDED or t.is_nested or (not param_cpu and t.is_meta) or t.numel() == 0:
+        return False  # (a tensor next to a CPU weight is on the CPU: checked above)
     contiguous = t.is_contiguous()
     size = t.element_size()
     nbytes = t.untyped_storage().nbytes()

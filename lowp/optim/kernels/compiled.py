@@ -10,7 +10,8 @@ gradient, states and buffer once and writes them once.
 Cases without a fused form run the optimizer's reference pipeline
 (:meth:`~lowp.optim.base.LowpOptimizer.apply_batch`, batched like the ``foreach`` backend):
 optimizers without an elementwise rule, fp64 weights, fp16 tensors with stochastic rounding,
-non-contiguous tensors, tensors of fewer than two elements.
+non-contiguous tensors, tensors of fewer than two elements, and whatever the admission checks of
+:mod:`~lowp.optim.kernels.checks` keep from the kernels (they raise for inputs no backend can run).
 """
 from __future__ import annotations
 

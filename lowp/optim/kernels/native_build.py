@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import fcntl
 import functools
 import hashlib
 import os
@@ -56,6 +55,10 @@ FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-
 #: dtype codes of the source's ``enum Dtype``.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+#: the largest library accepted from the cache (a variant is about 20 KB)
+_MAX_LIBRARY = 64 << 20
+#: a temporary file of a build older than this (seconds) is stale whatever its process
+_STALE_AFTER_S = 24 * 3600
 
 
 def cache_dir() -> Path:
@@ -248,6 +251,8 @@ def _build_in(folder: Path, source: Path, macros: dict[str, int], filename: str)
     """The library ``folder/filename``: built unless a valid one appeared meanwhile. One build
     per variant and folder at a time (an advisory lock beside it); concurrent processes wait and
     load the finished library."""
+    import fcntl  # POSIX only, like the kernel itself (lowp imports this module everywhere)
+
     target = folder / filename
     fd = os.open(folder / f"{filename}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -263,11 +268,6 @@ def _build_in(folder: Path, source: Path, macros: dict[str, int], filename: str)
     finally:
         os.close(fd)
 
-
-#: the largest library accepted from the cache (a variant is about 20 KB)
-_MAX_LIBRARY = 64 << 20
-#: a temporary file of a build older than this (seconds) is stale whatever its process
-_STALE_AFTER_S = 24 * 3600
 
 _LOADED: dict[tuple, ctypes.CDLL] = {}
 
