@@ -24,7 +24,8 @@ def sgd_step() -> None:
 
 def finite_check() -> None:
     """The native non-finite check only (one small library)."""
-    flags = NativeBackend.finite_flags(object.__new__(NativeBackend), [torch.ones(100), torch.tensor([1.0, float("inf")])])
+    grads = [torch.ones(100), torch.tensor([1.0, float("inf")])]
+    flags = NativeBackend.finite_flags(object.__new__(NativeBackend), grads)
     assert flags == [True, False], flags
 
 

@@ -33,7 +33,8 @@ from lowp.optim.writeback import MODES
 from safety_cases import CASES, MODES as ALL_MODES, OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
-native = pytest.mark.skipif(not native_available(), reason="the native kernel needs x86-64 with AVX2 and a C++ compiler")
+native = pytest.mark.skipif(not native_available(),
+                            reason="the native kernel needs x86-64 with AVX2 and a C++ compiler")
 
 #: each write-back mode and each optimizer at least once (Lion + kahan: the NaN case of the sign)
 DEFAULT = [("AdamW", "kahan"), ("SGD", "exact"), ("Lion", "kahan"), ("Lion", "stochastic"), ("SGD", "nearest")]

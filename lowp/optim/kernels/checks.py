@@ -163,7 +163,8 @@ def check_slice(ctx: StepContext, s: ParamSlice, dtypes: Sequence[torch.dtype] =
     return weights, grad, buffer
 
 
-def check_kernel_args(slices: Iterable[ParamSlice], names: Sequence[str], dtypes: tuple[torch.dtype | None, ...]) -> None:
+def check_kernel_args(slices: Iterable[ParamSlice], names: Sequence[str],
+                      dtypes: tuple[torch.dtype | None, ...]) -> None:
     """The last check before a native kernel call over ``slices``: ``RuntimeError`` unless every
     tensor the variant reads, ``dtypes`` = (weight, gradient, buffer or ``None``, one per state in
     ``names``), is a plain CPU tensor of that dtype with the weight's (non-zero) number of
@@ -178,7 +179,8 @@ def check_kernel_args(slices: Iterable[ParamSlice], names: Sequence[str], dtypes
         written = [s.param, *(s.states.get(name) for name in names)] + ([s.buffer] if buffer is not None else [])
         bad = None if n > 0 and _plain_cpu(s.grad, grad, n) else "grad"
         for t, dtype in zip(written, expected):
-            if bad is None and not (_plain_cpu(t, dtype, n) and t.is_contiguous() and t.data_ptr() % t.element_size() == 0):
+            if bad is None and not (_plain_cpu(t, dtype, n) and t.is_contiguous()
+                                    and t.data_ptr() % t.element_size() == 0):
                 bad = "a weight, state or buffer"
         if bad is not None:
             raise RuntimeError(f"kernel call: {bad} is not a CPU tensor of {n} elements of {dtypes} in plain "

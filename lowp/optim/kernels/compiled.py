@@ -54,7 +54,8 @@ def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool, min_numel:
     floats = _KERNEL_FLOATS
     weights, _, buffer = check_slice(ctx, s, floats, (torch.int16,) if ctx.mode.name == "exact" else floats, spans)
     param, grad = s.param, s.grad
-    if not (weights and buffer) or param.numel() < min_numel or ("cpu" if param.is_cpu else param.device.type) not in devices:
+    device = "cpu" if param.is_cpu else param.device.type
+    if not (weights and buffer) or param.numel() < min_numel or device not in devices:
         return False
     if type(grad) not in PLAIN_TYPES or grad.is_neg() or grad.dtype not in floats:
         return False

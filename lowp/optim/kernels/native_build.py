@@ -167,7 +167,9 @@ def _load_verified(path: Path) -> ctypes.CDLL | None:
     truncated or corrupted: the caller rebuilds it)."""
     data = _read_trusted(path, _MAX_LIBRARY)
     recorded = _read_trusted(_sidecar(path), 256)
-    if data is None or recorded is None or recorded.decode("ascii", "replace").strip() != hashlib.sha256(data).hexdigest():
+    if data is None or recorded is None:
+        return None
+    if recorded.decode("ascii", "replace").strip() != hashlib.sha256(data).hexdigest():
         return None
     try:
         return ctypes.CDLL(str(path))
@@ -230,7 +232,8 @@ def _compile(source: Path, macros: dict[str, int], target: Path) -> None:
     if compiler is None:
         raise RuntimeError("backend='native': no C++ compiler (g++, c++ or clang++) on PATH")
     tmp = _temp_name(target)
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))  # OSError when read-only
+    # created here first: an OSError (read-only cache) before the compiler runs
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     defines = [f"-DLOWP_{k}={int(v)}" for k, v in sorted(macros.items())]
     try:
         result = subprocess.run([compiler, *FLAGS, *defines, str(source), "-o", str(tmp)], capture_output=True,
@@ -297,7 +300,8 @@ def _library(name: str, macros: dict[str, int]) -> ctypes.CDLL:
 def _variant_digest(source: Path, key: tuple) -> str:
     """What names a cached variant: a hash of the source, flags, macros and compiler version."""
     compiler = _compiler() or ""
-    return hashlib.sha256(repr((source.read_bytes(), FLAGS, key, _compiler_version(compiler))).encode()).hexdigest()[:24]
+    text = repr((source.read_bytes(), FLAGS, key, _compiler_version(compiler)))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def library_path(name: str, macros: dict[str, int]) -> Path:
