@@ -311,12 +311,20 @@ def dtensor_param(mode, gen):
                                           torch.ones(16).bfloat16()])
 
 
+def dtensor_param_unchecked(mode, gen):
+    """The same without the non-finite check (the reference check of the compiled backend
+    cannot stack DTensors with plain tensors)."""
+    scenario = dtensor_param(mode, gen)
+    scenario.options = dict(nonfinite="off")
+    return scenario
+
+
 CASES: dict[str, Callable[[str, torch.Generator], Scenario]] = {f.__name__: f for f in [
     offset_views, transposed, expanded_grad, expanded_param, empty_and_single, shared_storage,
     grad_views_of_one_buffer, grad_fp32, grad_fp64, grad_smaller, grad_reshaped, grad_strided, grad_negative_view,
     grad_storage_freed, grad_storage_freed_unchecked, param_storage_freed, param_misaligned, param_fp64,
     buffer_deleted, mode_switched, state_missing, state_extra, state_fp64, state_integer, state_wrong_size,
-    state_strided, buffer_fp64, nan_grads_unchecked, subclass_param, dtensor_param]}
+    state_strided, buffer_fp64, nan_grads_unchecked, subclass_param, dtensor_param, dtensor_param_unchecked]}
 
 
 # ---- running and comparing ---------------------------------------------------------------------
