@@ -10,7 +10,8 @@ gradient, states and buffer once and writes them once.
 Cases without a fused form run the optimizer's reference pipeline
 (:meth:`~lowp.optim.base.LowpOptimizer.apply_batch`, batched like the ``foreach`` backend):
 optimizers without an elementwise rule, fp64 weights, fp16 tensors with stochastic rounding,
-non-contiguous tensors, tensors of fewer than two elements.
+non-contiguous tensors, tensors of fewer than two elements, and whatever the admission checks of
+:mod:`~lowp.optim.kernels.checks` keep from the kernels (they raise for inputs no backend can run).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from lowp.optim.backends import ForeachBackend, ParamSlice, StepContext
+from lowp.optim.kernels.checks import PLAIN_TYPES, Span, check_slice, overlapping
 from lowp.optim.kernels.rules import Rule, rule_for
 from lowp.optim.kernels.step import fused_step
 
@@ -40,22 +42,30 @@ def compiler_available() -> bool:
 
 
 def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool, min_numel: int = 2,
-            fp16_stochastic: bool = False) -> bool:
-    """Whether slice ``s`` can take the fused step (dtypes and layout it supports). The default
-    ``min_numel`` is torch.compile's: dynamo specializes sizes 0 and 1, so one-element tensors
-    would compile twice more; ``fp16_stochastic``: the backend rounds fp16 stochastically too."""
-    low16 = (torch.bfloat16, torch.float16)
-    if s.numel < min_numel:
+            fp16_stochastic: bool = False, devices: tuple[str, ...] = ("cpu", "cuda"),
+            spans: list[Span] | None = None) -> bool:
+    """Whether slice ``s`` can take the fused step: the admission checks of
+    :func:`~lowp.optim.kernels.checks.check_slice` (which raise for inputs no backend can run,
+    before anything is written), kernel memory on one of ``devices`` for the weight, states and
+    buffer (a gradient may be strided: the backends copy it), and the dtypes the kernels support.
+    The default ``min_numel`` is torch.compile's: dynamo specializes sizes 0 and 1, so one-element
+    tensors would compile twice more; ``fp16_stochastic``: the backend rounds fp16 stochastically too;
+    ``spans`` collects the byte ranges of the slice's tensors (:func:`~lowp.optim.kernels.checks.overlapping`)."""
+    floats = _KERNEL_FLOATS
+    weights, _, buffer = check_slice(ctx, s, floats, (torch.int16,) if ctx.mode.name == "exact" else floats, spans)
+    param, grad = s.param, s.grad
+    device = "cpu" if param.is_cpu else param.device.type
+    if not (weights and buffer) or param.numel() < min_numel or device not in devices:
         return False
-    if s.param.dtype not in (torch.float32, *low16) or s.grad.dtype not in (torch.float32, *low16):
+    if type(grad) not in PLAIN_TYPES or grad.is_neg() or grad.dtype not in floats:
         return False
-    if ctx.mode.name == "stochastic" and s.param.dtype not in ((torch.bfloat16, torch.float16) if fp16_stochastic
-                                                                else (torch.bfloat16,)):
-        return False
-    tensors = [s.param, *s.states.values(), *([s.buffer] if s.buffer is not None else [])]
-    if any(not t.is_contiguous() or t.shape != s.param.shape for t in tensors):
+    if ctx.mode.name == "stochastic" and param.dtype not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
         return False
     return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
+
+
+_LOW16 = (torch.bfloat16, torch.float16)
+_KERNEL_FLOATS = (torch.float32, *_LOW16)
 
 
 def partition(slices: list[ParamSlice], keep: Callable[[ParamSlice], bool]) -> tuple[list[ParamSlice], list[ParamSlice]]:
@@ -200,11 +210,28 @@ class CompiledBackend(ForeachBackend):
         """Whether this backend has a fused form of ``rule`` (the tensor math, for torch.compile)."""
         return rule is not None and rule.fn is not None
 
+    #: device types whose memory the kernels of this backend address
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+    def admits(self, optimizer, rule: Rule | None, ctx: StepContext, s: ParamSlice, spans: list[Span]) -> bool:
+        """Whether slice ``s`` takes the fused step (:func:`fusable` with this backend's limits;
+        ``spans`` collects its byte ranges); ``ValueError`` when ``s`` lacks a state the
+        optimizer reads, or has one it does not."""
+        if not self.fuses(rule):
+            return False
+        expected = optimizer.state_names(ctx.group, s.param)
+        if tuple(s.states) != tuple(expected):
+            raise ValueError(f"states: {type(optimizer).__name__} reads the states {list(expected)} of this "
+                             f"parameter, the slice has {list(s.states)}")
+        return fusable(ctx, s, ctx.group["state_rounding"] == "stochastic", self.min_numel, self.fp16_stochastic,
+                       self.devices, spans)
+
     def run(self, optimizer, ctx, slices):
         rule = rule_for(optimizer)
-        stochastic = ctx.group["state_rounding"] == "stochastic"
-        fused, rest = partition(slices, lambda s: self.fuses(rule) and fusable(
-            ctx, s, stochastic, self.min_numel, self.fp16_stochastic))
+        spans: list[Span] = []
+        fused, rest = partition(slices, lambda s: self.admits(optimizer, rule, ctx, s, spans))
+        if fused and overlapping(spans):  # written memory shared: every slice in the reference's order
+            fused, rest = [], slices
         counts = [super().run(optimizer, ctx, rest)] if rest else []
         if fused:
             counts.append(self.run_fused(rule, ctx, fused))

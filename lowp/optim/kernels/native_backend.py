@@ -16,16 +16,18 @@ import ctypes
 import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
+from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
 from lowp.optim.kernels.compiled import CompiledBackend, by_signature, step_keys, step_values
 from lowp.optim.kernels.native_build import DTYPE_CODES, finite_function, native_available, step_function
 from lowp.optim.kernels.rules import Rule
 
-__all__ = ["NativeBackend", "variant_macros", "slice_dtypes"]
+__all__ = ["NativeBackend", "variant_macros", "macro_dtypes", "slice_dtypes"]
 
 _RULE_IDS = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2, "radam": 3, "stableadamw": 4}
 _MODE_IDS = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3}
 _ROLES = 6  # weight, grad, buffer, up to three states
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
+_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 def variant_macros(rule: Rule, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> dict[str, int]:
@@ -41,6 +43,14 @@ def variant_macros(rule: Rule, ctx: StepContext, dtypes: tuple[torch.dtype | Non
     return macros
 
 
+def macro_dtypes(macros: dict[str, int]) -> tuple[torch.dtype | None, ...]:
+    """The dtypes a variant reads, inverse of :func:`variant_macros`: (weight, gradient, buffer or
+    ``None`` when its mode has none, one per state)."""
+    buffer = _DTYPES[macros["B"]] if macros["MODE"] in (_MODE_IDS["kahan"], _MODE_IDS["exact"]) else None
+    return (_DTYPES[macros["W"]], _DTYPES[macros["G"]], buffer,
+            *(_DTYPES[macros[f"S{i}"]] for i in range(macros["NSTATES"])))
+
+
 def slice_dtypes(s: ParamSlice) -> tuple[torch.dtype | None, ...]:
     """(weight, gradient, buffer or ``None``, states...) dtypes: what selects a variant per slice."""
     return (s.param.dtype, s.grad.dtype, s.buffer.dtype if s.buffer is not None else None,
@@ -53,6 +63,7 @@ class NativeBackend(CompiledBackend):
     name = "native"
     min_numel = 1
     fp16_stochastic = True
+    devices = ("cpu",)
 
     def __init__(self, chunk_size: int = 1 << 17) -> None:
         if not native_available():
@@ -66,11 +77,23 @@ class NativeBackend(CompiledBackend):
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
         """The check of :class:`~lowp.optim.backends.Backend` in one native call over every
-        contiguous fp32/bf16/fp16 CPU gradient: an integer test of the exponent field, read once
-        at memory speed (torch's ``aminmax`` took 13-30% of a fused step, measured)."""
+        fp32/bf16/fp16 CPU gradient in kernel memory (:func:`~lowp.optim.kernels.checks.kernel_memory`):
+        an integer test of the exponent field, read once at memory speed (torch's ``aminmax``
+        took 13-30% of a fused step, measured). Empty gradients are finite; tensor subclasses
+        (DTensor) are checked one by one with their own ``isfinite``; other layouts by the
+        reference check; a gradient whose storage is smaller than its shape is a ``ValueError``."""
         flags: list[bool | None] = [None] * len(grads)
-        native = [i for i, g in enumerate(grads)
-                  if g.device.type == "cpu" and g.dtype in _FLOAT_CODES and g.is_contiguous()]
+        native = []
+        for i, g in enumerate(grads):
+            if type(g) not in PLAIN_TYPES:
+                flags[i] = bool(torch.isfinite(g).all())
+            elif g.numel() == 0:
+                flags[i] = True
+            elif g.is_cpu and kernel_memory(g, _FLOAT_CODES):
+                native.append(i)
+            elif plain(g) and not storage_fits(g):  # torch's own kernels would read past it too
+                raise ValueError(f"grad: its storage holds {g.untyped_storage().nbytes()} bytes, fewer than its "
+                                 f"shape {tuple(g.shape)} addresses (was the storage freed or resized?)")
         if native:
             found = (ctypes.c_uint8 * len(native))()
             finite_function()(len(native), (ctypes.c_void_p * len(native))(*(grads[i].data_ptr() for i in native)),
@@ -99,6 +122,7 @@ class NativeBackend(CompiledBackend):
     def launch(macros: dict[str, int], members: list[tuple[ParamSlice, int]], names: list[str],
                h: "ctypes.Array[ctypes.c_double]", keys: torch.Tensor) -> int:
         """One kernel call over ``members`` (slices of one variant, with their stream offsets)."""
+        check_kernel_args((s for s, _ in members), names, macro_dtypes(macros))
         fn = step_function(macros)
         n = len(members)
         grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s, _ in members]

@@ -10,22 +10,41 @@ since 2013-2015) and ``g++``/``c++``/``clang++`` on PATH; :func:`native_availabl
 both hold, and the backends fall back to ``torch.compile`` or the reference pipeline otherwise.
 
 The cache folder is ``$LOWP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/lowp`` or ``~/.cache/lowp``.
+Loading a library runs its code, so the cache is guarded: the folder and its ``kernels``
+subfolder are created with mode 0700 and used only when this user owns them and group and
+others cannot write them; a library is loaded only when it is a regular file of this user that
+nobody else may write, and its SHA-256 equals the one recorded in a sidecar file
+(``<library>.sha256``) written atomically after the build. Anything else (a foreign file under
+the expected name, a truncated or corrupted library, a missing sidecar) is rebuilt, never
+loaded. Builds go through uniquely named temporary files and an atomic rename, one process per
+variant at a time (an advisory ``fcntl`` lock; the others wait and load the result), and each
+build deletes the temporary files of builds whose process is gone. When the cache cannot be
+used (read-only, foreign or open to others) the process builds into a private temporary folder
+(``tempfile.mkdtemp``, removed at exit) and warns once.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import platform
+import secrets
 import shutil
+import socket
+import stat
 import subprocess
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["native_available", "step_function", "finite_function", "cache_dir", "DTYPE_CODES", "FLAGS"]
+__all__ = ["native_available", "step_function", "finite_function", "cache_dir", "library_path", "DTYPE_CODES",
+           "FLAGS"]
 
 SOURCES = Path(__file__).with_name("native")
 #: Compiler flags. ``-ffp-contract=off``: only the explicit fmas of the source are fused (the
@@ -36,6 +55,10 @@ FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-
 #: dtype codes of the source's ``enum Dtype``.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+#: the largest library accepted from the cache (a variant is about 20 KB)
+_MAX_LIBRARY = 64 << 20
+#: a temporary file of a build older than this (seconds) is stale whatever its process
+_STALE_AFTER_S = 24 * 3600
 
 
 def cache_dir() -> Path:
@@ -82,37 +105,210 @@ def _compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
 
 
-def _build(source: Path, macros: dict[str, int], target: Path) -> None:
+def _trusted(st: os.stat_result, kind: int) -> bool:
+    """Owned by this user, of file type ``kind``, and not writable by group or others."""
+    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _private_dir(path: Path) -> str | None:
+    """Create ``path`` (mode 0700) when missing; ``None`` when it is a directory this user owns
+    that nobody else may write, else why not."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as e:
+        return f"{path} cannot be created ({e.strerror or e})"
+    if not _trusted(st, stat.S_IFDIR):
+        return f"{path} is not a directory owned by this user and closed to group and others"
+    return None
+
+
+_FALLBACK: list[Path] = []
+
+
+def _fallback_dir(reason: str) -> Path:
+    """This process's private build folder (``tempfile.mkdtemp``: mode 0700, removed at exit),
+    announced by one warning per process."""
+    if not _FALLBACK:
+        _FALLBACK.append(Path(tempfile.mkdtemp(prefix="lowp-kernels-")))
+        atexit.register(shutil.rmtree, str(_FALLBACK[0]), True)
+        warnings.warn(f"lowp: the native kernel cache is not usable: {reason}; this process builds its kernels "
+                      f"in {_FALLBACK[0]} (set LOWP_CACHE_DIR to a private folder to keep them)",
+                      RuntimeWarning, stacklevel=4)
+    return _FALLBACK[0]
+
+
+def _read_trusted(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` when it is a regular file this user owns that nobody else may write
+    (at most ``limit`` bytes; symbolic links are not followed), else ``None``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not _trusted(st, stat.S_IFREG) or st.st_size > limit:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _load_verified(path: Path) -> ctypes.CDLL | None:
+    """Load the library at ``path`` only when it and its SHA-256 sidecar are trusted files
+    (:func:`_read_trusted`) and the digest matches; ``None`` otherwise (missing, foreign,
+    truncated or corrupted: the caller rebuilds it)."""
+    data = _read_trusted(path, _MAX_LIBRARY)
+    recorded = _read_trusted(_sidecar(path), 256)
+    if data is None or recorded is None:
+        return None
+    if recorded.decode("ascii", "replace").strip() != hashlib.sha256(data).hexdigest():
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
+
+
+def _temp_name(target: Path) -> Path:
+    """A fresh name next to ``target`` that says which build made it: ``.<target>~<host>~<pid>~<random>.tmp``."""
+    return target.with_name(f".{target.name}~{socket.gethostname()}~{os.getpid()}~{secrets.token_hex(4)}.tmp")
+
+
+def _stale(entry: os.DirEntry) -> bool:
+    """A temporary file of a build that is over: its process (on this host) is gone, or it is a day old."""
+    parts = entry.name[1:-len(".tmp")].split("~")
+    if not (entry.name.startswith(".") and entry.name.endswith(".tmp") and len(parts) == 4):
+        return False
+    try:
+        if time.time() - entry.stat(follow_symlinks=False).st_mtime > _STALE_AFTER_S:
+            return True
+        if parts[1] != socket.gethostname():
+            return False
+        os.kill(int(parts[2]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def _remove_stale(folder: Path) -> None:
+    """Delete the temporary files that interrupted builds left in ``folder``."""
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if _stale(entry):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    tmp = _temp_name(target)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _compile(source: Path, macros: dict[str, int], target: Path) -> None:
+    """Compile ``source`` into ``target`` through a unique temporary file, an atomic rename and
+    then the SHA-256 sidecar (written atomically): a reader sees the old pair, the new pair or
+    a mismatch, which makes it rebuild, never a partial file."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("backend='native': no C++ compiler (g++, c++ or clang++) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    tmp = _temp_name(target)
+    # created here first: an OSError (read-only cache) before the compiler runs
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     defines = [f"-DLOWP_{k}={int(v)}" for k, v in sorted(macros.items())]
-    result = subprocess.run([compiler, *FLAGS, *defines, str(source), "-o", tmp], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"backend='native': compiling {source.name} failed:\n{result.stderr[-2000:]}")
-    os.replace(tmp, target)  # atomic: concurrent processes never load a half-written file
+    try:
+        result = subprocess.run([compiler, *FLAGS, *defines, str(source), "-o", str(tmp)], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"backend='native': compiling {source.name} failed:\n{result.stderr[-2000:]}")
+        os.chmod(tmp, 0o700)  # the linker creates it with the umask's permissions
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _write_atomically(_sidecar(target), f"{digest}\n".encode())
+
+
+def _build_in(folder: Path, source: Path, macros: dict[str, int], filename: str) -> ctypes.CDLL:
+    """The library ``folder/filename``: built unless a valid one appeared meanwhile. One build
+    per variant and folder at a time (an advisory lock beside it); concurrent processes wait and
+    load the finished library."""
+    import fcntl  # POSIX only, like the kernel itself (lowp imports this module everywhere)
+
+    target = folder / filename
+    fd = os.open(folder / f"{filename}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        library = _load_verified(target)
+        if library is None:
+            _remove_stale(folder)
+            _compile(source, macros, target)
+            library = _load_verified(target)
+        if library is None:
+            raise OSError(f"the library just built at {target} does not load")
+        return library
+    finally:
+        os.close(fd)
 
 
 _LOADED: dict[tuple, ctypes.CDLL] = {}
 
 
 def _library(name: str, macros: dict[str, int]) -> ctypes.CDLL:
-    """``native/<name>.cpp`` built with ``-DLOWP_<KEY>=<value>`` for ``macros``: compiled on first
-    use, then cached on disk and in the process."""
+    """``native/<name>.cpp`` built with ``-DLOWP_<KEY>=<value>`` for ``macros``: loaded from the
+    cache when a verified copy is there, else compiled into it (or into this process's private
+    folder when the cache is not usable), then kept for the process."""
     key = (name, *sorted(macros.items()))
     if key not in _LOADED:
         source = SOURCES / f"{name}.cpp"
-        compiler = _compiler() or ""
-        digest = hashlib.sha256(repr((source.read_bytes(), FLAGS, key, _compiler_version(compiler))).encode())
-        path = cache_dir() / "kernels" / f"{name}-{digest.hexdigest()[:24]}.so"
-        if not path.exists():
-            _build(source, macros, path)
-        _LOADED[key] = ctypes.CDLL(str(path))
+        folder = cache_dir() / "kernels"
+        filename = f"{name}-{_variant_digest(source, key)}.so"
+        problem = _private_dir(folder.parent) or _private_dir(folder)
+        library = None if problem else _load_verified(folder / filename)
+        if library is None and problem is None:
+            try:
+                library = _build_in(folder, source, macros, filename)
+            except OSError as e:  # e.g. a read-only cache
+                problem = f"building in {folder} failed ({e.strerror or e})"
+        if library is None:
+            library = _build_in(_fallback_dir(problem or ""), source, macros, filename)
+        _LOADED[key] = library
     return _LOADED[key]
+
+
+def _variant_digest(source: Path, key: tuple) -> str:
+    """What names a cached variant: a hash of the source, flags, macros and compiler version."""
+    compiler = _compiler() or ""
+    text = repr((source.read_bytes(), FLAGS, key, _compiler_version(compiler)))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def library_path(name: str, macros: dict[str, int]) -> Path:
+    """Where the cache keeps the variant ``macros`` of ``native/<name>.cpp`` (its SHA-256 sidecar
+    is the same path plus ``.sha256``)."""
+    key = (name, *sorted(macros.items()))
+    return cache_dir() / "kernels" / f"{name}-{_variant_digest(SOURCES / f'{name}.cpp', key)}.so"
 
 
 def step_function(macros: dict[str, int]) -> "ctypes._CFuncPtr":

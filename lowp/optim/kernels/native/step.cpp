@@ -233,9 +233,8 @@ static inline vf lerp(const Numbers &n, vf start, vf end, int j) {
 
 static inline vf maximum(vf a, vf b) { return select((a != a) | (a > b), a, b); }  // NaN propagates
 
-static inline vf sign(vf x) {
-  vf s = select(x > 0.0f, bc(1.0f), select(x < 0.0f, bc(-1.0f), bc(0.0f)));
-  return select(x != x, x, s);
+static inline vf sign(vf x) {  // torch.sign: NaN gives 0 (both compares are false)
+  return select(x > 0.0f, bc(1.0f), select(x < 0.0f, bc(-1.0f), bc(0.0f)));
 }
 
 static inline vf rule(const Numbers &n, vf w, vf g, const vf *s, vf *out) {

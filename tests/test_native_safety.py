@@ -1,0 +1,183 @@
+"""Odd inputs never reach the fused kernels as bad pointers (lowp/optim/kernels/checks.py).
+
+A fuzz matrix (tests/safety_cases.py) feeds the native backend, and the compiled backend for a
+few cases, views at storage offsets, transposed and expanded tensors, empty and one-element
+tensors, parameters sharing memory, gradients of other dtypes, shapes and layouts, freed
+storages, missing, extra and mistyped states, a missing compensation buffer, unchecked NaN
+gradients, a ``__torch_dispatch__`` subclass and a DTensor. Each batch runs in a child process
+that names every case before running it, so a crash (a signal) is attributed; each case must
+either work and agree with the reference ``backend="foreach"`` or raise an error naming the
+argument with every weight and state bit-unchanged.
+
+Plus direct tests of the admission functions and of the native launch guard, in this process
+where they cannot crash it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.optim.backends import ParamSlice, StepContext
+from lowp.optim.kernels import checks
+from lowp.optim.kernels.native_backend import NativeBackend, variant_macros, slice_dtypes
+from lowp.optim.kernels.native_build import native_available
+from lowp.optim.kernels.rules import RULES
+from lowp.optim.writeback import MODES
+from safety_cases import CASES, MODES as ALL_MODES, OPTIMIZERS
+
+ROOT = Path(__file__).resolve().parents[1]
+native = pytest.mark.skipif(not native_available(),
+                            reason="the native kernel needs x86-64 with AVX2 and a C++ compiler")
+
+#: each write-back mode and each optimizer at least once (Lion + kahan: the NaN case of the sign)
+DEFAULT = [("AdamW", "kahan"), ("SGD", "exact"), ("Lion", "kahan"), ("Lion", "stochastic"), ("SGD", "nearest")]
+#: compiled-backend cases refused before anything compiles (torch.compile takes 10-40 s a variant)
+COMPILED_QUICK = ["grad_smaller", "grad_reshaped", "expanded_param", "grad_fp64"]
+#: the compiled backend's cases that compile (slow)
+COMPILED_SLOW = ["offset_views", "transposed", "expanded_grad", "empty_and_single", "shared_storage", "grad_strided",
+                 "param_misaligned", "buffer_deleted", "state_wrong_size", "state_strided", "dtensor_param_unchecked"]
+
+
+def run_cases(ids: list[str], timeout: int = 600) -> None:
+    """Run ``ids`` (``backend:optimizer:mode:case``) in one child process; fail naming the case
+    that crashed it or went wrong."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "safety_cases.py"), *ids], env=env,
+                            capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    lines = result.stdout.splitlines()
+    started = [line.split()[1] for line in lines if line.startswith("CASE ")]
+    finished = {line.split()[1] for line in lines if line.startswith(("DONE ", "FAIL "))}
+    if result.returncode != 0:
+        crashed = [i for i in started if i not in finished]
+        how = f"signal {-result.returncode}" if result.returncode < 0 else f"exit status {result.returncode}"
+        pytest.fail(f"the child died ({how}) in case {crashed[-1] if crashed else '(before any case)'}:\n"
+                    f"{result.stderr[-3000:]}")
+    failures = [line for line in lines if line.startswith("FAIL ")]
+    assert not failures, "\n".join(failures) + "\n" + result.stderr[-3000:]
+    assert started == ids and finished == set(ids), result.stdout[-3000:]
+
+
+def matrix(backend: str, combos, cases) -> list[str]:
+    return [f"{backend}:{optimizer}:{mode}:{case}" for optimizer, mode in combos for case in cases]
+
+
+@native
+def test_fuzz_native_and_compiled_in_one_child():
+    """Every case for five optimizer x mode pairs on the native backend, and the compiled
+    backend's cases that are refused before anything compiles: one child process."""
+    run_cases(matrix("native", DEFAULT, CASES) + matrix("compiled", [("AdamW", "kahan")], COMPILED_QUICK))
+
+
+@native
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_fuzz_native_full_matrix(optimizer):
+    run_cases(matrix("native", [(optimizer, mode) for mode in ALL_MODES], CASES))
+
+
+@pytest.mark.slow
+def test_fuzz_compiled():
+    run_cases(matrix("compiled", [("AdamW", "kahan")], COMPILED_SLOW), timeout=1800)
+
+
+# ---- the admission functions, directly ----------------------------------------------------------
+def quantized() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated: still a layout to refuse
+        return torch.quantize_per_tensor(torch.zeros(8), 0.1, 0, torch.qint8)
+
+
+def test_kernel_memory_accepts_plain_contiguous_aligned_tensors_only():
+    ok = (torch.float32, torch.bfloat16)
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    assert checks.kernel_memory(base, ok) and checks.kernel_memory(base[5:20], ok)
+    assert checks.kernel_memory(torch.nn.Parameter(base), ok)
+    raw = torch.frombuffer(bytearray(130), dtype=torch.bfloat16, offset=1, count=64)
+    freed = torch.zeros(64, dtype=torch.bfloat16)
+    freed.untyped_storage().resize_(0)
+    refused = {
+        "wrong dtype": base.double(), "empty": base[:0], "transposed": base.view(8, 8).t(),
+        "expanded": base[:1].expand(8), "negative view": torch._neg_view(base), "sparse": base.to_sparse(),
+        "meta": torch.zeros(8, device="meta", dtype=torch.bfloat16), "misaligned": raw, "freed": freed,
+        "quantized": quantized(),
+    }
+    for name, t in refused.items():
+        assert not checks.kernel_memory(t, ok), name
+    from torch.testing._internal.two_tensor import TwoTensor
+    assert not checks.kernel_memory(TwoTensor(base, base.clone()), ok)
+
+
+def test_overlapping_finds_shared_written_memory_only():
+    ctx = _slice_ctx("nearest")
+    flat = torch.zeros(300)
+    a, b, c = flat[:100], flat[100:200], flat[50:150]
+    grads = torch.zeros(400)
+
+    kept = []  # the slices stay alive, as in a step: a freed state's memory would be reused
+
+    def spans(*pairs) -> list:
+        out: list = []
+        for p, g in pairs:
+            kept.append(ParamSlice(p, g, {"exp_avg": torch.zeros_like(p)}))
+            checks.check_slice(ctx, kept[-1], spans=out)
+        return out
+
+    assert not checks.overlapping(spans((a, grads[:100]), (b, grads[100:200])))  # adjacent views
+    assert not checks.overlapping(spans((a, grads[:100]), (b, grads[:100])))  # gradients may be shared
+    assert checks.overlapping(spans((a, grads[:100]), (c, grads[100:200])))  # weights overlap
+    assert checks.overlapping(spans((a, grads[:100]), (b, a)))  # a gradient is another slice's weight
+
+
+def _slice_ctx(mode="kahan"):
+    opt = lo.AdamW([torch.zeros(4, dtype=torch.bfloat16)], mode=mode)
+    return StepContext(opt.param_groups[0], MODES[mode], 1, None, torch.Generator(), True)
+
+
+def test_check_slice_errors_name_the_argument():
+    ctx = _slice_ctx()
+    p = torch.zeros(8, dtype=torch.bfloat16)
+    states = {"exp_avg": torch.zeros(8, dtype=torch.bfloat16), "exp_avg_sq": torch.zeros(8, dtype=torch.bfloat16)}
+    buf = torch.zeros(8, dtype=torch.bfloat16)
+    cases = [
+        (ParamSlice(p, torch.zeros(4, dtype=torch.bfloat16), states, buf), ValueError, r"^grad: .*\(4,\).*\(8,\)"),
+        (ParamSlice(p, torch.zeros(8, device="meta"), states, buf), ValueError, "^grad: .*device"),
+        (ParamSlice(p, torch.zeros(8), states, None), ValueError, "^compensation: "),
+        (ParamSlice(p, torch.zeros(8), {**states, "exp_avg": torch.zeros(9)}, buf), ValueError, "^exp_avg: "),
+        (ParamSlice(p, torch.zeros(8), states, torch.zeros(8, dtype=torch.int16)), TypeError, "^compensation: "),
+    ]
+    for s, error, message in cases:
+        with pytest.raises(error, match=message):
+            checks.check_slice(ctx, s)
+
+
+@native
+def test_native_launch_guard_raises_instead_of_passing_a_bad_pointer():
+    """Called with a slice the admission would have refused (a gradient smaller than its
+    weight, a missing buffer, a DTensor-like subclass), the launch raises; nothing is written."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    ctx = _slice_ctx()
+    rule = RULES["adamw"]
+    p = torch.ones(64, dtype=torch.bfloat16)
+    states = {"exp_avg": torch.zeros(64, dtype=torch.bfloat16), "exp_avg_sq": torch.zeros(64, dtype=torch.bfloat16)}
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    good = ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), states, buf)
+    macros = variant_macros(rule, ctx, slice_dtypes(good))
+    h = (__import__("ctypes").c_double * 10)(*([0.1] * 10))
+    keys = torch.zeros(4, dtype=torch.int32)
+    bad = [ParamSlice(p, torch.ones(16, dtype=torch.bfloat16), states, buf),
+           ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), states, None),
+           ParamSlice(TwoTensor(p, p.clone()), torch.ones(64, dtype=torch.bfloat16), states, buf),
+           ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), {"exp_avg": states["exp_avg"]}, buf)]
+    for s in bad:
+        with pytest.raises(RuntimeError, match="kernel call"):
+            NativeBackend.launch(macros, [(s, 0)], list(s.states), h, keys)
+    assert torch.equal(p, torch.ones(64, dtype=torch.bfloat16)) and not buf.any()
+    assert NativeBackend.launch(macros, [(good, 0)], list(states), h, keys) >= 0  # the guard passes good input
