@@ -382,8 +382,12 @@ def run(optimizer: str, mode: str, case: str, backend: str) -> tuple[str, Any]:
     scenario = CASES[case](mode, torch.Generator().manual_seed(3))
     # stochastic rounding draws other bits on each backend: the steps before the last round to
     # nearest, so the last one starts from the same weights and lands within one ulp
-    opt = opt_class(scenario.params, backend=backend, mode="nearest" if mode == "stochastic" else mode, seed=1,
-                    state_rounding="nearest", **{**kw, **scenario.options})
+    before = {id(t): (t, t.detach().clone() if readable(t) else None) for t in scenario.params}
+    try:   # the constructor may refuse what no step could write (an expanded parameter)
+        opt = opt_class(scenario.params, backend=backend, mode="nearest" if mode == "stochastic" else mode, seed=1,
+                        state_rounding="nearest", **{**kw, **scenario.options})
+    except (TypeError, ValueError) as e:
+        return "raised", (e, untouched(before, list(scenario.params)))
     for step in range(scenario.steps):
         for p, g in zip(scenario.params, scenario.grads(step)):
             set_grad(p, g)
