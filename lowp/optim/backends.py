@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 
+from lowp.optim.randomness import ElementIndex, RandomStreams
 from lowp.optim.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -38,12 +39,17 @@ class ParamSlice:
 
     ``states`` maps state names to tensors (possibly of other dtypes than ``param``);
     ``buffer`` is the mode's compensation/remainder (``None`` for nearest/stochastic).
+    ``param_id`` (the parameter's position in the flat list of all parameters of the optimizer)
+    and ``index`` (where the local elements sit in the whole parameter) select the random
+    streams of stochastic rounding (:mod:`lowp.optim.randomness`).
     """
 
     param: torch.Tensor
     grad: torch.Tensor
     states: dict[str, torch.Tensor] = field(default_factory=dict)
     buffer: torch.Tensor | None = None
+    param_id: int = 0
+    index: ElementIndex = ElementIndex()
 
     @property
     def numel(self) -> int:
@@ -58,7 +64,8 @@ class ParamSlice:
         grad = self.grad.reshape(-1).split(size)
         states = {k: v.view(-1).split(size) for k, v in self.states.items()}
         buffer = self.buffer.view(-1).split(size) if self.buffer is not None else None
-        return [ParamSlice(p, grad[i], {k: v[i] for k, v in states.items()}, buffer[i] if buffer else None)
+        return [ParamSlice(p, grad[i], {k: v[i] for k, v in states.items()}, buffer[i] if buffer else None,
+                           self.param_id, self.index.shifted(i * size))
                 for i, p in enumerate(self.param.view(-1).split(size))]
 
 
@@ -67,15 +74,20 @@ class StepContext:
     """What all slices of one backend call share.
 
     ``inv_scale`` unscales gradients (from :class:`torch.amp.GradScaler`), ``count`` asks the
-    write-back for the stalled-element count, ``generator`` drives stochastic rounding.
+    write-back for the stalled-element count, ``seed`` (the optimizer's) keys the random streams
+    of stochastic rounding.
     """
 
     group: dict[str, Any]
     mode: WriteBack
     step: int
     inv_scale: float | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0
     count: bool = True
+
+    def streams(self, s: ParamSlice) -> RandomStreams:
+        """The random streams of slice ``s`` at this step."""
+        return RandomStreams(self.seed, self.step, s.param_id, s.index)
 
 
 class Backend(ABC):

@@ -11,8 +11,9 @@ and returns the intended change ``u`` of each weight, decoupled weight decay inc
 else lives here: parameter groups and hyper-parameter checks, state creation with a dtype per
 state, step counting, the non-finite guard with skip counters, GradScaler support,
 diagnostics, the backend that runs the step and the write-back mode that stores it, and an exact
-``state_dict`` round trip (dtypes, compensation/remainder buffers and the stochastic-rounding
-generator included).
+``state_dict`` round trip (dtypes and compensation/remainder buffers included; stochastic
+rounding draws counter-based bits from the seed and the step counters,
+:mod:`lowp.optim.randomness`, so nothing else needs saving).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
+from lowp.optim.randomness import Stream
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
 from lowp.optim.writeback import MODES, WriteBack, get_mode, resolve_mode
 
@@ -93,7 +95,9 @@ class LowpOptimizer(torch.optim.Optimizer):
     - ``foreach`` / ``backend`` / ``chunk_size``: how the step runs (:mod:`lowp.optim.backends`).
     - ``fused``: ``None`` picks a fused backend when one is available and worth it, ``True``
       requires one, ``False`` never uses one (:func:`lowp.optim.kernels.choose_backend`).
-    - ``seed``: seed of the stochastic-rounding generator (default: ``torch.initial_seed()``).
+    - ``seed``: seed of the stochastic-rounding streams (default: ``torch.initial_seed()``): element
+      ``i`` of parameter ``param_id`` (its position over all groups) draws
+      ``random16(i, stream_key(seed, step, param_id, stream))`` (:mod:`lowp.optim.randomness`).
     - ``diagnostics``: count elements whose stored weight did not move this step.
     """
 
@@ -117,7 +121,6 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.skipped_params = 0
         self.skipped_steps = 0
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._last_stalled: dict[int, tuple[torch.Tensor | None, int]] = {}
         defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_rounding=state_rounding,
                         maximize=maximize)
@@ -181,14 +184,6 @@ class LowpOptimizer(torch.optim.Optimizer):
                 state[mode.buffer_name] = mode.init_buffer(p.detach())
         return state
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The stochastic-rounding generator of ``device`` (seeded from ``seed`` on first use)."""
-        if device not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed)
-            self._generators[device] = g
-        return self._generators[device]
-
     # ---- the step -------------------------------------------------------------------------
     def _finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
         return [True] * len(grads) if self.nonfinite == "off" else self.backend.finite_flags(grads)
@@ -207,20 +202,21 @@ class LowpOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = None if grad_scale is None else float(grad_scale.double().reciprocal())
 
-        todo = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p in (p for _, p in todo):
+        todo = [(group, p, i) for i, (group, p) in enumerate((g, p) for g in self.param_groups for p in g["params"])
+                if p.grad is not None]
+        for p in (p for _, p, _ in todo):
             if p.grad.is_sparse:
                 raise TypeError("params: sparse gradients are not supported")
         # GradScaler hands over found_inf only after checking every gradient of this optimizer:
         # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
-        finite = [True] * len(todo) if found_inf is not None else self._finite_flags([p.grad for _, p in todo])
+        finite = [True] * len(todo) if found_inf is not None else self._finite_flags([p.grad for _, p, _ in todo])
         if not all(finite) and self.nonfinite == "skip_step":
             self.skipped_steps += 1
             return loss
         self.skipped_params += finite.count(False)
 
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        for (group, p), ok in zip(todo, finite):
+        for (group, p, param_id), ok in zip(todo, finite):
             if not ok:
                 continue
             mode = resolve_mode(group["mode"], p)
@@ -229,13 +225,12 @@ class LowpOptimizer(torch.optim.Optimizer):
             names = self.state_names(group, p)
             key = (id(group), mode.name, state["step"], p.dtype, p.device, names)
             jobs[key].append(ParamSlice(p, p.grad, {n: state[n] for n in names},
-                                        state.get(mode.buffer_name) if mode.buffer_name else None))
+                                        state.get(mode.buffer_name) if mode.buffer_name else None, param_id))
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
         self._last_stalled = {}
-        for (gid, mode_name, step, _, device, _), slices in jobs.items():
+        for (gid, mode_name, step, _, _, _), slices in jobs.items():
             index, group = groups[gid]
-            ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.generator(device),
-                              self.diagnostics_enabled)
+            ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed, self.diagnostics_enabled)
             stalled = self.backend.run(self, ctx, slices)
             old, n = self._last_stalled.get(index, (None, 0))
             if stalled is not None:
@@ -256,10 +251,11 @@ class LowpOptimizer(torch.optim.Optimizer):
         states = {n: [working_copy(s.states[n]) for s in batch] for n in names}
         updates = self.update(group, weights, grads, states, ctx.step)
         counts = []
-        for i, s in enumerate(batch):   # slice by slice: random draws in the same order for any batching
-            for n in names:
-                store(s.states[n], states[n][i], group["state_rounding"], ctx.generator)
-            counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, ctx.generator, ctx.count))
+        for i, s in enumerate(batch):
+            streams = ctx.streams(s)
+            for j, n in enumerate(names):
+                store(s.states[n], states[n][i], group["state_rounding"], streams, Stream.STATE + j)
+            counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count))
         return torch.stack(counts).sum() if ctx.count else None
 
     # ---- diagnostics ----------------------------------------------------------------------
@@ -288,13 +284,14 @@ class LowpOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["lowp"] = {"seed": self.seed, "skipped_params": self.skipped_params,
-                      "skipped_steps": self.skipped_steps,
-                      "generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+                      "skipped_steps": self.skipped_steps}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint keeping every state's own dtype (torch's loader would cast
-        floating-point states to the parameter's dtype, losing fp32 states of bf16 weights)."""
+        floating-point states to the parameter's dtype, losing fp32 states of bf16 weights).
+        The ``generators`` entry of checkpoints from lowp versions that drew stochastic rounding
+        from ``torch.Generator`` is ignored: the seed and the step counters define the streams."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("state_dict: it has a different number of parameter groups")
@@ -309,9 +306,6 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.seed = extra.get("seed", self.seed)
         self.skipped_params = extra.get("skipped_params", 0)
         self.skipped_steps = extra.get("skipped_steps", 0)
-        self._generators = {}
-        for d, rng in extra.get("generators", {}).items():
-            self.generator(torch.device(d)).set_state(rng)
 
 
 class TwoMomentOptimizer(LowpOptimizer):
