@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import lowp.optim as lo
+from lowp import quantize
 from lowp.threads import single_thread
 from lowp.optim.randomness import Stream, random16_range, stream_key
-from lowp.optim.storage import stochastic_round_bf16
+from lowp.optim.storage import stochastic_round_bf16, stochastic_round_fp16
 from lowp.optim.writeback import MODES
 
 SHAPES = [(37, 11), (300,), (2, 6, 5), ()]
@@ -309,6 +310,53 @@ def test_stochastic_rounding_to_bf16_is_unbiased_and_lands_on_a_neighbour():
     up = float((out.float() > 1).double().mean())
     assert abs(up - 0.3125) < 0.01
     assert torch.equal(stochastic_round_bf16(-x, noise.clone()), -out)
+
+
+def test_stochastic_rounding_keeps_nans_and_overflows_to_inf():
+    """A NaN whose payload sits in the low 16 bits stays a NaN (the carry of the added bits used to
+    turn 0x7FFFFFFF into -0.0 and 0x7F800001 into inf); past the largest bf16, inf."""
+    bits = torch.tensor([0x7FFFFFFF, 0x7F800001, -1, 0x7F7F8000, 0x7F800000, -8388608], dtype=torch.int32)
+    x = bits.view(torch.float32).repeat(1000)
+    out = stochastic_round_bf16(x, random16_range(0, x.numel(), 12345))
+    assert out.view(-1, 6)[:, :3].isnan().all()
+    assert set(out.view(-1, 6)[:, 3].float().tolist()) == {float("inf"), 2.0 ** 127 * (2 - 2.0 ** -7)}
+    assert (out.view(-1, 6)[:, 4:].float() == torch.tensor([float("inf"), -float("inf")])).all()
+
+
+def test_fp16_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(50000, generator=gen) * 10.0 ** torch.randint(-9, 5, (50000,), generator=gen).float()
+    x = torch.cat([x, torch.tensor([65504.0, 65519.0, 65530.0, 1e6, -1e6, float("inf"), -float("inf"), 0.0, -0.0,
+                                    6e-8, 3e-8, -1e-7, float("nan")])])
+    r = stochastic_round_fp16(x, random16_range(0, x.numel(), 99)).float()
+    down, up = (quantize(x, "fp16", mode=m).float() for m in ("down", "up"))
+    assert ((r == down) | (r == up) | (r.isnan() & x.isnan())).all()  # overflow included: 1e6 -> inf
+    assert torch.equal(torch.signbit(r[-6:-4]), torch.tensor([False, True]))   # signed zeros kept
+    n = 1 << 16
+    for value, p_up, moved in [(1.0 + 2.0 ** -10 / 4, 0.25, lambda y: y > 1),    # a quarter ulp above 1
+                               (2.0 ** -24 * 0.3, 0.3, lambda y: y > 0),        # subnormal range
+                               (65504 + 32 * 0.5, 0.5, lambda y: y.isinf())]:   # half way to overflow
+        r = stochastic_round_fp16(torch.full((n,), value), random16_range(0, n, 5)).float()
+        assert abs(float(moved(r).float().mean()) - p_up) < 5 * (p_up * (1 - p_up) / n) ** 0.5
+
+
+def test_old_checkpoints_with_generator_states_load():
+    """lowp once drew stochastic rounding from torch.Generators and saved their states: such a
+    checkpoint loads (the entry is ignored) and resumes like a new one."""
+    a, b = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt_a = lo.AdamW(a, mode="stochastic", seed=4)
+    _run(opt_a, a, 3, torch.bfloat16)
+    saved = opt_a.state_dict()
+    old = copy.deepcopy(saved)
+    old["lowp"]["generators"] = {"cpu": torch.Generator().manual_seed(4).get_state()}
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt_b = lo.AdamW(b, mode="stochastic", seed=0)
+    opt_b.load_state_dict(old)
+    assert "generators" not in opt_b.state_dict()["lowp"] and opt_b.seed == 4
+    _run(opt_a, a, 3, torch.bfloat16, start=3)
+    _run(opt_b, b, 3, torch.bfloat16, start=3)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
 
 
 def test_diagnostics_report_stalled_updates_and_compensation():

@@ -52,7 +52,7 @@ def stochastic_round_bf16(src: torch.Tensor, noise: torch.Tensor) -> torch.Tenso
     nan = src.isnan()
     if nan.any():
         out = torch.where(nan, bits.bitwise_and(_LOW_16_BITS_CLEARED).bitwise_or_(_QUIET), out)
-    return out.view(torch.float32).to(torch.bfloat16)
+    return out.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16)   # the top halves, bit for bit
 
 
 def stochastic_round_fp16(src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

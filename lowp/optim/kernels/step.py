@@ -72,7 +72,7 @@ def stochastic_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     (:mod:`lowp.optim.storage`)."""
     bits = x.view(torch.int32)
     rounded = torch.where(x != x, (bits & _LOW_16_BITS_CLEARED) | _QUIET, (bits + noise) & _LOW_16_BITS_CLEARED)
-    return rounded.view(torch.float32).to(torch.bfloat16)
+    return (rounded >> 16).to(torch.int16).view(torch.bfloat16)   # the top halves (a cast would canonicalize NaNs)
 
 
 def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, ...], count: bool,

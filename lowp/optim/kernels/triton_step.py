@@ -56,7 +56,7 @@ def _stochastic_bf16(x, noise):
     """fp32 -> bf16 with 16 random bits (lowp.optim.storage): a NaN keeps its top bits, made quiet."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = tl.where(x != x, (bits & -65536) | 0x400000, (bits + noise) & -65536)
-    return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)  # the top halves, NaNs included
 
 
 @triton.jit
