@@ -23,6 +23,7 @@ key, so elements ``i`` and ``i + 2**32`` draw different bits::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -128,10 +129,11 @@ def random16_range(first: int, n: int, key: int, device: torch.device | str = "c
     """``random16(arange(first, first + n), key)`` (int32) with 32-bit arithmetic only.
 
     The range is cut where the low 32 bits of the index cross a multiple of ``2**31``: within a
-    piece the int32 ``arange`` does not wrap and the high bits are constant, so their hash is
-    folded into the key once (:func:`fold_key`). The last xor-shift of ``hash32`` leaves the top
-    16 bits unchanged, so it is skipped: ``random16 = (x >> 16) & 0xFFFF`` with ``x`` the value
-    after the second multiply.
+    piece the int32 counts do not wrap and the high bits are constant, so their hash is folded
+    into the key once (:func:`fold_key`); a piece that starts at a multiple of a power of two at
+    least its length (chunks of whole tensors) xors its counts in instead of adding them. The
+    last xor-shift of ``hash32`` leaves the top 16 bits unchanged, so it is skipped:
+    ``random16 = (x >> 16) & 0xFFFF`` with ``x`` the value after the second multiply.
     """
     x = torch.empty(n, dtype=torch.int32, device=device)
     j = 0
@@ -139,9 +141,12 @@ def random16_range(first: int, n: int, key: int, device: torch.device | str = "c
         index = first + j
         lo = index & _MASK32
         end = min(n, j + (1 << 31) - (lo & 0x7FFFFFFF))
-        piece = x[j:end]
-        torch.add(_counts(end - j, x.device), _as_int32(lo), out=piece)
-        piece.bitwise_xor_(_as_int32(fold_key(key, index >> 32)))
+        piece, fold = x[j:end], _as_int32(fold_key(key, index >> 32))
+        if lo & ((1 << (end - j - 1).bit_length()) - 1) == 0:
+            # lo + k == lo ^ k for every k < end - j (lo has no bits below that power of two): one pass
+            torch.bitwise_xor(_counts(end - j, x.device), _as_int32(lo) ^ fold, out=piece)
+        else:
+            torch.add(_counts(end - j, x.device), _as_int32(lo), out=piece).bitwise_xor_(fold)
         j = end
     t = torch.empty_like(x)
     x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=t).bitwise_and_(0xFFFF))
@@ -221,7 +226,4 @@ class RandomStreams:
     def bits(self, stream: int, shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu"
              ) -> torch.Tensor:
         """16 random bits (int32) per element of a tensor of ``shape`` (row-major order)."""
-        n = 1
-        for d in shape:
-            n *= d
-        return self.index.random16(n, self.key(stream), device).view(shape)
+        return self.index.random16(math.prod(shape), self.key(stream), device).view(shape)
