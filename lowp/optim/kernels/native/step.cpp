@@ -350,6 +350,12 @@ struct TensorStreams {
     Rng r;
     r.lo[0] = even + lo;
     r.lo[1] = even + (lo + 1u);
+    if (__builtin_expect(lo <= 0xFFFFFFF0u, 1)) {  // the block stays below the next multiple of 2^32
+      for (int h = 0; h < 2; h++)
+        for (int s = 0; s < STREAMS; s++)
+          if (USED[s]) r.key[h][s] = bcu(k0[s]);
+      return r;
+    }
     for (int h = 0; h < 2; h++) {
       const vu wrapped = (vu)(r.lo[h] < bcu(lo));  // lanes past a multiple of 2^32
       for (int s = 0; s < STREAMS; s++)
