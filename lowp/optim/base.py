@@ -202,8 +202,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = None if grad_scale is None else float(grad_scale.double().reciprocal())
 
-        todo = [(group, p, i) for i, (group, p) in enumerate((g, p) for g in self.param_groups for p in g["params"])
-                if p.grad is not None]
+        params = [(group, p) for group in self.param_groups for p in group["params"]]   # param_id = position here
+        todo = [(group, p, param_id) for param_id, (group, p) in enumerate(params) if p.grad is not None]
         for p in (p for _, p, _ in todo):
             if p.grad.is_sparse:
                 raise TypeError("params: sparse gradients are not supported")
