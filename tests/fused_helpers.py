@@ -7,6 +7,11 @@ from typing import Any, Iterator
 
 import torch
 
+import lowp.optim as lo
+from lowp.optim.backends import ParamSlice, StepContext
+from lowp.optim.randomness import ElementIndex
+from lowp.optim.writeback import MODES
+
 SHAPES = [(37, 11), (300,), (4, 3, 5), (5000,)]
 
 
@@ -49,3 +54,24 @@ def assert_same_run(a: tuple, b: tuple) -> None:
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, ob.state[y][name]), f"state {name} differs"
     assert oa.diagnostics() == ob.diagnostics()
+
+
+def run_at_index(backend: str, mode: str, index: ElementIndex, n: int = 1000, chunk_size: int = 1 << 17,
+                 steps: int = 2, **kw: Any) -> list[torch.Tensor]:
+    """Two AdamW steps (bf16 weight and states, ``kw`` on top) on one slice of ``n`` elements whose
+    global indices are ``index``, through ``backend`` directly (the optimizer's own step always
+    gives whole tensors index 0): the weight and every state tensor afterwards."""
+    gen = torch.Generator().manual_seed(7)
+    p = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+    opt = lo.AdamW([p], lr=1e-2, weight_decay=0.1, mode=mode, backend=backend, chunk_size=chunk_size, seed=3, **kw)
+    group = opt.param_groups[0]
+    state = opt.init_state(group, p, MODES[mode])
+    for step in range(1, steps + 1):
+        state["step"] = step
+        ctx = StepContext(group, MODES[mode], step, seed=opt.seed)
+        s = ParamSlice(p, torch.randn(p.shape, generator=gen).bfloat16(),
+                       {name: state[name] for name in opt.state_names(group, p)}, state.get("compensation"),
+                       param_id=0, index=index)
+        with correctly_rounded_sqrt():
+            opt.backend.run(opt, ctx, [s])
+    return [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]

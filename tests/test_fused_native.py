@@ -1,7 +1,8 @@
 """The native CPU backend (hand-written AVX2 kernel, lowp/optim/kernels/native/): bit for bit
 against the reference pipeline for every elementwise optimizer x write-back mode and the dtypes
-it supports, the same stochastic-rounding bits as the compiled backend, tails and many tensors
-per call, thread-count independence, the native non-finite check, checkpoints and the build cache.
+it supports (stochastic rounding included: every backend draws the bits of optim.randomness, the
+same whatever the chunking, batching or grouping, across 2**32 too), tails and many tensors per
+call, thread-count independence, the native non-finite check, checkpoints and the build cache.
 
 Each variant compiles in about a second once per machine (then loads from the on-disk cache)."""
 from __future__ import annotations
@@ -19,8 +20,9 @@ from lowp.optim.backends import get_backend
 from lowp.optim.kernels import native_backend, native_build
 from lowp.optim.kernels.native_build import native_available
 from lowp.optim.kernels.rules import rule_for
+from lowp.optim.randomness import ElementIndex
 from lowp.ulp import ulp
-from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, train
+from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, make_params, run_at_index, train
 
 
 def _x86_with_avx2() -> bool:
@@ -111,12 +113,73 @@ def test_many_tensors_in_one_call():
     assert_same_run(train(lo.AdamW, "native", "kahan", **kw), reference(lo.AdamW, "kahan", **kw))
 
 
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.float16)], ids=str)
 @pytest.mark.parametrize("mode", ["stochastic", "kahan"])
-def test_stochastic_bits_equal_compiled_backend(mode):
-    kw = dict(lr=1e-3)  # bf16 states, stochastically rounded (the defaults)
+def test_stochastic_rounding_bit_identical_to_reference(mode, dtype, state_dtype):
+    """Weights (stochastic mode), compensation (kahan) and states all rounded stochastically with
+    the counter-based streams: the kernel equals the foreach reference bit for bit."""
+    kw = dict(lr=1e-2, weight_decay=0.1, steps=4, dtype=dtype, state_dtype=state_dtype, shapes=NATIVE_SHAPES)
     native = train(lo.AdamW, "native", mode, **kw)
-    assert_same_run(native, train(lo.AdamW, "compiled", mode, **kw))
+    assert_same_run(native, reference(lo.AdamW, mode, **kw))
     assert_same_run(native, train(lo.AdamW, "native", mode, **kw))  # reproducible from the seed
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_bits_do_not_depend_on_chunks_batches_groups_or_backend(mode):
+    """The streams are keyed by parameter position and element index: chunk sizes, how slices are
+    batched, and splitting the parameters over groups change nothing."""
+    kw = dict(lr=1e-2, weight_decay=0.1, steps=3, shapes=NATIVE_SHAPES)
+    native = train(lo.AdamW, "native", mode, **kw)
+    assert_same_run(native, reference(lo.AdamW, mode, chunk_size=1000, **kw))
+    assert_same_run(native, reference(lo.AdamW, mode, chunk_size=4096, **kw))
+    with correctly_rounded_sqrt():
+        eager = train(lo.AdamW, "eager", mode, chunk_size=3333, **kw)
+    assert_same_run(native, eager)
+    params = make_params(shapes=NATIVE_SHAPES)
+    split = lo.AdamW([{"params": params[:3]}, {"params": params[3:]}], lr=1e-2, weight_decay=0.1, mode=mode,
+                     backend="native", seed=1)
+    for t in range(3):
+        gen = torch.Generator().manual_seed(100 + t)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        split.step()
+    for x, y in zip(params, native[0]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_elements_across_two_to_the_32_equal_the_reference(mode):
+    """A slice whose global indices run from 2**32 - 100 across 2**32 (in the middle of a 16-element
+    block, so one block mixes both folds of the high bits): kernel and reference agree, with a
+    reference chunk boundary inside too, and the bits differ from those of offset 0."""
+    index = ElementIndex(offset=(1 << 32) - 100)
+    native = run_at_index("native", mode, index)
+    for ref in (run_at_index("foreach", mode, index), run_at_index("foreach", mode, index, chunk_size=64)):
+        for x, y in zip(native, ref):
+            assert torch.equal(x, y)
+    assert not all(torch.equal(x, y) for x, y in zip(native, run_at_index("native", mode, ElementIndex())))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_stochastic_rounding_of_specials_equals_the_reference(dtype):
+    """Overflow to infinity, infinities, signed zeros, subnormals and NaNs with any payload: the
+    kernel's rounding equals the reference's bit for bit, and every NaN stays a NaN."""
+    finfo = torch.finfo(dtype)
+    top = finfo.max + float(ulp(torch.tensor(finfo.max, dtype=torch.float64), "bf16" if dtype == torch.bfloat16
+                                                                              else "fp16")) / 2
+    x = torch.tensor([finfo.max, top, -top, 1e38, float("inf"), -float("inf"), 0.0, -0.0, 1e-39, -3e-8, 6e-8, 1e-45,
+                      1.0, -1.0 - 2.0 ** -12] * 8)
+    bits = x.view(torch.int32)
+    bits[-6:] = torch.tensor([0x7F800001, 0x7FFFFFFF, -1, 0x7FC0FFFF, 0x7F80FFFF, -8388607], dtype=torch.int32)
+    assert x[-6:].isnan().all()
+    got = _stochastic_weights(x, dtype, "native")
+    want = _stochastic_weights(x, dtype, "foreach")
+    assert torch.equal(got.isnan(), x.isnan()) and torch.equal(want.isnan(), x.isnan())
+    assert torch.equal(got.view(torch.int16)[~x.isnan()], want.view(torch.int16)[~x.isnan()])
+    if dtype == torch.bfloat16:  # NaN bits: the top half of the fp32 NaN with the quiet bit set
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got[:8].isinf().sum() >= 1  # top is half an ulp past the largest value: inf half the time
 
 
 def test_stochastic_rounding_lands_on_a_neighbour_and_depends_on_the_seed():
@@ -188,11 +251,13 @@ def test_nonfinite_gradient_touches_nothing(policy):
                and v.is_floating_point())
 
 
-def test_checkpoint_resume_continues_bit_identically():
-    straight = train(lo.AdamW, "native", "kahan", steps=5, lr=1e-3)
-    params, opt = train(lo.AdamW, "native", "kahan", steps=3, lr=1e-3)
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_checkpoint_resume_continues_bit_identically(mode):
+    """The seed and the step counters define every stream: nothing else needs saving."""
+    straight = train(lo.AdamW, "native", mode, steps=5, lr=1e-3)
+    params, opt = train(lo.AdamW, "native", mode, steps=3, lr=1e-3)
     saved = opt.state_dict()
-    resumed = lo.AdamW(params, lr=1e-3, backend="native", mode="kahan", seed=123)
+    resumed = lo.AdamW(params, lr=1e-3, backend="native", mode=mode, seed=123)
     resumed.load_state_dict(saved)
     for t in range(3, 5):
         gen = torch.Generator().manual_seed(100 + t)
@@ -364,15 +429,21 @@ def test_no_new_variant_across_steps_lr_changes_groups_and_sizes(monkeypatch):
     assert all(not torch.equal(p, q) for p, q in zip(extra, before))
 
 
-def _stochastic_fp16(x: torch.Tensor, seed: int = 1) -> torch.Tensor:
-    """SR_fp16(x) through the kernel: SGD with lr 1 from a zero fp16 weight adds exactly -g = x."""
-    w = torch.zeros(x.numel(), dtype=torch.float16)
+def _stochastic_weights(x: torch.Tensor, dtype: torch.dtype, backend: str, seed: int = 1) -> torch.Tensor:
+    """SR(x) to ``dtype`` through ``backend``: SGD with lr 1 from a zero weight adds exactly
+    ``-g = x`` (a NaN gradient passes through the product and the sum with its payload)."""
+    w = torch.zeros(x.numel(), dtype=dtype)
     if hasattr(w, "grad_dtype"):
         w.grad_dtype = None
-    opt = lo.SGD([w], lr=1.0, mode="stochastic", backend="native", seed=seed, nonfinite="off")
+    opt = lo.SGD([w], lr=1.0, mode="stochastic", backend=backend, seed=seed, nonfinite="off")
     w.grad = -x.float()
     opt.step()
     return w
+
+
+def _stochastic_fp16(x: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """SR_fp16(x) through the kernel."""
+    return _stochastic_weights(x, torch.float16, "native", seed)
 
 
 def test_fp16_stochastic_rounding_picks_a_neighbour_with_the_right_odds():

@@ -2,8 +2,9 @@
 (``TRITON_INTERPRET=1``, which must be set before triton is imported, hence a subprocess), and on
 a real GPU by the ``gpu``-marked test.
 
-Interpreter checks: bit-identical to the reference pipeline (with a correctly rounded sqrt) for
-nearest/kahan/exact, and stochastic rounding drawing exactly the compiled backend's bits."""
+Interpreter checks: bit-identical to the reference pipeline (with a correctly rounded sqrt) in
+every mode, stochastic rounding (weights, Kahan compensation, bf16 states) included, also for a
+tensor whose global element indices cross 2**32."""
 from __future__ import annotations
 
 import os
@@ -33,8 +34,9 @@ def test_triton_bit_identical_to_reference(case):
     _interpret(case)
 
 
-@pytest.mark.parametrize("case", ["adamw-stochastic", "sgd-stochastic"])
-def test_triton_stochastic_same_bits_as_compiled(case):
+@pytest.mark.parametrize("case", ["adamw-stochastic", "sgd-stochastic", "adamw-srkahan", "index-kahan",
+                                  "index-stochastic"])
+def test_triton_stochastic_rounding_bit_identical_to_reference(case):
     _interpret(case)
 
 
@@ -66,9 +68,21 @@ def test_triton_on_gpu_matches_compiled(name, mode):
 
 def _main(case: str) -> None:
     import lowp.optim as lo
-    from fused_helpers import assert_same_run, correctly_rounded_sqrt, train
+    from fused_helpers import assert_same_run, correctly_rounded_sqrt, run_at_index, train
+    from lowp.optim.randomness import ElementIndex
 
+    from lowp.optim.kernels.triton_backend import TritonBackend
+    launches = []
+    launch = TritonBackend.launch
+    TritonBackend.launch = lambda self, *a: launches.append(a[0].name) or launch(self, *a)
     name, mode = case.split("-")
+    if name == "index":  # one slice of 1000 elements from global index 2**32 - 100 on
+        index = ElementIndex(offset=(1 << 32) - 100)
+        for x, y in zip(run_at_index("triton", mode, index), run_at_index("foreach", mode, index)):
+            assert torch.equal(x, y)
+        assert launches, "the Triton kernel did not run"
+        print("OK")
+        return
     opt_class, kw = {
         "adamw": (lo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
         "adam": (lo.Adam, dict(lr=1e-2, weight_decay=0.1)),
@@ -79,14 +93,12 @@ def _main(case: str) -> None:
     }[name]
     kw = dict(kw, steps=8)  # RAdam rectifies from step 6
     backend = "triton"
-    from lowp.optim.kernels.triton_backend import TritonBackend
-    launches = []
-    launch = TritonBackend.launch
-    TritonBackend.launch = lambda self, *a: launches.append(a[0].name) or launch(self, *a)
-    if mode == "stochastic":
+    if mode in ("stochastic", "srkahan"):  # bf16 states rounded stochastically (the defaults)
+        mode = "kahan" if mode == "srkahan" else mode
         fused = train(opt_class, backend, mode, **kw)
         assert fused[1].backend.name == backend
-        assert_same_run(fused, train(opt_class, "compiled", mode, **kw))
+        with correctly_rounded_sqrt():
+            assert_same_run(fused, train(opt_class, "foreach", mode, **kw))
     else:
         kw["state_dtype"] = torch.float32
         fused = train(opt_class, backend, mode, **kw)

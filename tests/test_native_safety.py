@@ -29,6 +29,7 @@ from lowp.optim.kernels import checks
 from lowp.optim.kernels.native_backend import NativeBackend, variant_macros, slice_dtypes
 from lowp.optim.kernels.native_build import native_available
 from lowp.optim.kernels.rules import RULES
+from lowp.optim.kernels.step import STREAMS
 from lowp.optim.writeback import MODES
 from safety_cases import CASES, MODES as ALL_MODES, OPTIMIZERS
 
@@ -171,13 +172,15 @@ def test_native_launch_guard_raises_instead_of_passing_a_bad_pointer():
     good = ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), states, buf)
     macros = variant_macros(rule, ctx, slice_dtypes(good))
     h = (__import__("ctypes").c_double * 10)(*([0.1] * 10))
-    keys = torch.zeros(4, dtype=torch.int32)
+    keys = [0] * STREAMS   # the stream keys of one tensor
     bad = [ParamSlice(p, torch.ones(16, dtype=torch.bfloat16), states, buf),
            ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), states, None),
            ParamSlice(TwoTensor(p, p.clone()), torch.ones(64, dtype=torch.bfloat16), states, buf),
            ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), {"exp_avg": states["exp_avg"]}, buf)]
     for s in bad:
         with pytest.raises(RuntimeError, match="kernel call"):
-            NativeBackend.launch(macros, [(s, 0)], list(s.states), h, keys)
+            NativeBackend.launch(macros, [s], list(s.states), h, keys)
     assert torch.equal(p, torch.ones(64, dtype=torch.bfloat16)) and not buf.any()
-    assert NativeBackend.launch(macros, [(good, 0)], list(states), h, keys) >= 0  # the guard passes good input
+    with pytest.raises(RuntimeError, match="stream keys"):
+        NativeBackend.launch(macros, [good], list(states), h, keys[:-1])
+    assert NativeBackend.launch(macros, [good], list(states), h, keys) >= 0  # the guard passes good input

@@ -37,8 +37,7 @@ def _snapshot(opt, params):
              for i, p in enumerate(params) if p in opt.state}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return dict(weights=[bits(p) for p in params], state=state, groups=copy.deepcopy(groups),
-                extras=(opt.seed, opt.skipped_params, opt.skipped_steps),
-                generators={str(d): g.get_state().clone() for d, g in opt._generators.items()})
+                extras=(opt.seed, opt.skipped_params, opt.skipped_steps))
 
 
 def _same(a, b):
@@ -277,10 +276,6 @@ def test_kahan_to_exact_folds_the_compensation_exactly_and_back():
 
 
 # ---- load_state_dict: checked, all or nothing ----------------------------------------------
-def _corrupt_generator(sd):
-    sd["param_groups"][0]["lowp"]["generators"]["cpu"] = torch.zeros(10, dtype=torch.uint8)
-
-
 def _corrupt_betas(sd):
     sd["param_groups"][1]["betas"] = (1.5, -3)
 
@@ -332,7 +327,7 @@ def _bad_buffer(sd):
 
 
 @pytest.mark.parametrize("corrupt, match", [
-    (_corrupt_generator, "generators"), (_corrupt_betas, "betas"), (_corrupt_state_shape, r"\['exp_avg'\]: shape"),
+    (_corrupt_betas, "betas"), (_corrupt_state_shape, r"\['exp_avg'\]: shape"),
     (_corrupt_state_dtype, r"\['exp_avg'\]: dtype"), (_fractional_step, "step"), (_negative_step, "step"),
     (_tensor_fractional_step, "step"), (_counter_type, "skipped_steps"), (_seed_range, "seed"),
     (_group_count, "parameter groups"), (_group_size, "parameters"), (_bad_mode, "mode"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lowp.optim.randomness import ElementIndex, Stream, random16, random16_int, stream_key
+from lowp.optim.randomness import (ElementIndex, RandomStreams, Stream, random16, random16_int, random16_range,
+                                    stream_key, stream_keys)
 
 
 def test_random16_matches_the_integer_reference_across_the_64_bit_range():
@@ -51,3 +52,24 @@ def test_element_index_of_a_shard_along_dim_1_enumerates_the_global_positions():
     assert [chunk.global_index(j) for j in range(30)] == local.reshape(-1)[20:50].tolist()
     assert ElementIndex(offset=100).shifted(5).tensor(3).tolist() == [105, 106, 107]
     assert ElementIndex(offset=100).contiguous and not index.contiguous
+
+
+def test_random16_range_equals_random16_across_2_31_and_2_32_boundaries():
+    """The int32 fast path (pieces cut at multiples of 2**31, high bits folded into the key, xor of
+    counts for aligned starts, add otherwise) draws the bits of random16 on the int64 indices."""
+    key = stream_key(1, 2, 3, Stream.COMPENSATION)
+    for first in (0, 1000, 1 << 17, (1 << 31) - 7, (1 << 32) - 100, 1 << 32, (5 << 32) - 3, (3 << 31) - 1):
+        for n in (1, 16, 300, (1 << 12) + 3):
+            want = random16(torch.arange(first, first + n, dtype=torch.int64), key)
+            assert torch.equal(random16_range(first, n, key), want), (first, n)
+
+
+def test_stream_keys_and_random_streams_use_the_same_keys_and_indices():
+    assert stream_keys(9, 4, 2, 5) == [stream_key(9, 4, 2, s) for s in range(5)]
+    shard = ElementIndex(offset=3 * 4, block=4 * 4, stride=10 * 4).shifted(5)
+    streams = RandomStreams(9, 4, 2, shard)
+    key = stream_key(9, 4, 2, Stream.STATE)
+    assert torch.equal(streams.bits(Stream.STATE, (3, 7)).reshape(-1), random16(shard.tensor(21), key))
+    contiguous = RandomStreams(9, 4, 2, ElementIndex(offset=(1 << 32) - 10))
+    assert torch.equal(contiguous.bits(Stream.WEIGHT, (20,)),
+                       random16(torch.arange((1 << 32) - 10, (1 << 32) + 10), stream_key(9, 4, 2, Stream.WEIGHT)))

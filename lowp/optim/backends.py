@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 
-from lowp.optim.randomness import ElementIndex
+from lowp.optim.randomness import ElementIndex, RandomStreams
 from lowp.optim.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -38,10 +38,10 @@ class ParamSlice:
     """One parameter (or a flat chunk of it) with everything its update touches.
 
     ``states`` maps state names to tensors (possibly of other dtypes than ``param``);
-    ``buffer`` is the mode's compensation/remainder (``None`` for nearest/stochastic);
-    ``param_id`` is the parameter's position in the optimizer's flat parameter list and ``index``
-    the global element indices of these (possibly local, sharded) elements, for the random streams
-    of :mod:`lowp.optim.randomness`.
+    ``buffer`` is the mode's compensation/remainder (``None`` for nearest/stochastic).
+    ``param_id`` (the parameter's position in the flat list of all parameters of the optimizer)
+    and ``index`` (where the local elements sit in the whole parameter) select the random
+    streams of stochastic rounding (:mod:`lowp.optim.randomness`).
     """
 
     param: torch.Tensor
@@ -74,15 +74,20 @@ class StepContext:
     """What all slices of one backend call share.
 
     ``inv_scale`` unscales gradients (from :class:`torch.amp.GradScaler`), ``count`` asks the
-    write-back for the stalled-element count, ``generator`` drives stochastic rounding.
+    write-back for the stalled-element count, ``seed`` (the optimizer's) keys the random streams
+    of stochastic rounding.
     """
 
     group: dict[str, Any]
     mode: WriteBack
     step: int
     inv_scale: float | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0
     count: bool = True
+
+    def streams(self, s: ParamSlice) -> RandomStreams:
+        """The random streams of slice ``s`` at this step."""
+        return RandomStreams(self.seed, self.step, s.param_id, s.index)
 
 
 class Backend(ABC):

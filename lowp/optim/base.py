@@ -11,8 +11,9 @@ and returns the intended change ``u`` of each weight, decoupled weight decay inc
 else lives here: parameter groups and hyper-parameter checks, state creation with a dtype per
 state, step counting, the non-finite guard with skip counters, GradScaler support,
 diagnostics, the backend that runs the step and the write-back mode that stores it, and an exact
-``state_dict`` round trip (dtypes, compensation/remainder buffers and the stochastic-rounding
-generator included).
+``state_dict`` round trip (dtypes and compensation/remainder buffers included; stochastic
+rounding draws counter-based bits from the seed and the step counters,
+:mod:`lowp.optim.randomness`, so nothing else needs saving).
 
 A step is all or nothing for everything that can be checked beforehand: :meth:`LowpOptimizer._prepare`
 validates every group's hyper-parameters and every (parameter, gradient, state, buffer) before
@@ -33,6 +34,7 @@ import torch
 from lowp.optim import preflight, sharding
 from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
 from lowp.optim.preflight import check_flag, check_seed
+from lowp.optim.randomness import Stream
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
 from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer, get_mode, resolve_mode
 
@@ -136,7 +138,9 @@ class LowpOptimizer(torch.optim.Optimizer):
     - ``foreach`` / ``backend`` / ``chunk_size``: how the step runs (:mod:`lowp.optim.backends`).
     - ``fused``: ``None`` picks a fused backend when one is available and worth it, ``True``
       requires one, ``False`` never uses one (:func:`lowp.optim.kernels.choose_backend`).
-    - ``seed``: seed of the stochastic-rounding generator (default: ``torch.initial_seed()``).
+    - ``seed``: seed of the stochastic-rounding streams (default: ``torch.initial_seed()``): element
+      ``i`` of parameter ``param_id`` (its position over all groups) draws
+      ``random16(i, stream_key(seed, step, param_id, stream))`` (:mod:`lowp.optim.randomness`).
     - ``diagnostics``: count elements whose stored weight did not move this step.
     """
 
@@ -175,7 +179,6 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.seed = torch.initial_seed() if seed is None else check_seed(seed)
         self.skipped_params = 0
         self.skipped_steps = 0
-        self._generators: dict[torch.device, torch.Generator] = {}
         # per group: (stalled count, elements, weight) of each job of the last step; weight 0 for
         # plain parameters, else the share of this rank in a sum over all ranks
         self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
@@ -312,14 +315,6 @@ class LowpOptimizer(torch.optim.Optimizer):
         ensure_buffer(p, state, mode)   # a mode switch: folds or drops the other mode's buffer
         return state
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The stochastic-rounding generator of ``device`` (seeded from ``seed`` on first use)."""
-        if device not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed)
-            self._generators[device] = g
-        return self._generators[device]
-
     # ---- the step -------------------------------------------------------------------------
     def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[bool]:
         """Per (local) gradient: finite; for DTensor parameters finite on every rank."""
@@ -397,8 +392,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         self._last_stalled = defaultdict(list)
         for (gid, mode_name, step, _, device, _, weight), slices in jobs.items():
             index, group = groups[gid]
-            ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.generator(device),
-                              self.diagnostics_enabled)
+            ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed, self.diagnostics_enabled)
             stalled = self.backend.run(self, ctx, slices)
             self._last_stalled[index].append((stalled, sum(s.numel for s in slices), weight))
         for full in gathered:
@@ -418,10 +412,11 @@ class LowpOptimizer(torch.optim.Optimizer):
         states = {n: [working_copy(s.states[n]) for s in batch] for n in names}
         updates = self.update(group, weights, grads, states, ctx.step)
         counts = []
-        for i, s in enumerate(batch):   # slice by slice: random draws in the same order for any batching
-            for n in names:
-                store(s.states[n], states[n][i], group["state_rounding"], ctx.generator)
-            counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, ctx.generator, ctx.count))
+        for i, s in enumerate(batch):
+            streams = ctx.streams(s)
+            for j, n in enumerate(names):
+                store(s.states[n], states[n][i], group["state_rounding"], streams, Stream.STATE + j)
+            counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count))
         return torch.stack(counts).sum() if ctx.count else None
 
     # ---- diagnostics ----------------------------------------------------------------------
@@ -461,12 +456,9 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints ----------------------------------------------------------------------
     def extras(self) -> dict[str, Any]:
-        """What a checkpoint holds besides groups and states: the seed, the skip counters and
-        the stochastic-rounding generator of every parameter device."""
-        for device in {p.device for g in self.param_groups for p in g["params"]}:
-            self.generator(device)   # created from the seed if unused, so every checkpoint has the same layout
-        return {"seed": self.seed, "skipped_params": self.skipped_params, "skipped_steps": self.skipped_steps,
-                "generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+        """What a checkpoint holds besides groups and states: the seed and the skip counters
+        (the seed and the step counters define every random stream)."""
+        return {"seed": self.seed, "skipped_params": self.skipped_params, "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (``state`` by parameter index, ``param_groups``), each state in its own
@@ -499,14 +491,9 @@ class LowpOptimizer(torch.optim.Optimizer):
                 state_dict = result
         sd = to_lowp_layout(self, state_dict)
         groups, state, extras = self._checked_load(sd)
-        generators = {}
-        for device, rng in extras["generators"].items():
-            generators[torch.device(device)] = torch.Generator(device=device)
-            generators[torch.device(device)].set_state(rng)
         self.__setstate__({"state": state, "param_groups": groups})
         self.seed, self.skipped_params, self.skipped_steps = (extras["seed"], extras["skipped_params"],
                                                               extras["skipped_steps"])
-        self._generators = generators
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -566,26 +553,15 @@ class LowpOptimizer(torch.optim.Optimizer):
 
 
 def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:
-    """The checkpoint's extras, checked (missing entries: the optimizer's seed, zero counters,
-    no generator state)."""
+    """The checkpoint's extras, checked (missing entries: the optimizer's seed, zero counters).
+    The seed and the step counters define the random streams (:mod:`lowp.optim.randomness`)."""
     extras = {} if extras is None else extras
     if not isinstance(extras, Mapping):
         raise TypeError(f"state_dict: 'lowp' extras: expected a dict, got {type(extras).__name__}")
     out = {"seed": check_seed(extras.get("seed", optimizer.seed)),
            "skipped_params": preflight.check_count("skipped_params", extras.get("skipped_params", 0)),
            "skipped_steps": preflight.check_count("skipped_steps", extras.get("skipped_steps", 0))}
-    generators = extras.get("generators", {})
-    if not isinstance(generators, Mapping):
-        raise TypeError(f"generators: expected a dict of device -> generator state, got {type(generators).__name__}")
-    out["generators"] = {}
-    for device, rng in generators.items():
-        try:
-            probe = torch.Generator(device=str(device))
-            probe.set_state(rng)
-        except (RuntimeError, TypeError, ValueError) as e:
-            raise ValueError(f"generators[{device!r}]: not a generator state of that device ({e})") from None
-        out["generators"][str(device)] = rng.clone()
-    return out
+    return out   # a "generators" entry (lowp versions that drew from torch.Generator) is ignored
 
 
 class TwoMomentOptimizer(LowpOptimizer):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lowp.optim.base import LowpOptimizer
+from lowp.optim.randomness import RandomStreams, Stream
 from lowp.optim.storage import store
 from lowp.optim.writeback import MODES, resolve_mode
 
@@ -161,11 +162,16 @@ def load_full_precision(optimizer: LowpOptimizer, weights: Iterable[torch.Tensor
             p.copy_(t)
             if mode is MODES["kahan"]:
                 state["compensation"].copy_(t - p.float())
-        for name, value in saved.get(index, {}).items():
-            if name == "step":
-                state["step"] = int(value)
-            elif name in state and isinstance(value, torch.Tensor):
-                store(state[name], value.float().to(p.device), group["state_rounding"], optimizer.generator(p.device))
+        names = optimizer.state_names(group, p)
+        values = saved.get(index, {})
+        if "step" in values:
+            state["step"] = int(values["step"])
+        # the streams of the step the saved states belong to (the optimizer's next step draws step + 1)
+        streams = RandomStreams(optimizer.seed, state["step"], index)
+        for j, name in enumerate(names):
+            if isinstance(values.get(name), torch.Tensor):
+                store(state[name], values[name].float().to(p.device), group["state_rounding"], streams,
+                      Stream.STATE + j)
 
 
 @torch.no_grad()

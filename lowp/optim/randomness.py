@@ -23,11 +23,13 @@ key, so elements ``i`` and ``i + 2**32`` draw different bits::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Stream", "stream_key", "hash32_int", "random16_int", "hash32", "random16", "ElementIndex"]
+__all__ = ["Stream", "stream_key", "stream_keys", "hash32_int", "random16_int", "hash32", "random16",
+           "random16_range", "fold_key", "ElementIndex", "RandomStreams"]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -55,6 +57,21 @@ def stream_key(seed: int, step: int, param_id: int, stream: int) -> int:
     for v in (step, param_id, stream):
         x = _splitmix64(x ^ (v & _MASK64))
     return x & _MASK32
+
+
+def stream_keys(seed: int, step: int, param_id: int, streams: int) -> list[int]:
+    """``[stream_key(seed, step, param_id, s) for s in range(streams)]``, mixing the shared
+    inputs once."""
+    x = _splitmix64(seed & _MASK64)
+    for v in (step, param_id):
+        x = _splitmix64(x ^ (v & _MASK64))
+    return [_splitmix64(x ^ s) & _MASK32 for s in range(streams)]
+
+
+def fold_key(key: int, hi: int) -> int:
+    """``key ^ hash32(hi)``: the key that :func:`random16` applies to the low 32 bits of every index
+    whose high 32 bits are ``hi`` (so a range of indices with one ``hi`` needs only 32-bit math)."""
+    return (key ^ hash32_int(hi)) & _MASK32
 
 
 def hash32_int(x: int) -> int:
@@ -94,6 +111,49 @@ def random16(index: torch.Tensor, key: int) -> torch.Tensor:
     lo = (index & _MASK32).to(torch.int32)   # int64 -> int32 keeps the low 32 bits (two's complement)
     hi = hash32((index >> 32).to(torch.int32))
     return (hash32(lo ^ hi ^ _as_int32(key)) >> 16) & 0xFFFF
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counts(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` as int32, from a per-device cache that grows to the largest ``n`` asked for
+    (an add from a cached tensor is about twice as fast as a fresh ``arange`` on CPU)."""
+    cached = _COUNTS.get(device)
+    if cached is None or cached.numel() < n:
+        cached = _COUNTS[device] = torch.arange(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return cached[:n]
+
+
+def random16_range(first: int, n: int, key: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``random16(arange(first, first + n), key)`` (int32) with 32-bit arithmetic only.
+
+    The range is cut where the low 32 bits of the index cross a multiple of ``2**31``: within a
+    piece the int32 counts do not wrap and the high bits are constant, so their hash is folded
+    into the key once (:func:`fold_key`); a piece that starts at a multiple of a power of two at
+    least its length (chunks of whole tensors) xors its counts in instead of adding them. The
+    last xor-shift of ``hash32`` leaves the top 16 bits unchanged, so it is skipped:
+    ``random16 = (x >> 16) & 0xFFFF`` with ``x`` the value after the second multiply.
+    """
+    x = torch.empty(n, dtype=torch.int32, device=device)
+    j = 0
+    while j < n:
+        index = first + j
+        lo = index & _MASK32
+        end = min(n, j + (1 << 31) - (lo & 0x7FFFFFFF))
+        piece, fold = x[j:end], _as_int32(fold_key(key, index >> 32))
+        if lo & ((1 << (end - j - 1).bit_length()) - 1) == 0:
+            # lo + k == lo ^ k for every k < end - j (lo has no bits below that power of two): one pass
+            torch.bitwise_xor(_counts(end - j, x.device), _as_int32(lo) ^ fold, out=piece)
+        else:
+            torch.add(_counts(end - j, x.device), _as_int32(lo), out=piece).bitwise_xor_(fold)
+        j = end
+    t = torch.empty_like(x)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=t).bitwise_and_(0xFFFF))
+    x.mul_(_as_int32(0x7FEB352D))
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=t).bitwise_and_(0x1FFFF))
+    x.mul_(_as_int32(0x846CA68B))
+    return x.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
 
 
 @dataclass(frozen=True)
@@ -141,3 +201,29 @@ class ElementIndex:
         if self.block == 0:
             return k + self.offset
         return (k // self.block) * self.stride + k % self.block + self.offset
+
+    def random16(self, n: int, key: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The random bits of local elements ``0 .. n-1`` in the stream ``key`` (int32, 16 bits each)."""
+        if self.contiguous:
+            return random16_range(self.first(), n, key, device)
+        return random16(self.tensor(n, device), key)
+
+
+@dataclass(frozen=True)
+class RandomStreams:
+    """The random streams of one (local piece of a) parameter at one step: what a write-back or
+    a state store needs to round stochastically."""
+
+    seed: int
+    step: int
+    param_id: int
+    index: ElementIndex = ElementIndex()
+
+    def key(self, stream: int) -> int:
+        """:func:`stream_key` of ``stream``."""
+        return stream_key(self.seed, self.step, self.param_id, stream)
+
+    def bits(self, stream: int, shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu"
+             ) -> torch.Tensor:
+        """16 random bits (int32) per element of a tensor of ``shape`` (row-major order)."""
+        return self.index.random16(math.prod(shape), self.key(stream), device).view(shape)

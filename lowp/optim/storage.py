@@ -1,24 +1,44 @@
 """Reading and writing low-precision tensors through fp32 working copies.
 
 Every optimizer computes in fp32. A tensor stored in bf16/fp16 is read into an fp32 working
-copy and written back with one rounding, either to nearest (``copy_``) or stochastically.
+copy and written back with one rounding, either to nearest (``copy_``) or stochastically with
+16 random bits ``r`` per element from :mod:`lowp.optim.randomness` (every backend rounds with the
+same bits, so the definitions below are the reference the fused kernels match bit for bit).
 
 Stochastic rounding of an fp32 value ``x`` to bf16 needs no float arithmetic: bf16 is the top
-half of fp32's bit pattern, so adding a uniform random integer ``r`` in ``[0, 2**16)`` to the
-bits of ``x`` and clearing the low 16 bits rounds the magnitude up with probability
-``(low 16 bits of x) / 2**16``, which is exactly ``(|x| - trunc(|x|)) / ulp``. fp16 goes through
-:func:`lowp.rounding.quantize` with ``mode="stochastic"``.
+half of fp32's bit pattern, so adding ``r`` in ``[0, 2**16)`` to the bits of ``x`` and clearing
+the low 16 bits rounds the magnitude up with probability ``(low 16 bits of x) / 2**16``, which
+is exactly ``(|x| - trunc(|x|)) / ulp``. Past the largest bf16 the carry reaches the exponent
+field and gives infinity; infinities stay themselves. A NaN keeps its sign and top payload bits
+with the quiet bit set (the carry could otherwise turn it into ``-0.0`` or an infinity).
+
+Stochastic rounding to fp16, with ``t`` = ``|x|`` truncated to fp16 (saturating at 65504), ``ulp``
+the fp16 spacing above ``t`` (``2**(e - 10)``, at least ``2**-24`` among subnormals) and
+``frac = (|x| - t) / ulp`` (exact: ``t`` and ``|x|`` share a binade and ``ulp`` is a power of two)::
+
+    SR_fp16(x) = sign(x) * (t + ulp  if floor(frac * 2**16) + r >= 2**16  else  t)
+
+so ``P(up) = frac`` whenever ``frac`` has at most 16 bits (always, for normal fp16 results: fp32
+keeps 13 more bits than fp16). From ``65504 + ulp`` on the result is ``65536``, stored as
+infinity; infinities and NaNs stay themselves.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from lowp.rounding import quantize
+from lowp.optim.randomness import RandomStreams
 
-__all__ = ["STATE_ROUNDINGS", "working_copy", "store", "stochastic_round_bf16_"]
+__all__ = ["STATE_ROUNDINGS", "working_copy", "store", "stochastic_round_bf16", "stochastic_round_fp16",
+           "stochastic_round"]
 
 STATE_ROUNDINGS = ("nearest", "stochastic")
 _LOW_16_BITS_CLEARED = -65536  # 0xFFFF0000 as a signed int32
+_QUIET = 0x00400000            # the quiet bit of an fp32 NaN
+_SIGN = -(1 << 31)             # 0x80000000 as a signed int32
+_FP16_MAX = 65504.0
+_TOP_HALF = 1 if sys.byteorder == "little" else 0   # the int16 that holds the top half of an int32
 
 
 def working_copy(t: torch.Tensor) -> torch.Tensor:
@@ -27,22 +47,56 @@ def working_copy(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def stochastic_round_bf16_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None) -> None:
-    """``dst = SR_bf16(src)`` for an fp32 ``src``: round up with probability (distance to trunc) / ulp."""
-    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=generator)
-    noise.add_(src.contiguous().view(torch.int32)).bitwise_and_(_LOW_16_BITS_CLEARED)
-    dst.copy_(noise.view(torch.float32))
+def stochastic_round_bf16(src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``SR_bf16(src)`` of an fp32 tensor with 16 random bits per element (int32 ``noise`` in
+    ``[0, 2**16)``, overwritten); see the module docstring."""
+    bits = src.contiguous().view(torch.int32)
+    out = noise.add_(bits).bitwise_and_(_LOW_16_BITS_CLEARED)
+    if not bool(src.sum().isfinite()):   # one cheap pass; a NaN makes the sum NaN (isnan + any cost 20% of a step)
+        out = torch.where(src.isnan(), bits.bitwise_and(_LOW_16_BITS_CLEARED).bitwise_or_(_QUIET), out)
+    # the bf16 bits are the top halves of the int32 words, bit for bit (a cast would turn NaNs into 0xFFFF)
+    return out.view(-1).view(torch.int16)[_TOP_HALF::2].view(torch.bfloat16).view(src.shape)
 
 
-def store(dst: torch.Tensor, src: torch.Tensor, rounding: str, generator: torch.Generator | None) -> None:
-    """Write the fp32 working copy ``src`` into ``dst`` (any float dtype) with ``rounding``."""
+def stochastic_round_fp16(src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``SR_fp16(src)`` of an fp32 tensor with 16 random bits per element (int32 ``noise``); see
+    the module docstring. Every operation is exact or correctly rounded fp32 arithmetic, as in
+    the native kernel's ``stochastic_f16``."""
+    x = src.contiguous()
+    ax = x.abs()
+    # |x| truncated to fp16: the fp16 spacing of |x|'s binade, floor, and saturation at 65504
+    binade = (ax.view(torch.int32) & 0x7F800000).view(torch.float32)
+    step = torch.clamp_min(binade * 2.0 ** -10, 2.0 ** -24)
+    t = torch.where(ax < 65536.0, torch.floor(ax / step) * step, torch.where(ax.isinf(), ax, _FP16_MAX))
+    spacing = (t.view(torch.int32) & 0x7F800000).view(torch.float32) * 2.0 ** -10
+    ulp = torch.where(spacing > 2.0 ** -24, spacing, 2.0 ** -24)
+    drawn = torch.floor((ax - t) / ulp * 65536.0) + noise.float()
+    r = torch.where(drawn >= 65536.0, t + ulp, t)
+    signed = (r.view(torch.int32) | (x.view(torch.int32) & _SIGN)).view(torch.float32)
+    return torch.where(x.isnan(), x, signed).to(torch.float16)
+
+
+def stochastic_round(src: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
+    """``src`` (fp32) rounded stochastically to ``dtype`` (bf16 or fp16; other dtypes: a plain cast)
+    with the 16-bit ``noise``."""
+    if dtype == torch.bfloat16:
+        return stochastic_round_bf16(src, noise)
+    if dtype == torch.float16:
+        return stochastic_round_fp16(src, noise)
+    return src.to(dtype)
+
+
+def store(dst: torch.Tensor, src: torch.Tensor, rounding: str, streams: RandomStreams | None = None,
+          stream: int = 0) -> None:
+    """Write the fp32 working copy ``src`` into ``dst`` (any float dtype) with ``rounding``; a 16-bit
+    ``dst`` rounded stochastically draws its bits from ``streams``' stream ``stream``."""
     if rounding not in STATE_ROUNDINGS:
         raise ValueError(f"rounding: expected one of {', '.join(STATE_ROUNDINGS)}, got {rounding!r}")
     if dst is src:
         return
-    if rounding == "stochastic" and dst.dtype == torch.bfloat16:
-        stochastic_round_bf16_(dst, src, generator)
-    elif rounding == "stochastic" and dst.dtype == torch.float16:
-        dst.copy_(quantize(src, "fp16", mode="stochastic", generator=generator))
+    if rounding == "stochastic" and dst.dtype in (torch.bfloat16, torch.float16):
+        if streams is None:
+            raise ValueError("streams: stochastic rounding needs the random streams of the tensor, got None")
+        dst.copy_(stochastic_round(src, dst.dtype, streams.bits(stream, src.shape, src.device)))
     else:
         dst.copy_(src)

@@ -8,15 +8,20 @@ weight decay included, so that it is compensated too), and one of these modes ap
     the weight is lost. Used for fp32 parameters whatever the group's mode.
 ``kahan``
     Compensated update with a buffer ``k`` of the weight's dtype (Kahan 1965; Zamirai et al.,
-    "Revisiting BFloat16 Training", 2020; seed 001's equations)::
+    "Revisiting BFloat16 Training", 2020)::
 
-        v = k + u;   theta' = rn(theta + v);   k' = v - (theta' - theta)
+        v = k + u;   theta' = rn(theta + v);   k' = SR(v - (theta' - theta))
 
-    ``theta' - theta`` is exact (Sterbenz), so ``k'`` is exactly what rounding dropped, up to
-    the rounding of ``k'`` itself to the buffer dtype. ``theta + k`` carries about twice the
-    weight's precision (16 significant bits for bf16).
+    ``theta' - theta`` is exact (Sterbenz), so ``v - (theta' - theta)`` is exactly what rounding
+    dropped, up to its own rounding to the buffer dtype. That rounding is stochastic (stream
+    ``Stream.COMPENSATION``): ``E[k'] = v - (theta' - theta)``, so ``theta + k`` follows the
+    intended trajectory without bias. Rounded to nearest it is biased whenever the update is a
+    fixed fraction of the weight (decoupled weight decay): the dropped part then repeats step after
+    step and its rounding error with it (docs/optimizers.md measures both). ``theta + k`` carries
+    about twice the weight's precision (16 significant bits for bf16).
 ``stochastic``
-    ``theta' = SR(theta + u)``: unbiased, ``E[theta'] = theta + u``, no extra memory.
+    ``theta' = SR(theta + u)`` (stream ``Stream.WEIGHT``): unbiased, ``E[theta'] = theta + u``, no
+    extra memory.
 ``exact``
     bf16 weight plus an int16 remainder that hold an fp32 master weight exactly. With ``b``
     the int32 bit pattern of the fp32 value, ``hi = (b + 2**15) >> 16`` (the weight, rounded to
@@ -25,8 +30,9 @@ weight decay included, so that it is compensated too), and one of these modes ap
 
 Each mode is a :class:`WriteBack` with three small functions over lists of tensors (a batch):
 ``init_buffer`` (the mode's extra per-parameter tensor or ``None``), ``load`` (the fp32 weight
-the optimizer sees) and ``apply`` (write ``w + u`` back; returns the number of elements whose
-stored weight did not change, when asked).
+the optimizer sees) and ``apply`` (write ``w + u`` back with the random streams of the parameter,
+:class:`~lowp.optim.randomness.RandomStreams`; returns the number of elements whose stored weight
+did not change, when asked).
 
 :func:`ensure_buffer` creates the buffer a parameter's mode needs when it is missing (first step,
 a group switched mode, a state dict from another optimizer) and folds the other mode's buffer
@@ -43,6 +49,7 @@ from typing import Callable
 
 import torch
 
+from lowp.optim.randomness import RandomStreams, Stream
 from lowp.optim.storage import store, working_copy
 
 __all__ = ["WriteBack", "MODES", "get_mode", "resolve_mode", "ensure_buffer", "BUFFER_NAMES", "LOW_PRECISION"]
@@ -69,15 +76,15 @@ def _plain_load(p: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
     return working_copy(p)
 
 
-def _apply_nearest(p, w, u, buf, generator, count):
+def _apply_nearest(p, w, u, buf, streams, count):
     new = torch.add(w, u).to(p.dtype)
     stalled = _stalled(new, w) if count else None
     p.copy_(new)
     return stalled
 
 
-def _apply_stochastic(p, w, u, buf, generator, count):
-    store(p, torch.add(w, u), "stochastic", generator)
+def _apply_stochastic(p, w, u, buf, streams, count):
+    store(p, torch.add(w, u), "stochastic", streams, Stream.WEIGHT)
     return _stalled(p, w) if count else None
 
 
@@ -85,13 +92,13 @@ def _kahan_buffer(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, memory_format=torch.contiguous_format)
 
 
-def _apply_kahan(p, w, u, k, generator, count):
+def _apply_kahan(p, w, u, k, streams, count):
     u.add_(k)                      # v = k + u
     change = torch.add(w, u)
     p.copy_(change)                # theta' = rn(theta + v)
     change.copy_(p).sub_(w)        # theta' - theta, exact
     stalled = _unmoved(change) if count else None
-    k.copy_(u.sub_(change))        # k' = v - (theta' - theta)
+    store(k, u.sub_(change), "stochastic", streams, Stream.COMPENSATION)   # k' = SR(v - (theta' - theta))
     return stalled
 
 
@@ -104,7 +111,7 @@ def _exact_load(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _apply_exact(p, w, u, r, generator, count):
+def _apply_exact(p, w, u, r, streams, count):
     bits = torch.add(w, u).view(torch.int32)
     hi = torch.add(bits, _HALF).bitwise_right_shift_(16)
     r.copy_(bits.sub_(hi.bitwise_left_shift(16)))
@@ -112,7 +119,7 @@ def _apply_exact(p, w, u, r, generator, count):
     return torch.zeros((), dtype=torch.int64, device=p.device) if count else None
 
 
-ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Generator | None", bool],
+ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "RandomStreams | None", bool],
                    "torch.Tensor | None"]
 
 
@@ -121,7 +128,7 @@ class WriteBack:
     """One update mode: the weight dtypes it supports, its buffer, how the fp32 weight is read
     and how ``w + u`` is written back.
 
-    ``apply(p, w, u, buf, generator, count)`` may overwrite ``u``; it returns the number of
+    ``apply(p, w, u, buf, streams, count)`` may overwrite ``u``; it returns the number of
     stalled elements (a 0-dim tensor) when ``count`` is true, else ``None``.
     """
 

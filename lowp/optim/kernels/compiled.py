@@ -9,8 +9,10 @@ gradient, states and buffer once and writes them once.
 
 Cases without a fused form run the optimizer's reference pipeline
 (:meth:`~lowp.optim.base.LowpOptimizer.apply_batch`, batched like the ``foreach`` backend):
-optimizers without an elementwise rule, fp64 weights, fp16 tensors with stochastic rounding,
-non-contiguous tensors, tensors of fewer than two elements, and whatever the admission checks of
+optimizers without an elementwise rule, fp64 weights, fp16 tensors with stochastic rounding (fp16
+weights in stochastic or kahan mode, fp16 states rounded stochastically), non-contiguous tensors,
+tensors of fewer than two elements, slices whose elements are not one contiguous range of their
+parameter (a shard along a later dimension), and whatever the admission checks of
 :mod:`~lowp.optim.kernels.checks` keep from the kernels (they raise for inputs no backend can run).
 """
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 from lowp.optim.backends import ForeachBackend, ParamSlice, StepContext
 from lowp.optim.kernels.checks import PLAIN_TYPES, Span, check_slice, overlapping
 from lowp.optim.kernels.rules import Rule, rule_for
-from lowp.optim.kernels.step import fused_step
+from lowp.optim.kernels.step import STREAMS, chunk_keys, fused_step
+from lowp.optim.randomness import stream_keys
 
-__all__ = ["CompiledBackend", "compiler_available", "fusable", "partition", "step_numbers", "step_values", "step_keys",
+__all__ = ["CompiledBackend", "compiler_available", "fusable", "partition", "step_numbers", "step_values", "slice_keys",
            "grad_factor", "by_signature"]
 
 
@@ -47,19 +50,22 @@ def fusable(ctx: StepContext, s: ParamSlice, stochastic_states: bool, min_numel:
     """Whether slice ``s`` can take the fused step: the admission checks of
     :func:`~lowp.optim.kernels.checks.check_slice` (which raise for inputs no backend can run,
     before anything is written), kernel memory on one of ``devices`` for the weight, states and
-    buffer (a gradient may be strided: the backends copy it), and the dtypes the kernels support.
-    The default ``min_numel`` is torch.compile's: dynamo specializes sizes 0 and 1, so one-element
-    tensors would compile twice more; ``fp16_stochastic``: the backend rounds fp16 stochastically too;
-    ``spans`` collects the byte ranges of the slice's tensors (:func:`~lowp.optim.kernels.checks.overlapping`)."""
+    buffer (a gradient may be strided: the backends copy it), elements that are one contiguous
+    range of their parameter (the random streams count along it), and the dtypes the kernels
+    support. The default ``min_numel`` is torch.compile's: dynamo specializes sizes 0 and 1, so
+    one-element tensors would compile twice more; ``fp16_stochastic``: the backend rounds fp16
+    stochastically too (the weight in stochastic mode, the compensation in kahan mode,
+    stochastically rounded states); ``spans`` collects the byte ranges of the slice's tensors
+    (:func:`~lowp.optim.kernels.checks.overlapping`)."""
     floats = _KERNEL_FLOATS
     weights, _, buffer = check_slice(ctx, s, floats, (torch.int16,) if ctx.mode.name == "exact" else floats, spans)
     param, grad = s.param, s.grad
     device = "cpu" if param.is_cpu else param.device.type
-    if not (weights and buffer) or param.numel() < min_numel or device not in devices:
+    if not (weights and buffer) or param.numel() < min_numel or device not in devices or not s.index.contiguous:
         return False
     if type(grad) not in PLAIN_TYPES or grad.is_neg() or grad.dtype not in floats:
         return False
-    if ctx.mode.name == "stochastic" and param.dtype not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
+    if ctx.mode.name in ("stochastic", "kahan") and param.dtype not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
         return False
     return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
 
@@ -92,26 +98,18 @@ def step_numbers(rule: Rule, ctx: StepContext, device: torch.device) -> torch.Te
     return torch.tensor(step_values(rule, ctx), dtype=torch.float32, device=device)
 
 
-def step_keys(ctx: StepContext, streams: int, device: torch.device) -> torch.Tensor:
-    """``[0, key per random stream]`` (int32): one draw from the optimizer's generator per step,
-    zero-padded to at least 4 entries (weight key and keys for up to three states, which the
-    kernels read at fixed places)."""
-    keys = torch.zeros(max(streams + 1, 4), dtype=torch.int32, device=device)
-    keys[1:streams + 1] = torch.randint(0, 1 << 31, (streams,), dtype=torch.int32, device=device,
-                                        generator=ctx.generator)
-    return keys
+def slice_keys(ctx: StepContext, s: ParamSlice) -> list[int]:
+    """The stream keys of slice ``s`` at this step, at the kernels' fixed places: ``Stream.WEIGHT``,
+    ``Stream.COMPENSATION`` and three states (:func:`lowp.optim.randomness.stream_key`)."""
+    return stream_keys(ctx.seed, ctx.step, s.param_id, STREAMS)
 
 
 def by_signature(slices: list[ParamSlice], signature: Callable[[ParamSlice], tuple]
-                 ) -> dict[tuple, list[tuple[ParamSlice, int]]]:
-    """The slices grouped by ``signature`` (one kernel launch each), with every slice's offset in
-    the concatenation of all ``slices``: the element index its random streams count from, the same
-    whatever the grouping (so every backend draws the same bits)."""
-    groups: dict[tuple, list[tuple[ParamSlice, int]]] = {}
-    offset = 0
+                 ) -> dict[tuple, list[ParamSlice]]:
+    """The slices grouped by ``signature`` (one kernel launch each), in their order."""
+    groups: dict[tuple, list[ParamSlice]] = {}
     for s in slices:
-        groups.setdefault(signature(s), []).append((s, offset))
-        offset += s.numel
+        groups.setdefault(signature(s), []).append(s)
     return groups
 
 
@@ -243,19 +241,17 @@ class CompiledBackend(ForeachBackend):
         names = list(slices[0].states)
         stochastic = tuple(ctx.group["state_rounding"] == "stochastic" for _ in names)
         h = step_numbers(rule, ctx, device)
-        keys = step_keys(ctx, 1 + len(names), device)
         variant = (rule, ctx.mode.name, rule.config(ctx.group), stochastic, ctx.count)
-        counts, offset = [], 0
+        counts = []
         with vector_bitcasts():  # takes effect when a call compiles
             for s in slices:
                 tensors = [_flat(t) for t in (s.param, s.grad.reshape(-1), *(s.states[n] for n in names))]
                 buf = _flat(s.buffer) if s.buffer is not None else None
+                keys, first = slice_keys(ctx, s), s.index.first()
                 for start in range(0, s.numel, CHUNK):
                     end = min(start + CHUNK, s.numel)
                     fn = self.function(*variant, dynamic=end - start != CHUNK)
                     part = [t[start:end].detach() for t in tensors]
-                    keys[0] = offset + start
                     counts.append(fn(part[0], part[1], None if buf is None else buf[start:end].detach(), part[2:],
-                                     h, keys.clone()))
-                offset += s.numel
+                                     h, chunk_keys(keys, first + start, end - start, device)))
         return torch.stack(counts).sum(dtype=torch.int64) if ctx.count else None

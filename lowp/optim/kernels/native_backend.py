@@ -4,8 +4,8 @@ call per step and dtype signature over all parameters (multi-tensor), on torch's
 (``torch.get_num_threads()``).
 
 It runs the same math as :mod:`~lowp.optim.kernels.rules` and :mod:`~lowp.optim.kernels.step`
-(results bit-identical to the ``foreach`` reference for nearest, kahan and exact; stochastic
-rounding draws the same bits as the ``compiled`` and ``triton`` backends), compiles in about a
+(results bit-identical to the ``foreach`` reference in every mode: stochastic rounding draws the
+counter-based bits of :mod:`lowp.optim.randomness` on every backend), compiles in about a
 second per variant instead of Inductor's 10-40 s, and needs no ``torch.compile``. Cases without
 a fused form run the reference pipeline, as on the compiled backend.
 """
@@ -17,7 +17,7 @@ import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
 from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
-from lowp.optim.kernels.compiled import CompiledBackend, by_signature, step_keys, step_values
+from lowp.optim.kernels.compiled import STREAMS, CompiledBackend, by_signature, slice_keys, step_values
 from lowp.optim.kernels.native_build import DTYPE_CODES, finite_function, native_available, step_function
 from lowp.optim.kernels.rules import Rule
 
@@ -109,28 +109,30 @@ class NativeBackend(CompiledBackend):
 
     def run_fused(self, rule: Rule, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         names = list(slices[0].states)
-        cpu = torch.device("cpu")
         # the step's numbers in float64; the kernel rounds them to fp32 as step_numbers() does
         # (StableAdamW keeps lr, bc1 and wd in float64)
         h = (ctypes.c_double * 10)(*step_values(rule, ctx))
-        keys = step_keys(ctx, 1 + len(names), cpu)  # the compiled backend's draws, for the same bits
-        stalled = sum(self.launch(variant_macros(rule, ctx, dtypes), members, names, h, keys)
+        stalled = sum(self.launch(variant_macros(rule, ctx, dtypes), members, names, h,
+                                  [k for s in members for k in slice_keys(ctx, s)])
                       for dtypes, members in by_signature(slices, slice_dtypes).items())
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     @staticmethod
-    def launch(macros: dict[str, int], members: list[tuple[ParamSlice, int]], names: list[str],
-               h: "ctypes.Array[ctypes.c_double]", keys: torch.Tensor) -> int:
-        """One kernel call over ``members`` (slices of one variant, with their stream offsets)."""
-        check_kernel_args((s for s, _ in members), names, macro_dtypes(macros))
+    def launch(macros: dict[str, int], members: list[ParamSlice], names: list[str],
+               h: "ctypes.Array[ctypes.c_double]", keys: list[int]) -> int:
+        """One kernel call over ``members`` (slices of one variant, each a contiguous range of its
+        parameter) with their stream keys (:func:`slice_keys` of each, concatenated)."""
+        check_kernel_args(members, names, macro_dtypes(macros))
+        if len(keys) != len(members) * STREAMS:   # the kernel reads STREAMS keys per tensor
+            raise RuntimeError(f"kernel call: {len(keys)} stream keys for {len(members)} tensors")
         fn = step_function(macros)
         n = len(members)
-        grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s, _ in members]
+        grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in members]
         table = (ctypes.c_void_p * (_ROLES * n))()
-        for j, ((s, _), g) in enumerate(zip(members, grads)):
+        for j, (s, g) in enumerate(zip(members, grads)):
             tensors = [s.param, g, s.buffer, *(s.states[k] for k in names)]
             for role, t in enumerate(tensors):
                 table[role * n + j] = t.data_ptr() if t is not None else None
-        numel = (ctypes.c_int64 * n)(*(s.numel for s, _ in members))
-        offsets = (ctypes.c_int64 * n)(*(o for _, o in members))
-        return fn(n, table, numel, offsets, h, keys.data_ptr(), torch.get_num_threads())
+        numel = (ctypes.c_int64 * n)(*(s.numel for s in members))
+        offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in members))
+        return fn(n, table, numel, offsets, h, (ctypes.c_uint32 * len(keys))(*keys), torch.get_num_threads())

@@ -5,48 +5,74 @@ write-back mode, written as plain tensor expressions that :func:`torch.compile` 
 single loop (Inductor: vectorised C++ on CPU, Triton on CUDA). Nothing here allocates a
 full-size buffer once compiled; run eagerly it is a (slow) readable reference of the same math.
 
-Stochastic rounding draws its bits from a counter-based hash instead of a
-:class:`torch.Generator` (which compiled code cannot take): element ``i`` of stream ``s`` gets
-one half of ``hash32(i ^ key)`` (two streams per key), where the keys are drawn from the optimizer's generator once per step.
-The stream is therefore reproducible from the optimizer's seed and checkpoint, identical between
-the compiled and the Triton backends, but different from the eager path's ``torch.randint``
-stream (same distribution: uniform 16-bit integers).
+Stochastic rounding draws the counter-based bits of :mod:`lowp.optim.randomness` (the same bits as
+every other backend): element ``i`` of stream ``s`` gets ``random16(i, key_s)``. Inside a chunk
+everything is int32 (so Inductor keeps 16-wide bf16 vectors on AVX2): :func:`chunk_keys` folds the
+high 32 bits of the chunk's global indices into the keys on the host, and a chunk whose indices
+cross a multiple of ``2**32`` switches to the next fold at element ``split``::
+
+    j < split:   x = (j + (lo - 2**31)) ^ (key ^ hash32(hi) ^ 2**31)    (= lo + j, xor-ed with the fold)
+    j >= split:  x = (j - split) ^ (key ^ hash32(hi + 1))
+    bits = random16 of x (the last xor-shift of hash32 skipped: it leaves the top 16 bits alone)
+
+with ``lo, hi`` the low and high halves of the chunk's first global index. Biasing ``lo`` by
+``2**31`` keeps every int32 sum in range (no signed overflow); the bias cancels in the xor.
 """
 from __future__ import annotations
 
 import torch
 
 from lowp.optim.kernels.rules import Rule
+from lowp.optim.randomness import Stream, fold_key
 
-__all__ = ["fused_step", "hash32", "random16", "stochastic_bf16"]
+__all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16", "STREAMS"]
 
 _LOW_16_BITS_CLEARED = -65536
 _HALF = 1 << 15
+_QUIET = 0x00400000
+_BIAS = 1 << 31
+#: Random streams per slice at fixed places: weight, compensation and three states.
+STREAMS = Stream.STATE + 3
 
 
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit xor-shift-multiply integer mixer on int32 with wrap-around products; the masks
-    make the arithmetic shifts logical, so the bits equal ``_hash32`` on uint32 in the Triton
-    kernel. int32 keeps it vectorised on AVX2, which has no 64-bit multiply."""
+def _int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def chunk_keys(keys: list[int], first: int, n: int, device: torch.device) -> torch.Tensor:
+    """The int32 numbers of one chunk of ``n`` elements whose first global index is ``first``:
+    ``[lo - 2**31, split, (fold(hi) ^ 2**31, fold(hi + 1)) per stream]`` (module docstring)."""
+    lo, hi = first & 0xFFFFFFFF, first >> 32
+    values = [_int32(lo - _BIAS), min(n, (1 << 32) - lo)]
+    for key in keys:
+        values += [_int32(fold_key(key, hi) ^ _BIAS), _int32(fold_key(key, hi + 1))]
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def random16(x: torch.Tensor) -> torch.Tensor:
+    """The top 16 bits of ``hash32(x)`` on int32 (wrap-around products; the masks make the
+    arithmetic shifts logical), as int32 in ``[0, 2**16)``."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 0x7FEB352D
     x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * 0x2C1B3C6D
-    return x ^ ((x >> 16) & 0xFFFF)
+    x = x * _int32(0x846CA68B)
+    return (x >> 16) & 0xFFFF
 
 
-def random16(index: torch.Tensor, key: torch.Tensor, half: int) -> torch.Tensor:
-    """16 random bits per element: the low (``half=0``) or high (``half=1``) half of
-    ``hash32(index ^ key)``; two streams share one hash (the compiler merges the two calls)."""
-    bits = hash32((index ^ key).to(torch.int32))
-    return (bits >> 16) & 0xFFFF if half else bits & 0xFFFF
+def _stream_bits(j: torch.Tensor, before: torch.Tensor, keys: torch.Tensor, stream: int) -> torch.Tensor:
+    """:func:`random16` of every element of the chunk in stream ``stream`` (see :func:`chunk_keys`)."""
+    x = j + torch.where(before, keys[0], -keys[1])
+    return random16(x ^ torch.where(before, keys[2 + 2 * stream], keys[3 + 2 * stream]))
 
 
 def stochastic_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Stochastic rounding of fp32 ``x`` to bf16 with 16 random bits ``noise`` per element: add
-    them to the fp32 bit pattern and truncate (see :mod:`lowp.optim.storage`)."""
-    bits = (x.view(torch.int32) + noise) & _LOW_16_BITS_CLEARED
-    return bits.view(torch.float32).to(torch.bfloat16)
+    them to the fp32 bit pattern and truncate; a NaN keeps its sign and top bits, made quiet
+    (:mod:`lowp.optim.storage`)."""
+    bits = x.view(torch.int32)
+    rounded = torch.where(x != x, (bits & _LOW_16_BITS_CLEARED) | _QUIET, (bits + noise) & _LOW_16_BITS_CLEARED)
+    return (rounded >> 16).to(torch.int16).view(torch.bfloat16)   # the top halves (a cast would canonicalize NaNs)
 
 
 def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, ...], count: bool,
@@ -55,11 +81,12 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
     """Update the flat tensors ``p``, ``buf`` and ``states`` in place; return the stalled count.
 
     ``h[0]`` is the gradient factor (-1 for maximize, times the GradScaler's 1/scale), ``h[1:]``
-    the rule's numbers; ``keys = [index offset, weight key, state keys...]`` (int32; every
-    integer here is int32 so that Inductor keeps 16-wide bf16 vectors on AVX2).
+    the rule's numbers; ``keys`` is :func:`chunk_keys` of the chunk (int32; every integer here is
+    int32 so that Inductor keeps 16-wide bf16 vectors on AVX2).
     """
     n = p.shape[0]
-    index = torch.arange(n, device=p.device, dtype=torch.int32) + keys[0]
+    j = torch.arange(n, device=p.device, dtype=torch.int32)
+    before = j < keys[1]
     if mode == "exact":
         bits = (p.view(torch.int16).to(torch.int32) << 16) + buf.to(torch.int32)
         w = bits.view(torch.float32)
@@ -67,8 +94,8 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         w = p.float()
     u, new_states = rule.fn(w, g.float() * h[0], [s.float() for s in states], h[1:], cfg)
     for i, (s, x) in enumerate(zip(states, new_states)):
-        if state_stochastic[i] and s.dtype == torch.bfloat16:  # state i: half i % 2 of key 2 + i // 2
-            s.copy_(stochastic_bf16(x, random16(index, keys[2 + i // 2], i % 2)))
+        if state_stochastic[i] and s.dtype == torch.bfloat16:
+            s.copy_(stochastic_bf16(x, _stream_bits(j, before, keys, Stream.STATE + i)))
         else:
             s.copy_(x.to(s.dtype))
     stalled = None
@@ -76,7 +103,7 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         v = buf.float() + u
         new = (w + v).to(p.dtype)
         change = new.float() - w
-        buf.copy_((v - change).to(buf.dtype))
+        buf.copy_(stochastic_bf16(v - change, _stream_bits(j, before, keys, Stream.COMPENSATION)))
         stalled = (change == 0).sum(dtype=torch.int32) if count else None
     elif mode == "exact":
         bits = (w + u).view(torch.int32)
@@ -85,7 +112,8 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         new = hi.to(torch.int16).view(torch.bfloat16)
         stalled = torch.zeros((), dtype=torch.int32, device=p.device) if count else None
     else:
-        new = stochastic_bf16(w + u, random16(index, keys[1], 0)) if mode == "stochastic" else (w + u).to(p.dtype)
+        new = (stochastic_bf16(w + u, _stream_bits(j, before, keys, Stream.WEIGHT)) if mode == "stochastic"
+               else (w + u).to(p.dtype))
         stalled = (new.float() == w).sum(dtype=torch.int32) if count else None
     p.copy_(new)
     return stalled

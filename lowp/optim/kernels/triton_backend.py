@@ -13,7 +13,7 @@ import os
 import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
-from lowp.optim.kernels.compiled import CompiledBackend, by_signature, fusable, partition, step_keys, step_numbers
+from lowp.optim.kernels.compiled import CompiledBackend, by_signature, fusable, partition, slice_keys, step_numbers
 from lowp.optim.kernels.rules import Rule, rule_for
 
 __all__ = ["TritonBackend", "triton_available", "BLOCK"]
@@ -60,27 +60,24 @@ class TritonBackend(CompiledBackend):
               and (_interpreting() or all(s.param.is_cuda for s in slices)))
         mine, rest = partition(slices, lambda s: ok and fusable(ctx, s, stochastic))
         counts = [super().run(optimizer, ctx, rest)] if rest else []
-        if mine:  # the step's numbers and random keys once, as on the compiled backend
-            device = mine[0].param.device
-            h = step_numbers(rule, ctx, device)
-            keys = step_keys(ctx, 1 + len(mine[0].states), device)
-            counts += [self.launch(rule, ctx, members, h, keys) for members in by_signature(mine, _dtypes).values()]
+        if mine:  # the step's numbers once, as on the compiled backend
+            h = step_numbers(rule, ctx, mine[0].param.device)
+            counts += [self.launch(rule, ctx, members, h) for members in by_signature(mine, _dtypes).values()]
         counts = [c for c in counts if c is not None]
         return torch.stack(counts).sum() if counts else None
 
-    def launch(self, rule: Rule, ctx: StepContext, members: list[tuple[ParamSlice, int]], h: torch.Tensor,
-               keys: torch.Tensor) -> torch.Tensor | None:
-        """One kernel launch over ``members`` (slices of the same dtypes, with their stream
-        offsets); returns the stalled count."""
+    def launch(self, rule: Rule, ctx: StepContext, slices: list[ParamSlice], h: torch.Tensor) -> torch.Tensor | None:
+        """One kernel launch over ``slices`` (of the same dtypes, each a contiguous range of its
+        parameter); returns the stalled count."""
         from lowp.optim.kernels.triton_step import MODE_IDS, RULE_IDS, step_kernel, tl_dtype
 
-        slices = [s for s, _ in members]
         device = slices[0].param.device
         names = list(slices[0].states)
         cfg = [bool(c) for c in rule.config(ctx.group)] + [False] * 3
         grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in slices]
         sizes = [s.numel for s in slices]
-        offsets = [o for _, o in members]
+        offsets = [s.index.first() for s in slices]
+        keys = torch.tensor([k for s in slices for k in slice_keys(ctx, s)], dtype=torch.int64, device=device)
         blocks = [(i, start) for i, n in enumerate(sizes) for start in range(0, n, BLOCK)]
 
         def table(values: list[int]) -> torch.Tensor:

@@ -2,14 +2,16 @@
 RAdam) with every write-back mode (imports triton).
 
 One launch updates many parameters: each program handles ``BLOCK`` elements of one tensor, found
-through per-launch tables (data pointers of each role, sizes, element offsets, and a block list
-mapping program ids to (tensor, start)), so small tensors do not pay a launch each.
+through per-launch tables (data pointers of each role, sizes, the global index of each tensor's
+first element, stream keys per tensor, and a block list mapping program ids to (tensor, start)),
+so small tensors do not pay a launch each.
 
 The math mirrors :mod:`lowp.optim.kernels.rules` and the write-back of
 :func:`lowp.optim.kernels.step.fused_step` operation by operation (ATen's fused multiply-adds
 included, as ``tl.fma``); ``H`` holds the compiled backend's numbers (``step_numbers``: the
-gradient factor, then the rule's ``hyper``) and ``KEYS`` its random keys, so this kernel and the
-compiled backend draw identical random bits. Runs on CUDA, or on CPU tensors under the Triton
+gradient factor, then the rule's ``hyper``) and ``KEYS`` the stream keys of every tensor
+(``[tensor][stream]``), from which it draws the bits of :mod:`lowp.optim.randomness` on the 64-bit
+global index, like every backend. Runs on CUDA, or on CPU tensors under the Triton
 interpreter (``TRITON_INTERPRET=1``), which the tests use.
 """
 from __future__ import annotations
@@ -35,18 +37,26 @@ def _hash32(x):
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = x * 0x2C1B3C6D
+    x = x * 0x846CA68B
     return x ^ (x >> 16)
 
 
 @triton.jit
-def _stochastic_bf16(x, index, key, HALF: tl.constexpr):
-    noise = _hash32((index ^ key).to(tl.uint32))
-    if HALF:
-        noise = noise >> 16
-    noise = noise & 0xFFFF
-    bits = (x.to(tl.int32, bitcast=True) + noise.to(tl.int32)) & -65536
-    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+def _random16(index, KEYS, STREAM: tl.constexpr):
+    """randomness.random16 of the int64 global ``index`` in stream ``STREAM`` of the tensor whose
+    keys ``KEYS`` points at."""
+    key = tl.load(KEYS + STREAM).to(tl.uint32)
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    return (_hash32(lo ^ key ^ _hash32(hi)) >> 16).to(tl.int32)
+
+
+@triton.jit
+def _stochastic_bf16(x, noise):
+    """fp32 -> bf16 with 16 random bits (lowp.optim.storage): a NaN keeps its top bits, made quiet."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = tl.where(x != x, (bits & -65536) | 0x400000, (bits + noise) & -65536)
+    return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)  # the top halves, NaNs included
 
 
 @triton.jit
@@ -63,9 +73,9 @@ def _round(x, T: tl.constexpr):
 
 @triton.jit
 def _store_state(ptr, x, mask, index, KEYS, J: tl.constexpr, T: tl.constexpr, SR: tl.constexpr):
-    """State ``J``: stochastic rounding with half ``J % 2`` of the hash of key ``2 + J // 2``."""
+    """State ``J``: stochastic rounding with stream ``Stream.STATE + J``."""
     if SR:
-        tl.store(ptr, _stochastic_bf16(x, index, tl.load(KEYS + 2 + J // 2), J % 2), mask=mask)
+        tl.store(ptr, _stochastic_bf16(x, _random16(index, KEYS, 2 + J)), mask=mask)
     else:
         tl.store(ptr, _round(x, T), mask=mask)
 
@@ -132,7 +142,8 @@ def step_kernel(P, G, B, S0, S1, S2, SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, 
     t = tl.load(BLOCK_TENSOR + pid)
     offs = tl.load(BLOCK_START + pid) + tl.arange(0, BLOCK)
     mask = offs < tl.load(SIZES + t)
-    index = tl.load(OFFSETS + t) + offs
+    index = tl.load(OFFSETS + t) + offs.to(tl.int64)
+    keys = KEYS + t * 5  # the tensor's stream keys: weight, compensation, three states
     p_ptr = tl.load(P + t).to(tl.pointer_type(P_T)) + offs
     g_ptr = tl.load(G + t).to(tl.pointer_type(G_T)) + offs
     b_ptr = tl.load(B + t).to(tl.pointer_type(B_T)) + offs
@@ -157,18 +168,18 @@ def step_kernel(P, G, B, S0, S1, S2, SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, 
         s2 = tl.load(s2_ptr, mask=mask).to(tl.float32)
     u, s0, s1, s2 = _rule(w, g, s0, s1, s2, H + 1, RULE, C0, C1, C2)
     if NSTATES > 0:
-        _store_state(s0_ptr, s0, mask, index, KEYS, 0, S0_T, SR0)
+        _store_state(s0_ptr, s0, mask, index, keys, 0, S0_T, SR0)
     if NSTATES > 1:
-        _store_state(s1_ptr, s1, mask, index, KEYS, 1, S1_T, SR1)
+        _store_state(s1_ptr, s1, mask, index, keys, 1, S1_T, SR1)
     if NSTATES > 2:
-        _store_state(s2_ptr, s2, mask, index, KEYS, 2, S2_T, SR2)
+        _store_state(s2_ptr, s2, mask, index, keys, 2, S2_T, SR2)
 
     stalled = tl.zeros([BLOCK], dtype=tl.int32)
     if MODE == 1:
         c = tl.load(b_ptr, mask=mask).to(tl.float32) + u
         new = _round(w + c, P_T)
         change = new.to(tl.float32) - w
-        tl.store(b_ptr, _round(c - change, B_T), mask=mask)
+        tl.store(b_ptr, _stochastic_bf16(c - change, _random16(index, keys, 1)), mask=mask)
         stalled = ((change == 0) & mask).to(tl.int32)
     elif MODE == 3:
         bits = (w + u).to(tl.int32, bitcast=True)
@@ -177,7 +188,7 @@ def step_kernel(P, G, B, S0, S1, S2, SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, 
         new = top.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         if MODE == 2:
-            new = _stochastic_bf16(w + u, index, tl.load(KEYS + 1), 0)
+            new = _stochastic_bf16(w + u, _random16(index, keys, 0))
         else:
             new = _round(w + u, P_T)
         stalled = ((new.to(tl.float32) == w) & mask).to(tl.int32)

@@ -6,7 +6,7 @@
 // run-time branches on them. The math mirrors lowp/optim/kernels/rules.py and step.py rounding
 // by rounding (explicit fused multiply-adds where ATen's CPU kernels use them, correctly
 // rounded sqrt and true divisions), so results are bit-identical to the foreach reference, and
-// stochastic rounding draws the same counter-based bits as the compiled and Triton backends.
+// stochastic rounding draws the counter-based bits of lowp/optim/randomness.py, as every backend.
 //
 // Layout trick: 16 elements are processed at a time as two fp32 vectors, the even-indexed
 // elements ("lo") and the odd-indexed ones ("hi"). A bf16 block of 16 is one 32-byte load; its
@@ -146,8 +146,14 @@ static inline vf round_bf16(vf x) {
   return nan_guard(x, (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
 }
 
-// fp32 -> bf16 with stochastic rounding: add 16 random bits to the pattern and truncate.
-static inline vf stochastic_bf16(vf x, vu noise) { return nan_guard(x, ((vu)x + noise) & 0xFFFF0000u); }
+// fp32 -> bf16 with stochastic rounding: add 16 random bits to the pattern and truncate. A NaN
+// keeps its sign and top payload bits with the quiet bit set (lowp/optim/storage.py); without the
+// guard (all-bf16 variants) every NaN already is such a value, which the rounding leaves alone.
+static inline vf stochastic_bf16(vf x, vu noise) {
+  vu rounded = ((vu)x + noise) & 0xFFFF0000u;
+  if constexpr (NAN_GUARD) return (vf)((x != x) ? (((vu)x & 0xFFFF0000u) | 0x00400000u) : rounded);
+  else return (vf)rounded;
+}
 
 static inline vf round_f16(vf x) {
   return (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -196,13 +202,24 @@ template <int DT> static inline void store(void *base, int64_t i, vf lo, vf hi) 
   }
 }
 
-// ---- counter-based random bits (same as lowp.optim.kernels.step.hash32) ------------------------
-static inline vu hash32(vu x) {
+// ---- counter-based random bits (lowp/optim/randomness.py) ---------------------------------------
+// random16(i, key) = hash32(lo32(i) ^ key ^ hash32(hi32(i))) >> 16. The key with the high half
+// folded in is computed per block on the host side of the vectors (scalar_hash32); hash32's last
+// xor-shift leaves the top 16 bits alone, so random16 skips it.
+static inline uint32_t scalar_hash32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
-  x *= 0x2C1B3C6Du;
+  x *= 0x846CA68Bu;
   return x ^ (x >> 16);
+}
+
+static inline vu random16(vu x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x >> 16;
 }
 
 // ---- the optimizer rules (lowp/optim/kernels/rules.py; ``r`` is h[1:]) -------------------------
@@ -293,15 +310,71 @@ struct Pointers {
   void *w, *g, *b, *s[3];
 };
 
-struct Keys {
-  vu weight, state[2];
+// Streams of lowp.optim.randomness.Stream: the weight's, the compensation's, then one per state.
+enum StreamId { WEIGHT_STREAM = 0, COMPENSATION_STREAM = 1, STATE_STREAM = 2, STREAMS = 5 };
+
+// The random streams of one block of 16 elements: the low 32 bits of the global index of the
+// even and odd lanes, and per stream the key with the high 32 bits folded in (per lane: a block
+// may straddle a multiple of 2^32).
+struct Rng {
+  vu lo[2];
+  vu key[2][STREAMS];
+  template <int S> inline vu bits(int h) const { return random16(lo[h] ^ key[h][S]); }
 };
 
-// The stored value of a new state: stochastic rounding for bf16 states when asked, else nearest.
-template <int DT> static inline vf state_value(vf x, vu noise) {
-  if constexpr (DT == BF16 && SR) return stochastic_bf16(x, noise);
-  else if constexpr (DT == F16 && SR) return stochastic_f16(x, noise);
-  else return round_to<DT>(x);
+// Which streams a variant draws from (the others' keys are never formed).
+constexpr bool USED[STREAMS] = {MODE == STOCHASTIC, MODE == KAHAN && BT != F32,
+                                SR && NSTATES > 0 && ST[0] != F32, SR && NSTATES > 1 && ST[1] != F32,
+                                SR && NSTATES > 2 && ST[2] != F32};
+
+// The streams of one tensor: its keys (stream_key per stream) and, cached for the current high
+// 32 bits ``hi`` of the index, the folded keys for ``hi`` and ``hi + 1``.
+struct TensorStreams {
+  const uint32_t *keys;
+  uint64_t hi = ~0ull;
+  uint32_t k0[STREAMS] = {}, k1[STREAMS] = {};
+
+  // The Rng of the block whose element 0 has global index ``first``.
+  inline Rng at(uint64_t first) {
+    if ((first >> 32) != hi) {
+      hi = first >> 32;
+      for (int s = 0; s < STREAMS; s++)
+        if (USED[s]) {
+          k0[s] = keys[s] ^ scalar_hash32((uint32_t)hi);
+          k1[s] = keys[s] ^ scalar_hash32((uint32_t)(hi + 1));
+        }
+    }
+    const uint32_t lo = (uint32_t)first;
+    const vu even = {0, 2, 4, 6, 8, 10, 12, 14};
+    Rng r;
+    r.lo[0] = even + lo;
+    r.lo[1] = even + (lo + 1u);
+    if (__builtin_expect(lo <= 0xFFFFFFF0u, 1)) {  // the block stays below the next multiple of 2^32
+      for (int h = 0; h < 2; h++)
+        for (int s = 0; s < STREAMS; s++)
+          if (USED[s]) r.key[h][s] = bcu(k0[s]);
+      return r;
+    }
+    for (int h = 0; h < 2; h++) {
+      const vu wrapped = (vu)(r.lo[h] < bcu(lo));  // lanes past a multiple of 2^32
+      for (int s = 0; s < STREAMS; s++)
+        if (USED[s]) r.key[h][s] = bcu(k0[s]) ^ (wrapped & bcu(k0[s] ^ k1[s]));
+    }
+    return r;
+  }
+};
+
+// ``x`` rounded stochastically to DT with 16 random bits (a plain fp32 value stays itself).
+template <int DT> static inline vf stochastic_to(vf x, vu noise) {
+  if constexpr (DT == BF16) return stochastic_bf16(x, noise);
+  else if constexpr (DT == F16) return stochastic_f16(x, noise);
+  else return x;
+}
+
+// The stored value of new state J: stochastic rounding for 16-bit states when asked, else nearest.
+template <int J> static inline vf state_value(vf x, const Rng &rng, int h) {
+  if constexpr (SR && ST[J] != F32) return stochastic_to<ST[J]>(x, rng.bits<STATE_STREAM + J>(h));
+  else return round_to<ST[J]>(x);
 }
 
 // The weight of 16 elements as (even, odd) fp32 vectors; in exact mode the bf16 weight plus its
@@ -319,9 +392,8 @@ static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
 }
 
 // Pass 1 over 16 elements: load, rule, state stores; returns the update ``u`` (even, odd).
-// ``index`` holds the global element index of the even lanes (the random streams' counter).
-static inline void update_block(const Pointers &p, int64_t i, const Numbers &n, const vf &factor, const Keys &k,
-                                vu index, vf u[2]) {
+static inline void update_block(const Pointers &p, int64_t i, const Numbers &n, const vf &factor, const Rng &rng,
+                                vf u[2]) {
   vf w[2], g[2], s[2][3], out[2][3];
   load<GT>(p.g, i, g[0], g[1]);
   load_weight(p, i, w);
@@ -330,21 +402,12 @@ static inline void update_block(const Pointers &p, int64_t i, const Numbers &n, 
   if constexpr (NSTATES > 2) load<ST[2]>(p.s[2], i, s[0][2], s[1][2]);
   for (int h = 0; h < 2; h++) u[h] = rule(n, w[h], g[h] * factor, s[h], out[h]);
 
-  // state j draws half j % 2 of hash(index ^ key[j / 2]) when stochastically rounded
-  vu noise[2][2] = {};
-  if constexpr (SR && NSTATES > 0)
-    for (int h = 0; h < 2; h++)
-      for (int q = 0; q < (NSTATES + 1) / 2; q++) noise[h][q] = hash32((index + (uint32_t)h) ^ k.state[q]);
-  auto half_bits = [](vu r, int j) { return (j % 2) ? (r >> 16) : (r & 0xFFFFu); };
   if constexpr (NSTATES > 0)
-    store<ST[0]>(p.s[0], i, state_value<ST[0]>(out[0][0], half_bits(noise[0][0], 0)),
-                 state_value<ST[0]>(out[1][0], half_bits(noise[1][0], 0)));
+    store<ST[0]>(p.s[0], i, state_value<0>(out[0][0], rng, 0), state_value<0>(out[1][0], rng, 1));
   if constexpr (NSTATES > 1)
-    store<ST[1]>(p.s[1], i, state_value<ST[1]>(out[0][1], half_bits(noise[0][0], 1)),
-                 state_value<ST[1]>(out[1][1], half_bits(noise[1][0], 1)));
+    store<ST[1]>(p.s[1], i, state_value<1>(out[0][1], rng, 0), state_value<1>(out[1][1], rng, 1));
   if constexpr (NSTATES > 2)
-    store<ST[2]>(p.s[2], i, state_value<ST[2]>(out[0][2], half_bits(noise[0][1], 0)),
-                 state_value<ST[2]>(out[1][2], half_bits(noise[1][1], 0)));
+    store<ST[2]>(p.s[2], i, state_value<2>(out[0][2], rng, 0), state_value<2>(out[1][2], rng, 1));
 }
 
 // StableAdamW's pre-pass over 16 elements: the sum of g^2 / max(v_hat, eps^2) over the valid
@@ -368,7 +431,7 @@ static inline double stable_block(const Pointers &p, int64_t i, const Numbers &n
 // its stored weight did not change (the update was lost to rounding, or zero), as in
 // lowp/optim/writeback.py; ``valid`` marks the lanes inside the tensor (all but a tail block's
 // padding), the only ones that may count; a stalled lane adds -1 to ``stalled``.
-static inline void write_back_block(const Pointers &p, int64_t i, const Keys &k, vu index, const vf u[2],
+static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng, const vf u[2],
                                     const vi *valid, vi &stalled) {
   vf w[2], neww[2];
   vi still[2];
@@ -380,7 +443,7 @@ static inline void write_back_block(const Pointers &p, int64_t i, const Keys &k,
       vf v = b[h] + u[h];
       neww[h] = round_to<WT>(w[h] + v);
       vf change = neww[h] - w[h];
-      newb[h] = round_to<BT>(v - change);
+      newb[h] = stochastic_to<BT>(v - change, rng.bits<COMPENSATION_STREAM>(h));
       still[h] = change == 0.0f;
     }
     store<BT>(p.b, i, newb[0], newb[1]);
@@ -397,10 +460,8 @@ static inline void write_back_block(const Pointers &p, int64_t i, const Keys &k,
     memcpy((uint16_t *)p.b + i, &pr, 32);
   } else {
     for (int h = 0; h < 2; h++) {
-      if constexpr (MODE == STOCHASTIC && WT == F16)
-        neww[h] = stochastic_f16(w[h] + u[h], hash32((index + (uint32_t)h) ^ k.weight) & 0xFFFFu);
-      else if constexpr (MODE == STOCHASTIC)
-        neww[h] = stochastic_bf16(w[h] + u[h], hash32((index + (uint32_t)h) ^ k.weight) & 0xFFFFu);
+      if constexpr (MODE == STOCHASTIC)
+        neww[h] = stochastic_to<WT>(w[h] + u[h], rng.bits<WEIGHT_STREAM>(h));
       else
         neww[h] = round_to<WT>(w[h] + u[h]);
       still[h] = neww[h] == w[h];
@@ -424,10 +485,10 @@ struct Task {
   void *const *ptrs;       // [role][tensor]: weight, grad, buffer, state 0..2
   const int64_t *numel;    // [tensor]
   const int64_t *offset;   // [tensor] global index of element 0 (random streams)
+  const uint32_t *keys;    // [tensor][stream] stream keys
   std::vector<int64_t> first_unit;  // [tensor + 1] cumulative unit counts
   Numbers n;
   float factor;
-  Keys k;
   std::atomic<int64_t> next{0};
   std::vector<float> tensor_step, tensor_decay;  // StableAdamW: -lr_t / bc1 and -lr_t * wd per tensor
 };
@@ -500,7 +561,6 @@ static void stable_scales(Task &t, const std::vector<double> &partial) {
 static int64_t work(Task *t) {
   const vi *valid = ALL_VALID;
   const vf factor = bc(t->factor);
-  const vu lanes = {0, 2, 4, 6, 8, 10, 12, 14};
   int64_t total = 0, tensor = 0, units = t->first_unit[t->tensors];
   Numbers n = t->n;
   for (int64_t unit; (unit = t->next.fetch_add(1)) < units;) {
@@ -514,34 +574,39 @@ static int64_t work(Task *t) {
     }
     vi stalled = {};
     int64_t i = start;
-    vu index = lanes + (uint32_t)(t->offset[tensor] + start);
+    TensorStreams streams{t->keys + tensor * STREAMS};
+    const uint64_t base = (uint64_t)t->offset[tensor];  // global index of local element 0
     // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
     // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
-    for (; i + GROUP <= end; i += GROUP, index += (uint32_t)GROUP) {
+    for (; i + GROUP <= end; i += GROUP) {
       vf u[GROUP / 16][2];
       for (int64_t j = 0; j < GROUP; j += 16)
-        update_block(p, i + j, n, factor, t->k, index + (uint32_t)j, u[j / 16]);
+        update_block(p, i + j, n, factor, streams.at(base + i + j), u[j / 16]);
       for (int64_t j = 0; j < GROUP; j += 16)
-        write_back_block(p, i + j, t->k, index + (uint32_t)j, u[j / 16], valid, stalled);
+        write_back_block(p, i + j, streams.at(base + i + j), u[j / 16], valid, stalled);
     }
-    for (; i + 16 <= end; i += 16, index += 16u) {
+    for (; i + 16 <= end; i += 16) {
       vf u[2];
-      update_block(p, i, n, factor, t->k, index, u);
-      write_back_block(p, i, t->k, index, u, valid, stalled);
+      const Rng rng = streams.at(base + i);
+      update_block(p, i, n, factor, rng, u);
+      write_back_block(p, i, rng, u, valid, stalled);
     }
     if (i < end)
       tail<true>(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
         vf u[2];
-        update_block(q, 0, n, factor, t->k, index, u);
-        write_back_block(q, 0, t->k, index, u, lanes_valid, stalled);
+        const Rng rng = streams.at(base + i);
+        update_block(q, 0, n, factor, rng, u);
+        write_back_block(q, 0, rng, u, lanes_valid, stalled);
       });
     for (int l = 0; l < 8; l++) total -= stalled[l];
   }
   return total;
 }
 
+// ``offset[j]``: global element index of tensor j's element 0 (its elements are a contiguous
+// range of the parameter); ``keys[j * 5 + s]``: stream_key of stream s of tensor j.
 extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
-                             const double *h, const int32_t *keys, int threads) {
+                             const double *h, const uint32_t *keys, int threads) {
   Task t;
   t.tensors = tensors;
   t.ptrs = ptrs;
@@ -551,9 +616,7 @@ extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *
   for (int64_t j = 0; j < tensors; j++) t.first_unit[j + 1] = t.first_unit[j] + (numel[j] + UNIT - 1) / UNIT;
   t.factor = (float)h[0];
   t.n.set(h + 1);
-  t.k.weight = bcu((uint32_t)keys[1]);
-  t.k.state[0] = bcu((uint32_t)keys[2]);
-  t.k.state[1] = bcu((uint32_t)keys[3]);
+  t.keys = keys;
   int64_t units = t.first_unit[tensors], total = 0;
   int n = threads < 1 ? 1 : (threads > units ? (int)units : threads);
   if (n < 1) n = 1;
