@@ -28,10 +28,15 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "AdamW": (lo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "SGD": (lo.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     "Lion": (lo.Lion, dict(lr=1e-3, weight_decay=0.1)),
+    "Adam": (lo.Adam, dict(lr=1e-2, weight_decay=0.01, amsgrad=True)),
+    "RAdam": (lo.RAdam, dict(lr=1e-2, weight_decay=0.1)),
+    "StableAdamW": (lo.StableAdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "Adafactor": (lo.Adafactor, dict(lr=1e-2)),
 }
 MODES = ("kahan", "stochastic", "exact", "nearest")
 #: names an error message may point at
-ARGUMENTS = ("params", "grad", "states", "exp_avg", "exp_avg_sq", "momentum_buffer", "compensation", "remainder")
+ARGUMENTS = ("params", "grad", "states", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "row_var",
+             "col_var", "variance", "compensation", "remainder")
 
 
 @dataclass
@@ -365,6 +370,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
 
 
+def within_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Floating-point values two units of their dtype's last place apart, relative to the largest
+    value of the tensor (a Kahan buffer holds what the weight could not: a weight one ulp off moves
+    it by about that much); remainders within 256 fp32 ulps; other tensors bit for bit."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.int16:   # an exact-mode remainder: the low 16 bits of the fp32 master weight
+        return bool(((a.int() - b.int()).abs() <= 256).all())
+    if not a.is_floating_point():
+        return same_bits(a, b)
+    scale = float(b.double().abs().nan_to_num(posinf=0, neginf=0).max()) if b.numel() else 0.0
+    return bool(torch.isclose(a.double(), b.double(), rtol=0, atol=2 * torch.finfo(a.dtype).eps * scale,
+                              equal_nan=True).all())
+
+
 def within_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
     """bf16 values one step apart at most (stochastic rounding picks either neighbour)."""
     if a.dtype != torch.bfloat16:
@@ -417,7 +437,9 @@ def judge(optimizer: str, mode: str, case: str, backend: str) -> str:
     ref_outcome, ref = run(optimizer, mode, case, "foreach")
     assert ref_outcome == "worked", f"the reference raised {ref[0]!r} where {backend} worked"
     assert len(ref) == len(value), "different state entries"
-    compare = within_one_ulp if mode == "stochastic" else same_bits
+    # StableAdamW's RMS clip takes an fp64 sum in the kernel and torch's fp32 mean in the
+    # reference: its learning rate may differ in the last bits (docs/fused.md)
+    compare = within_one_ulp if mode == "stochastic" else within_rounding if optimizer == "StableAdamW" else same_bits
     for i, (a, b) in enumerate(zip(value, ref)):
         if readable(a):
             assert compare(a, b), f"tensor {i} differs from the reference"

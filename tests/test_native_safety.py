@@ -38,7 +38,10 @@ native = pytest.mark.skipif(not native_available(),
                             reason="the native kernel needs x86-64 with AVX2 and a C++ compiler")
 
 #: each write-back mode and each optimizer at least once (Lion + kahan: the NaN case of the sign)
-DEFAULT = [("AdamW", "kahan"), ("SGD", "exact"), ("Lion", "kahan"), ("Lion", "stochastic"), ("SGD", "nearest")]
+DEFAULT = [("AdamW", "kahan"), ("SGD", "exact"), ("Lion", "kahan"), ("Lion", "stochastic"), ("SGD", "nearest"),
+           ("Adam", "exact"), ("RAdam", "stochastic"), ("StableAdamW", "kahan"), ("Adafactor", "kahan")]
+#: the reference backends on the same odd inputs (they must not crash either, and must be atomic)
+REFERENCE = [("AdamW", "stochastic"), ("Adafactor", "exact"), ("SGD", "kahan")]
 #: compiled-backend cases refused before anything compiles (torch.compile takes 10-40 s a variant)
 COMPILED_QUICK = ["grad_smaller", "grad_reshaped", "expanded_param", "grad_fp64"]
 #: the compiled backend's cases that compile (slow)
@@ -73,14 +76,17 @@ def matrix(backend: str, combos, cases) -> list[str]:
 def test_fuzz_native_and_compiled_in_one_child():
     """Every case for five optimizer x mode pairs on the native backend, and the compiled
     backend's cases that are refused before anything compiles: one child process."""
-    run_cases(matrix("native", DEFAULT, CASES) + matrix("compiled", [("AdamW", "kahan")], COMPILED_QUICK))
+    run_cases(matrix("native", DEFAULT, CASES) + matrix("compiled", [("AdamW", "kahan")], COMPILED_QUICK)
+              + matrix("eager", REFERENCE, CASES))
 
 
 @native
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_fuzz_native_full_matrix(optimizer):
-    run_cases(matrix("native", [(optimizer, mode) for mode in ALL_MODES], CASES))
+def test_fuzz_full_matrix(optimizer):
+    """Every optimizer x mode x CPU backend without compilation x case."""
+    combos = [(optimizer, mode) for mode in ALL_MODES]
+    run_cases(matrix("native", combos, CASES) + matrix("foreach", combos, CASES) + matrix("eager", combos, CASES))
 
 
 @pytest.mark.slow

@@ -105,13 +105,18 @@ class Backend(ABC):
         """Apply the step to every slice; return the stalled-element count (or ``None``)."""
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
-        """Per gradient: True when it holds no NaN or infinity. One ``aminmax`` pass per tensor
-        (NaN propagates to both, an infinity shows in one) and one host sync for all of them."""
-        if not grads:
-            return []
-        extremes = torch.stack([torch.stack(torch.aminmax(g)).float() if g.numel() else torch.zeros(2)
-                                for g in grads])
-        return torch.isfinite(extremes).all(dim=1).tolist()
+        """Per gradient: True when it holds no NaN or infinity. One ``aminmax`` pass per plain
+        tensor (NaN propagates to both, an infinity shows in one) and one host sync for all of them;
+        a tensor subclass (e.g. a DTensor shard's wrapper) is checked by its own ``isfinite``."""
+        plain = [i for i, g in enumerate(grads) if type(g) in (torch.Tensor, torch.nn.Parameter)]
+        flags = [bool(torch.isfinite(g).all()) if type(g) not in (torch.Tensor, torch.nn.Parameter) else True
+                 for g in grads]
+        if plain:
+            extremes = torch.stack([torch.stack(torch.aminmax(grads[i])).float() if grads[i].numel() else torch.zeros(2)
+                                    for i in plain])
+            for i, ok in zip(plain, torch.isfinite(extremes).all(dim=1).tolist()):
+                flags[i] = ok
+        return flags
 
     def pieces(self, optimizer: "LowpOptimizer", slices: list[ParamSlice]) -> Iterator[ParamSlice]:
         """The slices, cut into chunks when the optimizer's update is elementwise."""

@@ -263,6 +263,10 @@ class LowpOptimizer(torch.optim.Optimizer):
             resolve_mode(merged["mode"], p)
             if sharding.is_dtensor(p):
                 sharding.check_placements(p)
+            elif isinstance(p, torch.Tensor) and type(p) not in (torch.Tensor, torch.nn.Parameter):
+                raise TypeError(f"params[{i}]: a {type(p).__name__}; lowp optimizers take plain tensors, "
+                                f"nn.Parameter and DTensor (FSDP2, tensor parallel), whose arithmetic they know")
+        preflight.check_disjoint([q for g in self.param_groups for q in g["params"]] + params)
         super().add_param_group({**param_group, "params": params})
 
     # ---- state ----------------------------------------------------------------------------

@@ -13,11 +13,54 @@ from typing import Any
 import torch
 
 __all__ = ["SEED_LIMIT", "FLOAT_DTYPES", "check_flag", "check_seed", "check_param", "check_grad", "step_count",
-           "check_tensor", "check_count"]
+           "check_tensor", "check_count", "check_disjoint", "extent", "storage_fits"]
 
 #: Seeds are 64-bit: ``seed`` must lie in ``[0, SEED_LIMIT)``.
 SEED_LIMIT = 1 << 64
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def extent(t: torch.Tensor, contiguous: bool) -> int:
+    """Elements from the first to one past the last one non-empty ``t`` addresses."""
+    if contiguous:
+        return t.numel()
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def storage_fits(t: torch.Tensor) -> bool:
+    """Whether the storage of plain ``t`` holds every element ``t`` addresses: ``(offset +
+    extent) * itemsize <= nbytes`` (a freed storage has 0 bytes; torch's own kernels would read
+    or write past it, or crash)."""
+    if t.numel() == 0:
+        return True
+    return (t.storage_offset() + extent(t, t.is_contiguous())) * t.element_size() <= t.untyped_storage().nbytes()
+
+
+def _plain_strided(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_meta
+
+
+def _check_storage(t: torch.Tensor, where: str) -> None:
+    if _plain_strided(t) and not storage_fits(t):
+        raise ValueError(f"{where}: its storage holds {t.untyped_storage().nbytes()} bytes, fewer than its shape "
+                         f"{tuple(t.shape)} addresses (was the storage freed or resized?)")
+
+
+def check_disjoint(params: list[torch.Tensor], where: str = "params") -> None:
+    """Distinct parameters must not share memory: a step would write the shared elements twice,
+    with a result that depends on the order of the writes (torch.optim leaves this undefined).
+    The same tensor twice is left to torch's own check of parameter groups."""
+    spans = []
+    for i, p in enumerate(params):
+        if _plain_strided(p) and p.numel() and storage_fits(p):
+            start = p.data_ptr()
+            spans.append((start, start + extent(p, p.is_contiguous()) * p.element_size(), i, p))
+    spans.sort(key=lambda span: span[:2])
+    for (_, end, i, a), (start, _, j, b) in zip(spans, spans[1:]):
+        if start < end and a is not b:
+            i, j = sorted((i, j))
+            raise ValueError(f"{where}[{i}] and {where}[{j}]: distinct parameters share memory (overlapping views "
+                             f"of one tensor); give the optimizer tensors that own their elements, or one tensor")
 
 
 def check_flag(name: str, value: Any, allow_none: bool = False) -> None:
@@ -54,6 +97,7 @@ def check_param(p: Any, where: str) -> None:
                         f"{getattr(p, 'dtype', type(p).__name__)}")
     if p.layout != torch.strided:
         raise TypeError(f"{where}: expected a dense (strided) tensor, got layout {p.layout}")
+    _check_storage(p, where)
     if not p.is_contiguous() and torch._debug_has_internal_overlap(p) == 1:
         raise ValueError(f"{where}: its elements overlap in memory (an expanded or stride-0 view, strides "
                          f"{p.stride()}); pass a tensor that owns its elements, e.g. p.clone()")
@@ -74,6 +118,7 @@ def check_grad(p: torch.Tensor, g: Any, where: str) -> None:
                          f"torch.float32")
     if g.device != p.device:
         raise ValueError(f"grad of {where}: on {g.device}, the parameter is on {p.device}")
+    _check_storage(g, f"grad of {where}")
 
 
 def step_count(value: Any, where: str) -> int:
@@ -95,7 +140,8 @@ def check_tensor(t: Any, where: str, shape: torch.Size, dtypes: tuple[torch.dtyp
     """``t`` (entry ``key`` of ``where``, when given) is a dense tensor of ``shape`` on
     ``device`` with one of ``dtypes``, whose elements do not overlap in memory."""
     if isinstance(t, torch.Tensor) and t.shape == shape and t.dtype in dtypes and t.device == device \
-            and t.layout == torch.strided and (t.is_contiguous() or torch._debug_has_internal_overlap(t) != 1):
+            and t.layout == torch.strided and (t.is_contiguous() or torch._debug_has_internal_overlap(t) != 1) \
+            and (not _plain_strided(t) or storage_fits(t)):
         return
     where = where if key is None else f"{where}[{key!r}]"
     if not isinstance(t, torch.Tensor):
@@ -106,4 +152,5 @@ def check_tensor(t: Any, where: str, shape: torch.Size, dtypes: tuple[torch.dtyp
         raise ValueError(f"{where}: dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
     if t.device != device:
         raise ValueError(f"{where}: on {t.device}, expected {device}")
+    _check_storage(t, where)
     raise ValueError(f"{where}: expected a dense tensor whose elements do not overlap in memory")

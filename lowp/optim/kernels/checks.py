@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 import torch
 
 from lowp.optim.backends import ParamSlice, StepContext
+from lowp.optim.preflight import extent as _extent, storage_fits
 
 __all__ = ["PLAIN_TYPES", "Span", "plain", "storage_fits", "kernel_memory", "check_slice", "check_kernel_args",
            "overlapping"]
@@ -47,22 +48,6 @@ def plain(t: torch.Tensor) -> bool:
     mkldnn or nested layout, no lazy negation or conjugation bit."""
     return (type(t) in PLAIN_TYPES and t.layout is _STRIDED and not t.is_nested and not t.is_neg()
             and not t.is_conj())
-
-
-def _extent(t: torch.Tensor, contiguous: bool) -> int:
-    """Elements from the first to one past the last one non-empty ``t`` addresses."""
-    if contiguous:
-        return t.numel()
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-
-
-def storage_fits(t: torch.Tensor) -> bool:
-    """Whether the storage of plain ``t`` holds every element ``t`` addresses: ``(offset +
-    extent) * itemsize <= nbytes`` (a freed storage has 0 bytes)."""
-    if t.numel() == 0:
-        return True
-    extent = _extent(t, t.is_contiguous())
-    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
 
 
 def kernel_memory(t: torch.Tensor, dtypes: Sequence[torch.dtype]) -> bool:
