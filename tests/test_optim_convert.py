@@ -30,7 +30,7 @@ def test_cast_model_keeps_norm_layers_and_named_modules_in_fp32():
     net = cast_model(_Net(), torch.bfloat16)
     assert net.fc.weight.dtype == net.head.bias.dtype == torch.bfloat16
     assert net.norm.weight.dtype == net.rotary_emb.weight.dtype == torch.float32
-    everything = cast_model(_Net(), torch.float16, keep_types=(), keep_names=(), keep_norms=False)
+    everything = cast_model(_Net(), torch.float16, keep_types=(), keep_names=())
     assert all(p.dtype == torch.float16 for p in everything.parameters())
     with pytest.raises(ValueError, match="dtype"):
         cast_model(_Net(), torch.int8)
@@ -46,7 +46,7 @@ def test_fp32_checkpoint_moves_into_bf16_and_back(mode):
     torch_opt.step()
     masters = [p.detach().clone() for p in fp32.parameters()]
 
-    low = cast_model(_Net(), torch.bfloat16, keep_types=(), keep_names=(), keep_norms=False)
+    low = cast_model(_Net(), torch.bfloat16, keep_types=(), keep_names=())
     opt = lo.AdamW(low.parameters(), lr=1e-2, mode=mode, state_dtype=torch.float32)
     load_full_precision(opt, masters, torch_opt.state_dict())
     held = full_precision_weights(opt)

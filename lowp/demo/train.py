@@ -94,8 +94,7 @@ def train_run(name: str, data: TextData, cfg: DemoConfig, progress=None) -> RunR
     torch.manual_seed(cfg.seed)
     model = CharLM(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq_len=cfg.seq_len)
     if dtype != torch.float32:
-        cast_model(model, dtype, keep_types=KEEP_FP32_TYPES if cfg.keep_norms_fp32 else (), keep_names=(),
-                   keep_norms=cfg.keep_norms_fp32)
+        cast_model(model, dtype, keep_types=KEEP_FP32_TYPES if cfg.keep_norms_fp32 else (), keep_names=())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "pos"]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "pos")]
     opt = AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.99),

@@ -97,10 +97,11 @@ def _make_dtype_safe(module: nn.Module) -> None:
 
 def cast_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16, *,
                keep_types: tuple[type, ...] = KEEP_FP32_TYPES, keep_names: Iterable[str] = KEEP_FP32_NAMES,
-               keep_norms: bool = True) -> nn.Module:
+               keep_norms: bool | None = None) -> nn.Module:
     """Cast floating-point parameters and buffers of ``model`` to ``dtype`` in place, except in
     modules that are instances of ``keep_types``, normalization layers of any library when
-    ``keep_norms`` (:func:`is_norm_layer`), or whose qualified name contains one of
+    ``keep_norms`` (:func:`is_norm_layer`; ``None``: when ``keep_types`` is left at its default,
+    so ``keep_types=()`` still casts everything), or whose qualified name contains one of
     ``keep_names`` (case-insensitive); those, and everything inside them, stay fp32.
 
     A kept module whose forward would mix dtypes (e.g. Hugging Face's ``LlamaRMSNorm`` returns
@@ -110,7 +111,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16, *,
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
     names = tuple(s.lower() for s in keep_names)
-    kept = [(n, m) for n, m in model.named_modules() if n and _kept(n, m, keep_types, names, keep_norms)]
+    norms = keep_types is KEEP_FP32_TYPES if keep_norms is None else bool(keep_norms)
+    kept = [(n, m) for n, m in model.named_modules() if n and _kept(n, m, keep_types, names, norms)]
     outermost = [(n, m) for n, m in kept if not any(n.startswith(k + ".") for k, _ in kept)]
     prefixes = [n for n, _ in outermost]
     for name, module in model.named_modules():
