@@ -21,6 +21,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallbac
 from lowp.optim import AdamW  # noqa: E402
 from lowp.optim.convert import cast_model  # noqa: E402
 from lowp.threads import single_thread  # noqa: E402
+from nested_equal import assert_nested_equal  # noqa: E402
 
 STEPS, SAVE_AT, BATCH, MAX_GRAD_NORM = 16, 6, 4, 0.5
 #: Resumed bit-identically; "stochastic" included because its random bits come from the
@@ -111,22 +112,6 @@ def trained(tmp_path_factory):
     return runs
 
 
-def _assert_state_dicts_equal(a: dict, b: dict, where: str = "") -> None:
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_state_dicts_equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_state_dicts_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_loss_goes_down(trained, mode):
     losses = list(trained[mode].losses().values())
@@ -166,8 +151,8 @@ def test_resume_is_bit_identical(trained, mode):
     assert resumed.losses() == full.losses()                   # its history up to SAVE_AT comes from it
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    _assert_state_dicts_equal(full.optimizer.state_dict(), resumed.optimizer.state_dict())
-    _assert_state_dicts_equal(full.trainer.lr_scheduler.state_dict(), resumed.trainer.lr_scheduler.state_dict())
+    assert_nested_equal(full.optimizer.state_dict(), resumed.optimizer.state_dict())
+    assert_nested_equal(full.trainer.lr_scheduler.state_dict(), resumed.trainer.lr_scheduler.state_dict())
 
 
 def test_max_grad_norm_clips_bf16_gradients(trained):

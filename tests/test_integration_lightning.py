@@ -22,6 +22,7 @@ from lowp.optim import AdamW  # noqa: E402
 from lowp.optim.clip import clip_grad_norm_, grad_norm  # noqa: E402
 from lowp.optim.convert import cast_model  # noqa: E402
 from lowp.threads import single_thread  # noqa: E402
+from nested_equal import assert_nested_equal  # noqa: E402
 
 BATCHES, EPOCHS, RESUME_EPOCH = 6, 4, 1     # 6 steps an epoch; resumed from the end of epoch 1
 STEPS = BATCHES * EPOCHS
@@ -133,22 +134,6 @@ def trained(tmp_path_factory):
     return runs
 
 
-def _assert_equal(a, b, where: str = "") -> None:
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
-
-
 def _epoch_means(losses: list[float]) -> list[float]:
     return [sum(losses[i:i + BATCHES]) / BATCHES for i in range(0, len(losses), BATCHES)]
 
@@ -192,7 +177,7 @@ def test_resume_is_bit_identical(trained, mode):
     assert resumed.module.losses == full.module.losses[done:]
     for (name, a), b in zip(full.module.named_parameters(), resumed.module.parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    _assert_equal(full.optimizer().state_dict(), resumed.optimizer().state_dict())
+    assert_nested_equal(full.optimizer().state_dict(), resumed.optimizer().state_dict())
 
 
 def test_bf16_true_casts_the_norms_unless_the_plugin_keeps_them(trained):
