@@ -95,7 +95,7 @@ def default_state_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     underflows to zero and the step ``m / (sqrt(v) + eps)`` blows up; bf16 has fp32's range at the
     same two bytes, and stochastic rounding keeps its 8-bit significand unbiased (measured on the
     demo model: fp16 weights with fp16 states end 56% above fp32's validation loss, with bf16
-    states 0.1% below; docs/optimizers.md)."""
+    states within 0.1% of it; docs/optimizers.md)."""
     return torch.bfloat16 if weight_dtype == torch.float16 else weight_dtype
 
 
