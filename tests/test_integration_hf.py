@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install '.[test]')")
+import accelerate  # noqa: E402,F401  transformers.Trainer needs it
 from torch.utils.data import Dataset  # noqa: E402
 from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,  # noqa: E402
                           TrainingArguments, get_linear_schedule_with_warmup)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-L = pytest.importorskip("lightning", reason="pip install '.[test]' installs lightning")
+import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins import HalfPrecision, MixedPrecision  # noqa: E402
 

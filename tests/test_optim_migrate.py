@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import optimi
 import pytest
 import torch
 
@@ -13,7 +14,6 @@ from lowp.optim.convert import full_precision_state_dict, full_precision_weights
 from lowp.optim.migrate import to_torch_state_dict
 from lowp.threads import single_thread
 
-optimi = pytest.importorskip("optimi")
 
 
 @pytest.fixture(autouse=True)
