@@ -90,7 +90,8 @@ def _case_id(case) -> str:
     return f"{layout}-{name}-{mode}-{backend}" + (f"-nan-{nonfinite}" if nan_at else "")
 
 
-def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[torch.Tensor], want: torch.Tensor) -> None:
+def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[torch.Tensor],
+                            want: torch.Tensor) -> None:
     """Where the elements of a sharded run went, per rank ``(fused, reference)`` element-steps,
     against the single-process run's ``want``: FSDP shards (contiguous rows) split the same
     elements over the ranks, replicated ranks and per-tensor optimizers (gathered full tensors)
