@@ -33,8 +33,24 @@ def correctly_rounded_sqrt() -> Iterator[None]:
         torch._foreach_sqrt = original
 
 
+#: backends with kernels, whose instances count ``fused_elements`` and ``reference_elements``
+FUSED_BACKENDS = ("compiled", "native", "triton")
+
+
+def assert_fused(opt: Any, elements: int, fused: bool = True) -> None:
+    """``opt``'s backend sent exactly ``elements`` element-steps through its kernels and none
+    through the reference pipeline (``fused=False``: the other way round). Bit-identical results
+    cannot tell the two apart: the reference is what the kernels are checked against."""
+    got = (opt.backend.fused_elements, opt.backend.reference_elements)
+    want = (elements, 0) if fused else (0, elements)
+    assert got == want, f"backend {opt.backend.name!r}: (fused, reference) elements {got}, expected {want}"
+
+
 def train(opt_class, backend: str, mode: str, steps: int = 4, dtype=torch.bfloat16, shapes=SHAPES,
-          **kw: Any) -> tuple[list[torch.Tensor], Any]:
+          expect_fused: bool = True, **kw: Any) -> tuple[list[torch.Tensor], Any]:
+    """``steps`` steps of ``opt_class`` on :func:`make_params` with seeded gradients. On a fused
+    backend, every element of every step must have run through its kernels (``expect_fused``) or
+    none of them (``expect_fused=False``, the fallbacks): :func:`assert_fused`."""
     params = make_params(dtype, shapes)
     opt = opt_class(params, backend=backend, mode=mode, seed=1, **kw)
     for t in range(steps):
@@ -42,6 +58,8 @@ def train(opt_class, backend: str, mode: str, steps: int = 4, dtype=torch.bfloat
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(dtype)
         opt.step()
+    if backend in FUSED_BACKENDS:
+        assert_fused(opt, steps * sum(p.numel() for p in params), expect_fused)
     return params, opt
 
 
@@ -60,7 +78,8 @@ def run_at_index(backend: str, mode: str, index: ElementIndex, n: int = 1000, ch
                  steps: int = 2, **kw: Any) -> list[torch.Tensor]:
     """Two AdamW steps (bf16 weight and states, ``kw`` on top) on one slice of ``n`` elements whose
     global indices are ``index``, through ``backend`` directly (the optimizer's own step always
-    gives whole tensors index 0): the weight and every state tensor afterwards."""
+    gives whole tensors index 0): the weight and every state tensor afterwards. On a fused
+    backend the kernel must have run every step (:func:`assert_fused`)."""
     gen = torch.Generator().manual_seed(7)
     p = (torch.randn(n, generator=gen) * 0.1).bfloat16()
     opt = lo.AdamW([p], lr=1e-2, weight_decay=0.1, mode=mode, backend=backend, chunk_size=chunk_size, seed=3, **kw)
@@ -74,4 +93,6 @@ def run_at_index(backend: str, mode: str, index: ElementIndex, n: int = 1000, ch
                        param_id=0, index=index)
         with correctly_rounded_sqrt():
             opt.backend.run(opt, ctx, [s])
+    if backend in FUSED_BACKENDS:
+        assert_fused(opt, steps * n)
     return [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]

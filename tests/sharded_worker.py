@@ -83,7 +83,14 @@ def reference(name: str, mode: str, backend: str, nan_at=None, nonfinite: str = 
     run_steps(opt, params, set_grad, range(steps), nan_at)
     out = snapshot(opt, params)
     out["diag"] = diagnostics(opt)
+    out["elements"] = elements(opt)
     return out
+
+
+def elements(opt) -> torch.Tensor:
+    """(fused, reference) element-steps of a fused backend (its counters), (-1, -1) on others."""
+    counts = [getattr(opt.backend, k, -1) for k in ("fused_elements", "reference_elements")]
+    return torch.tensor(counts, dtype=torch.int64)
 
 
 def diagnostics(opt) -> torch.Tensor:
@@ -136,6 +143,7 @@ def case_run(world_size: int, layout: str, name: str, mode: str, backend: str, n
     out = snapshot(opt, params)
     out["diag"] = diagnostics(opt)
     out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
+    out["elements"] = elements(opt)
     local_alias = all(p.to_local().data_ptr() == p._local_tensor.data_ptr() for p in params)
     shards = [opt.state[p]["exp_avg"].to_local().numel() for p in params if "exp_avg" in opt.state.get(p, {})]
     out["meta"] = torch.tensor([int(local_alias), sum(shards), int(opt.backend.name == "native")])

@@ -15,7 +15,7 @@ from lowp.optim import kernels
 from lowp.optim.kernels.compiled import CHUNK
 from lowp.optim.kernels.step import STREAMS, _stream_bits, chunk_keys, stochastic_bf16
 from lowp.optim.randomness import ElementIndex, Stream, stream_keys
-from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, run_at_index, train
+from fused_helpers import SHAPES, assert_fused, assert_same_run, correctly_rounded_sqrt, run_at_index, train
 
 FP32_STATES = dict(state_dtype=torch.float32)
 ADAMW = dict(lr=1e-2, weight_decay=0.1, **FP32_STATES)
@@ -48,6 +48,7 @@ def test_no_recompilation_across_steps_lr_changes_groups_and_sizes():
         opt.step()
         sched.step()
     assert counters["stats"]["unique_graphs"] == graphs
+    assert_fused(opt, 4 * sum(p.numel() for p in params) + 3 * extra.numel())
     assert not torch.equal(extra, before)
 
 
@@ -103,17 +104,33 @@ def test_vector_bitcasts_exact_and_scoped():
 
 def test_fallbacks_match_reference_without_compiling():
     graphs = counters["stats"]["unique_graphs"]
+    """Every element of these runs takes the reference pipeline (``train(..., expect_fused=False)``
+    checks the backend's counts), with the reference's results and no compilation."""
     for opt_class in (lo.StableAdamW, lo.Adafactor):  # no elementwise rule
-        assert_same_run(train(opt_class, "compiled", "kahan", steps=2), train(opt_class, "foreach", "kahan", steps=2))
+        assert_same_run(train(opt_class, "compiled", "kahan", steps=2, expect_fused=False),
+                        train(opt_class, "foreach", "kahan", steps=2))
     one_element = [(1,), (1, 1)]  # shapes that would specialize; fp64 weights are not fused
-    assert_same_run(train(lo.AdamW, "compiled", "kahan", steps=2, shapes=one_element),
+    assert_same_run(train(lo.AdamW, "compiled", "kahan", steps=2, shapes=one_element, expect_fused=False),
                     train(lo.AdamW, "foreach", "kahan", steps=2, shapes=one_element))
-    assert_same_run(train(lo.SGD, "compiled", "nearest", steps=2, dtype=torch.float64),
+    assert_same_run(train(lo.SGD, "compiled", "nearest", steps=2, dtype=torch.float64, expect_fused=False),
                     train(lo.SGD, "foreach", "nearest", steps=2, dtype=torch.float64))
     # fp16 weights with kahan: the compensation is rounded stochastically to fp16 (native kernel only)
-    assert_same_run(train(lo.AdamW, "compiled", "kahan", steps=2, dtype=torch.float16, **ADAMW),
+    assert_same_run(train(lo.AdamW, "compiled", "kahan", steps=2, dtype=torch.float16, expect_fused=False, **ADAMW),
                     train(lo.AdamW, "foreach", "kahan", steps=2, dtype=torch.float16, **ADAMW))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_helpers_fail_when_the_kernel_is_refused(monkeypatch):
+    """The proof that the fused tests prove something: with the fusing predicate refusing every
+    slice, the steps silently take the reference pipeline, bit-identical to it, and only the
+    backend's element counts tell; the shared helpers then fail. Nothing compiles here."""
+    monkeypatch.setattr(kernels.compiled, "fusable", lambda *a, **k: False)
+    with pytest.raises(AssertionError, match="elements"):
+        train(lo.AdamW, "compiled", "kahan", steps=1, **ADAMW)
+    with pytest.raises(AssertionError, match="elements"):
+        run_at_index("compiled", "kahan", ElementIndex(), n=100, steps=1, **FP32_STATES)
+    refused = train(lo.AdamW, "compiled", "kahan", steps=1, expect_fused=False, **ADAMW)
+    assert_same_run(refused, train(lo.AdamW, "foreach", "kahan", steps=1, **ADAMW))
 
 
 def test_fused_option_selects_backend(monkeypatch):

@@ -19,10 +19,10 @@ import lowp.optim as lo
 from lowp.optim.backends import get_backend
 from lowp.optim.kernels import native_backend, native_build
 from lowp.optim.kernels.native_build import native_available
-from lowp.optim.kernels.rules import rule_for
 from lowp.optim.randomness import ElementIndex
 from lowp.ulp import ulp
-from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, make_params, run_at_index, train
+from fused_helpers import (SHAPES, assert_fused, assert_same_run, correctly_rounded_sqrt, make_params, run_at_index,
+                           train)
 
 
 def _x86_with_avx2() -> bool:
@@ -104,6 +104,7 @@ def test_fp32_gradients_of_bf16_weights_and_grad_scaler_factor():
                 opt.step()
         runs.append((ps, opt))
     assert_same_run(*runs)
+    assert_fused(runs[0][1], 3 * (100 + 33))
 
 
 def test_many_tensors_in_one_call():
@@ -144,6 +145,7 @@ def test_bits_do_not_depend_on_chunks_batches_groups_or_backend(mode):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).bfloat16()
         split.step()
+    assert_fused(split, 3 * sum(p.numel() for p in params))
     for x, y in zip(params, native[0]):
         assert torch.equal(x, y)
 
@@ -199,6 +201,7 @@ def test_stochastic_rounding_lands_on_a_neighbour_and_depends_on_the_seed():
         for p in opt.param_groups[0]["params"]:
             p.grad = torch.full(p.shape, 1e-3).bfloat16()
         opt.step()
+        assert_fused(opt, sum(p.numel() for p in opt.param_groups[0]["params"]))
     assert any(not torch.equal(p, q) for p, q in zip(other.param_groups[0]["params"], same.param_groups[0]["params"]))
 
 
@@ -247,6 +250,8 @@ def test_nonfinite_gradient_touches_nothing(policy):
                 opt.step()
         runs.append((params, opt))
     assert_same_run(*runs)
+    # step 2 skipped the NaN's parameter (skip_param) or every parameter (skip_step): the kernel ran the rest
+    assert_fused(runs[0][1], 3 * 100 + 2 * 20000 if policy == "skip_param" else 2 * (100 + 20000))
     assert all(torch.isfinite(v).all() for v in runs[0][1].state[runs[0][0][1]].values() if isinstance(v, torch.Tensor)
                and v.is_floating_point())
 
@@ -264,6 +269,7 @@ def test_checkpoint_resume_continues_bit_identically(mode):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).bfloat16()
         resumed.step()
+    assert_fused(resumed, 2 * sum(p.numel() for p in params))
     for x, y in zip(straight[0], params):
         assert torch.equal(x, y)
 
@@ -310,6 +316,8 @@ def test_unchecked_nan_and_inf_propagate_like_the_reference(grad_dtype, state_dt
                 p.grad = g
             with correctly_rounded_sqrt():
                 opt.step()
+        if backend == "native":
+            assert_fused(opt, 3 * (64 + 1000))
         runs.append([params, *(t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)
                                and t.is_floating_point())])
     native, ref = runs
@@ -350,6 +358,8 @@ def stable_run(backend: str, mode: str, grad_scales: list[float], **kw):
             p.grad = g
         with correctly_rounded_tensor_sqrt():
             opt.step()
+    if backend == "native":  # every element through the kernel, pre-pass and all
+        assert_fused(opt, len(grads) * sum(p.numel() for p in params))
     return params, opt
 
 
@@ -387,8 +397,7 @@ def test_stableadamw_clipped_steps_agree_closely():
 def test_stableadamw_stochastic_reproducible_and_fused():
     a = stable_run("native", "stochastic", [1.0, 0.5])
     assert_same_run(a, stable_run("native", "stochastic", [1.0, 0.5]))
-    assert not any(torch.equal(p, q) for p, q in zip(a[0], stable_data([1.0])[0]))
-    assert a[1].backend.fuses(rule_for(a[1]))  # the native kernel ran it, not the reference pipeline
+    assert not any(torch.equal(p, q) for p, q in zip(a[0], stable_data([1.0])[0]))  # (stable_run: all fused)
 
 
 @pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic"])
@@ -404,6 +413,8 @@ def test_zero_updates_count_as_stalled_like_the_reference(mode):
         params[0].grad = torch.zeros(100, dtype=torch.bfloat16)
         params[1].grad = torch.ones(60, dtype=torch.bfloat16)
         opt.step()
+        if backend == "native":
+            assert_fused(opt, 160)
         runs.append(opt.diagnostics()[0]["stalled_fraction"])
     assert runs[0] == runs[1] == pytest.approx(100 / 160)
 
@@ -426,6 +437,7 @@ def test_no_new_variant_across_steps_lr_changes_groups_and_sizes(monkeypatch):
         opt.step()
         sched.step()
     assert len(variants) > len(first) and set(variants) == first  # ran again, with the same variants only
+    assert_fused(opt, 4 * sum(p.numel() for p in params) + 3 * sum(p.numel() for p in extra))
     assert all(not torch.equal(p, q) for p, q in zip(extra, before))
 
 
@@ -438,6 +450,8 @@ def _stochastic_weights(x: torch.Tensor, dtype: torch.dtype, backend: str, seed:
     opt = lo.SGD([w], lr=1.0, mode="stochastic", backend=backend, seed=seed, nonfinite="off")
     w.grad = -x.float()
     opt.step()
+    if backend == "native":
+        assert_fused(opt, x.numel())
     return w
 
 
@@ -477,3 +491,24 @@ def test_fp16_weights_and_states_with_stochastic_rounding_are_fused(monkeypatch)
     one = train(lo.AdamW, "native", "stochastic", steps=1, **kw)[0]
     for x, y in zip(one, nearest):  # one step from zero states: at most one fp16 ulp apart
         assert ((x.double() - y.double()).abs() <= ulp(y.double(), "fp16")).all()
+
+
+def test_helpers_fail_when_the_kernel_is_refused(monkeypatch):
+    """The proof that these tests prove something: with the backend's fusing predicate refusing
+    every rule, each step silently takes the reference pipeline, bit-identical to it by design,
+    and only the backend's element counts tell; every shared helper and check then fails."""
+    kw = dict(lr=1e-2, weight_decay=0.1, steps=2, shapes=NATIVE_SHAPES, **FP32_STATES)
+    fused = train(lo.AdamW, "native", "kahan", **kw)
+    monkeypatch.setattr(native_backend.NativeBackend, "fuses", lambda self, rule: False)
+    refused = train(lo.AdamW, "native", "kahan", expect_fused=False, **kw)
+    assert_same_run(refused, train(lo.AdamW, "foreach", "kahan", **kw))  # equality alone cannot tell
+    with pytest.raises(AssertionError, match="elements"):
+        assert_fused(refused[1], fused[1].backend.fused_elements)
+    with pytest.raises(AssertionError, match="elements"):
+        train(lo.AdamW, "native", "kahan", **kw)
+    with pytest.raises(AssertionError, match="elements"):
+        run_at_index("native", "kahan", ElementIndex(), n=100, steps=1)
+    with pytest.raises(AssertionError, match="elements"):
+        stable_run("native", "kahan", [1.0])
+    with pytest.raises(AssertionError, match="elements"):
+        _stochastic_weights(torch.randn(64), torch.bfloat16, "native")

@@ -37,6 +37,8 @@ def test_triton_bit_identical_to_reference(case):
 @pytest.mark.parametrize("case", ["adamw-stochastic", "sgd-stochastic", "adamw-srkahan", "index-kahan",
                                   "index-stochastic"])
 def test_triton_stochastic_rounding_bit_identical_to_reference(case):
+    """The ``index`` cases also check that the shared helpers fail when the fusing predicate
+    refuses every slice (:func:`_assert_helpers_fail_when_refused`; no kernel runs there)."""
     _interpret(case)
 
 
@@ -66,6 +68,29 @@ def test_triton_on_gpu_matches_compiled(name, mode):
         assert (diff > 0).float().mean() < 1e-3  # identical up to the compilers' own contractions
 
 
+def _assert_helpers_fail_when_refused(mode: str) -> None:
+    """With the Triton and compiled fusing predicates refusing every slice, the steps take the
+    reference pipeline (bit-identical by design) and the helpers' element counts fail them."""
+    import lowp.optim as lo
+    from fused_helpers import run_at_index, train
+    from lowp.optim.kernels import compiled, triton_backend
+    from lowp.optim.randomness import ElementIndex
+
+    originals = triton_backend.fusable, compiled.fusable
+    triton_backend.fusable = compiled.fusable = lambda *a, **k: False
+    try:
+        for run in (lambda: train(lo.AdamW, "triton", mode, steps=1, shapes=[(40,), (3, 5)]),
+                    lambda: run_at_index("triton", mode, ElementIndex(), n=100, steps=1)):
+            try:
+                run()
+            except AssertionError as e:
+                assert "elements" in str(e), e
+            else:
+                raise AssertionError("a refused kernel went unnoticed")
+    finally:
+        triton_backend.fusable, compiled.fusable = originals
+
+
 def _main(case: str) -> None:
     import lowp.optim as lo
     from fused_helpers import assert_same_run, correctly_rounded_sqrt, run_at_index, train
@@ -81,6 +106,7 @@ def _main(case: str) -> None:
         for x, y in zip(run_at_index("triton", mode, index), run_at_index("foreach", mode, index)):
             assert torch.equal(x, y)
         assert launches, "the Triton kernel did not run"
+        _assert_helpers_fail_when_refused(mode)
         print("OK")
         return
     opt_class, kw = {

@@ -38,7 +38,7 @@ COMPILED_CASES = [("fsdp", "AdamW", "kahan", "compiled", None, "skip_param"),
 
 def split(results: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A case's tensors (parameters and states) and its extras (skip counts, checks, diagnostics)."""
-    extras = ("skipped", "meta", "diag")
+    extras = ("skipped", "meta", "diag", "elements")
     return ({k: v for k, v in results.items() if k not in extras},
             {k: v for k, v in results.items() if k in extras})
 
@@ -90,12 +90,37 @@ def _case_id(case) -> str:
     return f"{layout}-{name}-{mode}-{backend}" + (f"-nan-{nonfinite}" if nan_at else "")
 
 
+def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[torch.Tensor],
+                            want: torch.Tensor) -> None:
+    """Where the elements of a sharded run went, per rank ``(fused, reference)`` element-steps,
+    against the single-process run's ``want``: FSDP shards (contiguous rows) split the same
+    elements over the ranks, replicated ranks and per-tensor optimizers (gathered full tensors)
+    each run all of them, and ``Shard(1)`` slices of a matrix (not one contiguous range) take the
+    reference pipeline. The compiled backend leaves one-element shards (4 ranks) to the reference
+    too. ``-1``: a backend without kernels."""
+    total = torch.stack(ranks).sum(0)
+    if backend == "unfused":
+        assert torch.equal(want, torch.tensor([-1, -1])) and all(torch.equal(r, want) for r in ranks)
+        return
+    assert (int(want[0]) == 0) == (name == "Adafactor"), f"{name}: {want.tolist()}"  # no fused form of Adafactor
+    if layout == "replicate" or not w.OPTIMIZERS[name][0].elementwise:
+        assert all(torch.equal(r, want) for r in ranks), f"{ranks} against {want}"
+    elif layout == "fsdp":
+        assert int(total.sum()) == int(want.sum()), f"{ranks} against {want}"
+        assert torch.equal(total, want) if backend == "fused" else int(total[0]) > 0, f"{ranks} against {want}"
+    else:   # shard1: every element once, the matrices' shards through the reference, the vectors fused
+        assert int(total.sum()) == int(want.sum()) and 0 < int(total[0]) < int(want[0]), f"{ranks} against {want}"
+        assert all(int(r[1]) > 0 for r in ranks), ranks
+
+
 @pytest.mark.parametrize("case", STEP_CASES + TP_CASES + NAN_CASES, ids=_case_id)
 def test_sharded_step_equals_unsharded(two_ranks, case):
     _, ranks = two_ranks
     index = CASES.index(case)
     layout, name, mode, backend, nan_at, nonfinite = case
     want, want_extra = split(w.reference(name, mode, backend, nan_at, nonfinite))
+    assert_sharded_elements(layout, name, backend, [split(r["steps"][index])[1]["elements"] for r in ranks],
+                            want_extra["elements"])
     for rank, results in enumerate(ranks):
         got, extra = split(results["steps"][index])
         skipped, meta = extra["skipped"], extra["meta"]
@@ -115,8 +140,10 @@ def test_stochastic_rounding_same_bits_at_any_world_size(two_ranks, case):
     of a 2-rank run equal the single-process run's. Needs the stochastic-rounding backends drawn
     from ``random16(global index, stream_key(...))``; generator-based draws depend on the shard."""
     _, ranks = two_ranks
-    _, name, mode, backend, nan_at, nonfinite = case
-    want, _ = split(w.reference(name, mode, backend, nan_at, nonfinite))
+    layout, name, mode, backend, nan_at, nonfinite = case
+    want, want_extra = split(w.reference(name, mode, backend, nan_at, nonfinite))
+    assert_sharded_elements(layout, name, backend, [split(r["steps"][CASES.index(case)])[1]["elements"] for r in ranks],
+                            want_extra["elements"])
     for rank, results in enumerate(ranks):
         got, _ = split(results["steps"][CASES.index(case)])
         assert_same(got, want, f"rank {rank}")
@@ -251,7 +278,9 @@ def test_four_ranks_and_one_to_many_reshard(tmp_path):
             assert_same(resumed["optim"], one["save"][mode]["optim"], "1 -> 4 ranks")
     # the stochastic cases last: they need the counter-based random streams (see above)
     for index, case in sorted(enumerate(cases), key=lambda c: c[1] in SR_CASES):
-        want, _ = split(w.reference(*case[1:4], case[4], case[5]))
+        want, want_extra = split(w.reference(*case[1:4], case[4], case[5]))
+        assert_sharded_elements(case[0], case[1], case[3], [split(r["steps"][index])[1]["elements"] for r in ranks],
+                                want_extra["elements"])
         for rank, results in enumerate(ranks):
             got, _ = split(results["steps"][index])
             assert_same(got, want, f"{_case_id(case)} rank {rank}")

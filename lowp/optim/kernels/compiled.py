@@ -175,9 +175,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledBackend(ForeachBackend):
-    """Fused optimizer steps compiled by :func:`torch.compile`; see the module docstring."""
+    """Fused optimizer steps compiled by :func:`torch.compile`; see the module docstring.
+
+    Two counters say where the elements of every step went (plain Python ints, added to on the
+    host, no device sync): ``fused_elements``, the elements a kernel of this backend updated,
+    and ``reference_elements``, those that took the reference pipeline instead. Both sum over
+    slices and steps (an element updated in 8 steps counts 8 times); assign 0 to restart them."""
 
     name = "compiled"
+
+    def __init__(self, chunk_size: int = 1 << 17) -> None:
+        super().__init__(chunk_size)
+        self.fused_elements = 0
+        self.reference_elements = 0
 
     def function(self, rule: Rule, mode: str, cfg: tuple, stochastic: tuple[bool, ...], count: bool,
                  dynamic: bool):
@@ -230,13 +240,22 @@ class CompiledBackend(ForeachBackend):
         fused, rest = partition(slices, lambda s: self.admits(optimizer, rule, ctx, s, spans))
         if fused and overlapping(spans):  # written memory shared: every slice in the reference's order
             fused, rest = [], slices
-        counts = [super().run(optimizer, ctx, rest)] if rest else []
+        counts = [self.run_reference(optimizer, ctx, rest)] if rest else []
         if fused:
             counts.append(self.run_fused(rule, ctx, fused))
         counts = [c for c in counts if c is not None]
         return torch.stack(counts).sum() if counts else None
 
+    def run_reference(self, optimizer, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """The reference pipeline (batched as on ``foreach``) over ``slices``, counted in
+        ``reference_elements``; returns the stalled count."""
+        stalled = ForeachBackend.run(self, optimizer, ctx, slices)
+        self.reference_elements += sum(s.numel for s in slices)
+        return stalled
+
     def run_fused(self, rule: Rule, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """The compiled step over ``slices`` (admitted by :meth:`admits`), counted in
+        ``fused_elements``; returns the stalled count."""
         device = slices[0].param.device
         names = list(slices[0].states)
         stochastic = tuple(ctx.group["state_rounding"] == "stochastic" for _ in names)
@@ -254,4 +273,5 @@ class CompiledBackend(ForeachBackend):
                     part = [t[start:end].detach() for t in tensors]
                     counts.append(fn(part[0], part[1], None if buf is None else buf[start:end].detach(), part[2:],
                                      h, chunk_keys(keys, first + start, end - start, device)))
+        self.fused_elements += sum(s.numel for s in slices)
         return torch.stack(counts).sum(dtype=torch.int64) if ctx.count else None

@@ -58,7 +58,9 @@ def slice_dtypes(s: ParamSlice) -> tuple[torch.dtype | None, ...]:
 
 
 class NativeBackend(CompiledBackend):
-    """Fused steps through the native CPU kernel; see the module docstring."""
+    """Fused steps through the native CPU kernel; see the module docstring. ``fused_elements``
+    counts the elements the kernel updated, ``reference_elements`` those that took the reference
+    pipeline (:class:`~lowp.optim.kernels.compiled.CompiledBackend`)."""
 
     name = "native"
     min_numel = 1
@@ -115,6 +117,7 @@ class NativeBackend(CompiledBackend):
         stalled = sum(self.launch(variant_macros(rule, ctx, dtypes), members, names, h,
                                   [k for s in members for k in slice_keys(ctx, s)])
                       for dtypes, members in by_signature(slices, slice_dtypes).items())
+        self.fused_elements += sum(s.numel for s in slices)
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     @staticmethod

@@ -44,7 +44,9 @@ def _interpreting() -> bool:
 
 class TritonBackend(CompiledBackend):
     """Every elementwise rule in one Triton launch per batch; StableAdamW, Adafactor and
-    unsupported dtypes go through :class:`~lowp.optim.kernels.compiled.CompiledBackend`."""
+    unsupported dtypes go through :class:`~lowp.optim.kernels.compiled.CompiledBackend`.
+    ``fused_elements`` counts the elements updated by a kernel (the Triton one, or a compiled one
+    for what Triton leaves), ``reference_elements`` those that took the reference pipeline."""
 
     name = "triton"
 
@@ -99,4 +101,5 @@ class TritonBackend(CompiledBackend):
             S0_T=tl_dtype(states[0][0].dtype), S1_T=tl_dtype(states[1][0].dtype), S2_T=tl_dtype(states[2][0].dtype),
             NSTATES=len(names), SR0=sr[0], SR1=sr[1], SR2=sr[2], RULE=RULE_IDS[rule.name], C0=cfg[0], C1=cfg[1],
             C2=cfg[2], MODE=MODE_IDS[ctx.mode.name], COUNT=ctx.count, BLOCK=BLOCK)
+        self.fused_elements += sum(sizes)
         return stalled[0] if ctx.count else None
