@@ -23,8 +23,9 @@ fp32_accumulated      ``(n-1) u32 cond + u`` (one final rounding)      n fp32 ad
 The loops run over the summed dimension only; every step is one vector operation over all other
 dimensions, so summing a (batch, n) tensor costs n steps whatever the batch size.
 
-The compensation step works for any arithmetic given as two functions. Seed 000's six-digit
-decimal example, with Python's ``decimal`` module as the six-digit machine::
+The compensation step works for any arithmetic given as two functions. The six-digit decimal
+example of the Wikipedia article "Kahan summation algorithm", with Python's ``decimal`` module
+as the six-digit machine::
 
     >>> from decimal import Context, Decimal
     >>> six = Context(prec=6)
@@ -173,7 +174,7 @@ def sequential_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *,
 
 def kahan_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *, mode: str = "nearest_even",
               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Kahan's compensated summation (seed 000's pseudo-code); every operation in ``format``."""
+    """Kahan's compensated summation (Kahan 1965, "Further remarks on reducing truncation errors"); every operation in ``format``."""
     ar, values, total = _prepare(x, dim, format, mode, generator)
     comp = torch.zeros_like(total)
     for i in range(values.shape[-1]):
@@ -215,7 +216,7 @@ def pairwise_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *, m
 def fp32_accumulated_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *,
                          mode: str = "nearest_even", generator: torch.Generator | None = None) -> torch.Tensor:
     """Inputs in ``format`` (or x's dtype), accumulated left to right in native fp32, result rounded
-    once to the format (seed 004's MPType recipe: low-precision data, fp32 reductions)."""
+    once to the format (Paddle's ``MPType`` recipe: low-precision data, fp32 reductions)."""
     ar, values, _ = _prepare(x, dim, format, mode, generator)
     total = sequential_sum(values.float(), -1)
     return ar.cast(total)

@@ -75,7 +75,7 @@ def test_reduce_sim_command_writes_tables_and_plots(tmp_path, capsys):
     assert main(["reduce-sim", "--out", str(tmp_path), "--only", "seed", "--only", "premultiply",
                  "--max-world-size", "16", "--elements", "512"]) == 0
     out = capsys.readouterr().out
-    assert "Seed 003 grid" in out and "premultiply" in out
+    assert "Why reduction precision matters" in out and "premultiply" in out
     assert (tmp_path / "seed003_error_vs_R.png").stat().st_size > 10_000
     lines = (tmp_path / "seed.csv").read_text().splitlines()
     assert len(lines) == 1 + 4 * 5          # R = 2, 4, 8, 16 x five sigmas

@@ -1,7 +1,7 @@
 """Error statistics of computed low-precision results against the exact (float64) values.
 
 Ulp errors use :func:`lowp.ulp.ulp_error` (``|computed - exact| / ulp(exact)``; at most 0.5 means
-correctly rounded). Seed 004's absolute and relative errors are kept for comparison with its
+correctly rounded). The absolute and relative errors of PaddlePaddle's low-precision operator guide are kept for comparison with its
 tables: ``|computed - exact|`` and that over ``|exact|``, on the inputs where both are finite
 (relative: and ``exact != 0``).
 """

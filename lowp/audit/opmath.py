@@ -1,6 +1,6 @@
 """Opmath: compute in fp32, store in the low format, round once.
 
-Seed 004 (Paddle's fp16/bf16 operator guide) asks every fp16/bf16 kernel to load its inputs,
+PaddlePaddle's low-precision operator guide (fp16/bf16) asks every fp16/bf16 kernel to load its inputs,
 convert them to a wider *math type* (``MPTypeTrait<T>::Type``, fp32 for fp16 and bf16), do all
 arithmetic and accumulation there, and convert the result back once. PyTorch's kernels do the
 same with ``at::opmath_type``. Here that rule is available to any Python function:
@@ -173,7 +173,7 @@ def opmath_ops(format: "str | FloatFormat | None" = None) -> Iterator[None]:
     """Context manager: every torch op inside runs on fp32 copies of its low-precision inputs and
     its floating-point result is rounded once back to the inputs' storage dtype (or to ``format``).
 
-    This is the per-kernel opmath of seed 004's MPTypeTrait: ``torch.exp(x_fp16)`` returns fp16,
+    This is the per-kernel opmath of Paddle's ``MPTypeTrait``: ``torch.exp(x_fp16)`` returns fp16,
     computed as ``exp(float(x))`` rounded once; ``x_fp16.sum()`` accumulates in fp32. Ops whose float
     inputs mix dtypes run natively (they already promote). In-place ops and data movement
     (``.to``, indexing, views, ``copy_``) pass through unchanged.

@@ -1,4 +1,4 @@
-"""Seed 004's appendix tables, measured: 3.3 (math functions in fp16 vs fp32) and 3.4 (fp32 -> fp16).
+"""The appendix tables of PaddlePaddle's low-precision operator guide, measured: 3.3 (math functions in fp16 vs fp32) and 3.4 (fp32 -> fp16).
 
 3.3 compares, per function, torch's fp16 result with its fp32 result (the seed's own yardstick,
 not the exact value) over every finite fp16 input in the function's domain where both results
@@ -25,7 +25,7 @@ from lowp.formats import get_format
 
 __all__ = ["math_vs_fp32", "family_table", "conversion_errors", "SEED_33", "SEED_34"]
 
-# Seed 004's printed numbers, for side-by-side display.
+# The guide's printed numbers, for side-by-side display.
 SEED_33 = {
     "sin/cos/atan/acosh/asinh/tanh/acos/asin/atanh": ("0.000244~0.003905", "0.000486~0.000517", "5.85E-05~0.001138",
                                                       "0.000115~0.000179"),

@@ -6,7 +6,7 @@ Methods (each compared with the float64 reference rounded once to the format):
     torch's own kernel on a tensor of the format's torch dtype (fp16, bf16; skipped where torch
     has no such dtype or no kernel for it).
 ``opmath``
-    the op on float32 copies, rounded once to the format (seed 004's MPTypeTrait rule).
+    the op on float32 copies, rounded once to the format (Paddle's ``MPTypeTrait`` rule).
 ``lowformat``
     the op's textbook formula with every step rounded to the format
     (:mod:`lowp.audit.lowformat`).

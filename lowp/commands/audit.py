@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=int_list(2), default="10,1000,100000,1000000",
                         help="reductions: comma-separated lengths (integers >= 2)")
     parser.add_argument("--seed-tables", action="store_true",
-                        help="also reproduce seed 004's appendix 3.3 and 3.4 tables")
+                        help="also reproduce the appendix 3.3 and 3.4 tables of Paddle's low-precision operator guide")
     parser.add_argument("--conversion-stride", type=int_at_least(1), default=97,
                         help="3.4 table: use every k-th float32 value (1 = all 335M, ~70 s)")
     parser.add_argument("--out", type=output_dir, default=None,
@@ -151,7 +151,7 @@ def pivot(rows: list[dict[str, object]]) -> tuple[list[str], list[list[object]]]
 
 
 def seed_tables_text(conversion_stride: int) -> str:
-    """Seed 004's appendix 3.3 and 3.4 tables, measured, next to the seed's printed values."""
+    """The appendix 3.3 and 3.4 tables of Paddle's low-precision operator guide, measured, next to its printed values."""
     from lowp.audit.seed_tables import SEED_33, SEED_34, conversion_errors, family_table, math_vs_fp32
     from lowp.report import text_table
 
@@ -166,8 +166,8 @@ def seed_tables_text(conversion_stride: int) -> str:
                        e["mean_rel_uniform"], "|", *SEED_34[key]])
     head34 = ["fp32 -> fp16", "max_abs", "max_rel", "mean_abs", "mean_rel", "mean_abs (uniform)", "mean_rel (uniform)",
               "|", "seed max_abs", "seed max_rel", "seed mean_abs", "seed mean_rel"]
-    return ("Seed 004 appendix 3.3, measured over every finite fp16 input in each op's domain:\n"
+    return ("Paddle's operator guide, appendix 3.3, measured over every finite fp16 input in each op's domain:\n"
             + text_table(head33, rows33)
-            + f"\n\nSeed 004 appendix 3.4, every {conversion_stride}-th float32 value of the range "
+            + f"\n\nPaddle's operator guide, appendix 3.4, every {conversion_stride}-th float32 value of the range "
               "(means over fp32 values ~ log-uniform; 'uniform' weights by spacing = uniform real input):\n"
             + text_table(head34, rows34))

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--max-bytes", type=int_at_least(4096), default=600_000,
                         help="bytes of stdlib source to read (at least 4096)")
-    parser.add_argument("--keep-norms-fp32", action="store_true", help="keep LayerNorm weights in fp32 (seed 001 tip)")
+    parser.add_argument("--keep-norms-fp32", action="store_true", help="keep LayerNorm weights in fp32 (a tip of optimi's low-precision training guide)")
 
 
 def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: DemoConfig) -> None:

@@ -1,4 +1,4 @@
-"""``lowp reduce-sim``: simulate low-precision gradient reduction, explain seed 003, show where it hurts."""
+"""``lowp reduce-sim``: simulate low-precision gradient reduction, explain the post "Why reduction precision matters", show where it hurts."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ HELP = "simulate bf16/fp16/fp8 gradient all-reduce (ring, tree, all-to-all): err
 
 SECTIONS = ("seed", "mean", "microbatch", "fp16", "fp8", "premultiply", "outlier")
 TITLES = {
-    "seed": "Seed 003 grid: error std / sigma of a bf16 reduction of N(0, sigma^2) pre-divided by R "
+    "seed": "The grid of \"Why reduction precision matters\": error std / sigma of a bf16 reduction of N(0, sigma^2) pre-divided by R "
             "(measured vs model); ring/noise = ring error / (sigma / sqrt(R))",
     "mean": "Non-zero mean across ranks (mu = ratio * sigma): stagnation bias of nearest rounding (bf16)",
     "microbatch": "Local accumulation of M micro-batch gradients g/M in a bf16 .grad",
@@ -49,7 +49,7 @@ def _plot_seed(headers: list[str], rows: list[list[object]], path: str) -> None:
         left.loglog(R, [r[col[f"{alg}_model"]] for r in sel], "-", color=left.lines[-1].get_color(),
                     label=f"{alg} (model)")
     left.loglog(R, [r[col["seed_std/sigma"]] if r[col["seed_std/sigma"]] > 0 else float("nan") for r in sel], "kx",
-                label="seed 003 metric (ring - fl(exact))")
+                label="the post's metric (ring - fl(exact))")
     left.set(xlabel="world size R", ylabel="error std / sigma", title="bf16 reduction error (all sigmas coincide)")
     left.legend(fontsize=7)
     for alg in ("ring", "tree", "alltoall"):

@@ -2,7 +2,7 @@
 
 - :mod:`lowp.distributed.simulator` — R simulated ranks, ring / tree / all-to-all reductions with
   every hop rounded to a lowp format (nearest or stochastic), four averaging schemes.
-- :mod:`lowp.distributed.model` — closed-form error model (why seed 003's bf16 ring error does
+- :mod:`lowp.distributed.model` — closed-form error model (why the bf16 ring error of that post does
   not grow with R) and the regimes where it does hurt.
 - :mod:`lowp.distributed.hooks` — DDP communication hooks for ``torch.distributed``.
 - :mod:`lowp.distributed.advisor` — per-bucket statistics in, predicted error and warnings out.

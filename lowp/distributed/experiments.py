@@ -1,4 +1,4 @@
-"""The experiments behind ``lowp reduce-sim`` and ``benchmarks/reduce_sim.py``: seed 003's grid
+"""The experiments behind ``lowp reduce-sim`` and ``benchmarks/reduce_sim.py``: the grid of the post "Why reduction precision matters"
 and the regimes where low-precision reduction does hurt. Each returns ``(headers, rows)``.
 
 Every error is reported against the gradient's own sampling noise ``sigma / sqrt(R)`` (the std
@@ -47,7 +47,7 @@ def _check_sizes(world_sizes: Sequence[int], elements: int, per_rank: int = 1) -
 def seed_grid(world_sizes: Sequence[int] = SEED_WORLD_SIZES, sigmas: Sequence[float] = SEED_SIGMAS,
               elements: int = 4096, fmt: str = "bf16", seed: int = 0,
               algorithms: Sequence[str] = ("ring", "tree", "alltoall"), progress: "Progress | None" = None) -> Table:
-    """Seed 003's experiment: inputs ``N(0, sigma**2)`` in ``fmt``, pre-divided by R and reduced
+    """The experiment of "Why reduction precision matters": inputs ``N(0, sigma**2)`` in ``fmt``, pre-divided by R and reduced
     by each algorithm; error std (in units of sigma) measured against the exact fp64 mean and
     predicted by :mod:`lowp.distributed.model`. ``seed_std`` is the seed's own metric (std of
     ring - fl(exact)). All sigmas run in one pass per R."""

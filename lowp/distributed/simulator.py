@@ -20,7 +20,7 @@ format, so the result carries exactly the rounding errors of the real collective
     fp64 sum with no rounding: the reference.
 
 Averaging (``average``): ``"sum"``; ``"pre_divide"`` (each rank computes ``fl(x / R)`` in the
-wire format, then the sum; what torch's DDP default hook and seed 003 do); ``"post_divide"``
+wire format, then the sum; what torch's DDP default hook and the post "Why reduction precision matters" do); ``"post_divide"``
 (sum, then ``fl(S / R)``; for ``alltoall`` the division is in fp32, which is bias-free);
 ``"premultiply"`` (NCCL's ``ncclAvg`` on floating types: each rank multiplies by the scalar
 ``fl(1/R)`` held in the reduction type, then the sum; see NCCL's ``FuncPreMulSum`` in
@@ -280,7 +280,7 @@ class GaussianGrads:
     """Synthetic per-rank gradients: ``x[r, j] = scale_r * (mean + sigma * z)``, rounded to ``fmt``.
 
     ``outlier_ranks`` get ``scale_r = outlier_scale`` (a rank hit by a loss spike); all others 1.
-    Seed 003 draws ``torch.normal(0, sigma)`` directly in bf16: ``fmt="bf16"``.
+    That post draws ``torch.normal(0, sigma)`` directly in bf16: ``fmt="bf16"``.
     """
 
     sigma: float
@@ -308,7 +308,7 @@ class GaussianGrads:
 class ErrorStats:
     """Error of a simulated reduction against the exact fp64 result, over N elements.
 
-    ``std``/``bias``/``rms`` are of ``result - exact``; ``seed_std`` is seed 003's metric, the
+    ``std``/``bias``/``rms`` are of ``result - exact``; ``seed_std`` is that post's metric, the
     std of ``result - fl(exact)`` (the reference rounded once to the wire format);
     ``noise`` is the sampling noise of the averaged gradient, ``sigma / sqrt(R)`` (for sums,
     ``sigma * sqrt(R)``); ``zero_fraction`` counts results that came out exactly 0 while the

@@ -1,4 +1,4 @@
-"""Safe L2 norms, RMSNorm and LayerNorm for low-precision formats (issue 4, seed 002).
+"""Safe L2 norms, RMSNorm and LayerNorm for low-precision formats .
 
 ``vector_norm(x, dim, eps=..., method=..., compute=...)`` computes ``sqrt(sum x**2 + eps)`` by one
 of :data:`METHODS` with every operation in a chosen (native or emulated) format;

@@ -34,7 +34,7 @@ def naive(ops: Ops, a: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 
 
 def max_scaled(ops: Ops, a: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Seed 002, Method 1 (LAPACK style): ``xhat * sqrt(sum (a/xhat)**2 + (eps/xhat)/xhat)``,
+    """Scaling by the largest magnitude (LAPACK style): ``xhat * sqrt(sum (a/xhat)**2 + (eps/xhat)/xhat)``,
     ``xhat = max a``; a zero row gives ``sqrt(eps)``."""
     xhat = a.amax(dim=-1)
     safe = torch.where(xhat == 0, torch.ones_like(xhat), xhat)
@@ -45,14 +45,14 @@ def max_scaled(ops: Ops, a: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 
 
 def seed_thresholds(ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed 002's thresholds in the compute format: ``beta_H = sqrt(max)`` (fp16: 256) and
+    """The two-segment method's thresholds in the compute format: ``beta_H = sqrt(max)`` (fp16: 256) and
     ``beta_L = sqrt(min_subnormal)`` (fp16: 2**-12 = 2.44e-4), each computed with the format's sqrt."""
     fmt: FloatFormat = ops.format
     return ops.sqrt(ops.cast(fmt.max)), ops.sqrt(ops.cast(fmt.min_subnormal))
 
 
 def two_segment(ops: Ops, a: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Seed 002, Method 2, as written (both segments).
+    """The two-segment method, as commonly written (both segments).
 
     * normal case (``max a <= beta_H`` and every non-zero ``a >= beta_L``): :func:`naive`;
     * overflow segment (``xhat = max a > beta_H``): large part ``K = sqrt(sum_{a>beta_H} (a/xhat)**2)``,

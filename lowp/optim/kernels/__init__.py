@@ -1,4 +1,4 @@
-"""Fused optimizer steps (issue 7): every elementwise lowp optimizer in every write-back mode
+"""Fused optimizer steps: every elementwise lowp optimizer in every write-back mode
 from one shared mechanism, :mod:`rules` (the math, once per optimizer) x :mod:`step` (load, state
 stores, write-back, once per mode), run by a backend: ``compiled`` (:func:`torch.compile`, CPU or
 CUDA) or ``triton`` (hand-written multi-tensor Triton kernel for Adam/AdamW, CUDA or the Triton
