@@ -144,7 +144,7 @@ def test_overlapping_finds_shared_written_memory_only():
 
 def _slice_ctx(mode="kahan"):
     opt = lo.AdamW([torch.zeros(4, dtype=torch.bfloat16)], mode=mode)
-    return StepContext(opt.param_groups[0], MODES[mode], 1, None, torch.Generator(), True)
+    return StepContext(opt.param_groups[0], MODES[mode], 1, None, seed=0, count=True)
 
 
 def test_check_slice_errors_name_the_argument():

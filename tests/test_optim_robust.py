@@ -236,6 +236,34 @@ def test_float64_states_and_huge_seeds_no_longer_fail_at_every_step():
     assert opt.state[p]["step"] == 1 and opt.state[p]["exp_avg"].dtype == torch.float32
 
 
+def _fp64_with_bf16(backend):
+    """A bf16 group and an fp64 group whose group-wide ``state_dtype`` asks for fp32 moments."""
+    low = torch.ones(8, dtype=torch.bfloat16, requires_grad=True)
+    wide = torch.ones(8, dtype=torch.float64, requires_grad=True)
+    opt = lo.AdamW([{"params": [low]}, {"params": [wide], "state_dtype": torch.float32}], backend=backend)
+    low.grad, wide.grad = torch.ones_like(low), torch.ones_like(wide)
+    return opt, low, wide
+
+
+@pytest.mark.parametrize("backend", ["foreach", "native"] if native_available() else ["foreach"])
+def test_fp64_parameters_keep_fp64_states_whatever_the_group_asks(backend):
+    """fp64 parameters run an fp64 pipeline: their states are fp64 (a group-wide fp32
+    ``state_dtype`` used to fail in the middle of the step, after the bf16 group had moved)."""
+    opt, low, wide = _fp64_with_bf16(backend)
+    opt.step()
+    assert opt.state[wide]["exp_avg"].dtype == torch.float64 and opt.state[low]["step"] == 1
+    assert not torch.equal(wide, torch.ones_like(wide))
+
+
+def test_an_fp32_gradient_of_an_fp64_parameter_is_refused_before_anything_moves():
+    opt, low, wide = _fp64_with_bf16("foreach")
+    wide.grad.data = torch.ones(8, dtype=torch.float32)   # torch refuses the plain assignment
+    before = (low.detach().clone(), dict(opt.state))
+    with pytest.raises(ValueError, match=r"grad of params\[1\]: dtype torch.float32 is not the parameter's"):
+        opt.step()
+    assert torch.equal(low, before[0]) and not opt.state
+
+
 # ---- buffers follow the group's mode -------------------------------------------------------
 def _sub_ulp_sgd(mode, steps=20):
     p = torch.ones(64, dtype=torch.bfloat16, requires_grad=True)

@@ -37,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-norms-fp32", action="store_true", help="keep LayerNorm weights in fp32 (a tip of optimi's low-precision training guide)")
 
 
-def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: DemoConfig) -> None:
-    """Usage errors for bad runs and for limits and memory, before any data is read."""
+def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: DemoConfig) -> int:
+    """Usage errors for bad runs and for limits and memory, before any data is read; returns the
+    number of parallel runs."""
     unknown = [r for r in runs if r not in known]
     if unknown or not runs:
         usage_error("demo", "--modes", f"unknown run(s) {', '.join(unknown) or '(none given)'}; expected a "
@@ -51,6 +52,7 @@ def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: DemoConf
     per_sample = 4 * cfg.seq_len * (40 * cfg.layers * cfg.dim + 4 * cfg.layers * cfg.heads * cfg.seq_len + 4 * 256)
     check_memory("demo", "--batch-size", jobs * args.batch_size * per_sample, f"{jobs} run(s) of batch {args.batch_size}")
     check_memory("demo", "--max-bytes", (jobs + 1) * 8 * args.max_bytes, f"{jobs + 1} copies of the data")
+    return jobs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,10 +68,9 @@ def run(args: argparse.Namespace) -> int:
     runs = [r.strip() for r in args.modes.split(",") if r.strip()]
     cfg = DemoConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                      eval_every=max(1, args.steps // 20), keep_norms_fp32=args.keep_norms_fp32)
-    _check(args, runs, RUNS, cfg)
+    jobs = _check(args, runs, RUNS, cfg)
     writable_folder("demo", "--out", args.out)
     data = load_data(args.max_bytes)
-    jobs = min(args.jobs or os.cpu_count() or 1, len(runs))
     print(f"data: {data.train.numel() + data.val.numel():,} bytes from {len(data.files)} files of Python "
           f"{sys.version.split()[0]}'s standard library ({data.files[0]} .. {data.files[-1]}), "
           f"last 10% held out for validation")

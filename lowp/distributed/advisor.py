@@ -163,15 +163,11 @@ def advise_fsdp(model: torch.nn.Module) -> list[str]:
     None)`` with a bf16/fp16 ``param_dtype`` or bf16/fp16 parameters, or an explicit 16-bit
     ``reduce_dtype``, unless the module's reduce-scatter accumulates in fp32
     (:class:`lowp.distributed.fsdp.FP32ReduceScatter`). Empty when nothing is to be changed."""
-    from torch.distributed.fsdp import FSDPModule
+    from lowp.distributed.fsdp import fsdp_modules, param_groups
     warnings = []
     names = {m: n or "<root>" for n, m in model.named_modules()}
-    for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:   # torch < 2.13 keeps one group
-            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
-        for group in groups:
+    for module in fsdp_modules(model):
+        for group in param_groups(module):
             if getattr(getattr(group, "_reduce_scatter_comm", None), "accumulates_in_fp32", False):
                 continue
             policy = group.mp_policy

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from lowp.distributed.hooks import _stream_seed
 from lowp.rounding import quantize
 
-__all__ = ["FP32ReduceScatter", "set_fp32_reduce_scatter", "fsdp_modules", "has_custom_reduce_scatter"]
+__all__ = ["FP32ReduceScatter", "set_fp32_reduce_scatter", "fsdp_modules", "param_groups", "has_custom_reduce_scatter"]
 
 try:   # the interface FSDPModule.set_custom_reduce_scatter takes; without it there is no hook
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
@@ -121,12 +121,13 @@ def set_fp32_reduce_scatter(model: torch.nn.Module, comm: FP32ReduceScatter | No
     if not modules:
         raise ValueError("model: no module of it was sharded with fully_shard")
     for m in modules:
-        if _param_groups(m):
+        if param_groups(m):
             m.set_custom_reduce_scatter(comm)
     return comm
 
 
-def _param_groups(module: torch.nn.Module) -> list:
+def param_groups(module: torch.nn.Module) -> list:
+    """The parameter groups of FSDP module ``module`` (torch's internal ``FSDPParamGroup``s)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:   # torch < 2.13 keeps one group

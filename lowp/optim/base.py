@@ -42,7 +42,6 @@ __all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "default
            "check_nonnegative", "real_value", "warn_if_swapped", "COMPILE_REASON"]
 
 NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: What a state may be stored in (float64 states are refused: the fused kernels and the mixed
 #: fp32/fp64 foreach pipeline cannot run them).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -271,19 +270,24 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     # ---- state ----------------------------------------------------------------------------
     def _state_dtype(self, group: dict[str, Any], name: str, param: torch.Tensor) -> torch.dtype:
+        """The dtype a new state ``name`` of ``param`` is created in: fp64 for fp64 parameters
+        (their pipeline runs in fp64 and cannot mix in other dtypes, whatever ``state_dtype``
+        says for the group), else ``state_dtype``'s or :func:`default_state_dtype`."""
+        if param.dtype == torch.float64:
+            return torch.float64
         spec = group["state_dtype"]
         dtype = spec.get(name) if isinstance(spec, Mapping) else spec
         return dtype or default_state_dtype(param.dtype)
 
     def state_dtypes(self, group: dict[str, Any], name: str, param: torch.Tensor) -> tuple[torch.dtype, ...]:
-        """The dtypes a stored state ``name`` of ``param`` may have: the one ``state_dtype``
-        asks for, else any of fp32/bf16/fp16 (fp64 too for fp64 parameters), since a loaded
+        """The dtypes a stored state ``name`` of ``param`` may have: fp64 for fp64 parameters,
+        else the one ``state_dtype`` asks for, else any of fp32/bf16/fp16, since a loaded
         checkpoint keeps its states' dtypes."""
+        if param.dtype == torch.float64:
+            return (torch.float64,)
         spec = group["state_dtype"]
         dtype = spec.get(name) if isinstance(spec, Mapping) else spec
-        if dtype is not None:
-            return (dtype,)
-        return STATE_DTYPES + ((torch.float64,) if param.dtype == torch.float64 else ())
+        return STATE_DTYPES if dtype is None else (dtype,)
 
     def check_state(self, group: dict[str, Any], p: torch.Tensor, state: Mapping[str, Any], where: str) -> None:
         """Raise naming ``where[key]`` unless every entry the step reads is usable: ``step`` a
@@ -326,11 +330,11 @@ class LowpOptimizer(torch.optim.Optimizer):
             return [True] * len(grads)
         return sharding.agree(self.backend.finite_flags(grads), params)
 
-    def _prepare(self) -> list[tuple[dict[str, Any], torch.Tensor, WriteBack]]:
+    def _prepare(self) -> list[tuple[dict[str, Any], torch.Tensor, WriteBack, int]]:
         """Check everything the step will read or write, before anything changes: every group's
         hyper-parameters, and for each parameter with a gradient its layout, its mode, the
-        gradient (shape, dtype, device) and its states and buffers. Returns the (group,
-        parameter, mode) triples to step."""
+        gradient (shape, dtype, device) and its states and buffers. Returns (group, parameter,
+        mode, position in the flat parameter list) for each parameter to step."""
         todo = []
         index = -1
         for group in self.param_groups:
@@ -344,7 +348,7 @@ class LowpOptimizer(torch.optim.Optimizer):
                 preflight.check_grad(p, p.grad, where)
                 mode = resolve_mode(group["mode"], p)
                 self.check_state(group, p, self.state.get(p, {}), f"state[{index}]")
-                todo.append((group, p, mode))
+                todo.append((group, p, mode, index))
         return todo
 
     @torch.compiler.disable(reason=COMPILE_REASON)
@@ -369,7 +373,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         todo = self._prepare()
         # GradScaler hands over found_inf only after checking every gradient of this optimizer:
         # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
-        params = [p for _, p, _ in todo]
+        params = [p for _, p, _, _ in todo]
         grads = [sharding.local_grad(p) for p in params]
         finite = [True] * len(todo) if found_inf is not None else self._finite_flags(grads, params)
         if not all(finite) and self.nonfinite == "skip_step":
@@ -377,10 +381,9 @@ class LowpOptimizer(torch.optim.Optimizer):
             return loss
         self.skipped_params += finite.count(False)
 
-        positions = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
         gathered: list[sharding.Gathered] = []
-        for (group, p, mode), grad, ok in zip(todo, grads, finite):
+        for (group, p, mode, param_id), grad, ok in zip(todo, grads, finite):
             if not ok:
                 continue
             state = self.init_state(group, p, mode)
@@ -388,7 +391,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             names = self.state_names(group, p)
             piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
                                                       state.get(mode.buffer_name) if mode.buffer_name else None,
-                                                      positions[id(p)], self.elementwise)
+                                                      param_id, self.elementwise)
             if full is not None:
                 gathered.append(full)
             jobs[(id(group), mode.name, state["step"], p.dtype, p.device, names, weight)].append(piece)

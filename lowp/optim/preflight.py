@@ -105,7 +105,7 @@ def check_param(p: Any, where: str) -> None:
 
 def check_grad(p: torch.Tensor, g: Any, where: str) -> None:
     """``g`` can be the gradient of ``p``: a dense tensor of ``p``'s shape and device, of ``p``'s
-    dtype or float32."""
+    dtype or float32 (fp64 parameters: fp64 only, their pipeline does not mix dtypes)."""
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"grad of {where}: expected a tensor, got {type(g).__name__}")
     if g.layout != torch.strided:
@@ -113,9 +113,9 @@ def check_grad(p: torch.Tensor, g: Any, where: str) -> None:
     if g.shape != p.shape:
         raise ValueError(f"grad of {where}: shape {tuple(g.shape)} does not match the parameter's shape "
                          f"{tuple(p.shape)}")
-    if g.dtype not in (p.dtype, torch.float32):
-        raise ValueError(f"grad of {where}: dtype {g.dtype} is neither the parameter's dtype {p.dtype} nor "
-                         f"torch.float32")
+    if g.dtype != p.dtype and (g.dtype != torch.float32 or p.dtype == torch.float64):
+        allowed = "" if p.dtype == torch.float64 else " nor torch.float32"
+        raise ValueError(f"grad of {where}: dtype {g.dtype} is not the parameter's dtype {p.dtype}{allowed}")
     if g.device != p.device:
         raise ValueError(f"grad of {where}: on {g.device}, the parameter is on {p.device}")
     _check_storage(g, f"grad of {where}")

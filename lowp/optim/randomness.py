@@ -23,6 +23,7 @@ key, so elements ``i`` and ``i + 2**32`` draw different bits::
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -51,20 +52,23 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _parameter_mix(seed: int, step: int, param_id: int) -> int:
+    """The inputs every stream of one parameter at one step shares, mixed."""
+    x = _splitmix64(seed & _MASK64)
+    for v in (step, param_id):
+        x = _splitmix64(x ^ (v & _MASK64))
+    return x
+
+
 def stream_key(seed: int, step: int, param_id: int, stream: int) -> int:
     """The 32-bit key (``0 <= key < 2**32``) of one random stream of one parameter at one step."""
-    x = _splitmix64(seed & _MASK64)
-    for v in (step, param_id, stream):
-        x = _splitmix64(x ^ (v & _MASK64))
-    return x & _MASK32
+    return _splitmix64(_parameter_mix(seed, step, param_id) ^ (stream & _MASK64)) & _MASK32
 
 
 def stream_keys(seed: int, step: int, param_id: int, streams: int) -> list[int]:
     """``[stream_key(seed, step, param_id, s) for s in range(streams)]``, mixing the shared
     inputs once."""
-    x = _splitmix64(seed & _MASK64)
-    for v in (step, param_id):
-        x = _splitmix64(x ^ (v & _MASK64))
+    x = _parameter_mix(seed, step, param_id)
     return [_splitmix64(x ^ s) & _MASK32 for s in range(streams)]
 
 
@@ -219,9 +223,13 @@ class RandomStreams:
     param_id: int
     index: ElementIndex = ElementIndex()
 
+    @functools.cached_property
+    def _mix(self) -> int:
+        return _parameter_mix(self.seed, self.step, self.param_id)
+
     def key(self, stream: int) -> int:
-        """:func:`stream_key` of ``stream``."""
-        return stream_key(self.seed, self.step, self.param_id, stream)
+        """:func:`stream_key` of ``stream`` (the shared inputs mixed once per instance)."""
+        return _splitmix64(self._mix ^ (stream & _MASK64)) & _MASK32
 
     def bits(self, stream: int, shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu"
              ) -> torch.Tensor:

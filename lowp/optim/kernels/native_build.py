@@ -282,8 +282,8 @@ def _library(name: str, macros: dict[str, int]) -> ctypes.CDLL:
     key = (name, *sorted(macros.items()))
     if key not in _LOADED:
         source = SOURCES / f"{name}.cpp"
-        folder = cache_dir() / "kernels"
-        filename = f"{name}-{_variant_digest(source, key)}.so"
+        path = library_path(name, macros)
+        folder, filename = path.parent, path.name
         problem = _private_dir(folder.parent) or _private_dir(folder)
         library = None if problem else _load_verified(folder / filename)
         if library is None and problem is None:
