@@ -22,4 +22,3 @@ __all__ = ["LowpOptimizer", "SGD", "Adam", "AdamW", "Lion", "RAdam", "StableAdam
            "adamw_update", "lion_update", "radam_update", "stableadamw_update", "adafactor_update", "Backend",
            "register_backend", "MODES", "cast_model", "load_full_precision", "full_precision_weights",
            "full_precision_state_dict", "clip_grad_norm_", "grad_norm"]
-import lowp.optim.kernels  # noqa: E402,F401  registers the "compiled" and "triton" backends

@@ -2,9 +2,10 @@
 added to the gradient (``g + weight_decay * theta``) before the moments, unlike AdamW."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable
 
-from lowp.optim.adamw import AdamW
+from lowp.optim.adamw import ADAMW, AdamW
 
 __all__ = ["Adam"]
 
@@ -13,6 +14,8 @@ class Adam(AdamW):
     """``Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, ...)``
     (torch's positional order: ``eps`` before ``weight_decay``, unlike optimi)."""
 
+    spec = dataclasses.replace(ADAMW, name="adam", switches=lambda group: {
+        "amsgrad": group["amsgrad"], "decoupled": False, "weight_decay": group["weight_decay"] != 0})
     decoupled_weight_decay = False
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

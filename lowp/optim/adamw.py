@@ -6,6 +6,8 @@ With ``m_hat = m / (1 - beta1**t)`` and ``v_hat = v / (1 - beta2**t)`` the inten
     u = -lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * theta)
 
 The decay term is part of ``u``, so the write-back mode compensates it like the gradient step.
+``ADAMW`` is the spec every backend reads (:mod:`lowp.optim.spec`); :class:`~lowp.optim.adam.Adam`
+reuses it with L2 decay.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from typing import Any, Iterable
 import torch
 
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
+from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, maximum, sqrt
+from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["AdamW", "adamw_update"]
+__all__ = ["AdamW", "adamw_update", "ADAMW", "adam_numbers", "adam_rule"]
 
 
 def adamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -42,6 +46,42 @@ def adamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     return updates
 
 
+def adam_numbers(group: dict[str, Any], step: int) -> dict[str, float]:
+    """The step's scalars of :func:`adamw_update`, computed as it computes them."""
+    beta1, beta2 = group["betas"]
+    lr, wd = float(group["lr"]), group["weight_decay"]
+    return {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
+            "sqrt_bias_correction2": math.sqrt(1 - beta2 ** step), "eps": group["eps"],
+            "step_size": -lr / (1 - beta1 ** step), "decay": -lr * wd, "weight_decay": wd}
+
+
+def adam_rule(r: RuleArgs) -> RuleResult:
+    """:func:`adamw_update` per element: ``m = lerp(m, g, 1-b1)``, ``v = fma((1-b2) g, g, v b2)``,
+    ``u = m / (sqrt(v) / sqrt(bc2) + eps) * (-lr / bc1)`` (+ ``w * (-lr wd)`` decoupled; L2 decay
+    adds ``wd w`` to ``g`` first)."""
+    g = r.g
+    if r.on.weight_decay and not r.on.decoupled:
+        g = fma(r.w, r.n.weight_decay, g)
+    m = lerp(r.s.exp_avg, g, r.n.one_minus_beta1)
+    v = fma(r.n.one_minus_beta2 * g, g, r.s.exp_avg_sq * r.n.beta2)
+    new = {"exp_avg": m, "exp_avg_sq": v}
+    second = v
+    if r.on.amsgrad:
+        second = new["max_exp_avg_sq"] = maximum(r.s.max_exp_avg_sq, v)
+    u = m / (sqrt(second) / r.n.sqrt_bias_correction2 + r.n.eps) * r.n.step_size
+    if r.on.weight_decay and r.on.decoupled:
+        u = fma(r.w, r.n.decay, u)
+    return u, new
+
+
+ADAMW = OptimizerSpec(
+    "adamw",
+    states=lambda group: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq"),
+    numbers=adam_numbers,
+    switches=lambda group: {"amsgrad": group["amsgrad"], "decoupled": True, "weight_decay": group["weight_decay"] != 0},
+    rule=adam_rule)
+
+
 class AdamW(TwoMomentOptimizer):
     """AdamW with bf16/fp16 weights compensated per :mod:`lowp.optim.writeback` mode.
 
@@ -49,6 +89,7 @@ class AdamW(TwoMomentOptimizer):
     mode="auto", state_dtype=None, ...)``; common options: :class:`LowpOptimizer`.
     """
 
+    spec = ADAMW
     decoupled_weight_decay = True
     optimi_debiased = {"exp_avg": 0, "exp_avg_sq": 1}
 
@@ -57,9 +98,6 @@ class AdamW(TwoMomentOptimizer):
         warn_if_swapped(eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad),
                          **options)
-
-    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
     def update(self, group, weights, grads, states, step):
         wd = group["weight_decay"]

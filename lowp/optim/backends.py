@@ -1,4 +1,5 @@
-"""Backends: how one optimizer step is executed over the parameters of a group.
+"""Backends: how one optimizer step is executed over the parameters of a group, and which
+backend the optimizers' ``fused=`` option picks.
 
 The optimizer (``update``) says *what* the new weights are, a :mod:`write-back mode
 <lowp.optim.writeback>` says *how they are stored*; a backend decides *how the work is run*:
@@ -7,9 +8,10 @@ which tensors go together into one batch and which code executes the batch.
 Every backend receives :class:`ParamSlice` objects (one parameter with its gradient, states and
 mode buffer) that share a :class:`StepContext` (group, mode, step number, ...), and returns the
 number of stalled elements. The reference pipeline for one batch is
-:meth:`lowp.optim.base.LowpOptimizer.apply_batch`; a backend may call it (``eager``,
-``foreach``), compile it, or replace it with a kernel of its own for the optimizers and modes it
-knows, falling back to ``apply_batch`` for the others.
+:meth:`lowp.optim.base.LowpOptimizer.apply_batch`; ``eager`` and ``foreach`` call it, and a
+:class:`FusedBackend` pairs a fused kernel (:mod:`lowp.optim.kernels`: ``native`` C++,
+``compiled`` through torch.compile, ``triton``) with a fallback backend for what the kernel does
+not admit. Kernels read the optimizer's spec (:mod:`lowp.optim.spec`) only.
 
 Temporaries are bounded by design: elementwise optimizers see parameters cut into flat chunks
 of at most ``chunk_size`` elements, so a step allocates a few fp32 copies of one chunk, never of
@@ -17,77 +19,23 @@ the whole model.
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator
 
 import torch
 
-from lowp.optim.randomness import ElementIndex, RandomStreams
-from lowp.optim.writeback import WriteBack
+from lowp.optim.kernels import CompiledKernel, Kernel, NativeKernel, TritonKernel, compiler_available, \
+    native_available, triton_available
+from lowp.optim.kernels.checks import Span, overlapping
+from lowp.optim.kernels.kernel import partition
+from lowp.optim.slices import ParamSlice, StepContext
 
 if TYPE_CHECKING:
     from lowp.optim.base import LowpOptimizer
 
-__all__ = ["ParamSlice", "StepContext", "Backend", "EagerBackend", "ForeachBackend", "register_backend",
-           "get_backend", "BACKENDS"]
-
-
-@dataclass
-class ParamSlice:
-    """One parameter (or a flat chunk of it) with everything its update touches.
-
-    ``states`` maps state names to tensors (possibly of other dtypes than ``param``);
-    ``buffer`` is the mode's compensation/remainder (``None`` for nearest/stochastic).
-    ``param_id`` (the parameter's position in the flat list of all parameters of the optimizer)
-    and ``index`` (where the local elements sit in the whole parameter) select the random
-    streams of stochastic rounding (:mod:`lowp.optim.randomness`).
-    """
-
-    param: torch.Tensor
-    grad: torch.Tensor
-    states: dict[str, torch.Tensor] = field(default_factory=dict)
-    buffer: torch.Tensor | None = None
-    param_id: int = 0
-    index: ElementIndex = field(default_factory=ElementIndex)
-
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
-
-    def chunks(self, size: int) -> list["ParamSlice"]:
-        """Flat views of at most ``size`` elements (the slice itself when it is small or not
-        contiguous). Writing through a chunk writes the parameter and its states."""
-        tensors = [self.param, *self.states.values(), *([self.buffer] if self.buffer is not None else [])]
-        if self.numel <= size or not all(t.is_contiguous() and t.shape == self.param.shape for t in tensors):
-            return [self]
-        grad = self.grad.reshape(-1).split(size)
-        states = {k: v.view(-1).split(size) for k, v in self.states.items()}
-        buffer = self.buffer.view(-1).split(size) if self.buffer is not None else None
-        return [ParamSlice(p, grad[i], {k: v[i] for k, v in states.items()}, buffer[i] if buffer else None,
-                           self.param_id, self.index.shifted(i * size))
-                for i, p in enumerate(self.param.view(-1).split(size))]
-
-
-@dataclass
-class StepContext:
-    """What all slices of one backend call share.
-
-    ``inv_scale`` unscales gradients (from :class:`torch.amp.GradScaler`), ``count`` asks the
-    write-back for the stalled-element count, ``seed`` (the optimizer's) keys the random streams
-    of stochastic rounding.
-    """
-
-    group: dict[str, Any]
-    mode: WriteBack
-    step: int
-    inv_scale: float | None = None
-    seed: int = 0
-    count: bool = True
-
-    def streams(self, s: ParamSlice) -> RandomStreams:
-        """The random streams of slice ``s`` at this step."""
-        return RandomStreams(self.seed, self.step, s.param_id, s.index)
+__all__ = ["Backend", "EagerBackend", "ForeachBackend", "FusedBackend", "register_backend", "get_backend",
+           "BACKENDS", "backend_for", "AUTO_MIN_NUMEL", "AUTO_MIN_NUMEL_NATIVE"]
 
 
 class Backend(ABC):
@@ -160,11 +108,91 @@ class ForeachBackend(Backend):
             yield batch
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"eager": EagerBackend, "foreach": ForeachBackend}
+class FusedBackend(Backend):
+    """A fused kernel plus a fallback backend: the slices the kernel admits
+    (:meth:`~lowp.optim.kernels.kernel.Kernel.admits`) take the kernel, the others the fallback.
+    Optimizers without a kernel form (no spec, no rule, a subclass with its own ``update``) run
+    on the fallback whole.
+
+    Two counters say where the elements of every step went (plain Python ints, added on the
+    host, no device sync): ``fused_elements``, the elements a kernel updated (this backend's, and
+    a fused fallback's), and ``reference_elements``, those that took the reference pipeline.
+    Both sum over slices and steps (an element updated in 8 steps counts 8 times); assign 0 to
+    restart them."""
+
+    def __init__(self, kernel: Kernel, fallback: Backend, name: str) -> None:
+        super().__init__(fallback.chunk_size)
+        self.kernel, self.fallback, self.name = kernel, fallback, name  # type: ignore[misc]
+        self._reference_elements = 0
+
+    @property
+    def fused_elements(self) -> int:
+        inner = self.fallback.fused_elements if isinstance(self.fallback, FusedBackend) else 0
+        return self.kernel.fused_elements + inner
+
+    @fused_elements.setter
+    def fused_elements(self, value: int) -> None:
+        self.kernel.fused_elements = value
+        if isinstance(self.fallback, FusedBackend):
+            self.fallback.fused_elements = 0
+
+    @property
+    def reference_elements(self) -> int:
+        inner = self.fallback.reference_elements if isinstance(self.fallback, FusedBackend) else 0
+        return self._reference_elements + inner
+
+    @reference_elements.setter
+    def reference_elements(self, value: int) -> None:
+        self._reference_elements = value
+        if isinstance(self.fallback, FusedBackend):
+            self.fallback.reference_elements = 0
+
+    def finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
+        """The kernel's own check where it has one, the generic one for the rest."""
+        flags = self.kernel.finite_flags(grads)
+        rest = [i for i, f in enumerate(flags) if f is None]
+        for i, ok in zip(rest, super().finite_flags([grads[i] for i in rest])):
+            flags[i] = ok
+        return [bool(f) for f in flags]
+
+    def run(self, optimizer, ctx, slices):
+        spec = optimizer.kernel_spec()
+        if spec is None or not self.kernel.supports(spec):
+            return self._fallback(optimizer, ctx, slices)
+        spans: list[Span] = []
+        fused, rest = partition(slices, lambda s: self.kernel.admits(spec, ctx, s, spans))
+        if fused and overlapping(spans):  # written memory shared: every slice in the reference's order
+            fused, rest = [], slices
+        counts = [self._fallback(optimizer, ctx, rest)] if rest else []
+        if fused:
+            counts.append(self.kernel.run(spec, ctx, fused))
+        return _total(counts)
+
+    def _fallback(self, optimizer, ctx, slices):
+        if not isinstance(self.fallback, FusedBackend):
+            self._reference_elements += sum(s.numel for s in slices)
+        return self.fallback.run(optimizer, ctx, slices)
+
+
+def _fused(kernel: Callable[[], Kernel], name: str, fallback: Callable[[int], Backend] | None = None
+           ) -> Callable[..., Backend]:
+    def make(chunk_size: int = 1 << 17) -> Backend:
+        inner = fallback(chunk_size) if fallback else ForeachBackend(chunk_size)
+        return FusedBackend(kernel(), inner, name)
+    return make
+
+
+_compiled = _fused(CompiledKernel, "compiled")
+BACKENDS: dict[str, Callable[..., Backend]] = {
+    "eager": EagerBackend, "foreach": ForeachBackend, "compiled": _compiled,
+    "native": _fused(NativeKernel, "native"),
+    # Triton leaves what it does not admit (fp16 stochastic rounding, reductions) to torch.compile
+    "triton": _fused(TritonKernel, "triton", lambda chunk_size: _compiled(chunk_size)),
+}
 
 
 def register_backend(name: str, factory: Callable[..., Backend]) -> None:
-    """Make ``backend=name`` available to every lowp optimizer (e.g. a compiled or Triton backend)."""
+    """Make ``backend=name`` available to every lowp optimizer."""
     BACKENDS[name] = factory
 
 
@@ -173,3 +201,44 @@ def get_backend(name: str, chunk_size: int = 1 << 17) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"backend: unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
     return BACKENDS[name](chunk_size=chunk_size)
+
+
+#: ``fused=None`` uses torch.compile on CPU only from this many parameter elements on: the first
+#: step then costs 10-40 s of compilation (measured, docs/fused.md), which small models never win back.
+AUTO_MIN_NUMEL = 1 << 22
+#: ``fused=None`` uses the native kernel from this many elements on: a variant compiles once per
+#: machine in about 1 s (then loads from the on-disk cache), and a call costs tens of microseconds.
+AUTO_MIN_NUMEL_NATIVE = 1 << 16
+
+
+def backend_for(params: list[torch.Tensor], fused: bool | None, foreach: bool | None) -> str:
+    """The backend name that ``fused`` / ``foreach`` select for an optimizer over ``params``.
+
+    ``False``: ``foreach`` (``eager`` when ``foreach=False``). ``True``: ``triton`` for CUDA
+    parameters when Triton imports; on CPU ``native`` where it builds (x86-64 with AVX2), else
+    ``compiled``; a ``RuntimeError`` when neither can build code here. ``None``: the same choice
+    when the model holds at least :data:`AUTO_MIN_NUMEL_NATIVE` (native) or :data:`AUTO_MIN_NUMEL`
+    (compiled) elements, else the unfused default. The environment variable ``LOWP_FUSED=0``
+    turns ``None`` into ``False``.
+    """
+    if fused not in (None, True, False):
+        raise ValueError(f"fused: expected None, True or False, got {fused!r}")
+    plain = "eager" if foreach is False else "foreach"
+    if fused is False or (fused is None and os.environ.get("LOWP_FUSED") == "0"):
+        return plain
+    on_cuda = any(p.is_cuda for p in params)
+    if on_cuda and triton_available():
+        return "triton"
+    if fused is True:
+        native = not on_cuda and native_available()
+        if not (on_cuda or native or compiler_available()):
+            raise RuntimeError("fused=True: no fused CPU backend can build code here (no C++ compiler "
+                               "on PATH); use fused=None or fused=False")
+        return "native" if native else "compiled"
+    if foreach is False:
+        return plain
+    numel = sum(p.numel() for p in params)
+    # native_available() builds a test kernel the first time (about 2 s): only asked when it matters
+    if not on_cuda and numel >= AUTO_MIN_NUMEL_NATIVE and native_available():
+        return "native"
+    return "compiled" if on_cuda or (numel >= AUTO_MIN_NUMEL and compiler_available()) else plain

@@ -1,10 +1,13 @@
 """``LowpOptimizer``: the bookkeeping every lowp optimizer shares.
 
-A subclass only states its state names and its math::
+A subclass only states its spec (:mod:`lowp.optim.spec`: state names, numbers, switches and the
+elementwise rule the fused kernels run) and its reference math::
 
     class MyOpt(LowpOptimizer):
-        def state_names(self, group, param): return ("exp_avg",)
+        spec = OptimizerSpec("myopt", states=lambda group: ("exp_avg",), numbers=..., rule=...)
         def update(self, group, weights, grads, states, step): ... return updates
+
+(a subclass without a spec states ``state_names`` instead and always runs the reference).
 
 ``update`` receives lists of fp32 tensors (weights and grads read-only, states updated in place)
 and returns the intended change ``u`` of each weight, decoupled weight decay included. Everything
@@ -27,14 +30,16 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 
 from lowp.optim import preflight, sharding
-from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
+from lowp.optim.backends import Backend, backend_for, get_backend
 from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.randomness import Stream
+from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
 from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer, get_mode, resolve_mode
 
@@ -136,13 +141,17 @@ class LowpOptimizer(torch.optim.Optimizer):
       ``"skip_step"`` (nothing is updated) or ``"off"`` (no check). Skips are counted.
     - ``foreach`` / ``backend`` / ``chunk_size``: how the step runs (:mod:`lowp.optim.backends`).
     - ``fused``: ``None`` picks a fused backend when one is available and worth it, ``True``
-      requires one, ``False`` never uses one (:func:`lowp.optim.kernels.choose_backend`).
+      requires one, ``False`` never uses one (:func:`lowp.optim.backends.backend_for`).
     - ``seed``: seed of the stochastic-rounding streams (default: ``torch.initial_seed()``): element
       ``i`` of parameter ``param_id`` (its position over all groups) draws
       ``random16(i, stream_key(seed, step, param_id, stream))`` (:mod:`lowp.optim.randomness`).
     - ``diagnostics``: count elements whose stored weight did not move this step.
     """
 
+    #: The optimizer described for the backends (:mod:`lowp.optim.spec`); ``None``: reference only.
+    spec: ClassVar[OptimizerSpec | None] = None
+    #: The ``update`` method the spec's rule mirrors (set when a class declares its spec).
+    _spec_update: ClassVar[Callable[..., Any] | None] = None
     #: True when ``update`` is elementwise, so parameters may be cut into chunks.
     elementwise: bool = True
     #: GradScaler hands ``grad_scale``/``found_inf`` to ``step`` instead of unscaling in place.
@@ -159,7 +168,7 @@ class LowpOptimizer(torch.optim.Optimizer):
                  kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: expected one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        check_flag("foreach", foreach, allow_none=True)   # fused: checked by choose_backend
+        check_flag("foreach", foreach, allow_none=True)   # fused: checked by backend_for
         check_flag("diagnostics", diagnostics)
         check_flag("capturable", capturable)
         check_flag("differentiable", differentiable)
@@ -185,9 +194,24 @@ class LowpOptimizer(torch.optim.Optimizer):
                         maximize=maximize)
         super().__init__(params, defaults)
         if backend is None:
-            from lowp.optim.kernels import choose_backend
-            backend = choose_backend(self, fused, foreach)
+            backend = backend_for([p for g in self.param_groups for p in g["params"]], fused, foreach)
         self.backend: Backend = get_backend(backend, chunk_size)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__ and cls.spec is not None:
+            cls._spec_update = cls.update
+            cls.elementwise = cls.spec.elementwise
+
+    def kernel_spec(self) -> OptimizerSpec | None:
+        """The spec the fused kernels may run for this optimizer: its class's, unless a subclass
+        replaced ``update`` without declaring a spec of its own (its math is then never swapped
+        for the stock rule), or the spec has no elementwise rule."""
+        cls = type(self)
+        spec = cls.spec
+        if spec is None or spec.rule is None or cls.update is not cls._spec_update:
+            return None
+        return spec
 
     @staticmethod
     def _mode_from_kahan_sum(mode: str, kahan_sum: bool | None) -> str:
@@ -203,8 +227,8 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     # ---- subclass hooks -------------------------------------------------------------------
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
-        """Names of the optimizer states of ``param``."""
-        return ()
+        """Names of the optimizer states of ``param`` (the spec's, by default)."""
+        return self.spec.states(group) if self.spec is not None else ()
 
     def state_shape(self, name: str, param: torch.Tensor) -> torch.Size:
         """Shape of state ``name`` of ``param`` (default: the parameter's shape)."""
@@ -572,13 +596,9 @@ def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:
 
 
 class TwoMomentOptimizer(LowpOptimizer):
-    """Checks and states shared by the Adam family: ``betas``, ``eps``, ``weight_decay``;
-    states ``exp_avg`` and ``exp_avg_sq``."""
+    """Checks shared by the Adam family: ``betas``, ``eps``, ``weight_decay``."""
 
     def validate(self, group: dict[str, Any]) -> None:
         check_betas(group["betas"])
         check_nonnegative("eps", group["eps"])
         check_nonnegative("weight_decay", group["weight_decay"])
-
-    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")

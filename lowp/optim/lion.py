@@ -11,8 +11,10 @@ from typing import Any, Iterable
 import torch
 
 from lowp.optim.base import LowpOptimizer, check_betas, check_nonnegative
+from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, sign
+from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["Lion", "lion_update"]
+__all__ = ["Lion", "lion_update", "LION"]
 
 
 def lion_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], *,
@@ -28,8 +30,27 @@ def lion_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     return updates
 
 
+def lion_rule(r: RuleArgs) -> RuleResult:
+    """:func:`lion_update` per element."""
+    u = sign(lerp(r.s.exp_avg, r.g, r.n.one_minus_beta1))
+    if r.on.weight_decay:
+        u = fma(r.w, r.n.weight_decay, u)
+    return u * r.n.neg_lr, {"exp_avg": lerp(r.s.exp_avg, r.g, r.n.one_minus_beta2)}
+
+
+LION = OptimizerSpec(
+    "lion",
+    states=lambda group: ("exp_avg",),
+    numbers=lambda group, step: {"one_minus_beta1": 1 - group["betas"][0], "one_minus_beta2": 1 - group["betas"][1],
+                                 "weight_decay": group["weight_decay"], "neg_lr": -float(group["lr"])},
+    switches=lambda group: {"weight_decay": group["weight_decay"] != 0},
+    rule=lion_rule)
+
+
 class Lion(LowpOptimizer):
     """``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, ...)``."""
+
+    spec = LION
 
     optimi_debiased: dict[str, int] = {}   # optimi's Lion momentum is not bias-corrected
 
@@ -40,9 +61,6 @@ class Lion(LowpOptimizer):
     def validate(self, group: dict[str, Any]) -> None:
         check_betas(group["betas"])
         check_nonnegative("weight_decay", group["weight_decay"])
-
-    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
-        return ("exp_avg",)
 
     def infer_step(self, state):
         """optimi's Lion saves no step count, and Lion's update does not use one: 0."""

@@ -16,8 +16,10 @@ from typing import Any, Iterable
 import torch
 
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
+from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, sqrt, where
+from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["RAdam", "radam_update"]
+__all__ = ["RAdam", "radam_update", "RADAM"]
 
 
 def radam_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -45,9 +47,49 @@ def radam_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     return updates
 
 
+def radam_numbers(group: dict[str, Any], step: int) -> dict[str, float]:
+    """The step's scalars of :func:`radam_update`, computed as it computes them."""
+    beta1, beta2 = group["betas"]
+    lr, wd = float(group["lr"]), group["weight_decay"]
+    bias_correction2 = 1 - beta2 ** step
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * beta2 ** step / bias_correction2
+    adaptive = rho_t > 5
+    rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) if adaptive else 0
+    return {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
+            "step_size": -lr / (1 - beta1 ** step), "adaptive": float(adaptive), "eps": group["eps"],
+            "rectification": rect * math.sqrt(bias_correction2), "decay": -lr * wd, "weight_decay": wd}
+
+
+def radam_rule(r: RuleArgs) -> RuleResult:
+    """:func:`radam_update` per element; ``adaptive`` switches the rectified step on once
+    ``rho_t > 5`` (a number, so that step does not compile a new variant)."""
+    g = r.g
+    if r.on.weight_decay and not r.on.decoupled:
+        g = fma(r.w, r.n.weight_decay, g)
+    m = lerp(r.s.exp_avg, g, r.n.one_minus_beta1)
+    v = fma(r.n.one_minus_beta2 * g, g, r.s.exp_avg_sq * r.n.beta2)
+    u = m * r.n.step_size
+    u = where(r.n.adaptive > 0, u / (sqrt(v) + r.n.eps) * r.n.rectification, u)
+    if r.on.weight_decay and r.on.decoupled:
+        u = fma(r.w, r.n.decay, u)
+    return u, {"exp_avg": m, "exp_avg_sq": v}
+
+
+RADAM = OptimizerSpec(
+    "radam",
+    states=lambda group: ("exp_avg", "exp_avg_sq"),
+    numbers=radam_numbers,
+    switches=lambda group: {"weight_decay": group["weight_decay"] != 0,
+                            "decoupled": group["decoupled_weight_decay"]},
+    rule=radam_rule)
+
+
 class RAdam(TwoMomentOptimizer):
     """``RAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
     decoupled_weight_decay=False, ...)``."""
+
+    spec = RADAM
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False,

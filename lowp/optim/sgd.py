@@ -12,8 +12,10 @@ from typing import Any, Iterable
 import torch
 
 from lowp.optim.base import LowpOptimizer, check_nonnegative
+from lowp.optim.rule import RuleArgs, RuleResult, fma, where
+from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["SGD", "sgd_update"]
+__all__ = ["SGD", "sgd_update", "SGD_SPEC"]
 
 
 def sgd_update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor] | None,
@@ -31,8 +33,32 @@ def sgd_update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum_
     return torch._foreach_mul(d, -lr)
 
 
+def sgd_rule(r: RuleArgs) -> RuleResult:
+    """:func:`sgd_update` per element (the buffer starts as ``d`` at step 1)."""
+    d = fma(r.w, r.n.weight_decay, r.g) if r.on.weight_decay else r.g
+    new = {}
+    if r.on.momentum:
+        b = where(r.n.first_step > 0, d, fma(d, r.n.one_minus_dampening, r.s.momentum_buffer * r.n.momentum))
+        new["momentum_buffer"] = b
+        d = fma(b, r.n.momentum, d) if r.on.nesterov else b
+    return d * r.n.neg_lr, new
+
+
+SGD_SPEC = OptimizerSpec(
+    "sgd",
+    states=lambda group: ("momentum_buffer",) if group["momentum"] else (),
+    numbers=lambda group, step: {"weight_decay": group["weight_decay"], "momentum": group["momentum"],
+                                 "one_minus_dampening": 1 - group["dampening"], "first_step": float(step == 1),
+                                 "neg_lr": -float(group["lr"])},
+    switches=lambda group: {"momentum": group["momentum"] != 0, "nesterov": group["nesterov"],
+                            "weight_decay": group["weight_decay"] != 0},
+    rule=sgd_rule)
+
+
 class SGD(LowpOptimizer):
     """``SGD(params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, ...)``."""
+
+    spec = SGD_SPEC
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, **options: Any) -> None:
@@ -44,9 +70,6 @@ class SGD(LowpOptimizer):
             check_nonnegative(name, group[name])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("nesterov: Nesterov momentum requires momentum > 0 and dampening = 0")
-
-    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
-        return ("momentum_buffer",) if group["momentum"] else ()
 
     def infer_step(self, state):
         """``torch.optim.SGD`` saves no step: a momentum buffer means at least one step was taken

@@ -12,13 +12,17 @@ The RMS is per tensor, so parameters are never cut into chunks.
 """
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any, Iterable
 
 import torch
 
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
+from lowp.optim.rule import Expr, RuleArgs, RuleResult, fma, lerp, maximum, sqrt
+from lowp.optim.spec import Numbers, OptimizerSpec
 
-__all__ = ["StableAdamW", "stableadamw_update"]
+__all__ = ["StableAdamW", "stableadamw_update", "STABLEADAMW"]
 
 
 def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -42,10 +46,57 @@ def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], e
     return updates
 
 
+def _second_moment(r: RuleArgs) -> Expr:
+    return fma(r.n.one_minus_beta2 * r.g, r.g, r.s.exp_avg_sq * r.n.beta2)
+
+
+def stable_ratio(r: RuleArgs) -> Expr:
+    """The term whose mean over a tensor is ``RMS_t**2``: ``g**2 / max(v_hat, eps**2)``."""
+    return (r.g * r.g) / maximum(_second_moment(r) / r.n.bias_correction2, r.n.eps_squared)
+
+
+def stable_tensor_numbers(numbers: Numbers, total: float, numel: int) -> Numbers:
+    """``lr_t = lr / max(1, RMS)`` from the tensor's sum, RMS in fp32 as the reference takes it
+    (``float(mean.sqrt())``), the rest in float64."""
+    rms = _fp32(math.sqrt(_fp32(total / numel))) if numel else 0.0
+    lr_t = numbers["lr"] / max(1.0, rms)
+    return {"step_size": -lr_t / numbers["bias_correction1"], "decay": -lr_t * numbers["weight_decay"]}
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def stable_rule(r: RuleArgs) -> RuleResult:
+    """:func:`stableadamw_update` per element, with the tensor's ``lr_t`` in ``r.t``."""
+    m = lerp(r.s.exp_avg, r.g, r.n.one_minus_beta1)
+    v = _second_moment(r)
+    u = m / (sqrt(v / r.n.bias_correction2) + r.n.eps) * r.t.step_size
+    if r.on.weight_decay:
+        u = fma(r.w, r.t.decay, u)
+    return u, {"exp_avg": m, "exp_avg_sq": v}
+
+
+def _stable_numbers(group: dict[str, Any], step: int) -> Numbers:
+    beta1, beta2 = group["betas"]
+    eps = group["eps"]
+    return {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
+            "bias_correction2": 1 - beta2 ** step, "eps": eps, "eps_squared": eps * eps, "lr": float(group["lr"]),
+            "bias_correction1": 1 - beta1 ** step, "weight_decay": group["weight_decay"]}
+
+
+STABLEADAMW = OptimizerSpec(
+    "stableadamw",
+    states=lambda group: ("exp_avg", "exp_avg_sq"),
+    numbers=_stable_numbers,
+    switches=lambda group: {"weight_decay": group["weight_decay"] != 0},
+    rule=stable_rule, tensor_sum=stable_ratio, tensor_numbers=stable_tensor_numbers)
+
+
 class StableAdamW(TwoMomentOptimizer):
     """``StableAdamW(params, lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=1e-2, ...)``."""
 
-    elementwise = False
+    spec = STABLEADAMW
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
                  eps: float = 1e-6, weight_decay: float = 1e-2, **options: Any) -> None:

@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from lowp.optim.backends import ParamSlice, StepContext
+from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.preflight import extent as _extent, storage_fits
 
 __all__ = ["PLAIN_TYPES", "Span", "plain", "storage_fits", "kernel_memory", "check_slice", "check_kernel_args",

@@ -1,11 +1,12 @@
-"""Building and loading the hand-written CPU kernels (``native/*.cpp``) for ``backend="native"``:
-``step.cpp`` (the fused optimizer step) and ``finite.cpp`` (the non-finite gradient check).
+"""Building and loading the CPU kernels for ``backend="native"``: the fused optimizer step (a
+translation unit generated per variant by :mod:`~lowp.optim.kernels.cpp_source` around
+``native/vector.h`` and ``native/step.h``) and ``native/finite.cpp`` (the non-finite gradient check).
 
-Nothing is compiled when lowp is installed: the first step of a variant (optimizer rule,
-structural switches, write-back mode, dtypes, state rounding, diagnostics) compiles one shared
-object with the system C++ compiler (about 1 s), stores it in a cache folder keyed by a hash of
-the source, the compiler and the flags, and loads it with :mod:`ctypes`; later processes load it
-from the cache. The kernel needs an x86-64 CPU with AVX2, FMA and F16C (every x86 server CPU
+Nothing is compiled when lowp is installed: the first step of a variant (optimizer rule and
+switches, write-back mode, dtypes, state rounding, diagnostics) compiles one shared object with
+the system C++ compiler (about 1 s), stores it in a cache folder keyed by a hash of the
+generated source, the hand-written sources, the compiler and the flags, and loads it with
+:mod:`ctypes`; later processes load it from the cache. The kernel needs an x86-64 CPU with AVX2, FMA and F16C (every x86 server CPU
 since 2013-2015) and ``g++``/``c++``/``clang++`` on PATH; :func:`native_available` says whether
 both hold, and the backends fall back to ``torch.compile`` or the reference pipeline otherwise.
 
@@ -41,9 +42,7 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
-__all__ = ["native_available", "step_function", "finite_function", "cache_dir", "library_path", "DTYPE_CODES",
+__all__ = ["native_available", "step_function", "sums_function", "finite_function", "cache_dir", "library_path",
            "FLAGS"]
 
 SOURCES = Path(__file__).with_name("native")
@@ -52,8 +51,6 @@ SOURCES = Path(__file__).with_name("native")
 #: ``-fopenmp``: the kernels run on torch's OpenMP pool (libgomp.so.1, which torch has loaded by then).
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
-#: dtype codes of the source's ``enum Dtype``.
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 #: the largest library accepted from the cache (a variant is about 20 KB)
 _MAX_LIBRARY = 64 << 20
@@ -89,11 +86,10 @@ def _cpu_supported() -> bool:
 @functools.lru_cache(maxsize=None)
 def native_available() -> bool:
     """True when the native kernel can be built and run here: x86-64 with AVX2/FMA/F16C (read
-    from ``/proc/cpuinfo``, so Linux), a C++ compiler on PATH, and a test variant compiles."""
+    from ``/proc/cpuinfo``, so Linux), a C++ compiler on PATH, and the gradient check compiles."""
     if not (_cpu_supported() and _compiler()):
         return False
     try:
-        step_function({})
         finite_function()
     except (OSError, RuntimeError):
         return False
@@ -224,22 +220,28 @@ def _write_atomically(target: Path, data: bytes) -> None:
         raise
 
 
-def _compile(source: Path, macros: dict[str, int], target: Path) -> None:
-    """Compile ``source`` into ``target`` through a unique temporary file, an atomic rename and
-    then the SHA-256 sidecar (written atomically): a reader sees the old pair, the new pair or
-    a mismatch, which makes it rebuild, never a partial file."""
+def _compile(source: str | None, name: str, target: Path) -> None:
+    """Compile ``source`` (generated text; ``None``: ``native/<name>.cpp``) into ``target`` through
+    a unique temporary file, an atomic rename and then the SHA-256 sidecar (written atomically):
+    a reader sees the old pair, the new pair or a mismatch, which makes it rebuild, never a
+    partial file."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("backend='native': no C++ compiler (g++, c++ or clang++) on PATH")
     tmp = _temp_name(target)
     # created here first: an OSError (read-only cache) before the compiler runs
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-    defines = [f"-DLOWP_{k}={int(v)}" for k, v in sorted(macros.items())]
+    text = None
     try:
-        result = subprocess.run([compiler, *FLAGS, *defines, str(source), "-o", str(tmp)], capture_output=True,
-                                text=True)
+        if source is None:
+            input_file = SOURCES / f"{name}.cpp"
+        else:
+            text = input_file = _temp_name(target.with_suffix(".cpp"))
+            _write_atomically(input_file, source.encode())
+        result = subprocess.run([compiler, *FLAGS, f"-I{SOURCES}", "-x", "c++", str(input_file), "-o", str(tmp)],
+                                capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"backend='native': compiling {source.name} failed:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"backend='native': compiling {name} failed:\n{result.stderr[-2000:]}")
         os.chmod(tmp, 0o700)  # the linker creates it with the umask's permissions
         digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
         os.replace(tmp, target)
@@ -247,10 +249,14 @@ def _compile(source: Path, macros: dict[str, int], target: Path) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    finally:
+        if text is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(text)
     _write_atomically(_sidecar(target), f"{digest}\n".encode())
 
 
-def _build_in(folder: Path, source: Path, macros: dict[str, int], filename: str) -> ctypes.CDLL:
+def _build_in(folder: Path, source: str | None, name: str, filename: str) -> ctypes.CDLL:
     """The library ``folder/filename``: built unless a valid one appeared meanwhile. One build
     per variant and folder at a time (an advisory lock beside it); concurrent processes wait and
     load the finished library."""
@@ -263,7 +269,7 @@ def _build_in(folder: Path, source: Path, macros: dict[str, int], filename: str)
         library = _load_verified(target)
         if library is None:
             _remove_stale(folder)
-            _compile(source, macros, target)
+            _compile(source, name, target)
             library = _load_verified(target)
         if library is None:
             raise OSError(f"the library just built at {target} does not load")
@@ -272,58 +278,68 @@ def _build_in(folder: Path, source: Path, macros: dict[str, int], filename: str)
         os.close(fd)
 
 
-_LOADED: dict[tuple, ctypes.CDLL] = {}
+_LOADED: dict[tuple[str, str | None], ctypes.CDLL] = {}
 
 
-def _library(name: str, macros: dict[str, int]) -> ctypes.CDLL:
-    """``native/<name>.cpp`` built with ``-DLOWP_<KEY>=<value>`` for ``macros``: loaded from the
-    cache when a verified copy is there, else compiled into it (or into this process's private
-    folder when the cache is not usable), then kept for the process."""
-    key = (name, *sorted(macros.items()))
+def _library(name: str, source: str | None = None) -> ctypes.CDLL:
+    """The library of ``source`` (a generated translation unit; ``None``: ``native/<name>.cpp``):
+    loaded from the cache when a verified copy is there, else compiled into it (or into this
+    process's private folder when the cache is not usable), then kept for the process."""
+    key = (name, source)
     if key not in _LOADED:
-        source = SOURCES / f"{name}.cpp"
-        path = library_path(name, macros)
+        path = library_path(name, source)
         folder, filename = path.parent, path.name
         problem = _private_dir(folder.parent) or _private_dir(folder)
         library = None if problem else _load_verified(folder / filename)
         if library is None and problem is None:
             try:
-                library = _build_in(folder, source, macros, filename)
+                library = _build_in(folder, source, name, filename)
             except OSError as e:  # e.g. a read-only cache
                 problem = f"building in {folder} failed ({e.strerror or e})"
         if library is None:
-            library = _build_in(_fallback_dir(problem or ""), source, macros, filename)
+            library = _build_in(_fallback_dir(problem or ""), source, name, filename)
         _LOADED[key] = library
     return _LOADED[key]
 
 
-def _variant_digest(source: Path, key: tuple) -> str:
-    """What names a cached variant: a hash of the source, flags, macros and compiler version."""
+@functools.lru_cache(maxsize=None)
+def _hand_written() -> bytes:
+    """Every hand-written source (a generated unit includes the headers)."""
+    return b"".join(p.name.encode() + p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.suffix in (".h", ".cpp"))
+
+
+def library_path(name: str, source: str | None = None) -> Path:
+    """Where the cache keeps the library of ``source`` (see :func:`_library`; its SHA-256 sidecar
+    is the same path plus ``.sha256``): named by a hash of the sources, flags and compiler version."""
     compiler = _compiler() or ""
-    text = repr((source.read_bytes(), FLAGS, key, _compiler_version(compiler)))
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    text = repr((name, source, _hand_written(), FLAGS, _compiler_version(compiler)))
+    return cache_dir() / "kernels" / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
 
 
-def library_path(name: str, macros: dict[str, int]) -> Path:
-    """Where the cache keeps the variant ``macros`` of ``native/<name>.cpp`` (its SHA-256 sidecar
-    is the same path plus ``.sha256``)."""
-    key = (name, *sorted(macros.items()))
-    return cache_dir() / "kernels" / f"{name}-{_variant_digest(SOURCES / f'{name}.cpp', key)}.so"
-
-
-def step_function(macros: dict[str, int]) -> "ctypes._CFuncPtr":
-    """``lowp_step(tensors, pointer table, numel, offsets, h, keys, threads) -> stalled count`` of
-    the variant ``macros`` (see :func:`lowp.optim.kernels.native_backend.variant_macros`)."""
-    fn = _library("step", macros).lowp_step
+@functools.lru_cache(maxsize=None)
+def step_function(source: str) -> "ctypes._CFuncPtr":
+    """``lowp_step(tensors, pointer table, numel, offsets, h, tensor numbers, keys, threads) ->
+    stalled count`` of the generated variant ``source`` (:func:`~lowp.optim.kernels.cpp_source.variant_source`)."""
+    fn = _library("step", source).lowp_step
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def sums_function(source: str) -> "ctypes._CFuncPtr":
+    """``lowp_sums(tensors, pointer table, numel, h, sums out, threads)`` of a variant with a
+    per-tensor reduction."""
+    fn = _library("step", source).lowp_sums
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn
 
 
 def finite_function() -> "ctypes._CFuncPtr":
     """``lowp_finite(tensors, pointers, numel, dtype codes, flags out, threads)``."""
-    fn = _library("finite", {}).lowp_finite
+    fn = _library("finite").lowp_finite
     fn.restype = None
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn

@@ -1,7 +1,8 @@
 """One fused optimizer step on one flat parameter: load, rule, state stores, write-back.
 
-:func:`fused_step` composes an optimizer :class:`~lowp.optim.kernels.rules.Rule` with a
-write-back mode, written as plain tensor expressions that :func:`torch.compile` turns into a
+:func:`fused_step` composes an optimizer's traced rule (:class:`~lowp.optim.rule.Program`,
+evaluated by :mod:`~lowp.optim.kernels.torch_rule`) with a write-back mode, written as plain
+tensor expressions that :func:`torch.compile` turns into a
 single loop (Inductor: vectorised C++ on CPU, Triton on CUDA). Nothing here allocates a
 full-size buffer once compiled; run eagerly it is a (slow) readable reference of the same math.
 
@@ -22,17 +23,16 @@ from __future__ import annotations
 
 import torch
 
-from lowp.optim.kernels.rules import Rule
+from lowp.optim.kernels.torch_rule import evaluate
 from lowp.optim.randomness import Stream, fold_key
+from lowp.optim.rule import Program
 
-__all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16", "STREAMS"]
+__all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16"]
 
 _LOW_16_BITS_CLEARED = -65536
 _HALF = 1 << 15
 _QUIET = 0x00400000
 _BIAS = 1 << 31
-#: Random streams per slice at fixed places: weight, compensation and three states.
-STREAMS = Stream.STATE + 3
 
 
 def _int32(value: int) -> int:
@@ -75,14 +75,14 @@ def stochastic_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (rounded >> 16).to(torch.int16).view(torch.bfloat16)   # the top halves (a cast would canonicalize NaNs)
 
 
-def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, ...], count: bool,
+def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], count: bool,
                p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, states: list[torch.Tensor],
                h: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
     """Update the flat tensors ``p``, ``buf`` and ``states`` in place; return the stalled count.
 
     ``h[0]`` is the gradient factor (-1 for maximize, times the GradScaler's 1/scale), ``h[1:]``
-    the rule's numbers; ``keys`` is :func:`chunk_keys` of the chunk (int32; every integer here is
-    int32 so that Inductor keeps 16-wide bf16 vectors on AVX2).
+    the program's numbers; ``keys`` is :func:`chunk_keys` of the chunk (int32; every integer here
+    is int32 so that Inductor keeps 16-wide bf16 vectors on AVX2).
     """
     n = p.shape[0]
     j = torch.arange(n, device=p.device, dtype=torch.int32)
@@ -92,7 +92,7 @@ def fused_step(rule: Rule, mode: str, cfg: tuple, state_stochastic: tuple[bool, 
         w = bits.view(torch.float32)
     else:
         w = p.float()
-    u, new_states = rule.fn(w, g.float() * h[0], [s.float() for s in states], h[1:], cfg)
+    u, new_states = evaluate(program, w, g.float() * h[0], [s.float() for s in states], h[1:])
     for i, (s, x) in enumerate(zip(states, new_states)):
         if state_stochastic[i] and s.dtype == torch.bfloat16:
             s.copy_(stochastic_bf16(x, _stream_bits(j, before, keys, Stream.STATE + i)))

@@ -1,0 +1,128 @@
+"""The C++ source of one native kernel variant, written from an optimizer's spec.
+
+A variant is one translation unit: ``#define LOWP_*`` lines (write-back mode, dtype codes, the
+number of states and of numbers), ``#include "vector.h"``, the spec's rule written out as
+``rule`` (and its per-tensor reduction term as ``reduction``), then ``#include "step.h"``. The rule
+is the traced :class:`~lowp.optim.rule.Program`, one C++ statement per node, on the 8-lane fp32
+vectors of ``vector.h`` (``fma_`` and ``sqrt_`` are the hardware's single-rounding instructions;
+the compiler contracts nothing else, ``-ffp-contract=off``).
+"""
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from lowp.optim.rule import Expr, Program
+
+__all__ = ["Variant", "variant_source", "DTYPE_CODES", "MODE_CODES"]
+
+#: dtype codes of ``enum Dtype`` in ``native/vector.h``.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+#: write-back mode codes of ``enum Mode`` in ``native/vector.h``.
+MODE_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Everything that selects one compiled variant: the traced rule (and reduction), the
+    write-back mode, the dtypes of weight, gradient, buffer (``None``: the mode has none) and
+    states, stochastic state rounding and stalled-element counting."""
+
+    program: Program
+    reduction: Program | None
+    mode: str
+    weight: torch.dtype
+    grad: torch.dtype
+    buffer: torch.dtype | None
+    states: tuple[torch.dtype, ...]
+    stochastic_states: bool
+    count: bool
+
+    @property
+    def numbers(self) -> tuple[str, ...]:
+        """The step numbers the kernel reads, in the order the host packs them: the rule's, then
+        any that only the reduction reads."""
+        extra = self.reduction.numbers if self.reduction is not None else ()
+        return tuple(dict.fromkeys((*self.program.numbers, *extra)))
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype | None, ...]:
+        """(weight, gradient, buffer or ``None``, states...): what the kernel reads per slice."""
+        return (self.weight, self.grad, self.buffer, *self.states)
+
+
+def _float(x: float) -> str:
+    """An fp32 C++ literal of ``x`` (hexadecimal: exact), after rounding it to fp32."""
+    value = struct.unpack("f", struct.pack("f", x))[0]
+    return f"bc({value.hex()}f)" if value == value and abs(value) != float("inf") else f"bc({x!r}f)"
+
+
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+           "and": "&", "or": "|"}
+_CALLS = {"fma": "fma_", "sqrt": "sqrt_", "maximum": "maximum", "sign": "sign", "where": "select"}
+
+
+def _function(name: str, program: Program, number_order: tuple[str, ...], returns_states: bool) -> str:
+    """``program`` as ``static inline vf name(n, t, w, g, s[, out])``; step number ``k`` of
+    ``number_order`` is ``n.v[k]``."""
+    states = {n: i for i, n in enumerate(program.state_names)}
+    numbers = {n: i for i, n in enumerate(number_order)}
+    tensor_numbers = {n: i for i, n in enumerate(program.tensor_numbers)}
+    index = program.index()
+    lines = []
+
+    def ref(node: Expr) -> str:
+        return f"x{index[id(node)]}"
+
+    for i, node in enumerate(program.nodes):
+        op = node.op
+        if op == "input":
+            expr = node.name
+        elif op == "state":
+            expr = f"s[{states[node.name]}]"
+        elif op == "number":
+            expr = f"n.v[{numbers[node.name]}]"
+        elif op == "tensor_number":
+            expr = f"t[{tensor_numbers[node.name]}]"
+        elif op == "const":
+            expr = _float(node.value)
+        elif op in _BINARY:
+            a, b = (ref(x) for x in node.args)
+            expr = f"(vi)({a} {_BINARY[op]} {b})" if node.is_condition else f"{a} {_BINARY[op]} {b}"
+        elif op == "neg":
+            expr = f"-{ref(node.args[0])}"
+        elif op == "not":
+            expr = f"~{ref(node.args[0])}"
+        else:
+            expr = f"{_CALLS[op]}({', '.join(ref(x) for x in node.args)})"
+        lines.append(f"  const {'vi' if node.is_condition else 'vf'} x{i} = {expr};")
+    if returns_states:
+        lines += [f"  out[{j}] = {ref(node)};" for j, (_, node) in enumerate(program.states)]
+    lines.append(f"  return {ref(program.update)};")
+    signature = ("const Numbers &n, const vf *t, vf w, vf g, const vf *s" + (", vf *out" if returns_states else ""))
+    unused = "  (void)n; (void)t; (void)w; (void)g; (void)s;\n"
+    return f"static inline vf {name}({signature}) {{\n{unused}" + "\n".join(lines) + "\n}\n"
+
+
+@functools.lru_cache(maxsize=None)
+def variant_source(spec_name: str, variant: Variant) -> str:
+    """The translation unit of ``variant`` (see the module docstring; cached: the same text
+    object, whose hash Python keeps, names the loaded library on every later call)."""
+    state_codes = [DTYPE_CODES[d] for d in variant.states] + [0]
+    macros = {
+        "MODE": MODE_CODES[variant.mode], "W": DTYPE_CODES[variant.weight], "G": DTYPE_CODES[variant.grad],
+        "B": DTYPE_CODES[variant.buffer] if variant.buffer is not None else 0, "NSTATES": len(variant.states),
+        "STATE_TYPES": "{" + ", ".join(map(str, state_codes)) + "}", "SR": int(variant.stochastic_states),
+        "COUNT": int(variant.count), "NUMBERS": len(variant.numbers),
+        "TENSOR_NUMBERS": len(variant.program.tensor_numbers), "REDUCTION": int(variant.reduction is not None),
+    }
+    parts = [f"// generated by lowp.optim.kernels.cpp_source: the {spec_name!r} optimizer, {variant.mode} mode",
+             *(f"#define LOWP_{k} {v}" for k, v in macros.items()), '#include "vector.h"',
+             _function("rule", variant.program, variant.numbers, True)]
+    if variant.reduction is not None:
+        parts.append(_function("reduction", variant.reduction, variant.numbers, False))
+    parts.append('#include "step.h"')
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,127 @@
+"""What every fused kernel shares: the :class:`Kernel` interface and its admission of slices.
+
+A kernel runs one optimizer step over the slices it admits, from the optimizer's
+:class:`~lowp.optim.spec.OptimizerSpec` alone; a backend (:class:`lowp.optim.backends.FusedBackend`)
+pairs it with a fallback that runs everything it does not admit. Kernels count the elements
+they updated in ``fused_elements``, so tests and users can see that a kernel really ran.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar, TypeVar
+
+import torch
+
+from lowp.optim.kernels.checks import PLAIN_TYPES, Span, check_slice
+from lowp.optim.randomness import Stream, stream_keys
+from lowp.optim.rule import Program
+from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.spec import OptimizerSpec
+
+__all__ = ["Kernel", "fusable", "partition", "grad_factor", "slice_keys", "by_signature", "stream_count", "step_numbers"]
+
+_LOW16 = (torch.bfloat16, torch.float16)
+_KERNEL_FLOATS = (torch.float32, *_LOW16)
+T = TypeVar("T")
+
+
+def fusable(ctx: StepContext, s: ParamSlice, min_numel: int = 2, fp16_stochastic: bool = False,
+            devices: tuple[str, ...] = ("cpu", "cuda"), spans: list[Span] | None = None) -> bool:
+    """Whether slice ``s`` can take a fused step: the admission checks of
+    :func:`~lowp.optim.kernels.checks.check_slice` (which raise for inputs no backend can run,
+    before anything is written), kernel memory on one of ``devices`` for the weight, states and
+    buffer (a gradient may be strided: the kernels copy it), elements that are one contiguous
+    range of their parameter (the random streams count along it), and the dtypes the kernels
+    support. ``fp16_stochastic``: the kernel rounds fp16 stochastically too (the weight in
+    stochastic mode, the compensation in kahan mode, stochastically rounded states); ``spans``
+    collects the byte ranges of the slice's tensors (:func:`~lowp.optim.kernels.checks.overlapping`)."""
+    floats = _KERNEL_FLOATS
+    weights, _, buffer = check_slice(ctx, s, floats, (torch.int16,) if ctx.mode.name == "exact" else floats, spans)
+    param, grad = s.param, s.grad
+    device = "cpu" if param.is_cpu else param.device.type
+    if not (weights and buffer) or param.numel() < min_numel or device not in devices or not s.index.contiguous:
+        return False
+    if type(grad) not in PLAIN_TYPES or grad.is_neg() or grad.dtype not in floats:
+        return False
+    if ctx.mode.name in ("stochastic", "kahan") and param.dtype not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
+        return False
+    stochastic_states = ctx.group["state_rounding"] == "stochastic"
+    return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
+
+
+def partition(items: list[T], keep: Callable[[T], bool]) -> tuple[list[T], list[T]]:
+    """``(items where keep, the others)``, each in the original order, in one pass."""
+    kept: list[T] = []
+    others: list[T] = []
+    for s in items:
+        (kept if keep(s) else others).append(s)
+    return kept, others
+
+
+def grad_factor(ctx: StepContext) -> float:
+    """What the gradient is multiplied by: -1 for ``maximize``, times the GradScaler's 1/scale."""
+    return (-1.0 if ctx.group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
+
+
+def stream_count(states: int) -> int:
+    """Random streams per slice: the weight's, the compensation's, one per state."""
+    return Stream.STATE + states
+
+
+def slice_keys(ctx: StepContext, s: ParamSlice) -> list[int]:
+    """The stream keys of slice ``s`` at this step: ``Stream.WEIGHT``, ``Stream.COMPENSATION``
+    and one per state (:func:`lowp.optim.randomness.stream_key`)."""
+    return stream_keys(ctx.seed, ctx.step, s.param_id, stream_count(len(s.states)))
+
+
+def by_signature(slices: list[ParamSlice], signature: Callable[[ParamSlice], tuple]) -> dict[tuple, list[ParamSlice]]:
+    """The slices grouped by ``signature`` (one kernel launch each), in their order."""
+    groups: dict[tuple, list[ParamSlice]] = {}
+    for s in slices:
+        groups.setdefault(signature(s), []).append(s)
+    return groups
+
+
+def step_numbers(spec: OptimizerSpec, program: Program, ctx: StepContext, device: torch.device) -> torch.Tensor:
+    """``h``: the gradient factor, then the numbers ``program`` reads (one small fp32 tensor)."""
+    values = [grad_factor(ctx), *spec.step_numbers(program, ctx.group, ctx.step)]
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+class Kernel(ABC):
+    """One way of running fused steps. Subclasses set ``name`` and the admission limits and
+    implement :meth:`run`; ``fused_elements`` counts the elements they updated (summed over
+    slices and steps; assign 0 to restart)."""
+
+    name: ClassVar[str]
+    #: the smallest tensor this kernel fuses, whether it rounds fp16 stochastically (:func:`fusable`),
+    #: and the device types whose memory it addresses
+    min_numel: ClassVar[int] = 2
+    fp16_stochastic: ClassVar[bool] = False
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def __init__(self) -> None:
+        self.fused_elements = 0
+
+    def supports(self, spec: OptimizerSpec) -> bool:
+        """Whether this kernel has a form of ``spec`` (default: any elementwise rule)."""
+        return spec.rule is not None and spec.elementwise
+
+    def admits(self, spec: OptimizerSpec, ctx: StepContext, s: ParamSlice, spans: list[Span]) -> bool:
+        """Whether slice ``s`` takes this kernel (:func:`fusable` with its limits; ``spans``
+        collects its byte ranges); ``ValueError`` when ``s`` lacks a state the optimizer reads,
+        or has one it does not."""
+        expected = spec.states(ctx.group)
+        if tuple(s.states) != tuple(expected):
+            raise ValueError(f"states: the {spec.name} optimizer reads the states {list(expected)} of this "
+                             f"parameter, the slice has {list(s.states)}")
+        return fusable(ctx, s, self.min_numel, self.fp16_stochastic, self.devices, spans)
+
+    @abstractmethod
+    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """The step over ``slices`` (all admitted); returns the stalled count when ``ctx.count``."""
+
+    def finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
+        """Per gradient: finite (``True``/``False``) as this kernel checks it, ``None`` for the
+        ones it leaves to the generic check (default: all)."""
+        return [None] * len(grads)

@@ -1,0 +1,360 @@
+// lowp fused optimizer step, part 2: blocks of 16 elements (load, rule, state stores, write-back)
+// and the multi-tensor driver. Included by a generated variant after vector.h and its `rule`
+// (lowp/optim/kernels/cpp_source.py).
+//
+// Driver: tensors are cut into work units of UNIT elements that torch's OpenMP threads take from
+// an atomic counter; within a unit, groups of GROUP elements go through two passes (update_block,
+// then write_back_block). A spec with a per-tensor reduction has a second entry point,
+// lowp_sums, which the host calls first; it turns the sums into per-tensor numbers (read by the
+// rule as `t[j]`). Measurements behind these choices: docs/fused.md.
+#pragma once
+#include <atomic>
+#include <utility>
+#include <vector>
+
+// Run `f(std::integral_constant<int, J>{})` for every state J (J is a compile-time constant, so
+// each state's dtype picks its own load and store).
+template <typename F, int... J> static inline void each_state(F &&f, std::integer_sequence<int, J...>) {
+  (f(std::integral_constant<int, J>{}), ...);
+}
+template <typename F> static inline void for_states(F &&f) {
+  each_state(f, std::make_integer_sequence<int, NSTATES>{});
+}
+
+struct Pointers {
+  void *w, *g, *b, *s[NSTATES + 1];
+};
+
+// Streams of lowp.optim.randomness.Stream: the weight's, the compensation's, then one per state.
+enum StreamId { WEIGHT_STREAM = 0, COMPENSATION_STREAM = 1, STATE_STREAM = 2 };
+constexpr int STREAMS = STATE_STREAM + NSTATES;
+
+// Which streams a variant draws from (the others' keys are never formed).
+constexpr bool used_stream(int s) {
+  if (s == WEIGHT_STREAM) return MODE == STOCHASTIC;
+  if (s == COMPENSATION_STREAM) return MODE == KAHAN && BT != F32;
+  return SR && ST[s - STATE_STREAM] != F32;
+}
+
+// The random streams of one block of 16 elements: the low 32 bits of the global index of the
+// even and odd lanes, and per stream the key with the high 32 bits folded in (per lane: a block
+// may straddle a multiple of 2^32).
+struct Rng {
+  vu lo[2];
+  vu key[2][STREAMS];
+  template <int S> inline vu bits(int h) const { return random16(lo[h] ^ key[h][S]); }
+};
+
+// The streams of one tensor: its keys (stream_key per stream) and, cached for the current high
+// 32 bits ``hi`` of the index, the folded keys for ``hi`` and ``hi + 1``.
+struct TensorStreams {
+  const uint32_t *keys;
+  uint64_t hi = ~0ull;
+  uint32_t k0[STREAMS] = {}, k1[STREAMS] = {};
+
+  // The Rng of the block whose element 0 has global index ``first``.
+  inline Rng at(uint64_t first) {
+    if ((first >> 32) != hi) {
+      hi = first >> 32;
+      for (int s = 0; s < STREAMS; s++)
+        if (used_stream(s)) {
+          k0[s] = keys[s] ^ scalar_hash32((uint32_t)hi);
+          k1[s] = keys[s] ^ scalar_hash32((uint32_t)(hi + 1));
+        }
+    }
+    const uint32_t lo = (uint32_t)first;
+    const vu even = {0, 2, 4, 6, 8, 10, 12, 14};
+    Rng r;
+    r.lo[0] = even + lo;
+    r.lo[1] = even + (lo + 1u);
+    if (__builtin_expect(lo <= 0xFFFFFFF0u, 1)) {  // the block stays below the next multiple of 2^32
+      for (int h = 0; h < 2; h++)
+        for (int s = 0; s < STREAMS; s++)
+          if (used_stream(s)) r.key[h][s] = bcu(k0[s]);
+      return r;
+    }
+    for (int h = 0; h < 2; h++) {
+      const vu wrapped = (vu)(r.lo[h] < bcu(lo));  // lanes past a multiple of 2^32
+      for (int s = 0; s < STREAMS; s++)
+        if (used_stream(s)) r.key[h][s] = bcu(k0[s]) ^ (wrapped & bcu(k0[s] ^ k1[s]));
+    }
+    return r;
+  }
+};
+
+// ``x`` rounded stochastically to DT with 16 random bits (a plain fp32 value stays itself).
+template <int DT> static inline vf stochastic_to(vf x, vu noise) {
+  if constexpr (DT == BF16) return stochastic_bf16(x, noise);
+  else if constexpr (DT == F16) return stochastic_f16(x, noise);
+  else return x;
+}
+
+// The stored value of new state J: stochastic rounding for 16-bit states when asked, else nearest.
+template <int J> static inline vf state_value(vf x, const Rng &rng, int h) {
+  if constexpr (SR && ST[J] != F32) return stochastic_to<ST[J]>(x, rng.template bits<STATE_STREAM + J>(h));
+  else return round_to<ST[J]>(x);
+}
+
+// The weight of 16 elements as (even, odd) fp32 vectors; in exact mode the bf16 weight plus its
+// int16 remainder, which is the fp32 weight bit for bit.
+static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
+  if constexpr (MODE == EXACT) {
+    vu top, rem;
+    memcpy(&top, (const uint16_t *)p.w + i, 32);
+    memcpy(&rem, (const uint16_t *)p.b + i, 32);
+    w[0] = (vf)((top << 16) + (vu)(((vi)rem << 16) >> 16));
+    w[1] = (vf)((top & 0xFFFF0000u) + (vu)((vi)rem >> 16));
+  } else {
+    load<WT>(p.w, i, w[0], w[1]);
+  }
+}
+
+// Weight, gradient (times ``factor``) and states of 16 elements, as (even, odd) fp32 vectors.
+static inline void load_inputs(const Pointers &p, int64_t i, const vf &factor, vf w[2], vf g[2],
+                               vf s[2][NSTATES + 1]) {
+  load<GT>(p.g, i, g[0], g[1]);
+  g[0] *= factor;
+  g[1] *= factor;
+  load_weight(p, i, w);
+  for_states([&](auto j) {
+    constexpr int J = decltype(j)::value;
+    load<ST[J]>(p.s[J], i, s[0][J], s[1][J]);
+  });
+}
+
+// Pass 1 over 16 elements: load, rule, state stores; returns the update ``u`` (even, odd).
+static inline void update_block(const Pointers &p, int64_t i, const Numbers &n, const vf *t, const vf &factor,
+                                const Rng &rng, vf u[2]) {
+  vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
+  load_inputs(p, i, factor, w, g, s);
+  for (int h = 0; h < 2; h++) u[h] = rule(n, t, w[h], g[h], s[h], out[h]);
+  for_states([&](auto j) {
+    constexpr int J = decltype(j)::value;
+    store<ST[J]>(p.s[J], i, state_value<J>(out[0][J], rng, 0), state_value<J>(out[1][J], rng, 1));
+  });
+}
+
+// Pass 2 over 16 elements: the write-back of lowp/optim/writeback.py. A lane is stalled when its
+// stored weight did not change (the update was lost to rounding, or zero); ``valid`` marks the
+// lanes inside the tensor (all but a tail block's padding), the only ones that may count; a
+// stalled lane adds -1 to ``stalled``.
+static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng, const vf u[2],
+                                    const vi *valid, vi &stalled) {
+  vf w[2], neww[2];
+  vi still[2];
+  load_weight(p, i, w);
+  if constexpr (MODE == KAHAN) {
+    vf b[2], newb[2];
+    load<BT>(p.b, i, b[0], b[1]);
+    for (int h = 0; h < 2; h++) {
+      vf v = b[h] + u[h];
+      neww[h] = round_to<WT>(w[h] + v);
+      vf change = neww[h] - w[h];
+      newb[h] = stochastic_to<BT>(v - change, rng.template bits<COMPENSATION_STREAM>(h));
+      still[h] = change == 0.0f;
+    }
+    store<BT>(p.b, i, newb[0], newb[1]);
+  } else if constexpr (MODE == EXACT) {
+    vi top[2], rem[2];
+    for (int h = 0; h < 2; h++) {
+      vi x = (vi)(w[h] + u[h]);
+      top[h] = (x + 0x8000) >> 16;
+      rem[h] = x - (top[h] << 16);
+      still[h] = (vi){};
+    }
+    vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu), pr = ((vu)rem[1] << 16) | ((vu)rem[0] & 0xFFFFu);
+    memcpy((uint16_t *)p.w + i, &pw, 32);
+    memcpy((uint16_t *)p.b + i, &pr, 32);
+  } else {
+    for (int h = 0; h < 2; h++) {
+      if constexpr (MODE == STOCHASTIC)
+        neww[h] = stochastic_to<WT>(w[h] + u[h], rng.template bits<WEIGHT_STREAM>(h));
+      else
+        neww[h] = round_to<WT>(w[h] + u[h]);
+      still[h] = neww[h] == w[h];
+    }
+  }
+  if constexpr (MODE != EXACT) store<WT>(p.w, i, neww[0], neww[1]);
+  if constexpr (COUNT) stalled += (still[0] & valid[0]) + (still[1] & valid[1]);
+}
+
+// ---- the driver: tensors cut into units, units shared by threads -------------------------------
+static constexpr int64_t UNIT = 1 << 15;  // elements per work unit
+static constexpr int64_t GROUP = 256;     // elements per two-pass group (a multiple of 16)
+static constexpr int ROLES = 3 + NSTATES;  // weight, gradient, buffer, states
+
+static int itemsize(int dt) { return dt == F32 ? 4 : 2; }
+
+struct Task {
+  int64_t tensors;
+  void *const *ptrs;              // [role][tensor]
+  const int64_t *numel;           // [tensor]
+  const int64_t *offset;          // [tensor] global index of element 0 (random streams)
+  const uint32_t *keys;           // [tensor][stream] stream keys
+  const double *tensor_numbers;   // [tensor][TENSOR_NUMBERS]
+  std::vector<int64_t> first_unit;  // [tensor + 1] cumulative unit counts
+  Numbers n;
+  float factor;
+  std::atomic<int64_t> next{0};
+
+  Task(int64_t count, void *const *p, const int64_t *sizes, const double *h) : tensors(count), ptrs(p), numel(sizes) {
+    first_unit.assign(tensors + 1, 0);
+    for (int64_t j = 0; j < tensors; j++) first_unit[j + 1] = first_unit[j] + (numel[j] + UNIT - 1) / UNIT;
+    factor = (float)h[0];
+    n.set(h + 1);
+  }
+  int64_t units() const { return first_unit[tensors]; }
+  Pointers at(int64_t tensor) const {
+    Pointers p;
+    p.w = ptrs[0 * tensors + tensor];
+    p.g = ptrs[1 * tensors + tensor];
+    p.b = ptrs[2 * tensors + tensor];
+    for (int j = 0; j < NSTATES; j++) p.s[j] = ptrs[(3 + j) * tensors + tensor];
+    return p;
+  }
+  // The element range [start, end) of ``unit`` in its tensor (``tensor`` moves forward to it).
+  void range(int64_t unit, int64_t &tensor, int64_t &start, int64_t &end) const {
+    while (first_unit[tensor + 1] <= unit) tensor++;
+    start = (unit - first_unit[tensor]) * UNIT;
+    end = start + UNIT < numel[tensor] ? start + UNIT : numel[tensor];
+  }
+};
+
+static int role_type(int role) {
+  if (role == 0) return MODE == EXACT ? BF16 : WT;
+  if (role == 1) return GT;
+  if (role == 2) return MODE == EXACT ? I16 : BT;
+  return ST[role - 3];
+}
+
+// The last ``count`` (< 16) elements of a tensor: copied into zero-padded local blocks, run
+// through ``fn(local pointers, valid lanes)``, and (WRITE) the written ones copied back.
+template <bool WRITE, typename Fn> static void tail(const Pointers &p, int64_t i, int64_t count, Fn fn) {
+  alignas(32) unsigned char local[ROLES][64] = {};
+  Pointers q;
+  void **dst[ROLES];
+  void *orig[ROLES];
+  dst[0] = &q.w, dst[1] = &q.g, dst[2] = &q.b;
+  orig[0] = p.w, orig[1] = p.g, orig[2] = p.b;
+  for (int j = 0; j < NSTATES; j++) dst[3 + j] = &q.s[j], orig[3 + j] = p.s[j];
+  for (int r = 0; r < ROLES; r++) {
+    *dst[r] = local[r];
+    if (orig[r]) memcpy(local[r], (char *)orig[r] + i * itemsize(role_type(r)), count * itemsize(role_type(r)));
+  }
+  vi valid[2] = {};
+  for (int h = 0; h < 2; h++)
+    for (int l = 0; l < 8; l++) valid[h][l] = (2 * l + h < count) ? -1 : 0;
+  fn(q, valid);
+  for (int r = 0; r < ROLES && WRITE; r++)
+    if (orig[r] && r != 1) memcpy((char *)orig[r] + i * itemsize(role_type(r)), local[r], count * itemsize(role_type(r)));
+}
+
+static const vi ALL_VALID[2] = {(vi){} - 1, (vi){} - 1};
+
+static int64_t work(Task *t) {
+  const vi *valid = ALL_VALID;
+  const vf factor = bc(t->factor);
+  int64_t total = 0, tensor = 0;
+  const Numbers n = t->n;
+  vf tn[TENSOR_NUMBERS + 1];
+  for (int64_t unit; (unit = t->next.fetch_add(1)) < t->units();) {
+    int64_t start, end;
+    t->range(unit, tensor, start, end);
+    const Pointers p = t->at(tensor);
+    for (int j = 0; j < TENSOR_NUMBERS; j++) tn[j] = bc((float)t->tensor_numbers[tensor * TENSOR_NUMBERS + j]);
+    vi stalled = {};
+    int64_t i = start;
+    TensorStreams streams{t->keys + tensor * STREAMS};
+    const uint64_t base = (uint64_t)t->offset[tensor];  // global index of local element 0
+    // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
+    // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
+    for (; i + GROUP <= end; i += GROUP) {
+      vf u[GROUP / 16][2];
+      for (int64_t j = 0; j < GROUP; j += 16)
+        update_block(p, i + j, n, tn, factor, streams.at(base + i + j), u[j / 16]);
+      for (int64_t j = 0; j < GROUP; j += 16)
+        write_back_block(p, i + j, streams.at(base + i + j), u[j / 16], valid, stalled);
+    }
+    for (; i + 16 <= end; i += 16) {
+      vf u[2];
+      const Rng rng = streams.at(base + i);
+      update_block(p, i, n, tn, factor, rng, u);
+      write_back_block(p, i, rng, u, valid, stalled);
+    }
+    if (i < end)
+      tail<true>(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
+        vf u[2];
+        const Rng rng = streams.at(base + i);
+        update_block(q, 0, n, tn, factor, rng, u);
+        write_back_block(q, 0, rng, u, lanes_valid, stalled);
+      });
+    for (int l = 0; l < 8; l++) total -= stalled[l];
+  }
+  return total;
+}
+
+static int thread_count(int threads, int64_t units) {
+  int n = threads < 1 ? 1 : (threads > units ? (int)units : threads);
+  return n < 1 ? 1 : n;
+}
+
+// ``ptrs[role * tensors + j]``: role 0 weight, 1 gradient, 2 buffer (or null), 3 + k state k;
+// ``offset[j]``: global element index of tensor j's element 0 (its elements are a contiguous range
+// of the parameter); ``h``: the gradient factor, then the spec's numbers; ``tensor_numbers[j * T +
+// k]``: per-tensor number k of tensor j; ``keys[j * STREAMS + s]``: stream_key of stream s of tensor j.
+extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
+                             const double *h, const double *tensor_numbers, const uint32_t *keys, int threads) {
+  Task t(tensors, ptrs, numel, h);
+  t.offset = offset;
+  t.keys = keys;
+  t.tensor_numbers = tensor_numbers;
+  int64_t total = 0;
+  // OpenMP, so that the work runs on torch's own thread pool (the libgomp torch loaded): a pool of
+  // our own would compete with torch's workers, which spin for a while after each parallel op.
+#pragma omp parallel num_threads(thread_count(threads, t.units())) reduction(+ : total)
+  total += work(&t);
+  return total;
+}
+
+#if LOWP_REDUCTION
+// The per-tensor pre-pass: ``sums[j]`` = the sum over tensor j of the spec's reduction term. Lanes
+// add in fp32 within a 16-element block, blocks in float64 per unit, units in unit order per tensor
+// (so the result does not depend on the thread count).
+static inline double reduction_block(const Pointers &p, int64_t i, const Numbers &n, const vf &factor,
+                                     const vi *valid) {
+  vf w[2], g[2], s[2][NSTATES + 1];
+  load_inputs(p, i, factor, w, g, s);
+  vf sum = {};
+  for (int h = 0; h < 2; h++) sum += select(valid[h], reduction(n, nullptr, w[h], g[h], s[h]), bc(0.0f));
+  double total = 0;
+  for (int l = 0; l < 8; l++) total += sum[l];
+  return total;
+}
+
+extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *numel, const double *h, double *sums,
+                          int threads) {
+  Task t(tensors, ptrs, numel, h);
+  std::vector<double> partial(t.units(), 0.0);
+#pragma omp parallel num_threads(thread_count(threads, t.units()))
+  {
+    const vf factor = bc(t.factor);
+    int64_t tensor = 0;
+    for (int64_t unit; (unit = t.next.fetch_add(1)) < t.units();) {
+      int64_t start, end;
+      t.range(unit, tensor, start, end);
+      const Pointers p = t.at(tensor);
+      double sum = 0;
+      int64_t i = start;
+      for (; i + 16 <= end; i += 16) sum += reduction_block(p, i, t.n, factor, ALL_VALID);
+      if (i < end)
+        tail<false>(p, i, end - i, [&](const Pointers &q, const vi *valid) { sum += reduction_block(q, 0, t.n, factor, valid); });
+      partial[unit] = sum;
+    }
+  }
+  for (int64_t j = 0; j < tensors; j++) {
+    double sum = 0;
+    for (int64_t unit = t.first_unit[j]; unit < t.first_unit[j + 1]; unit++) sum += partial[unit];
+    sums[j] = sum;
+  }
+}
+#endif

@@ -1,0 +1,207 @@
+// lowp fused optimizer step for x86-64 CPUs with AVX2 + FMA + F16C (backend="native"), part 1:
+// the variant's constants, fp32 vectors of 16 elements, loads, stores, roundings and random bits.
+//
+// A variant is one generated translation unit (lowp/optim/kernels/cpp_source.py): the LOWP_*
+// macros (write-back mode, every tensor's dtype, state count and roundings, counts of numbers),
+// then this header, then the optimizer's rule written out from its spec as `rule` (and
+// `reduction` for a per-tensor pre-pass), then step.h, the driver. The loop therefore carries no
+// run-time branches on any of these. Every operation rounds as the foreach reference does
+// (explicit fused multiply-adds where ATen's CPU kernels use them, correctly rounded sqrt and
+// true divisions), so results are bit-identical to it, and stochastic rounding draws the
+// counter-based bits of lowp/optim/randomness.py, as every backend.
+//
+// Layout trick: 16 elements are processed at a time as two fp32 vectors, the even-indexed
+// elements ("lo") and the odd-indexed ones ("hi"). A bf16 block of 16 is one 32-byte load; its
+// even elements are `x << 16` and its odd ones `x & 0xFFFF0000`, and storing is `hi | lo >> 16`:
+// no shuffles at all for bf16 (fp32 and fp16 tensors pay one shuffle pair per 8 elements).
+// Elementwise math does not care in which order the lanes hold the elements.
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef LOWP_MODE
+#error "a variant defines LOWP_MODE, LOWP_W, LOWP_G, LOWP_B, LOWP_NSTATES, LOWP_STATE_TYPES, LOWP_SR, LOWP_COUNT, LOWP_NUMBERS, LOWP_TENSOR_NUMBERS and LOWP_REDUCTION"
+#endif
+
+enum Dtype { F32 = 0, BF16 = 1, F16 = 2, I16 = 3 };
+enum Mode { NEAREST = 0, STOCHASTIC = 1, KAHAN = 2, EXACT = 3 };
+
+constexpr int MODE = LOWP_MODE, NSTATES = LOWP_NSTATES;
+constexpr int WT = LOWP_W, GT = LOWP_G, BT = LOWP_B;
+constexpr int ST[NSTATES + 1] = LOWP_STATE_TYPES;  // one entry past the states (F32), so the array is never empty
+constexpr bool SR = LOWP_SR != 0, COUNT = LOWP_COUNT != 0, REDUCTION = LOWP_REDUCTION != 0;
+constexpr int NUMBERS = LOWP_NUMBERS, TENSOR_NUMBERS = LOWP_TENSOR_NUMBERS;
+constexpr bool states_known() {
+  for (int j = 0; j < NSTATES; j++)
+    if (ST[j] > F16) return false;
+  return true;
+}
+static_assert(MODE >= NEAREST && MODE <= EXACT, "unknown mode");
+static_assert(WT <= F16 && GT <= F16 && BT <= I16 && states_known(), "unknown dtype");
+static_assert(MODE != EXACT || (WT == BF16 && BT == I16), "exact mode: bf16 weights and an int16 remainder");
+static_assert(MODE != STOCHASTIC || WT == BF16 || WT == F16, "stochastic write-back: bf16 or fp16 weights");
+
+typedef float vf __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+
+static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
+static inline vu bcu(uint32_t x) { return (vu)_mm256_set1_epi32((int)x); }
+static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+static inline vf sqrt_(vf a) { return (vf)_mm256_sqrt_ps((__m256)a); }  // correctly rounded
+static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
+
+// ---- loads and stores of 16 elements as (even, odd) fp32 vectors ------------------------------
+static inline void deinterleave(vf a, vf b, vf &even, vf &odd) {
+  // a = elements 0..7, b = 8..15 -> even = 0,2,..,14 and odd = 1,3,..,15
+  even = (vf)_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps((__m256)a, (__m256)b, 0x88)), 0xD8));
+  odd = (vf)_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps((__m256)a, (__m256)b, 0xDD)), 0xD8));
+}
+
+static inline void interleave(vf even, vf odd, vf &a, vf &b) {
+  __m256 e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd((__m256)even), 0xD8));
+  __m256 o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd((__m256)odd), 0xD8));
+  a = (vf)_mm256_unpacklo_ps(e, o);
+  b = (vf)_mm256_unpackhi_ps(e, o);
+}
+
+template <int DT> static inline void load(const void *base, int64_t i, vf &lo, vf &hi) {
+  if constexpr (DT == BF16) {
+    vu x;
+    memcpy(&x, (const uint16_t *)base + i, 32);
+    lo = (vf)(x << 16);
+    hi = (vf)(x & 0xFFFF0000u);
+  } else if constexpr (DT == F16) {
+    const __m128i *p = (const __m128i *)((const uint16_t *)base + i);
+    deinterleave((vf)_mm256_cvtph_ps(_mm_loadu_si128(p)), (vf)_mm256_cvtph_ps(_mm_loadu_si128(p + 1)), lo, hi);
+  } else {
+    vf a, b;
+    memcpy(&a, (const float *)base + i, 32);
+    memcpy(&b, (const float *)base + i + 8, 32);
+    deinterleave(a, b, lo, hi);
+  }
+}
+
+// NaN guard of the bf16 roundings below. Adding up to 0xFFFF to the bit pattern can carry a NaN
+// into the sign bit (0x7FFFFFFF + 0x8000 is -0.0) only when its low 16 bits are not all zero.
+// Every NaN of a variant whose floating-point inputs are all bf16 has zero low bits: loaded bf16
+// values do, the hardware's default NaN (0xFFC00000) does, and arithmetic passes a NaN operand's
+// payload on. So only variants reading fp32 or fp16 tensors pay for the guard (a compare and a
+// blend per rounding). Exact mode's weight carries an int16 remainder in its low bits, which a
+// NaN weight passes on to the states (through weight decay), so it pays too.
+constexpr bool all_states_bf16() {
+  for (int j = 0; j < NSTATES; j++)
+    if (ST[j] != BF16) return false;
+  return true;
+}
+constexpr bool NAN_GUARD = WT != BF16 || GT != BF16 || (MODE == KAHAN && BT != BF16) || MODE == EXACT ||
+                           !all_states_bf16();
+
+static inline vf nan_guard(vf x, vu rounded) {
+  if constexpr (NAN_GUARD) return (vf)((x != x) ? bcu(0x7FC00000u) : rounded);
+  else return (vf)rounded;
+}
+
+// fp32 -> the nearest bf16 (ties to even), as an fp32 value.
+static inline vf round_bf16(vf x) {
+  vu u = (vu)x;
+  return nan_guard(x, (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+// fp32 -> bf16 with stochastic rounding: add 16 random bits to the pattern and truncate. A NaN
+// keeps its sign and top payload bits with the quiet bit set (lowp/optim/storage.py); without the
+// guard (all-bf16 variants) every NaN already is such a value, which the rounding leaves alone.
+static inline vf stochastic_bf16(vf x, vu noise) {
+  vu rounded = ((vu)x + noise) & 0xFFFF0000u;
+  if constexpr (NAN_GUARD) return (vf)((x != x) ? (((vu)x & 0xFFFF0000u) | 0x00400000u) : rounded);
+  else return (vf)rounded;
+}
+
+static inline vf round_f16(vf x) {
+  return (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// fp32 -> fp16 with stochastic rounding, 16 random bits: with t = x truncated toward zero and
+// ulp the fp16 spacing above |t| (2^(e-10), at least 2^-24 in the subnormal range), round away
+// from zero when floor(frac * 2^16) + noise >= 2^16, frac = (|x| - |t|) / ulp (exact: Sterbenz,
+// and ulp is a power of two). P(up) = frac for normal fp16 values (13 dropped bits < 16); beyond
+// 65504 + ulp the result is +-inf (65536 stores as inf), and inf and NaN stay themselves.
+static inline vf stochastic_f16(vf x, vu noise) {
+  const vu sign_bit = bcu(0x80000000u);
+  vf t = (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+  vf at = (vf)((vu)t & ~sign_bit), ax = (vf)((vu)x & ~sign_bit);
+  vf spacing = (vf)((vu)at & 0x7F800000u) * bc(0x1p-10f);
+  vf ulp = select(spacing > bc(0x1p-24f), spacing, bc(0x1p-24f));
+  vf frac = (ax - at) / ulp;
+  vf drawn = (vf)_mm256_floor_ps((__m256)(frac * bc(65536.0f))) + (vf)_mm256_cvtepi32_ps((__m256i)noise);
+  vf r = select(drawn >= bc(65536.0f), at + ulp, at);
+  return select(x != x, x, (vf)((vu)r | ((vu)x & sign_bit)));
+}
+
+// ``x`` rounded to the nearest value of DT (ties to even), still as fp32.
+template <int DT> static inline vf round_to(vf x) {
+  if constexpr (DT == BF16) return round_bf16(x);
+  else if constexpr (DT == F16) return round_f16(x);
+  else return x;
+}
+
+// Store values that are already representable in DT (so the conversion is exact).
+template <int DT> static inline void store(void *base, int64_t i, vf lo, vf hi) {
+  if constexpr (DT == BF16) {
+    vu x = ((vu)hi & 0xFFFF0000u) | ((vu)lo >> 16);
+    memcpy((uint16_t *)base + i, &x, 32);
+  } else {
+    vf a, b;
+    interleave(lo, hi, a, b);
+    if constexpr (DT == F16) {
+      __m128i *p = (__m128i *)((uint16_t *)base + i);
+      _mm_storeu_si128(p, _mm256_cvtps_ph((__m256)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm_storeu_si128(p + 1, _mm256_cvtps_ph((__m256)b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+      memcpy((float *)base + i, &a, 32);
+      memcpy((float *)base + i + 8, &b, 32);
+    }
+  }
+}
+
+// ---- counter-based random bits (lowp/optim/randomness.py) ---------------------------------------
+// random16(i, key) = hash32(lo32(i) ^ key ^ hash32(hi32(i))) >> 16. The key with the high half
+// folded in is computed per block on the host side of the vectors (scalar_hash32); hash32's last
+// xor-shift leaves the top 16 bits alone, so random16 skips it.
+static inline uint32_t scalar_hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+static inline vu random16(vu x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x >> 16;
+}
+
+// ---- what a rule reads besides the tensors ------------------------------------------------------
+// The step's numbers (computed on the host in float64 by the spec, rounded once to fp32 here) as
+// vectors broadcast once per call; the float64 values stay for per-tensor host-side work.
+struct Numbers {
+  double d[NUMBERS > 0 ? NUMBERS : 1];
+  vf v[NUMBERS > 0 ? NUMBERS : 1];
+  void set(const double *h) {
+    for (int j = 0; j < NUMBERS; j++) {
+      d[j] = h[j];
+      v[j] = bc((float)h[j]);
+    }
+  }
+};
+
+// The operations of lowp/optim/rule.py that are not plain vector arithmetic.
+static inline vf maximum(vf a, vf b) { return select((a != a) | (a > b), a, b); }  // NaN propagates
+
+static inline vf sign(vf x) {  // torch.sign on CPU: NaN gives 0 (both compares are false)
+  return select(x > 0.0f, bc(1.0f), select(x < 0.0f, bc(-1.0f), bc(0.0f)));
+}

@@ -1,0 +1,134 @@
+"""The Triton kernel (``backend="triton"``): every spec with an elementwise rule, in every
+write-back mode, through one multi-tensor launch per batch of parameters with the same dtypes.
+The kernel of each rule variant is generated from the spec (:mod:`~lowp.optim.kernels.triton_source`),
+written to a private temporary folder (Triton compiles from source files) and imported once.
+
+Needs CUDA tensors, or CPU tensors with the Triton interpreter (``TRITON_INTERPRET=1`` set before
+triton is imported), which is how the tests check it on machines without a GPU.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from lowp.optim.kernels.kernel import Kernel, by_signature, slice_keys, step_numbers
+from lowp.optim.kernels.triton_source import kernel_source
+from lowp.optim.rule import Program
+from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.spec import OptimizerSpec
+
+__all__ = ["TritonKernel", "triton_available", "BLOCK"]
+
+#: Elements per Triton program.
+BLOCK = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when triton imports."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs its interpreter on CPU tensors (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _folder() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="lowp-triton-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _module(program: Program) -> ModuleType:
+    """The generated kernel module of ``program``, imported from this process's private folder."""
+    source = kernel_source(program)
+    name = f"lowp_triton_step_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    path = _folder() / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dtypes(s: ParamSlice) -> tuple[torch.dtype, ...]:
+    """What one launch needs in common: the gradient's and the states' dtypes."""
+    return (s.grad.dtype, *(t.dtype for t in s.states.values()))
+
+
+class TritonKernel(Kernel):
+    """Fused steps through generated Triton kernels; see the module docstring."""
+
+    name = "triton"
+
+    @property  # type: ignore[override]
+    def devices(self) -> tuple[str, ...]:
+        """CUDA memory, and CPU memory under the interpreter."""
+        return ("cuda", "cpu") if interpreting() else ("cuda",)
+
+    def __init__(self) -> None:
+        if not triton_available():
+            raise RuntimeError("backend='triton': triton is not installed")
+        super().__init__()
+
+    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        from lowp.optim.kernels.triton_ops import tl_dtype  # imports triton
+
+        program = spec.program(ctx.group)
+        kernel = _module(program).step_kernel
+        device = slices[0].param.device
+        h = step_numbers(spec, program, ctx, device)
+        counts = []
+        for members in by_signature(slices, _dtypes).values():
+            counts.append(self.launch(kernel, tl_dtype, ctx, members, h))
+        self.fused_elements += sum(s.numel for s in slices)
+        counts = [c for c in counts if c is not None]
+        return torch.stack(counts).sum() if counts else None
+
+    @staticmethod
+    def launch(kernel, tl_dtype, ctx: StepContext, slices: list[ParamSlice], h: torch.Tensor) -> torch.Tensor | None:
+        """One kernel launch over ``slices`` (of the same dtypes, each a contiguous range of its
+        parameter); returns the stalled count."""
+        device = slices[0].param.device
+        names = list(slices[0].states)
+        grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in slices]
+        sizes = [s.numel for s in slices]
+        keys = torch.tensor([k for s in slices for k in slice_keys(ctx, s)], dtype=torch.int64, device=device)
+        blocks = [(i, start) for i, n in enumerate(sizes) for start in range(0, n, BLOCK)]
+
+        def table(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        def ptrs(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return table([t.data_ptr() for t in tensors])
+
+        params = [s.param for s in slices]
+        buffers = [s.buffer if s.buffer is not None else s.param for s in slices]
+        states = [[s.states[name] for s in slices] for name in names]
+        stochastic = ctx.group["state_rounding"] == "stochastic"
+        stalled = torch.zeros(1, dtype=torch.int64, device=device)
+        kernel[(len(blocks),)](
+            ptrs(params), ptrs(grads), ptrs(buffers), *(ptrs(st) for st in states), table(sizes),
+            table([s.index.first() for s in slices]), table([b[0] for b in blocks]), table([b[1] for b in blocks]),
+            h, keys, stalled, P_T=tl_dtype(params[0].dtype), G_T=tl_dtype(grads[0].dtype),
+            B_T=tl_dtype(buffers[0].dtype), **{f"S{j}_T": tl_dtype(st[0].dtype) for j, st in enumerate(states)},
+            **{f"SR{j}": stochastic and st[0].dtype == torch.bfloat16 for j, st in enumerate(states)},
+            MODE=ctx.mode.name, COUNT=ctx.count, BLOCK=BLOCK)
+        return stalled[0] if ctx.count else None

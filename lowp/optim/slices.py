@@ -1,0 +1,72 @@
+"""What a backend runs: :class:`ParamSlice` (one parameter, or a flat chunk of one, with its
+gradient, states and write-back buffer) and :class:`StepContext` (what all slices of one call
+share: the group, the write-back mode, the step number, the gradient scale and the random seed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lowp.optim.randomness import ElementIndex, RandomStreams
+from lowp.optim.writeback import WriteBack
+
+__all__ = ["ParamSlice", "StepContext"]
+
+
+@dataclass
+class ParamSlice:
+    """One parameter (or a flat chunk of it) with everything its update touches.
+
+    ``states`` maps state names to tensors (possibly of other dtypes than ``param``);
+    ``buffer`` is the mode's compensation/remainder (``None`` for nearest/stochastic).
+    ``param_id`` (the parameter's position in the flat list of all parameters of the optimizer)
+    and ``index`` (where the local elements sit in the whole parameter) select the random
+    streams of stochastic rounding (:mod:`lowp.optim.randomness`).
+    """
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffer: torch.Tensor | None = None
+    param_id: int = 0
+    index: ElementIndex = field(default_factory=ElementIndex)
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def chunks(self, size: int) -> list["ParamSlice"]:
+        """Flat views of at most ``size`` elements (the slice itself when it is small or not
+        contiguous). Writing through a chunk writes the parameter and its states."""
+        tensors = [self.param, *self.states.values(), *([self.buffer] if self.buffer is not None else [])]
+        if self.numel <= size or not all(t.is_contiguous() and t.shape == self.param.shape for t in tensors):
+            return [self]
+        grad = self.grad.reshape(-1).split(size)
+        states = {k: v.view(-1).split(size) for k, v in self.states.items()}
+        buffer = self.buffer.view(-1).split(size) if self.buffer is not None else None
+        return [ParamSlice(p, grad[i], {k: v[i] for k, v in states.items()}, buffer[i] if buffer else None,
+                           self.param_id, self.index.shifted(i * size))
+                for i, p in enumerate(self.param.view(-1).split(size))]
+
+
+@dataclass
+class StepContext:
+    """What all slices of one backend call share.
+
+    ``inv_scale`` unscales gradients (from :class:`torch.amp.GradScaler`), ``count`` asks the
+    write-back for the stalled-element count, ``seed`` (the optimizer's) keys the random streams
+    of stochastic rounding.
+    """
+
+    group: dict[str, Any]
+    mode: WriteBack
+    step: int
+    inv_scale: float | None = None
+    seed: int = 0
+    count: bool = True
+
+    def streams(self, s: ParamSlice) -> RandomStreams:
+        """The random streams of slice ``s`` at this step."""
+        return RandomStreams(self.seed, self.step, s.param_id, s.index)
