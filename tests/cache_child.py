@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 import lowp.optim as lo
-from lowp.optim.kernels.native_backend import NativeBackend
+from lowp.optim.kernels.native import NativeKernel
 
 
 def sgd_step() -> None:
@@ -25,7 +25,7 @@ def sgd_step() -> None:
 def finite_check() -> None:
     """The native non-finite check only (one small library)."""
     grads = [torch.ones(100), torch.tensor([1.0, float("inf")])]
-    flags = NativeBackend.finite_flags(object.__new__(NativeBackend), grads)
+    flags = NativeKernel.finite_flags(object.__new__(NativeKernel), grads)
     assert flags == [True, False], flags
 
 

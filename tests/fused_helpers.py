@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 
 import lowp.optim as lo
-from lowp.optim.backends import ParamSlice, StepContext
+from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.randomness import ElementIndex
 from lowp.optim.writeback import MODES
 

@@ -11,9 +11,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import lowp.optim as lo
-from lowp.optim import kernels
+from lowp.optim import backends, kernels
 from lowp.optim.kernels.compiled import CHUNK
-from lowp.optim.kernels.step import STREAMS, _stream_bits, chunk_keys, stochastic_bf16
+from lowp.optim.kernels.kernel import stream_count
+from lowp.optim.kernels.step import _stream_bits, chunk_keys, stochastic_bf16
 from lowp.optim.randomness import ElementIndex, Stream, stream_keys
 from fused_helpers import SHAPES, assert_fused, assert_same_run, correctly_rounded_sqrt, run_at_index, train
 
@@ -24,7 +25,7 @@ WITH_LARGE = [*SHAPES, (CHUNK + 37,)]
 
 
 def slice_keys_of(param_id: int) -> list[int]:
-    return stream_keys(1, 1, param_id, STREAMS)
+    return stream_keys(1, 1, param_id, stream_count(3))
 
 
 def test_adamw_kahan_bit_identical_to_reference():
@@ -94,7 +95,7 @@ def test_vector_bitcasts_exact_and_scoped():
     x = torch.cat([special, torch.randn(4096 - len(special)) * 1e3])
     b = torch.randn(4096).bfloat16()
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-    with kernels.compiled.vector_bitcasts():
+    with kernels.inductor_bitcast.vector_bitcasts():
         got = compiled(x, b)
     want = fn(x, b)
     assert torch.equal(got[1], want[1])
@@ -124,7 +125,7 @@ def test_helpers_fail_when_the_kernel_is_refused(monkeypatch):
     """The proof that the fused tests prove something: with the fusing predicate refusing every
     slice, the steps silently take the reference pipeline, bit-identical to it, and only the
     backend's element counts tell; the shared helpers then fail. Nothing compiles here."""
-    monkeypatch.setattr(kernels.compiled, "fusable", lambda *a, **k: False)
+    monkeypatch.setattr(kernels.CompiledKernel, "admits", lambda *a, **k: False)
     with pytest.raises(AssertionError, match="elements"):
         train(lo.AdamW, "compiled", "kahan", steps=1, **ADAMW)
     with pytest.raises(AssertionError, match="elements"):
@@ -135,8 +136,8 @@ def test_helpers_fail_when_the_kernel_is_refused(monkeypatch):
 
 def test_fused_option_selects_backend(monkeypatch):
     small = [torch.zeros(10, dtype=torch.bfloat16)]
-    medium = [torch.zeros(kernels.AUTO_MIN_NUMEL_NATIVE, dtype=torch.bfloat16)]
-    big = [torch.zeros(kernels.AUTO_MIN_NUMEL, dtype=torch.bfloat16)]
+    medium = [torch.zeros(backends.AUTO_MIN_NUMEL_NATIVE, dtype=torch.bfloat16)]
+    big = [torch.zeros(backends.AUTO_MIN_NUMEL, dtype=torch.bfloat16)]
     native = kernels.native_available()
     assert lo.AdamW(small).backend.name == "foreach"
     assert lo.AdamW(small, fused=False, foreach=False).backend.name == "eager"

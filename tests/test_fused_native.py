@@ -17,8 +17,11 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.backends import get_backend
-from lowp.optim.kernels import native_backend, native_build
+from lowp.optim.kernels import native, native_build
+from lowp.optim.kernels.cpp_source import variant_source
 from lowp.optim.kernels.native_build import native_available
+from lowp.optim.slices import StepContext
+from lowp.optim.writeback import MODES
 from lowp.optim.randomness import ElementIndex
 from lowp.ulp import ulp
 from fused_helpers import (SHAPES, assert_fused, assert_same_run, correctly_rounded_sqrt, make_params, run_at_index,
@@ -274,21 +277,28 @@ def test_checkpoint_resume_continues_bit_identically(mode):
         assert torch.equal(x, y)
 
 
+def sgd_source() -> str:
+    """The generated source of plain SGD on fp32 tensors, nearest mode."""
+    group = lo.SGD([torch.zeros(2)], lr=0.1).param_groups[0]
+    ctx = StepContext(group, MODES["nearest"], 1)
+    return variant_source("sgd", native.variant_for(lo.SGD.spec, ctx, (torch.float32, torch.float32, None)))
+
+
 def test_build_cache_is_reused_and_errors_are_clear(tmp_path, monkeypatch):
     monkeypatch.setenv("LOWP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native_build, "_LOADED", {})
-    macros = {"RULE": 1, "MODE": 0, "NSTATES": 0, "W": 0, "G": 0}
-    native_build.step_function(macros)
+    source = sgd_source()
+    native_build.step_function(source)
     built = list((tmp_path / "kernels").glob("step-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native_build, "_LOADED", {})
-    native_build.step_function(macros)  # a new process would load it from the cache
+    native_build.step_function(source)  # a new process would load it from the cache
     assert built[0].stat().st_mtime_ns == stamp
     monkeypatch.setattr(native_build, "_LOADED", {})
-    with pytest.raises(RuntimeError, match="compiling step.cpp failed"):
-        native_build.step_function({**macros, "W": 7})  # no such dtype code: a static_assert fails
-    monkeypatch.setattr(native_backend, "native_available", lambda: False)
+    with pytest.raises(RuntimeError, match="compiling step failed"):  # no such dtype code: a static_assert fails
+        native_build.step_function(source.replace("#define LOWP_W 0", "#define LOWP_W 7"))
+    monkeypatch.setattr(native, "native_available", lambda: False)
     with pytest.raises(RuntimeError, match="backend='native'"):
         lo.AdamW([torch.zeros(3)], backend="native")
 
@@ -422,9 +432,8 @@ def test_zero_updates_count_as_stalled_like_the_reference(mode):
 def test_no_new_variant_across_steps_lr_changes_groups_and_sizes(monkeypatch):
     """A variant is one compiled kernel (built once per machine); the step's numbers are data."""
     variants = []
-    library = native_build._library
-    monkeypatch.setattr(native_build, "_library",
-                        lambda name, macros: variants.append((name, tuple(sorted(macros.items())))) or library(name, macros))
+    source = native.variant_source
+    monkeypatch.setattr(native, "variant_source", lambda name, v: variants.append(source(name, v)) or source(name, v))
     params, opt = train(lo.AdamW, "native", "kahan", steps=1, lr=1e-3, weight_decay=0.01)
     first = set(variants)
     extra = [torch.randn(123, 7).bfloat16(), torch.randn(3).bfloat16()]
@@ -480,12 +489,12 @@ def test_fp16_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
 
 def test_fp16_weights_and_states_with_stochastic_rounding_are_fused(monkeypatch):
     variants = []
-    library = native_build._library
-    monkeypatch.setattr(native_build, "_library",
-                        lambda name, macros: variants.append(dict(macros)) or library(name, macros))
+    source = native.variant_source
+    monkeypatch.setattr(native, "variant_source", lambda name, v: variants.append(v) or source(name, v))
     kw = dict(lr=1e-3, dtype=torch.float16, state_dtype=torch.float16)  # fp16 states, stochastic rounding
     a = train(lo.AdamW, "native", "stochastic", **kw)
-    assert any(v.get("MODE") == 1 and v.get("W") == 2 and v.get("S0") == 2 and v.get("SR") for v in variants)
+    assert any(v.mode == "stochastic" and v.weight == torch.float16 and v.states[0] == torch.float16
+               and v.stochastic_states for v in variants)
     assert_same_run(a, train(lo.AdamW, "native", "stochastic", **kw))  # reproducible from the seed
     nearest = train(lo.AdamW, "native", "nearest", steps=1, **dict(kw, state_rounding="nearest"))[0]
     one = train(lo.AdamW, "native", "stochastic", steps=1, **kw)[0]
@@ -494,12 +503,11 @@ def test_fp16_weights_and_states_with_stochastic_rounding_are_fused(monkeypatch)
 
 
 def test_helpers_fail_when_the_kernel_is_refused(monkeypatch):
-    """The proof that these tests prove something: with the backend's fusing predicate refusing
-    every rule, each step silently takes the reference pipeline, bit-identical to it by design,
+    """The proof that these tests prove something: with the kernel refusing every spec, each step silently takes the reference pipeline, bit-identical to it by design,
     and only the backend's element counts tell; every shared helper and check then fails."""
     kw = dict(lr=1e-2, weight_decay=0.1, steps=2, shapes=NATIVE_SHAPES, **FP32_STATES)
     fused = train(lo.AdamW, "native", "kahan", **kw)
-    monkeypatch.setattr(native_backend.NativeBackend, "fuses", lambda self, rule: False)
+    monkeypatch.setattr(native.NativeKernel, "supports", lambda self, spec: False)
     refused = train(lo.AdamW, "native", "kahan", expect_fused=False, **kw)
     assert_same_run(refused, train(lo.AdamW, "foreach", "kahan", **kw))  # equality alone cannot tell
     with pytest.raises(AssertionError, match="elements"):

@@ -29,7 +29,8 @@ def _interpret(case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["adamw-kahan", "adam-nearest", "adamw-exact", "amsgrad-kahan", "sgd-kahan",
-                                  "sgd-exact", "lion-nearest", "radam-kahan", "radam-exact"])
+                                  "sgd-exact", "lion-nearest", "radam-kahan", "radam-exact", "adan-kahan",
+                                  "adan-exact"])
 def test_triton_bit_identical_to_reference(case):
     _interpret(case)
 
@@ -69,15 +70,15 @@ def test_triton_on_gpu_matches_compiled(name, mode):
 
 
 def _assert_helpers_fail_when_refused(mode: str) -> None:
-    """With the Triton and compiled fusing predicates refusing every slice, the steps take the
-    reference pipeline (bit-identical by design) and the helpers' element counts fail them."""
+    """With the Triton and compiled kernels refusing every slice, the steps take the reference
+    pipeline (bit-identical by design) and the helpers' element counts fail them."""
     import lowp.optim as lo
     from fused_helpers import run_at_index, train
-    from lowp.optim.kernels import compiled, triton_backend
+    from lowp.optim.kernels.kernel import Kernel
     from lowp.optim.randomness import ElementIndex
 
-    originals = triton_backend.fusable, compiled.fusable
-    triton_backend.fusable = compiled.fusable = lambda *a, **k: False
+    original = Kernel.admits
+    Kernel.admits = lambda *a, **k: False
     try:
         for run in (lambda: train(lo.AdamW, "triton", mode, steps=1, shapes=[(40,), (3, 5)]),
                     lambda: run_at_index("triton", mode, ElementIndex(), n=100, steps=1)):
@@ -88,7 +89,7 @@ def _assert_helpers_fail_when_refused(mode: str) -> None:
             else:
                 raise AssertionError("a refused kernel went unnoticed")
     finally:
-        triton_backend.fusable, compiled.fusable = originals
+        Kernel.admits = original
 
 
 def _main(case: str) -> None:
@@ -96,10 +97,10 @@ def _main(case: str) -> None:
     from fused_helpers import assert_same_run, correctly_rounded_sqrt, run_at_index, train
     from lowp.optim.randomness import ElementIndex
 
-    from lowp.optim.kernels.triton_backend import TritonBackend
+    from lowp.optim.kernels.triton_kernel import TritonKernel
     launches = []
-    launch = TritonBackend.launch
-    TritonBackend.launch = lambda self, *a: launches.append(a[0].name) or launch(self, *a)
+    launch = TritonKernel.launch
+    TritonKernel.launch = staticmethod(lambda *a: launches.append(1) or launch(*a))
     name, mode = case.split("-")
     if name == "index":  # one slice of 1000 elements from global index 2**32 - 100 on
         index = ElementIndex(offset=(1 << 32) - 100)
@@ -116,6 +117,7 @@ def _main(case: str) -> None:
         "sgd": (lo.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
         "lion": (lo.Lion, dict(lr=1e-3, weight_decay=0.1)),
         "radam": (lo.RAdam, dict(lr=1e-2, weight_decay=0.1)),
+        "adan": (lo.Adan, dict(lr=1e-2, weight_decay=0.1)),
     }[name]
     kw = dict(kw, steps=8)  # RAdam rectifies from step 6
     backend = "triton"

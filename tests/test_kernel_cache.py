@@ -55,9 +55,9 @@ def in_process(monkeypatch, cache: Path) -> None:
     monkeypatch.setattr(native_build, "_FALLBACK", [])
 
 
-def in_cache(cache: Path, name: str, macros: dict[str, int]) -> Path:
-    """Where ``cache`` keeps a variant (the file name is the same in every cache)."""
-    return cache / "kernels" / library_path(name, macros).name
+def in_cache(cache: Path, name: str) -> Path:
+    """Where ``cache`` keeps the hand-written library ``name`` (the file name is the same in every cache)."""
+    return cache / "kernels" / library_path(name).name
 
 
 def sidecar(library: Path) -> Path:
@@ -75,12 +75,11 @@ def verified(library: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    """A cache holding what ``sgd_step`` needs in a new process (the availability probe, the
-    non-finite check and the SGD variant), built once for this file."""
+    """A cache holding what ``sgd_step`` needs in a new process (the non-finite check, which is
+    also the availability probe, and the SGD variant), built once for this file."""
     cache = tmp_path_factory.mktemp("built") / "cache"
     with pytest.MonkeyPatch.context() as mp:
         in_process(mp, cache)
-        native_build.step_function({})
         sgd_step()
     return cache
 
@@ -94,7 +93,7 @@ def test_cache_is_private_and_every_library_has_its_digest(built):
     assert stat.S_IMODE(built.stat().st_mode) == 0o700
     assert stat.S_IMODE((built / "kernels").stat().st_mode) == 0o700
     libraries = [p for p in entries(built) if p.suffix == ".so"]
-    assert len(libraries) == 3 and len(entries(built)) == 6
+    assert len(libraries) == 2 and len(entries(built)) == 4
     for library in libraries:
         assert verified(library)
         assert not library.stat().st_mode & 0o022 and not sidecar(library).stat().st_mode & 0o022
@@ -126,7 +125,7 @@ def test_a_foreign_library_under_the_expected_name_is_never_loaded(tmp_path, mon
     expected: lowp rebuilds the check and never loads it (the marker stays absent)."""
     cache = tmp_path / "cache"
     in_process(monkeypatch, cache)
-    target = in_cache(cache, "finite", {})
+    target = in_cache(cache, "finite")
     target.parent.mkdir(parents=True, mode=0o700)
     source = tmp_path / "foreign.cpp"
     source.write_text(FOREIGN)
@@ -149,7 +148,7 @@ def test_a_truncated_library_is_rebuilt_in_a_new_process(built, tmp_path):
     """A truncated shared object killed every later process with SIGBUS when it was loaded;
     now the next process rebuilds it and runs the check (exit status 0)."""
     cache = copy_cache(built, tmp_path / "cache")
-    target = in_cache(cache, "finite", {})
+    target = in_cache(cache, "finite")
     target.write_bytes(target.read_bytes()[:8192])
     result = child("finite_check", cache)
     assert result.returncode == 0, result.stderr
@@ -162,7 +161,7 @@ def test_a_damaged_library_is_rebuilt(built, tmp_path, monkeypatch, damage):
     loaded. Both are rebuilt."""
     cache = copy_cache(built, tmp_path / "cache")
     in_process(monkeypatch, cache)
-    target = in_cache(cache, "finite", {})
+    target = in_cache(cache, "finite")
     data = target.read_bytes()
     target.write_bytes(os.urandom(len(data)) if damage == "garbage" else data[:-1] + bytes([data[-1] ^ 1]))
     assert cache_warnings(finite_check) == 0
@@ -174,13 +173,13 @@ def test_a_cache_that_cannot_be_created_builds_in_a_temporary_folder(tmp_path, m
     blocker.write_text("not a folder")
     in_process(monkeypatch, blocker / "cache")
     assert cache_warnings(finite_check) == 1
-    assert cache_warnings(lambda: native_build.step_function({})) == 0  # one warning per process
+    assert cache_warnings(sgd_step) == 0  # one warning per process
 
 
 def test_a_cache_open_to_others_is_neither_read_nor_written(built, tmp_path, monkeypatch):
     """Its libraries could be anyone's: the check builds in a private temporary folder instead."""
     cache = copy_cache(built, tmp_path / "cache")
-    os.unlink(in_cache(cache, "finite", {}))
+    os.unlink(in_cache(cache, "finite"))
     os.chmod(cache, 0o777)
     before = {p: p.read_bytes() for p in entries(cache)}
     in_process(monkeypatch, cache)
@@ -191,13 +190,12 @@ def test_a_cache_open_to_others_is_neither_read_nor_written(built, tmp_path, mon
 @pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None,
                     reason="as root, a read-only folder needs setpriv (util-linux) to drop CAP_DAC_OVERRIDE")
 def test_a_read_only_cache_still_steps(built, tmp_path):
-    """The cache holds the availability probe and the non-finite check but not the SGD variant,
-    and its folders are read-only: a new process loads the two and builds the third in a
-    private temporary folder, with one warning."""
+    """The cache holds the non-finite check (the availability probe) but not the SGD variant, and
+    its folders are read-only: a new process loads the one and builds the other in a private
+    temporary folder, with one warning."""
     cache = copy_cache(built, tmp_path / "cache")
-    probe = in_cache(cache, "step", {}).name
     for p in entries(cache):
-        if p.name.startswith("step-") and not p.name.startswith(probe):
+        if p.name.startswith("step-"):
             p.unlink()
     for folder in (cache / "kernels", cache):
         os.chmod(folder, 0o500)
@@ -205,7 +203,7 @@ def test_a_read_only_cache_still_steps(built, tmp_path):
         result = child("sgd_step", cache, read_only=True)
         assert result.returncode == 0, result.stderr
         assert "WARNINGS 1" in result.stdout, result.stdout
-        assert len(entries(cache)) == 4  # nothing added
+        assert len(entries(cache)) == 2  # nothing added
     finally:
         for folder in (cache / "kernels", cache):
             os.chmod(folder, 0o700)

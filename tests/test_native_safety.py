@@ -24,12 +24,11 @@ import pytest
 import torch
 
 import lowp.optim as lo
-from lowp.optim.backends import ParamSlice, StepContext
+from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.kernels import checks
-from lowp.optim.kernels.native_backend import NativeBackend, variant_macros, slice_dtypes
+from lowp.optim.kernels.native import NativeKernel, slice_dtypes, variant_for
 from lowp.optim.kernels.native_build import native_available
-from lowp.optim.kernels.rules import RULES
-from lowp.optim.kernels.step import STREAMS
+from lowp.optim.kernels.kernel import stream_count
 from lowp.optim.writeback import MODES
 from safety_cases import CASES, MODES as ALL_MODES, OPTIMIZERS
 
@@ -171,22 +170,22 @@ def test_native_launch_guard_raises_instead_of_passing_a_bad_pointer():
     from torch.testing._internal.two_tensor import TwoTensor
 
     ctx = _slice_ctx()
-    rule = RULES["adamw"]
+    spec = lo.AdamW.spec
     p = torch.ones(64, dtype=torch.bfloat16)
     states = {"exp_avg": torch.zeros(64, dtype=torch.bfloat16), "exp_avg_sq": torch.zeros(64, dtype=torch.bfloat16)}
     buf = torch.zeros(64, dtype=torch.bfloat16)
     good = ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), states, buf)
-    macros = variant_macros(rule, ctx, slice_dtypes(good))
-    h = (__import__("ctypes").c_double * 10)(*([0.1] * 10))
-    keys = [0] * STREAMS   # the stream keys of one tensor
+    variant = variant_for(spec, ctx, slice_dtypes(good))
+    numbers = spec.numbers(ctx.group, 1)
+    keys = [0] * stream_count(2)   # the stream keys of one tensor
     bad = [ParamSlice(p, torch.ones(16, dtype=torch.bfloat16), states, buf),
            ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), states, None),
            ParamSlice(TwoTensor(p, p.clone()), torch.ones(64, dtype=torch.bfloat16), states, buf),
            ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), {"exp_avg": states["exp_avg"]}, buf)]
     for s in bad:
         with pytest.raises(RuntimeError, match="kernel call"):
-            NativeBackend.launch(macros, [s], list(s.states), h, keys)
+            NativeKernel.launch(spec, variant, [s], numbers, keys, 1.0)
     assert torch.equal(p, torch.ones(64, dtype=torch.bfloat16)) and not buf.any()
     with pytest.raises(RuntimeError, match="stream keys"):
-        NativeBackend.launch(macros, [good], list(states), h, keys[:-1])
-    assert NativeBackend.launch(macros, [good], list(states), h, keys) >= 0  # the guard passes good input
+        NativeKernel.launch(spec, variant, [good], numbers, keys[:-1], 1.0)
+    assert NativeKernel.launch(spec, variant, [good], numbers, keys, 1.0) >= 0  # the guard passes good input

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from lowp.optim.kernels import backend_for
+    from lowp.optim.backends import backend_for
     from lowp.optim.speed import measure, report
 
     if args.device == "cuda" and not torch.cuda.is_available():

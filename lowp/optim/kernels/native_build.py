@@ -316,7 +316,6 @@ def library_path(name: str, source: str | None = None) -> Path:
     return cache_dir() / "kernels" / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
 
 
-@functools.lru_cache(maxsize=None)
 def step_function(source: str) -> "ctypes._CFuncPtr":
     """``lowp_step(tensors, pointer table, numel, offsets, h, tensor numbers, keys, threads) ->
     stalled count`` of the generated variant ``source`` (:func:`~lowp.optim.kernels.cpp_source.variant_source`)."""
@@ -327,7 +326,6 @@ def step_function(source: str) -> "ctypes._CFuncPtr":
     return fn
 
 
-@functools.lru_cache(maxsize=None)
 def sums_function(source: str) -> "ctypes._CFuncPtr":
     """``lowp_sums(tensors, pointer table, numel, h, sums out, threads)`` of a variant with a
     per-tensor reduction."""
