@@ -163,34 +163,3 @@ def test_fused_option_errors():
         lo.AdamW(p, fused="yes")
     with pytest.raises(ValueError, match="fused"):
         lo.AdamW(p, fused=True, backend="eager")
-
-
-MATRIX = [
-    (lo.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True)),
-    (lo.SGD, dict(lr=0.05, momentum=0.9, dampening=0.3)),
-    (lo.Adam, dict(lr=1e-2, weight_decay=0.1)),
-    (lo.AdamW, dict(lr=1e-2, amsgrad=True)),
-    (lo.Lion, dict(lr=1e-3, weight_decay=0.1)),
-    (lo.RAdam, dict(lr=1e-2, weight_decay=0.1)),
-    (lo.RAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact"])
-@pytest.mark.parametrize("opt_class,kw", MATRIX, ids=lambda v: getattr(v, "__name__", ""))
-def test_matrix_bit_identical(opt_class, kw, mode):
-    kw = dict(kw, **FP32_STATES)
-    steps = 8  # RAdam switches to its rectified step at step 6 (beta2 = 0.999)
-    fused = train(opt_class, "compiled", mode, steps=steps, **kw)
-    with correctly_rounded_sqrt():
-        assert_same_run(fused, train(opt_class, "foreach", mode, steps=steps, **kw))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("opt_class,kw", MATRIX[::2], ids=lambda v: getattr(v, "__name__", ""))
-def test_matrix_stochastic_bit_identical(opt_class, kw):
-    fused = train(opt_class, "compiled", "stochastic", **kw)
-    with correctly_rounded_sqrt():
-        assert_same_run(fused, train(opt_class, "foreach", "stochastic", **kw))
-

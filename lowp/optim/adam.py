@@ -17,6 +17,7 @@ class Adam(AdamW):
     spec = dataclasses.replace(ADAMW, name="adam", switches=lambda group: {
         "amsgrad": group["amsgrad"], "decoupled": False, "weight_decay": group["weight_decay"] != 0})
     decoupled_weight_decay = False
+    examples = (dict(lr=1e-2, weight_decay=0.1),)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, **options: Any) -> None:

@@ -90,6 +90,7 @@ class AdamW(TwoMomentOptimizer):
     """
 
     spec = ADAMW
+    examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, amsgrad=True, maximize=True))
     decoupled_weight_decay = True
     optimi_debiased = {"exp_avg": 0, "exp_avg_sq": 1}
 

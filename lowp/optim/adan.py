@@ -110,6 +110,7 @@ class Adan(LowpOptimizer):
     """
 
     spec = ADAN
+    examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, weight_decay=0.1, no_prox=True))
     flag_keys = (*LowpOptimizer.flag_keys, "no_prox")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float, float] = (0.98, 0.92, 0.99),

@@ -154,6 +154,9 @@ class LowpOptimizer(torch.optim.Optimizer):
     _spec_update: ClassVar[Callable[..., Any] | None] = None
     #: True when ``update`` is elementwise, so parameters may be cut into chunks.
     elementwise: bool = True
+    #: Keyword sets that together exercise every switch of the optimizer: the generic tests run
+    #: each through every mode and backend (:mod:`lowp.optim.registry`).
+    examples: ClassVar[tuple[dict[str, Any], ...]] = ({},)
     #: GradScaler hands ``grad_scale``/``found_inf`` to ``step`` instead of unscaling in place.
     _step_supports_amp_scaling = True
     #: optimi checkpoints: ``{state name: index of its beta}`` for states optimi stores

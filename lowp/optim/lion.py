@@ -51,6 +51,7 @@ class Lion(LowpOptimizer):
     """``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, ...)``."""
 
     spec = LION
+    examples = (dict(lr=1e-3, weight_decay=0.1), dict(lr=1e-3, betas=(0.6, 0.99)))  # 1 - beta1 >= 0.5: the other lerp branch
 
     optimi_debiased: dict[str, int] = {}   # optimi's Lion momentum is not bias-corrected
 

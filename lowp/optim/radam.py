@@ -90,6 +90,7 @@ class RAdam(TwoMomentOptimizer):
     decoupled_weight_decay=False, ...)``."""
 
     spec = RADAM
+    examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True))
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False,

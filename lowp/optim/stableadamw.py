@@ -97,6 +97,7 @@ class StableAdamW(TwoMomentOptimizer):
     """``StableAdamW(params, lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=1e-2, ...)``."""
 
     spec = STABLEADAMW
+    examples = (dict(lr=1e-2, weight_decay=0.1),)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
                  eps: float = 1e-6, weight_decay: float = 1e-2, **options: Any) -> None:

@@ -1,0 +1,165 @@
+"""Generic tests generated from the registry of optimizers (lowp/optim/registry.py), as torch's
+``optim_db``: every optimizer x its example keyword sets x write-back mode x backend x dtype.
+
+Every fused case asserts that its kernel really ran (the backend's per-kernel element counts,
+``fused_helpers.assert_fused``); :func:`test_a_disabled_kernel_fails_its_cases` proves that these
+tests fail when a kernel is switched off. The native kernel runs everything here; the Triton
+kernel runs through its interpreter in a subprocess per optimizer; torch.compile, which takes
+10-40 s per variant, runs one case by default and the whole matrix under ``-m slow``.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.optim.registry import optimizers
+from fused_helpers import SHAPES, assert_fused, assert_same_run, correctly_rounded_sqrt, train
+
+HERE = Path(__file__).parent
+MODES = ("nearest", "stochastic", "kahan", "exact")
+#: awkward sizes: a 1-element tensor, a block of exactly 16, tails of 1 and 15, one across two work units
+SHAPES_NATIVE = [*SHAPES, (1,), (16,), (17,), (31,), (40000,)]
+STEPS = 7  # RAdam takes its rectified step from step 6 on (beta2 = 0.999)
+
+
+def _fused(cls) -> bool:
+    """Optimizers whose kernels must equal the reference bit for bit: an elementwise rule (a
+    per-tensor reduction, StableAdamW's RMS, sums in another order: test_fused_native.py)."""
+    return cls.spec is not None and cls.spec.rule is not None and cls.spec.elementwise
+
+
+FUSED = [cls for cls in optimizers() if _fused(cls)]
+CASES = [(cls, kw) for cls in FUSED for kw in cls.examples]
+
+
+def _id(value) -> str:
+    return value.__name__ if isinstance(value, type) else ",".join(f"{k}={v}" for k, v in value.items()) or "defaults"
+
+
+def native_here() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and shutil.which("g++") is not None
+
+
+def reference(cls, mode, **kw):
+    with correctly_rounded_sqrt():  # the kernels' sqrt is correctly rounded, ATen's CPU sqrt is not
+        return train(cls, "foreach", mode, **kw)
+
+
+def test_registry_lists_every_optimizer():
+    names = {cls.__name__ for cls in optimizers()}
+    assert {"SGD", "Adam", "AdamW", "Lion", "RAdam", "StableAdamW", "Adafactor", "Adan"} <= names
+    assert all(name in lo.__all__ for name in names)
+    assert {cls.__name__ for cls in FUSED} >= {"SGD", "Adam", "AdamW", "Lion", "RAdam", "Adan"}
+
+
+@pytest.mark.skipif(not native_here(), reason="the native kernel needs x86-64 with AVX2 and g++")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls,kw", CASES, ids=_id)
+def test_native_bit_identical(cls, kw, mode):
+    """bf16 weights, default (bf16, stochastically rounded) states."""
+    kw = dict(kw, steps=STEPS, shapes=SHAPES_NATIVE)
+    assert_same_run(train(cls, "native", mode, **kw), reference(cls, mode, **kw))
+
+
+@pytest.mark.skipif(not native_here(), reason="the native kernel needs x86-64 with AVX2 and g++")
+@pytest.mark.parametrize("dtype,mode,extra", [
+    (torch.float16, "kahan", {}),                                       # fp16 weights, bf16 states
+    (torch.float16, "stochastic", dict(state_dtype=torch.float16)),     # fp16 stochastic rounding everywhere
+    (torch.float32, "nearest", {}),                                     # fp32 weights and states
+    (torch.bfloat16, "kahan", dict(state_dtype=torch.float32, state_rounding="nearest")),
+], ids=str)
+@pytest.mark.parametrize("cls", FUSED, ids=_id)
+def test_native_dtypes_bit_identical(cls, dtype, mode, extra):
+    kw = dict(cls.examples[0], steps=4, dtype=dtype, **extra)
+    assert_same_run(train(cls, "native", mode, **kw), reference(cls, mode, **kw))
+
+
+def test_optimizers_without_a_rule_run_the_reference_on_fused_backends():
+    """Adafactor (factored moments) has no elementwise rule: a fused backend runs it whole on its
+    fallback, and says so in its counts."""
+    for cls in optimizers():
+        if not _fused(cls) and (cls.spec is None or cls.spec.rule is None):
+            params, opt = train(cls, "compiled", "kahan", steps=2, expect_fused=False, **cls.examples[0])
+            assert_same_run((params, opt), train(cls, "foreach", "kahan", steps=2, **cls.examples[0]))
+
+
+def test_subclass_with_its_own_update_is_never_fused():
+    """A user subclass that replaces ``update`` keeps its own math (the stock rule would differ)."""
+
+    class Scaled(lo.AdamW):
+        def update(self, group, weights, grads, states, step):
+            return torch._foreach_mul(super().update(group, weights, grads, states, step), 0.5)
+
+    assert Scaled([torch.zeros(2)]).kernel_spec() is None
+    params, opt = train(Scaled, "compiled", "kahan", steps=2, expect_fused=False, lr=1e-2)
+    assert opt.backend.reference_elements > 0
+
+
+@pytest.mark.parametrize("cls", FUSED, ids=_id)
+def test_triton_bit_identical_through_the_interpreter(cls):
+    """Every mode and example of one optimizer through the generated Triton kernel (interpreted
+    on CPU, in a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    done = subprocess.run([sys.executable, __file__, cls.__name__], env=env, capture_output=True, text=True,
+                          timeout=540)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("OK") == len(cls.examples) * len(MODES)
+
+
+def _compiled_case(cls, kw, mode):
+    kw = dict(kw, steps=STEPS, state_dtype=torch.float32)
+    assert_same_run(train(cls, "compiled", mode, **kw), reference(cls, mode, **kw))
+
+
+def test_compiled_bit_identical_adan():
+    """torch.compile on the newest optimizer (one variant: 10-40 s); the matrix is slow."""
+    _compiled_case(lo.Adan, lo.Adan.examples[0], "kahan")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact"])
+@pytest.mark.parametrize("cls,kw", CASES, ids=_id)
+def test_compiled_bit_identical(cls, kw, mode):
+    _compiled_case(cls, kw, mode)
+
+
+@pytest.mark.parametrize("backend", ["native", "compiled", "triton"])
+def test_a_disabled_kernel_fails_its_cases(backend, monkeypatch):
+    """With a kernel that supports no spec, every step silently takes the reference pipeline,
+    bit-identical to it by design: only the element counts tell, and the generic cases fail."""
+    from lowp.optim import kernels
+
+    if backend == "native" and not native_here():
+        pytest.skip("the native kernel needs x86-64 with AVX2 and g++")
+    if backend == "triton":
+        pytest.importorskip("triton")
+    kernel = {"native": kernels.NativeKernel, "compiled": kernels.CompiledKernel, "triton": kernels.TritonKernel}
+    monkeypatch.setattr(kernel[backend], "supports", lambda self, spec: False)
+    if backend == "triton":  # its fallback is the compiled kernel: off too, so nothing compiles here
+        monkeypatch.setattr(kernels.CompiledKernel, "supports", lambda self, spec: False)
+    for cls in FUSED:
+        with pytest.raises(AssertionError, match="elements"):
+            train(cls, backend, "kahan", steps=1, **cls.examples[0])
+
+
+def _interpreted(name: str) -> None:
+    """Every example x mode of optimizer ``name`` on the Triton kernel against the reference."""
+    cls = getattr(lo, name)
+    for kw in cls.examples:
+        for mode in MODES:
+            kw_run = dict(kw, steps=STEPS, shapes=[(37, 11), (300,), (5000,)])
+            assert_same_run(train(cls, "triton", mode, **kw_run), reference(cls, mode, **kw_run))
+            print("OK", name, kw, mode, flush=True)
+
+
+if __name__ == "__main__":
+    _interpreted(sys.argv[1])
