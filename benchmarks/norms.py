@@ -49,7 +49,8 @@ def main() -> None:
         ours_rms = RMSNorm(n, eps=1e-6).to(dtype).to(args.device)
         with torch.no_grad():
             timings = {
-                "torch rms_norm": best_time(lambda: torch.nn.functional.rms_norm(x, (n,), ours_rms.weight, 1e-6), args.repeat),
+                "torch rms_norm": best_time(lambda: torch.nn.functional.rms_norm(x, (n,), ours_rms.weight, 1e-6),
+                                            args.repeat),
                 "torch vector_norm": best_time(lambda: torch.linalg.vector_norm(x, dim=-1), args.repeat),
                 "naive fp32 formula": best_time(lambda: x.float().square().sum(-1).sqrt().to(dtype), args.repeat),
                 "lowp vector_norm robust": best_time(lambda: vector_norm(x), args.repeat),

@@ -11,8 +11,9 @@ Rounding thresholds for round-to-nearest-even, with ``u_top``/``u_low`` the spac
 and bottom binade: a magnitude overflows beyond ``max + u_top/2`` (the midpoint itself overflows
 when ``max`` has an odd last bit, as in IEEE formats, not in e4m3fn), underflows to zero at or
 below ``u_low/2`` (without subnormals the neighbours of a tiny value are 0 and ``min_normal``,
-so at or below ``min_normal/2``, as :func:`lowp.rounding.quantize` rounds) and is subnormal between that and ``min_normal - u_low/2``. Saturating
-formats count overflow the same way: the values are clamped, not kept.
+so at or below ``min_normal/2``, as :func:`lowp.rounding.quantize` rounds) and is subnormal
+between that and ``min_normal - u_low/2``. Saturating formats count overflow the same way: the
+values are clamped, not kept.
 
 Hooks exist only inside ``with PrecisionMonitor(model):`` (or between :meth:`attach` and
 :meth:`detach`), so a model runs at full speed when the monitor is off.
@@ -220,7 +221,8 @@ class PrecisionMonitor:
         span = math.log2(fmt.max / fmt.min_subnormal if fmt.subnormals else fmt.max / fmt.min_normal)
         if rec.nan or rec.inf:
             out.append(f"non-finite values already present ({rec.nan} NaN, {rec.inf} inf): fix upstream")
-        risky_low = rec.frac(rec.underflow) > self.underflow_threshold or rec.frac(rec.subnormal) > self.underflow_threshold
+        risky_low = (rec.frac(rec.underflow) > self.underflow_threshold
+                     or rec.frac(rec.subnormal) > self.underflow_threshold)
         if rec.overflow:
             k = math.ceil(math.log2(rec.amax / fmt.max)) + 1
             if rec.min_nonzero * 2.0**-k < fmt.min_normal and rec.range_log2 > span:

@@ -104,7 +104,8 @@ BINARY_OPS: dict[str, BinaryOp] = {op.name: op for op in [
     _B("hypot", torch.hypot, np.hypot, _all_pairs),
 ]}
 
-# Appendix 3.3 of PaddlePaddle's low-precision operator guide groups its ops into these families (its own grouping, kept verbatim).
+# Appendix 3.3 of PaddlePaddle's low-precision operator guide groups its ops into these families
+# (its own grouping, kept verbatim).
 SEED_FAMILIES: dict[str, list[str]] = {
     "sin/cos/atan/acosh/asinh/tanh/acos/asin/atanh": ["sin", "cos", "atan", "acosh", "asinh", "tanh", "acos", "asin",
                                                       "atanh"],

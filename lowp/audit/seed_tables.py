@@ -1,4 +1,5 @@
-"""The appendix tables of PaddlePaddle's low-precision operator guide, measured: 3.3 (math functions in fp16 vs fp32) and 3.4 (fp32 -> fp16).
+"""The appendix tables of PaddlePaddle's low-precision operator guide, measured: 3.3 (math functions in
+fp16 vs fp32) and 3.4 (fp32 -> fp16).
 
 3.3 compares, per function, torch's fp16 result with its fp32 result (the seed's own yardstick,
 not the exact value) over every finite fp16 input in the function's domain where both results

@@ -5,7 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
-from lowp.cli_args import check_at_most, check_memory, format_list, int_at_least, int_list, output_dir, usage_error, writable_folder
+from lowp.cli_args import (check_at_most, check_memory, format_list, int_at_least, int_list, output_dir, usage_error,
+                           writable_folder)
 
 HELP = "audit op precision (ulp error vs correctly rounded fp64) for fp16/bf16/fp8: native, opmath and low-format"
 
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", type=_audit_formats, default="fp16,bf16",
                         help="comma-separated formats (fp16, bf16 natively; fp8_e4m3fn, fp8_e5m2, dlfloat16 emulated)")
     parser.add_argument("--ops", default=None, help="comma-separated op names (default: every op of the chosen kinds)")
-    parser.add_argument("--kinds", default="unary,binary,reductions", help="comma-separated subset of " + ",".join(KINDS))
+    parser.add_argument("--kinds", default="unary,binary,reductions",
+                        help="comma-separated subset of " + ",".join(KINDS))
     parser.add_argument("--methods", default="native,opmath,lowformat", help="comma-separated methods")
     parser.add_argument("--no-exhaustive", dest="stride", action="store_const", const=16, default=1,
                         help="unary: every 16th input instead of every finite value (default: exhaustive)")
@@ -151,7 +153,8 @@ def pivot(rows: list[dict[str, object]]) -> tuple[list[str], list[list[object]]]
 
 
 def seed_tables_text(conversion_stride: int) -> str:
-    """The appendix 3.3 and 3.4 tables of Paddle's low-precision operator guide, measured, next to its printed values."""
+    """The appendix 3.3 and 3.4 tables of Paddle's low-precision operator guide, measured, next to its
+    printed values."""
     from lowp.audit.seed_tables import SEED_33, SEED_34, conversion_errors, family_table, math_vs_fp32
     from lowp.report import text_table
 

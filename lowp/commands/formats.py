@@ -31,5 +31,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(text_table(COLUMNS, rows))
         print("\neps: gap between 1 and the next value; unit_roundoff u = eps/2 bounds the relative error of "
-              "round-to-nearest.\nfp16's largest value is 65504 (Paddle's low-precision operator guide, table 1-2, prints 655 by mistake).")
+              "round-to-nearest.\nfp16's largest value is 65504 (Paddle's low-precision operator guide, table 1-2, "
+              "prints 655 by mistake).")
     return 0

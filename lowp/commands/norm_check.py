@@ -5,7 +5,8 @@ import argparse
 
 from lowp.cli_args import check_at_most, check_memory, int_at_least, usage_error, writable_file
 
-HELP = "measure the L2-norm methods (naive, max-scaled, two-segment, Blue's, robust) per format: ulp error, overflow, underflow"
+HELP = ("measure the L2-norm methods (naive, max-scaled, two-segment, Blue's, robust) per format: ulp error, overflow, "
+        "underflow")
 
 DEFAULT_SPECS = "fp16,bf16,dlfloat16,e4m3:fp16,e5m2:fp16,e4m3:bf16"
 MODULE_COLUMNS = ["module", "dtype", "rows", "lowp_max_ulp", "torch_max_ulp", "lowp_grad_rel_error",

@@ -1,4 +1,5 @@
-"""``lowp reduce-sim``: simulate low-precision gradient reduction, explain the post "Why reduction precision matters", show where it hurts."""
+"""``lowp reduce-sim``: simulate low-precision gradient reduction, explain the post "Why reduction
+precision matters", show where it hurts."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,8 @@ HELP = "simulate bf16/fp16/fp8 gradient all-reduce (ring, tree, all-to-all): err
 
 SECTIONS = ("seed", "mean", "microbatch", "fp16", "fp8", "premultiply", "outlier")
 TITLES = {
-    "seed": "The grid of \"Why reduction precision matters\": error std / sigma of a bf16 reduction of N(0, sigma^2) pre-divided by R "
-            "(measured vs model); ring/noise = ring error / (sigma / sqrt(R))",
+    "seed": "The grid of \"Why reduction precision matters\": error std / sigma of a bf16 reduction of "
+            "N(0, sigma^2) pre-divided by R (measured vs model); ring/noise = ring error / (sigma / sqrt(R))",
     "mean": "Non-zero mean across ranks (mu = ratio * sigma): stagnation bias of nearest rounding (bf16)",
     "microbatch": "Local accumulation of M micro-batch gradients g/M in a bf16 .grad",
     "fp16": "fp16 without loss scaling: g/R below fp16's range; dividing after an fp32 sum instead",
@@ -26,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for the PNG plots and CSV tables (default: lowp-report/reduce-sim)")
     parser.add_argument("--only", choices=SECTIONS, action="append", default=None,
                         help="run only these sections (repeatable; default: all)")
-    parser.add_argument("--elements", type=int_at_least(1), default=4096, help="elements per simulated tensor (default 4096)")
+    parser.add_argument("--elements", type=int_at_least(1), default=4096,
+                        help="elements per simulated tensor (default 4096)")
     parser.add_argument("--max-world-size", type=int_at_least(2), default=1024,
                         help="largest R in the seed grid (powers of two from 2; default 1024, at most 65536)")
     parser.add_argument("--no-plots", action="store_true", help="print the tables only")
@@ -62,7 +64,8 @@ def _plot_seed(headers: list[str], rows: list[list[object]], path: str) -> None:
     plt.close(fig)
 
 
-def _plot_lines(headers: list[str], rows: list[list[object]], x: str, group: str, y: str, path: str, title: str) -> None:
+def _plot_lines(headers: list[str], rows: list[list[object]], x: str, group: str, y: str, path: str,
+                title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -20,8 +20,8 @@ format, so the result carries exactly the rounding errors of the real collective
     fp64 sum with no rounding: the reference.
 
 Averaging (``average``): ``"sum"``; ``"pre_divide"`` (each rank computes ``fl(x / R)`` in the
-wire format, then the sum; what torch's DDP default hook and the post "Why reduction precision matters" do); ``"post_divide"``
-(sum, then ``fl(S / R)``; for ``alltoall`` the division is in fp32, which is bias-free);
+wire format, then the sum; what torch's DDP default hook and the post "Why reduction precision
+matters" do); ``"post_divide"`` (sum, then ``fl(S / R)``; for ``alltoall`` the division is in fp32, which is bias-free);
 ``"premultiply"`` (NCCL's ``ncclAvg`` on floating types: each rank multiplies by the scalar
 ``fl(1/R)`` held in the reduction type, then the sum; see NCCL's ``FuncPreMulSum`` in
 ``src/device/reduce_kernel.h``). When R is not a power of two, ``fl(1/R) != 1/R`` and every

@@ -39,7 +39,8 @@ class Native:
 
     def __init__(self, dtype: torch.dtype) -> None:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError(f"compute: a native compute dtype must be float16, bfloat16, float32 or float64, got {dtype}")
+            raise ValueError(f"compute: a native compute dtype must be float16, bfloat16, float32 or float64, "
+                             f"got {dtype}")
         self.dtype = dtype
         self.format = get_format(dtype)
 
