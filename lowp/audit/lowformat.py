@@ -32,9 +32,16 @@ PRIMITIVES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 
 class LowFormatMath(Arith):
-    """:class:`~lowp.arith.Arith` plus correctly rounded primitives and composite formulas."""
+    """:class:`~lowp.arith.Arith` plus correctly rounded primitives and composite formulas.
+
+    The constructor is :class:`~lowp.arith.Arith`'s, with the same arguments and checks: ``format``
+    (name, dtype or :class:`~lowp.formats.FloatFormat`; at most 25 significand bits), ``mode`` (the
+    rounding of the elementary operations; the primitives always round to nearest even) and
+    ``generator`` (random source for ``mode="stochastic"``).
+    """
 
     def const(self, value: float) -> torch.Tensor:
+        """The constant ``value`` rounded to the format, in the container dtype."""
         return self.cast(torch.tensor(value, dtype=torch.float64))
 
     def primitive(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -50,12 +57,15 @@ class LowFormatMath(Arith):
 
     # -- composite ops, one rounding per step -------------------------------------------------
     def one_plus(self, x: torch.Tensor) -> torch.Tensor:
+        """``1 + x``, one rounding."""
         return self.add(self.const(1.0), x)
 
     def recip(self, x: torch.Tensor) -> torch.Tensor:
+        """``1 / x``, one rounding."""
         return self.div(self.const(1.0), x)
 
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        """``1 / (1 + exp(-x))``: three roundings after the negation."""
         return self.recip(self.one_plus(self.exp(self.neg(x))))
 
     def log1p_exp_neg_abs(self, x: torch.Tensor) -> torch.Tensor:
