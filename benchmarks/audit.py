@@ -19,6 +19,7 @@ TARGET_S = 60.0
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     formats = ("fp16", "bf16")
     audit_unary(["exp"], formats)  # warm up imports and kernels
     times = {}

@@ -36,6 +36,7 @@ def best_time(fn, repeat: int) -> float:
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=5)

@@ -85,6 +85,7 @@ def _peak_extra_bytes(opt: torch.optim.Optimizer, trace: Path) -> int:
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=8_000_000)
     ap.add_argument("--tensors", type=int, default=8)

@@ -37,6 +37,7 @@ def _audit_formats(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp audit`` to ``parser``."""
     parser.add_argument("--formats", type=_audit_formats, default="fp16,bf16",
                         help="comma-separated formats (fp16, bf16 natively; fp8_e4m3fn, fp8_e5m2, dlfloat16 emulated)")
     parser.add_argument("--ops", default=None, help="comma-separated op names (default: every op of the chosen kinds)")
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp audit`` with the parsed ``args``; returns the exit status."""
     from lowp.audit.binary import audit_binary
     from lowp.audit.ops import BINARY_OPS, UNARY_OPS
     from lowp.audit.reductions import REDUCTIONS, audit_reductions

@@ -20,6 +20,7 @@ MAX_JOBS = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp demo`` to ``parser``."""
     parser.add_argument("--steps", type=int_at_least(1), default=700, help="training steps per run (default 700)")
     parser.add_argument("--modes", default=DEFAULT_RUNS,
                         help=f"comma-separated runs from fp32, bf16-nearest, bf16-kahan, bf16-stochastic, "
@@ -59,6 +60,7 @@ def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: DemoConf
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp demo`` with the parsed ``args``; returns the exit status."""
     import signal
     import sys
     from pathlib import Path

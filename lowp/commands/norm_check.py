@@ -21,6 +21,7 @@ COLUMNS = ["method", "input", "compute", "family", "rows", "max_ulp", "correctly
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp norm-check`` to ``parser``."""
     parser.add_argument("--formats", default=DEFAULT_SPECS,
                         help="comma-separated INPUT[:COMPUTE] formats; COMPUTE is a format emulated exactly "
                              "(default: the input format) or 'native' for the fp32-opmath native path "
@@ -60,6 +61,7 @@ def _parse_specs(text: str) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp norm-check`` with the parsed ``args``; returns the exit status."""
     from lowp.norms.methods import METHODS
     from lowp.report import csv_text, markdown_table, text_table, write_atomic
     from lowp.threads import single_thread

@@ -23,6 +23,7 @@ TITLES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp reduce-sim`` to ``parser``."""
     parser.add_argument("--out", type=output_dir, default=os.path.join("lowp-report", "reduce-sim"),
                         help="folder for the PNG plots and CSV tables (default: lowp-report/reduce-sim)")
     parser.add_argument("--only", choices=SECTIONS, action="append", default=None,
@@ -106,6 +107,7 @@ def _check_sizes(args: argparse.Namespace, sections: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp reduce-sim`` with the parsed ``args``; returns the exit status."""
     from tqdm import tqdm
 
     from lowp.distributed import experiments as ex

@@ -53,9 +53,19 @@ def has_custom_reduce_scatter() -> bool:
 class FP32ReduceScatter(_ReduceScatterBase):
     """FSDP2 reduce-scatter: ``wire_dtype`` on the wire, fp32 sum (see the module docstring).
 
-    ``stochastic=True`` compresses with stochastic rounding (unbiased; one independent stream
-    per rank and call, from ``seed``), so components far below an ulp of their neighbours are
-    not lost on average.
+    Install it with :func:`set_fp32_reduce_scatter`; one instance may serve every FSDP module.
+
+    Args:
+        wire_dtype: dtype the gradients cross the wire in: ``torch.bfloat16`` (default),
+            ``torch.float16`` or ``torch.float32`` (no compression); anything else raises
+            ``ValueError``. fp16 overflows beyond 65504, so use it with gradients known to be small.
+        stochastic: compress with stochastic rounding instead of to nearest (default ``False``;
+            converted with ``bool``). Unbiased, with one independent stream per rank and call,
+            so components far below an ulp of their neighbours are not lost on average. No
+            effect with an fp32 wire.
+        seed: seed of the stochastic-rounding streams (default 0; converted with ``int``, so a
+            value ``int`` cannot take raises there). The same seed gives the same bits on every
+            run.
     """
 
     #: read by :func:`lowp.distributed.advisor.advise_fsdp`
@@ -70,6 +80,7 @@ class FP32ReduceScatter(_ReduceScatterBase):
         self.calls = 0
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised buffer for FSDP to gather the gradient input into."""
         return torch.empty(tuple(size), dtype=dtype, device=device)
 
     def _compress(self, values: torch.Tensor, rank: int) -> torch.Tensor:
@@ -80,6 +91,10 @@ class FP32ReduceScatter(_ReduceScatterBase):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object = dist.ReduceOp.SUM, async_op: bool = False) -> None:
+        """Reduce-scatter ``input_tensor`` (R equal shards, flat) into ``output_tensor`` over
+        ``group``: shard r of the fp32 sum (``op=AVG``: mean) of every rank's input goes to rank r.
+        Synchronous whatever ``async_op`` says; ``op`` other than SUM/AVG and a size mismatch
+        raise ``ValueError`` before anything is sent."""
         R = dist.get_world_size(group)
         n = input_tensor.numel()
         if n != R * output_tensor.numel():

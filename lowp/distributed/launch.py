@@ -21,7 +21,12 @@ __all__ = ["GroupFailure", "free_port", "run_local_group"]
 
 
 class GroupFailure(RuntimeError):
-    """One or more ranks raised, died or did not finish in time. ``.ranks`` maps rank -> status."""
+    """One or more ranks raised, died or did not finish in time. ``.ranks`` maps rank -> status.
+
+    Args:
+        ranks: rank -> what happened to it (the traceback of its exception, its exit code, or
+            that it timed out); only the ranks that failed. The message lists them in rank order.
+    """
 
     def __init__(self, ranks: dict[int, str]) -> None:
         self.ranks = ranks

@@ -19,6 +19,14 @@ __all__ = ["Case", "case_families", "log_uniform"]
 
 @dataclass(frozen=True)
 class Case:
+    """Input rows of one case family, with the ``eps`` they are normalised with.
+
+    Args:
+        family: the family's name (``"pairs"``, ``"huge"`` ..., see :func:`case_families`).
+        rows: float64 tensor ``(rows, n)`` whose values are all values of the input format.
+        eps: the bias added to the sum of squares (default 0.0).
+    """
+
     family: str
     rows: torch.Tensor  # float64, (rows, n), values of the input format
     eps: float = 0.0

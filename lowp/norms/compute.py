@@ -35,6 +35,11 @@ class Native:
     ``2p + 2`` bits for both, so +, -, *, / are correctly rounded (same argument as
     :class:`~lowp.arith.Arith`). ``sum`` is sequential in ``dtype`` (not torch's fp32-accumulated
     reduction), so ``Native(torch.float16)`` is a machine whose only type is fp16.
+
+    Args:
+        dtype: ``torch.float16``, ``torch.bfloat16``, ``torch.float32`` or ``torch.float64``;
+            anything else raises ``ValueError`` naming ``compute``, the argument of
+            :func:`lowp.norms.vector_norm` it comes from.
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -48,18 +53,23 @@ class Native:
         return f"Native({self.dtype})"
 
     def cast(self, x: "torch.Tensor | float") -> torch.Tensor:
+        """``x`` rounded once to ``dtype``."""
         return torch.as_tensor(x).to(self.dtype)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a + b``, one rounding."""
         return torch.add(a, b)
 
     def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a - b``, one rounding."""
         return torch.sub(a, b)
 
     def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a * b``, one rounding."""
         return torch.mul(a, b)
 
     def div(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a / b``, one rounding."""
         return torch.div(a, b)
 
     def sqrt(self, a: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,18 @@ def hard_rows(dtype: torch.dtype, width: int = 256) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class ModuleScore:
+    """Accuracy of lowp's and torch's norm module on one family of :func:`hard_rows`.
+
+    Args:
+        case: the family's name (``"normal"``, ``"near-max"`` ...).
+        max_ulp: largest forward error of lowp's module, in ulps of the dtype.
+        torch_max_ulp: the same for torch's module on the same rows and parameters.
+        grad_error: ``max |dx - dx64| / max |dx64|`` per row, over the rows whose exact input
+            gradient fits the dtype (0.0 when there is none).
+        grad_rows: rows whose gradient was checked (0 when every exact gradient overflows).
+        grad_finite: whether lowp's gradient is finite on those rows.
+    """
+
     case: str
     max_ulp: float          # lowp's forward, ulps of the dtype
     torch_max_ulp: float    # torch's module on the same rows

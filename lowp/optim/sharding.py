@@ -199,7 +199,14 @@ def world_size() -> int:
 @dataclass
 class Gathered:
     """A step of a non-elementwise optimizer on full copies (``piece``) of the DTensor parameter
-    ``param`` and its ``states`` / ``buffer``; :meth:`write_back` keeps this rank's box."""
+    ``param`` and its ``states`` / ``buffer``; :meth:`write_back` keeps this rank's box.
+
+    Args:
+        piece: the full (gathered) parameter, gradient and states the step runs on.
+        param: the sharded DTensor parameter the result goes back to.
+        states: state name -> this rank's state tensor (sharded like ``param`` or replicated).
+        buffer: this rank's write-back buffer (Kahan compensation or exact remainder), or ``None``.
+    """
 
     piece: ParamSlice
     param: torch.Tensor
@@ -207,6 +214,8 @@ class Gathered:
     buffer: torch.Tensor | None
 
     def write_back(self) -> None:
+        """Copy this rank's box of the stepped full copies into the local shards (replicated
+        states whole)."""
         local(self.param).copy_(keep_local(self.piece.param, self.param))
         pairs = [(self.states[n], self.piece.states[n]) for n in self.states]
         if self.buffer is not None:

@@ -130,6 +130,18 @@ class WriteBack:
 
     ``apply(p, w, u, buf, streams, count)`` may overwrite ``u``; it returns the number of
     stalled elements (a 0-dim tensor) when ``count`` is true, else ``None``.
+
+    The modes are the entries of :data:`MODES`; user code selects one by name (:func:`get_mode`).
+
+    Args:
+        name: the mode's name (``"nearest"``, ``"stochastic"``, ``"kahan"``, ``"exact"``).
+        dtypes: weight dtypes the mode supports (:func:`resolve_mode` refuses others).
+        buffer_name: key of the mode's per-parameter state buffer (``"compensation"``,
+            ``"remainder"``), or ``None`` when it keeps none.
+        init_buffer: ``init_buffer(p)`` makes the buffer for parameter ``p`` (``None`` without one).
+        load: ``load(p, buf)`` is the fp32 value of the weight the mode holds (``p`` plus its
+            compensation or remainder).
+        apply: the write-back ``apply(p, w, u, buf, streams, count)`` described above.
     """
 
     name: str
