@@ -68,7 +68,7 @@ def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatF
             if got is None:
                 continue
             stats = error_stats(got, exact, fmt, correct)
-            worst = stats.pop("worst_index")
+            worst = int(stats.pop("worst_index"))
             rows.append({"kind": "binary", "op": op.name, "format": fmt.name, "method": method, **stats,
                          "near_midpoint": int(doubtful.sum()),
                          "worst_input": f"({float(x[worst])!r}, {float(y[worst])!r})",

@@ -65,7 +65,7 @@ def math_vs_fp32(ops: "list[str] | None" = None) -> dict[str, dict[str, float]]:
     return out
 
 
-def family_table(per_op: dict[str, dict[str, float]]) -> list[list[object]]:
+def family_table(per_op: dict[str, dict[str, float]]) -> list[list[str]]:
     """Rows ``[family, max_abs, max_rel, mean_abs, mean_rel]``, each cell ``min~max`` over the family."""
     rows = []
     for family, members in SEED_FAMILIES.items():

@@ -107,7 +107,7 @@ def audit_unary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFo
         correct, doubtful = correct_results(MP_UNARY[op.name], (x,), exact, fmt, op.exact_reference)
         for method, got in _results(op, x, fmt, methods):
             stats = error_stats(got, exact, fmt, correct)
-            worst = stats.pop("worst_index")
+            worst = int(stats.pop("worst_index"))
             rows.append({"kind": "unary", "op": op.name, "format": fmt.name, "method": method, **stats,
                          "near_midpoint": int(doubtful.sum()), "worst_input": float(x[worst]),
                          "worst_got": float(got[worst]), "worst_want": float(correct[worst])})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from lowp.cli_args import (check_at_most, check_memory, format_list, int_at_least, int_list, output_dir, usage_error,
                            writable_folder)
@@ -140,14 +141,14 @@ def write_outputs(rows: list[dict[str, object]], out: Path) -> None:
     write_atomic(out / "audit.md", "# lowp audit\n\n" + "\n\n".join(parts) + "\n")
 
 
-def pivot(rows: list[dict[str, object]]) -> tuple[list[str], list[list[object]]]:
+def pivot(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[object]]]:
     """Headers and rows of a compact table: one row per (kind, op[, length]), one column per
     (format, method), cells ``"max_ulp (number of results not correctly rounded)"``."""
     cols = list(dict.fromkeys(f"{r['format']} {r['method']}" for r in rows))
     table: dict[tuple, dict[str, str]] = {}
     for r in rows:
         key = (r["kind"], r["op"], r.get("length", ""))
-        wrong = round(int(r["n"]) * (1 - float(r["frac_correct"])))  # type: ignore[call-overload]
+        wrong = round(int(r["n"]) * (1 - float(r["frac_correct"])))
         table.setdefault(key, {})[f"{r['format']} {r['method']}"] = f"{r['max_ulp']:.6g} ({wrong})"
     body = [[op if not length else f"{op} n={length}", *(cells.get(c, "-") for c in cols)]
             for (kind, op, length), cells in table.items()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from lowp.cli_args import check_at_most, check_memory, int_at_least, output_dir, usage_error, writable_folder
 
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
 
 
-def _plot_seed(headers: list[str], rows: list[list[object]], path: str) -> None:
+def _plot_seed(headers: list[str], rows: list[list[Any]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,7 +66,7 @@ def _plot_seed(headers: list[str], rows: list[list[object]], path: str) -> None:
     plt.close(fig)
 
 
-def _plot_lines(headers: list[str], rows: list[list[object]], x: str, group: str, y: str, path: str,
+def _plot_lines(headers: list[str], rows: list[list[Any]], x: str, group: str, y: str, path: str,
                 title: str) -> None:
     import matplotlib
 

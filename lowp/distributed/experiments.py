@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ __all__ = ["SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "m
 
 SEED_WORLD_SIZES: tuple[int, ...] = tuple(2**i for i in range(1, 11))
 SEED_SIGMAS: tuple[float, ...] = tuple(2.0**-i for i in range(8, 3, -1))
-Table = tuple[list[str], list[list[object]]]
+Table = tuple[list[str], list[list[Any]]]
 Progress = Callable[[], None]
 
 

@@ -26,7 +26,7 @@ deterministic, not overlapped with the backward pass.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,15 @@ import torch.distributed as dist
 from lowp.distributed.hooks import _stream_seed
 from lowp.rounding import quantize
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
 __all__ = ["FP32ReduceScatter", "set_fp32_reduce_scatter", "fsdp_modules", "param_groups", "has_custom_reduce_scatter"]
 
 try:   # the interface FSDPModule.set_custom_reduce_scatter takes; without it there is no hook
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
 except ImportError:  # pragma: no cover - older torch
-    _ReduceScatterBase = object
+    _ReduceScatterBase = object  # type: ignore[misc, assignment]
 
 _WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -79,7 +82,7 @@ class FP32ReduceScatter(_ReduceScatterBase):
         self.seed = int(seed)
         self.calls = 0
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised buffer for FSDP to gather the gradient input into."""
         return torch.empty(tuple(size), dtype=dtype, device=device)
 
@@ -117,7 +120,7 @@ class FP32ReduceScatter(_ReduceScatterBase):
         return None
 
 
-def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     """The modules of ``model`` (itself included) that ``fully_shard`` was applied to."""
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -141,7 +144,7 @@ def set_fp32_reduce_scatter(model: torch.nn.Module, comm: FP32ReduceScatter | No
     return comm
 
 
-def param_groups(module: torch.nn.Module) -> list:
+def param_groups(module: FSDPModule) -> list:
     """The parameter groups of FSDP module ``module`` (torch's internal ``FSDPParamGroup``s)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)

@@ -402,8 +402,8 @@ def measure_error(world_size: int, elements: int, grads: GaussianGrads, config: 
         sums += torch.stack([err.sum(), (err * err).sum(), seed_err.sum(), (seed_err * seed_err).sum(),
                              exact.sum(), zeros.sum()])
     n = float(elements)
-    e1, e2, s1, s2, ex, zeros = (float(v) for v in sums)
+    e1, e2, s1, s2, ex, zero_count = (float(v) for v in sums)
     noise = grads.sigma / math.sqrt(world_size) if config.average != "sum" else grads.sigma * math.sqrt(world_size)
     return ErrorStats(world_size=world_size, elements=elements, std=math.sqrt(max(e2 / n - (e1 / n) ** 2, 0.0)),
                       bias=e1 / n, rms=math.sqrt(e2 / n), seed_std=math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)),
-                      exact_mean=ex / n, noise=noise, zero_fraction=zeros / n)
+                      exact_mean=ex / n, noise=noise, zero_fraction=zero_count / n)

@@ -110,6 +110,7 @@ def row_statistics(rows: torch.Tensor, eps: float, center: bool
         r, e1, e2 = r.clone(), e1.clone(), e2.clone()
         r[bad], e1[bad], e2[bad] = r_bad, e1_bad, e2_bad
         if center:
+            assert mu is not None and mu_bad is not None   # both computed when center
             mu = mu.clone()
             mu[bad] = mu_bad
     return mu, r, e1, e2

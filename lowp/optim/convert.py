@@ -73,7 +73,7 @@ def _first_float_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
 
 
 def _fp32_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    module._lowp_input_dtype = _first_float_dtype(args, kwargs)
+    module.__dict__["_lowp_input_dtype"] = _first_float_dtype(args, kwargs)   # popped by _fp32_post_hook
     return _map_floats(args, _to_fp32), _map_floats(kwargs, _to_fp32)
 
 
