@@ -34,10 +34,14 @@ PRIMITIVES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 class LowFormatMath(Arith):
     """:class:`~lowp.arith.Arith` plus correctly rounded primitives and composite formulas.
 
-    The constructor is :class:`~lowp.arith.Arith`'s, with the same arguments and checks: ``format``
-    (name, dtype or :class:`~lowp.formats.FloatFormat`; at most 25 significand bits), ``mode`` (the
-    rounding of the elementary operations; the primitives always round to nearest even) and
-    ``generator`` (random source for ``mode="stochastic"``).
+    The constructor is :class:`~lowp.arith.Arith`'s, with the same checks.
+
+    Args:
+        format: the emulated format (name, dtype or :class:`~lowp.formats.FloatFormat`; at most
+            25 significand bits, else ``ValueError``).
+        mode: rounding of the elementary operations (default ``"nearest_even"``); the primitives
+            always round to nearest even.
+        generator: random source for ``mode="stochastic"`` (default ``None``: torch's global one).
     """
 
     def const(self, value: float) -> torch.Tensor:
