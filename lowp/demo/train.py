@@ -81,7 +81,7 @@ class RunResult:
         name: the run's key in :data:`RUNS` (e.g. ``"bf16-kahan"``).
         val_loss: final mean next-byte cross-entropy on the whole validation text, in nats.
         bytes_per_param: bytes of weights, gradients and optimizer states per parameter.
-        seconds: wall-clock training time, evaluation included.
+        seconds: wall-clock training time (the curve's evaluations included, the final one not).
         curve: ``(step, validation loss)`` points, every ``eval_every`` steps and at the last
             (default: empty).
         stalled_fraction: fraction of the first parameter group's elements whose stored weight

@@ -39,7 +39,7 @@ class BucketStats:
             (>= 0, finite); 0 means the ranks agree exactly, so there is no sampling noise.
         underflow_fraction: fraction in [0, 1] of per-rank values with ``|g / R|`` below half the
             wire format's smallest subnormal (default 0.0: :func:`advise` then estimates it from
-            ``mean_rms`` and ``spread_rms``).
+            ``mean_rms`` and ``spread_rms`` when averaging divides before the sum).
         absmax: largest ``|g|`` divided by R (sum over ranks of the local maxima / R, an upper
             bound's scale), >= 0 (default 0.0: no fp16 overflow check).
     """
