@@ -66,9 +66,8 @@ class FP32ReduceScatter(_ReduceScatterBase):
             converted with ``bool``). Unbiased, with one independent stream per rank and call,
             so components far below an ulp of their neighbours are not lost on average. No
             effect with an fp32 wire.
-        seed: seed of the stochastic-rounding streams (default 0; converted with ``int``, so a
-            value ``int`` cannot take raises there). The same seed gives the same bits on every
-            run.
+        seed: seed of the stochastic-rounding streams (default 0; converted with ``int()``, which
+            raises for a value it cannot convert). The same seed gives the same bits on every run.
     """
 
     #: read by :func:`lowp.distributed.advisor.advise_fsdp`
