@@ -34,6 +34,7 @@ def decay_error(opt_class, kw: dict, scale: float, seed: int, steps: int, numel:
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--numel", type=int, default=4096)

@@ -36,6 +36,7 @@ def best_time(fn, repeat: int) -> float:
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=5)
@@ -49,7 +50,8 @@ def main() -> None:
         ours_rms = RMSNorm(n, eps=1e-6).to(dtype).to(args.device)
         with torch.no_grad():
             timings = {
-                "torch rms_norm": best_time(lambda: torch.nn.functional.rms_norm(x, (n,), ours_rms.weight, 1e-6), args.repeat),
+                "torch rms_norm": best_time(lambda: torch.nn.functional.rms_norm(x, (n,), ours_rms.weight, 1e-6),
+                                            args.repeat),
                 "torch vector_norm": best_time(lambda: torch.linalg.vector_norm(x, dim=-1), args.repeat),
                 "naive fp32 formula": best_time(lambda: x.float().square().sum(-1).sqrt().to(dtype), args.repeat),
                 "lowp vector_norm robust": best_time(lambda: vector_norm(x), args.repeat),

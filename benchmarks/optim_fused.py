@@ -13,6 +13,7 @@ from lowp.optim.speed import measure, parse_size, report
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="8M,32M", help="parameter counts, e.g. 8M,32M,64M")
     parser.add_argument("--rounds", type=int, default=6, help="timed steps per optimizer (best one counts)")

@@ -26,6 +26,7 @@ def _cpu_ms(fn: Callable[[], object], repeat: int) -> float:
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=200)
     parser.add_argument("--numel", type=int, default=64)

@@ -85,6 +85,7 @@ def _peak_extra_bytes(opt: torch.optim.Optimizer, trace: Path) -> int:
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=8_000_000)
     ap.add_argument("--tensors", type=int, default=8)
@@ -123,7 +124,8 @@ def main() -> None:
         rates[name] = n / statistics.median(times[name])
         held = sum(p.numel() * p.element_size() * 2 for p in params) + _state_bytes(opt)   # weights + grads
         backend = getattr(getattr(opt, "backend", None), "name", "-")
-        rows.append([name, backend, f"{rates[name] / 1e6:.1f}", f"{held / n:.1f}", f"{peak / n:.2f}", f"{peak / 2**20:.1f}"])
+        rows.append([name, backend, f"{rates[name] / 1e6:.1f}", f"{held / n:.1f}", f"{peak / n:.2f}",
+                     f"{peak / 2**20:.1f}"])
     base = rates.get("torch AdamW fp32 fused")
     optimi_name = "optimi AdamW bf16 kahan"
     for row in rows:

@@ -58,6 +58,7 @@ def big_ring(world_size: int, elements: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=1 << 20, help="elements of the big ring run (default 1M)")
     parser.add_argument("--world-size", type=int, default=1024, help="ranks of the big ring run (default 1024)")

@@ -85,6 +85,7 @@ def _rank(rank: int, world_size: int, width: int, layers: int, steps: int) -> di
 
 
 def main() -> None:
+    """Run the benchmark described in the module docstring and print its results."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)

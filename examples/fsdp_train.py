@@ -31,6 +31,7 @@ from lowp.optim.convert import cast_model
 
 
 def parse_args() -> argparse.Namespace:
+    """The example's command-line options."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60, help="total optimizer steps (the checkpoint is at steps/2)")
     ap.add_argument("--batch", type=int, default=16, help="global batch size (divided over the ranks)")
@@ -40,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def build(mesh) -> tuple[torch.nn.Module, AdamW]:
+def build(mesh) -> torch.nn.Module:
+    """The demo model in bf16, every block and then the whole model sharded over ``mesh``."""
     torch.manual_seed(0)
     model = cast_model(CharLM(dim=64, layers=2, heads=4, seq_len=64), torch.bfloat16, keep_types=(), keep_names=())
     for block in model.blocks:
@@ -61,6 +63,7 @@ def batch(data, step: int, args, rank: int, world: int) -> tuple[torch.Tensor, t
 
 
 def main() -> None:
+    """Train on this rank of the process group ``torchrun`` started (see the module docstring)."""
     args = parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

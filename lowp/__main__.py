@@ -1,3 +1,4 @@
+"""``python -m lowp``: the ``lowp`` command line (:func:`lowp.cli.main`)."""
 import sys
 
 from lowp.cli import main

@@ -27,6 +27,17 @@ __all__ = ["Arith", "recursive_sum"]
 class Arith:
     """Arithmetic rounded to ``format`` after every operation (round to nearest even by default).
 
+    Args:
+        format: the emulated format: a name (``"fp16"``, ``"bf16"``, ``"e4m3"`` ...), a torch
+            dtype or a :class:`~lowp.formats.FloatFormat`. The container is fp32 for formats of at
+            most 11 significand bits whose range fits fp32, else fp64 (up to 25 bits, e.g. fp32
+            itself); a wider format (fp64) raises ``ValueError``, as does an unknown name.
+        mode: rounding mode of every operation, one of :data:`lowp.rounding.MODES` or an alias
+            (``"nearest"``, ``"rtz"``, ``"sr"`` ...); default ``"nearest_even"``. An unknown mode
+            raises ``ValueError`` at the first rounding.
+        generator: random source for ``mode="stochastic"`` (seed it for reproducible results);
+            ``None`` (default) uses torch's global generator. Ignored by the other modes.
+
     Example::
 
         >>> import torch
@@ -71,15 +82,19 @@ class Arith:
         return self.round(fn(*(torch.as_tensor(a, dtype=self.dtype) for a in args)))
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a + b``, one rounding."""
         return self._op(torch.add, a, b)
 
     def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a - b``, one rounding."""
         return self._op(torch.sub, a, b)
 
     def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a * b``, one rounding."""
         return self._op(torch.mul, a, b)
 
     def div(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a / b``, one rounding (IEEE division by zero: ``±inf`` or NaN)."""
         return self._op(torch.div, a, b)
 
     def sqrt(self, a: torch.Tensor) -> torch.Tensor:
@@ -91,9 +106,11 @@ class Arith:
         return quantize(torch.sqrt(a64), self.format, self.mode, generator=self.generator).to(self.dtype)
 
     def square(self, a: torch.Tensor) -> torch.Tensor:
+        """``a * a``, one rounding."""
         return self._op(torch.square, a)
 
     def neg(self, a: torch.Tensor) -> torch.Tensor:
+        """``-a`` (exact: no rounding)."""
         return -torch.as_tensor(a, dtype=self.dtype)
 
     def scale2(self, a: torch.Tensor, k: "int | torch.Tensor") -> torch.Tensor:

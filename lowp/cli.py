@@ -21,6 +21,7 @@ def command_modules() -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``lowp`` argument parser, one subcommand per module of :mod:`lowp.commands`."""
     from lowp import __version__
 
     parser = argparse.ArgumentParser(prog="lowp", description="Low-precision training without losing accuracy.")
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``lowp`` command line on ``argv`` (default: ``sys.argv[1:]``); returns the exit
+    status (130 after Ctrl-C; usage errors exit with 2 from argparse)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

@@ -13,8 +13,8 @@ import os
 import sys
 from typing import Callable, NoReturn
 
-__all__ = ["int_at_least", "int_list", "float_in", "format_spec", "format_list", "output_dir", "usage_error", "writable_folder", "writable_file",
-           "available_memory", "check_memory", "check_at_most"]
+__all__ = ["int_at_least", "int_list", "float_in", "format_spec", "format_list", "output_dir", "usage_error",
+           "writable_folder", "writable_file", "available_memory", "check_memory", "check_at_most"]
 
 
 def _integer(text: str, minimum: int) -> int:

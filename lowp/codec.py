@@ -74,7 +74,7 @@ def encode(values: torch.Tensor, format: "str | torch.dtype | FloatFormat") -> t
     mag = v.abs()
     q = ulp_exponent(mag, fmt)                     # mag = (2**m + frac) * 2**q, or frac * 2**q below min_normal
     is_sub = mag < fmt.min_normal
-    expf = torch.where(is_sub, torch.zeros_like(q), q + m + fmt.bias).to(torch.int64)
+    expf = torch.where(is_sub, torch.zeros_like(q), q + m + fmt.bias).to(torch.int64)  # type: ignore[operator]
     frac = scale_pow2(mag, -q) - torch.where(is_sub, 0.0, 2.0**m)
     finite = torch.isfinite(v)
     if (finite & (frac != torch.round(frac))).any() or (finite & (mag > fmt.max)).any():

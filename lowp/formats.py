@@ -43,9 +43,27 @@ __all__ = ["FloatFormat", "get_format", "register_format", "PRESETS", "custom_fo
 class FloatFormat:
     """An immutable description of a binary floating-point format.
 
-    ``bias`` defaults to ``2**(exponent_bits-1) - 1`` (``2**(exponent_bits-1)`` for
-    ``fnuz``); ``overflow`` defaults to what the encoding allows: ``inf`` for IEEE,
-    ``nan`` for fnuz, ``saturate`` otherwise.
+    Every inconsistency is a ``ValueError`` at construction, so a built format can be trusted.
+
+    Args:
+        name: the format's name, as printed and as :func:`register_format` registers it.
+        exponent_bits: width of the exponent field, an int in [1, 11].
+        mantissa_bits: width of the stored mantissa (without the hidden bit), an int in [0, 52].
+        bias: exponent bias; default ``None``: ``2**(exponent_bits-1) - 1``
+            (``2**(exponent_bits-1)`` for ``fnuz``). A bias that leaves no normal binade
+            (``emax < emin``) is rejected.
+        subnormals: whether the format has subnormal numbers (default ``True``); without them the
+            smallest positive value is ``min_normal``.
+        special: encoding of special values, ``"ieee"`` (default), ``"finite_nan"``, ``"fnuz"`` or
+            ``"none"`` (see the module docstring); ``"finite_nan"`` needs a mantissa bit.
+        overflow: what rounding beyond ``max`` gives: ``"inf"``, ``"nan"`` or ``"saturate"``;
+            default ``None``: what the encoding allows (``inf`` for IEEE, ``nan`` for fnuz,
+            ``saturate`` otherwise). A policy the encoding cannot represent is rejected.
+        torch_dtype_name: name of the matching ``torch`` dtype attribute (e.g. ``"bfloat16"``), or
+            ``None`` (default) for formats torch lacks; a name this torch does not have makes
+            :attr:`torch_dtype` ``None``.
+        aliases: other names :func:`get_format` finds it by once registered (case-insensitive;
+            default: none).
     """
 
     name: str
@@ -90,14 +108,17 @@ class FloatFormat:
 
     @property
     def has_inf(self) -> bool:
+        """Whether the format encodes infinities (only ``special="ieee"``)."""
         return self.special == "ieee"
 
     @property
     def has_nan(self) -> bool:
+        """Whether the format encodes NaN (all but ``special="none"``)."""
         return self.special != "none"
 
     @property
     def has_negative_zero(self) -> bool:
+        """Whether ``-0`` is a value of its own (all but ``fnuz``, where that code is NaN)."""
         return self.special != "fnuz"
 
     @property
@@ -135,6 +156,7 @@ class FloatFormat:
 
     @property
     def min_normal(self) -> float:
+        """Smallest positive normal value, ``2**emin``."""
         return math.ldexp(1.0, self.emin)
 
     @property

@@ -131,7 +131,7 @@ def _veltkamp_split(ar: "Arith | _Native", a: torch.Tensor) -> tuple[torch.Tenso
 def two_prod(a: torch.Tensor, b: torch.Tensor, format: FormatSpec = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dekker's TwoProduct without FMA: ``p = fl(a*b)`` and ``e`` with ``a*b = p + e`` exactly
     (17 operations), valid barring overflow, and underflow of the partial products.
-    (torch has no correctly rounded FMA on every CPU, so the operands are split instead.)"""
+    (torch has no correctly rounded FMA on every CPU, so the operands are split instead)."""
     ar = _arith(torch.as_tensor(a), format)
     a, b = ar.cast(a), ar.cast(b)
     prod = ar.mul(a, b)
@@ -174,7 +174,8 @@ def sequential_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *,
 
 def kahan_sum(x: torch.Tensor, dim: int = -1, format: FormatSpec = None, *, mode: str = "nearest_even",
               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Kahan's compensated summation (Kahan 1965, "Further remarks on reducing truncation errors"); every operation in ``format``."""
+    """Kahan's compensated summation (Kahan 1965, "Further remarks on reducing truncation errors");
+    every operation in ``format``."""
     ar, values, total = _prepare(x, dim, format, mode, generator)
     comp = torch.zeros_like(total)
     for i in range(values.shape[-1]):

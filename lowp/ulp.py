@@ -40,5 +40,6 @@ def ulp_error(computed: torch.Tensor, exact: torch.Tensor, format: "str | torch.
     beyond = torch.isfinite(t) & (t.abs() > fmt.max)
     if beyond.any():
         rounded = quantize(t, fmt)
-        err = torch.where(beyond & ((c == rounded) | (c.abs() > fmt.max) & (c.sign() == t.sign())), torch.zeros_like(err), err)
+        settled = beyond & ((c == rounded) | (c.abs() > fmt.max) & (c.sign() == t.sign()))
+        err = torch.where(settled, torch.zeros_like(err), err)
     return torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)

@@ -276,7 +276,7 @@ def load_continue(rank: int, world_size: int, folder: str, mode: str) -> dict[st
 
 def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     """One launch of the ranks running everything ``spec`` lists (process start and torch's import
-    are the cost of a launch):
+    are the cost of a launch).
 
     - ``steps``: cases of :func:`case_run`; their snapshots by position;
     - ``save``: modes to train, checkpoint (into ``folder/<mode>-<world size>``) and continue;

@@ -38,7 +38,8 @@ def test_error_stats_counts_each_kind_of_error():
     got = torch.tensor([1.0, 1.0 + 2**-10, math.inf, 0.0, math.nan, 3.0], dtype=torch.float64)
     s = error_stats(got, exact, FP16)
     assert s["n"] == 6
-    assert s["frac_correct"] == pytest.approx(4 / 6)  # inf matches the correct overflow, 0 matches the correct underflow
+    # inf matches the correct overflow, 0 matches the correct underflow
+    assert s["frac_correct"] == pytest.approx(4 / 6)
     assert s["overflow"] == 1  # NaN where a finite result was due
     assert s["nan_mismatch"] == 1 and s["inf_mismatch"] == 0
     assert s["underflow_to_zero"] == 0  # 1e-9 rounds to zero in fp16 too

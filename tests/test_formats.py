@@ -96,7 +96,8 @@ def test_seed_004_tables():
 
 
 def test_other_presets():
-    assert get_format("tf32").eps == 2.0**-10 and get_format("tf32").max == get_format("fp32").max * (1 - 2.0**-11) / (1 - 2.0**-24)
+    assert get_format("tf32").eps == 2.0**-10
+    assert get_format("tf32").max == get_format("fp32").max * (1 - 2.0**-11) / (1 - 2.0**-24)
     dl = get_format("dlfloat16")
     assert (dl.exponent_bits, dl.mantissa_bits, dl.subnormals, dl.bias) == (6, 9, False, 31)
     assert dl.min_subnormal == dl.min_normal == 2.0**-30

@@ -49,7 +49,8 @@ def test_counts_match_lowp_rounding(name):
 
     fmt = get_format(name)
     g = torch.Generator().manual_seed(1)
-    lo, hi = math.log2(fmt.min_subnormal if fmt.subnormals else fmt.min_normal) - 3, min(math.log2(fmt.max) + 2, 127.99)  # stay finite in fp32
+    lo = math.log2(fmt.min_subnormal if fmt.subnormals else fmt.min_normal) - 3
+    hi = min(math.log2(fmt.max) + 2, 127.99)  # stay finite in fp32
     mags = torch.exp2(torch.empty(20000, dtype=torch.float64).uniform_(lo, hi, generator=g))
     low_ulp = 2.0 ** (fmt.emin - fmt.mantissa_bits)
     top_ulp = 2.0 ** (fmt.emax - fmt.mantissa_bits)

@@ -73,7 +73,8 @@ def test_layernorm_near_fp16_max():
     assert ulp_error(LayerNorm(256).half()(x).double(), ref.detach(), torch.float16).max() <= 2
 
 
-@pytest.mark.parametrize("dtype,value", [(torch.float16, 60000.0), (torch.bfloat16, 2.0**100), (torch.bfloat16, 2.0**-130)])
+@pytest.mark.parametrize("dtype,value", [(torch.float16, 60000.0), (torch.bfloat16, 2.0**100),
+                                         (torch.bfloat16, 2.0**-130)])
 def test_layernorm_constant_rows_with_tiny_eps_give_the_bias(dtype, value):
     """Variance 0 and eps = 1e-12: after scaling eps must not underflow to 0 (0 * inf = NaN)."""
     ln = LayerNorm(64, eps=1e-12).to(dtype)

@@ -258,7 +258,10 @@ def test_zero_dimensional_and_empty_inputs(method, fmt, compute):
     assert got.shape == () and float(got) == _exact([3.0], f)[1] == 3.0
     with_eps = float(vector_norm(x, 0, eps=0.25, method=method, compute=compute, format=container))
     value, rounded = _exact([3.0], f, 0.25)
-    assert with_eps == rounded if method == "robust" else abs(with_eps - value) <= 2 * float(ulp(torch.tensor(value), f))
+    if method == "robust":
+        assert with_eps == rounded
+    else:
+        assert abs(with_eps - value) <= 2 * float(ulp(torch.tensor(value), f))
     empty, container = as_input(torch.empty(2, 0, dtype=torch.float64), f)
     for eps, want in ((0.0, 0.0), (0.25, 0.5), (-0.25, math.nan)):
         got = vector_norm(empty, eps=eps, method=method, compute=compute, format=container)
@@ -318,7 +321,8 @@ def test_norm_check_command_writes_markdown_and_csv(tmp_path, capsys):
     assert md.read_text().startswith("| method |")
 
 
-@pytest.mark.parametrize("argv,option", [(["--methods", "nope"], "--methods"), (["--formats", "notaformat"], "--formats")])
+@pytest.mark.parametrize("argv,option", [(["--methods", "nope"], "--methods"),
+                                         (["--formats", "notaformat"], "--formats")])
 def test_norm_check_rejects_bad_arguments(argv, option, capsys):
     from lowp.cli import main
 

@@ -455,7 +455,8 @@ def test_a_step_allocates_only_chunk_sized_temporaries(tmp_path):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         opt.step()
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
-    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e.get("name") == "[memory]"]
     running = peak = 0
     for e in sorted(events, key=lambda e: e["ts"]):
         running += e["args"]["Bytes"]

@@ -145,7 +145,8 @@ def test_bad_hyper_parameters_name_the_argument(make, arg):
     (lambda p: lo.Adafactor(p, beta2_decay=False), "beta2_decay"),
 ])
 def test_bools_are_not_hyper_parameter_numbers(make, arg):
-    with pytest.raises(ValueError, match=arg.replace("[", r"\[").replace("]", r"\]") + ".*got (tensor\\()?(True|False)"):
+    pattern = arg.replace("[", r"\[").replace("]", r"\]") + ".*got (tensor\\()?(True|False)"
+    with pytest.raises(ValueError, match=pattern):
         make([torch.zeros(3, requires_grad=True)])
 
 

@@ -53,5 +53,6 @@ def test_expected_ulp_sq_of_a_point_mass_at_zero_is_the_subnormal_ulp():
 
     for name in ("bf16", "fp16"):
         fmt = get_format(name)
-        assert expected_ulp_sq(0.0, fmt, 0.0) == float(ulp(torch.tensor(0.0), fmt)) ** 2 == 2.0 ** (2 * (fmt.emin - fmt.mantissa_bits))
+        smallest = 2.0 ** (2 * (fmt.emin - fmt.mantissa_bits))
+        assert expected_ulp_sq(0.0, fmt, 0.0) == float(ulp(torch.tensor(0.0), fmt)) ** 2 == smallest
         assert expected_ulp_sq(0.0, fmt, 3.0) == float(ulp(torch.tensor(3.0), fmt)) ** 2

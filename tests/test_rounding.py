@@ -11,7 +11,8 @@ import torch
 
 from lowp.codec import all_values
 from lowp.formats import PRESETS, FloatFormat, custom_format, get_format
-from lowp.rounding import MODES, _native_cast_matches, _round, canonical_mode, container_for, fits_in, quantize, quantize_ste
+from lowp.rounding import (MODES, _native_cast_matches, _round, canonical_mode, container_for, fits_in, quantize,
+                           quantize_ste)
 from rounding_reference import bits_equal, neighbours, probe_points, reference_round, stochastic_up_probability
 
 DETERMINISTIC = [m for m in MODES if m != "stochastic"]
@@ -81,7 +82,8 @@ def test_many_chunks_mixing_zeros_tiny_normal_and_special_values(name):
 
 @pytest.mark.parametrize("mode", ["nearest_even", pytest.param("nearest_away", marks=pytest.mark.slow),
                                   pytest.param("toward_zero", marks=pytest.mark.slow), "up",
-                                  pytest.param("down", marks=pytest.mark.slow), pytest.param("odd", marks=pytest.mark.slow)])
+                                  pytest.param("down", marks=pytest.mark.slow),
+                                  pytest.param("odd", marks=pytest.mark.slow)])
 def test_tf32_every_value_and_midpoint(mode):
     fmt = get_format("tf32")
     x = probe_points(fmt, torch.float32)

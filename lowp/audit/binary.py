@@ -46,7 +46,8 @@ def _lowformat(op: str, x: torch.Tensor, y: torch.Tensor, low: LowFormatMath) ->
 
 
 def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFormat"] = ("fp16", "bf16"),
-                 methods: Iterable[str] = METHODS, points: int = 384, progress: bool = False) -> list[dict[str, object]]:
+                 methods: Iterable[str] = METHODS, points: int = 384,
+                 progress: bool = False) -> list[dict[str, object]]:
     """One row per (op, format, method) over all grid pairs in the op's domain; near-midpoint
     references are settled in high precision as in :func:`lowp.audit.unary.audit_unary`."""
     from tqdm import tqdm
@@ -67,9 +68,10 @@ def audit_binary(ops: "list[str] | None" = None, formats: Iterable["str | FloatF
             if got is None:
                 continue
             stats = error_stats(got, exact, fmt, correct)
-            worst = stats.pop("worst_index")
+            worst = int(stats.pop("worst_index"))
             rows.append({"kind": "binary", "op": op.name, "format": fmt.name, "method": method, **stats,
-                         "near_midpoint": int(doubtful.sum()), "worst_input": f"({float(x[worst])!r}, {float(y[worst])!r})",
+                         "near_midpoint": int(doubtful.sum()),
+                         "worst_input": f"({float(x[worst])!r}, {float(y[worst])!r})",
                          "worst_got": float(got[worst]), "worst_want": float(correct[worst])})
     return rows
 

@@ -43,7 +43,17 @@ class DemoBlock(nn.Module):
 
 
 class DemoModel(nn.Module):
-    """Embedding projection, one attention+MLP block, and a linear head."""
+    """Embedding projection, one attention+MLP block, and a linear head.
+
+    The input has shape ``(batch, tokens, features)``, the output ``(batch, tokens, classes)``.
+
+    Args:
+        features: input features per token (default 16); must match :func:`demo_batch`'s.
+        width: width of the block (default 32); the MLP is ``4 * width`` wide.
+        classes: output classes (default :data:`CLASSES`).
+
+    Negative sizes raise torch's ``RuntimeError`` when the model is built; 0 builds an empty model.
+    """
 
     def __init__(self, features: int = 16, width: int = 32, classes: int = CLASSES) -> None:
         super().__init__()
@@ -52,6 +62,7 @@ class DemoModel(nn.Module):
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits per token."""
         return self.head(self.block(self.embed(x)))
 
 

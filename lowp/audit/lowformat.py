@@ -32,9 +32,20 @@ PRIMITIVES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 
 class LowFormatMath(Arith):
-    """:class:`~lowp.arith.Arith` plus correctly rounded primitives and composite formulas."""
+    """:class:`~lowp.arith.Arith` plus correctly rounded primitives and composite formulas.
+
+    The constructor is :class:`~lowp.arith.Arith`'s, with the same checks.
+
+    Args:
+        format: the emulated format (name, dtype or :class:`~lowp.formats.FloatFormat`; at most
+            25 significand bits, else ``ValueError``).
+        mode: rounding of the elementary operations (default ``"nearest_even"``); the primitives
+            always round to nearest even.
+        generator: random source for ``mode="stochastic"`` (default ``None``: torch's global one).
+    """
 
     def const(self, value: float) -> torch.Tensor:
+        """The constant ``value`` rounded to the format, in the container dtype."""
         return self.cast(torch.tensor(value, dtype=torch.float64))
 
     def primitive(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -50,12 +61,15 @@ class LowFormatMath(Arith):
 
     # -- composite ops, one rounding per step -------------------------------------------------
     def one_plus(self, x: torch.Tensor) -> torch.Tensor:
+        """``1 + x``, one rounding."""
         return self.add(self.const(1.0), x)
 
     def recip(self, x: torch.Tensor) -> torch.Tensor:
+        """``1 / x``, one rounding."""
         return self.div(self.const(1.0), x)
 
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        """``1 / (1 + exp(-x))``: three roundings after the negation."""
         return self.recip(self.one_plus(self.exp(self.neg(x))))
 
     def log1p_exp_neg_abs(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,14 +93,16 @@ class LowFormatMath(Arith):
             "sinh": lambda: self.mul(half, self.sub(self.exp(x), self.exp(self.neg(x)))),
             "cosh": lambda: self.mul(half, self.add(self.exp(x), self.exp(self.neg(x)))),
             "asin": lambda: self.atan(self.div(x, self.sqrt(self.sub(one, self.square(x))))),
-            "acos": lambda: self.mul(self.const(2.0), self.atan(self.sqrt(self.div(self.sub(one, x), self.one_plus(x))))),
+            "acos": lambda: self.mul(self.const(2.0),
+                                     self.atan(self.sqrt(self.div(self.sub(one, x), self.one_plus(x))))),
             "asinh": lambda: self._odd(x, lambda a: self.log(self.add(a, self.sqrt(self.one_plus(self.square(a)))))),
             "acosh": lambda: self.log(self.add(x, self.sqrt(self.sub(self.square(x), one)))),
             "atanh": lambda: self.mul(half, self.log(self.div(self.one_plus(x), self.sub(one, x)))),
             "sigmoid": lambda: self.sigmoid(x),
             "logsigmoid": lambda: self.sub(torch.clamp(x, max=0.0), self.log1p_exp_neg_abs(x)),
             "silu": lambda: self.mul(x, self.sigmoid(x)),
-            "gelu": lambda: self.mul(self.mul(half, x), self.one_plus(self.erf(self.mul(x, self.const(ref.SQRT_HALF))))),
+            "gelu": lambda: self.mul(self.mul(half, x),
+                                     self.one_plus(self.erf(self.mul(x, self.const(ref.SQRT_HALF))))),
             "gelu_tanh": lambda: self._gelu_tanh(x),
             "softplus": lambda: self.add(torch.clamp(x, min=0.0), self.log1p_exp_neg_abs(x)),
             "softsign": lambda: self.div(x, self.one_plus(x.abs())),

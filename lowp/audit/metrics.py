@@ -1,9 +1,9 @@
 """Error statistics of computed low-precision results against the exact (float64) values.
 
 Ulp errors use :func:`lowp.ulp.ulp_error` (``|computed - exact| / ulp(exact)``; at most 0.5 means
-correctly rounded). The absolute and relative errors of PaddlePaddle's low-precision operator guide are kept for comparison with its
-tables: ``|computed - exact|`` and that over ``|exact|``, on the inputs where both are finite
-(relative: and ``exact != 0``).
+correctly rounded). The absolute and relative errors of PaddlePaddle's low-precision operator guide
+are kept for comparison with its tables: ``|computed - exact|`` and that over ``|exact|``, on the
+inputs where both are finite (relative: and ``exact != 0``).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from lowp.ulp import ulp_error
 
 __all__ = ["ErrorStats", "error_stats", "correctly_rounded", "near_midpoint", "STAT_FIELDS"]
 
-STAT_FIELDS = ["n", "worst_index", "max_ulp", "mean_ulp", "p99_ulp", "frac_correct", "max_abs", "mean_abs", "max_rel", "mean_rel",
-               "overflow", "underflow_to_zero", "nan_mismatch", "inf_mismatch"]
+STAT_FIELDS = ["n", "worst_index", "max_ulp", "mean_ulp", "p99_ulp", "frac_correct", "max_abs", "mean_abs", "max_rel",
+               "mean_rel", "overflow", "underflow_to_zero", "nan_mismatch", "inf_mismatch"]
 
 ErrorStats = dict[str, float]
 
@@ -56,8 +56,8 @@ def error_stats(computed: torch.Tensor, exact: torch.Tensor, fmt: FloatFormat,
     ``inf_mismatch``: NaN (resp. ±inf) in exactly one of computed and correct, or infinities of
     opposite sign. A result equal to the correctly rounded one counts at most 0.5 ulp even where
     the format flushes to zero (no subnormals) or saturates, which is farther from the exact value.
-    ``worst_index`` is the flat position of the largest ulp error. Mean and p99 ulp include infinite errors (p99 can be inf), mean_ulp is over
-    finite errors only.
+    ``worst_index`` is the flat position of the largest ulp error. Mean and p99 ulp include infinite
+    errors (p99 can be inf), mean_ulp is over finite errors only.
     """
     c = computed.to(torch.float64).flatten()
     t = exact.to(torch.float64).flatten()

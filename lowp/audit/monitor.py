@@ -11,8 +11,9 @@ Rounding thresholds for round-to-nearest-even, with ``u_top``/``u_low`` the spac
 and bottom binade: a magnitude overflows beyond ``max + u_top/2`` (the midpoint itself overflows
 when ``max`` has an odd last bit, as in IEEE formats, not in e4m3fn), underflows to zero at or
 below ``u_low/2`` (without subnormals the neighbours of a tiny value are 0 and ``min_normal``,
-so at or below ``min_normal/2``, as :func:`lowp.rounding.quantize` rounds) and is subnormal between that and ``min_normal - u_low/2``. Saturating
-formats count overflow the same way: the values are clamped, not kept.
+so at or below ``min_normal/2``, as :func:`lowp.rounding.quantize` rounds) and is subnormal
+between that and ``min_normal - u_low/2``. Saturating formats count overflow the same way: the
+values are clamped, not kept.
 
 Hooks exist only inside ``with PrecisionMonitor(model):`` (or between :meth:`attach` and
 :meth:`detach`), so a model runs at full speed when the monitor is off.
@@ -39,7 +40,26 @@ REPORT_COLUMNS = ["module", "phase", "tensor", "calls", "numel", "amax", "min_no
 
 @dataclass
 class TensorRecord:
-    """Statistics of one (module, phase, tensor) slot, accumulated over calls."""
+    """Statistics of one (module, phase, tensor) slot, accumulated over calls.
+
+    :meth:`PrecisionMonitor.observe` creates and updates these; the counts are of elements.
+
+    Args:
+        module: qualified module name (or parameter name for ``param_grad``).
+        phase: ``"forward"`` or ``"backward"`` (:data:`PHASES`).
+        tensor: the slot, e.g. ``"output"``, ``"output[1]"``, ``"grad_output"``, ``"param_grad"``.
+        calls: tensors observed so far (default 0).
+        numel: elements observed so far (default 0).
+        amax: largest finite magnitude seen (default 0.0).
+        min_nonzero: smallest non-zero finite magnitude seen (default ``inf``: none yet).
+        overflow: finite elements that round beyond the format's largest value
+            (round-to-nearest-even).
+        underflow: finite non-zero elements that round to zero in the format.
+        subnormal: finite elements that round to a non-zero subnormal of the format (always 0
+            for formats without subnormals).
+        nan: NaN elements.
+        inf: infinite elements.
+    """
 
     module: str
     phase: str
@@ -62,9 +82,12 @@ class TensorRecord:
         return math.log2(self.amax / self.min_nonzero)
 
     def frac(self, count: int) -> float:
+        """``count / numel`` (0.0 before any element was observed)."""
         return count / self.numel if self.numel else 0.0
 
     def row(self) -> list[object]:
+        """The record as a row under :data:`REPORT_COLUMNS` (counts of overflow, underflow and
+        subnormals as fractions; ``min_nonzero`` is ``None`` when no non-zero value was seen)."""
         return [self.module, self.phase, self.tensor, self.calls, self.numel, self.amax,
                 None if math.isinf(self.min_nonzero) else self.min_nonzero, self.range_log2, self.frac(self.overflow),
                 self.frac(self.underflow), self.frac(self.subnormal), self.nan, self.inf]
@@ -75,11 +98,19 @@ class PrecisionMonitor:
 
     Args:
         model: any ``nn.Module``; every submodule (``include`` filters by qualified name) is hooked.
-        format: the target low-precision format (name, dtype or :class:`FloatFormat`).
-        backward: also record ``grad_output`` of each module and every parameter's gradient.
-        include: optional predicate on the qualified module name.
-        underflow_threshold: fraction of underflowing (or subnormal) values above which a
-            recommendation is made.
+            Anything else raises ``TypeError``.
+        format: the target low-precision format (name, dtype or :class:`FloatFormat`; default
+            ``"fp16"``). An unknown name raises ``ValueError``.
+        backward: also record ``grad_output`` of each module and every parameter's gradient
+            (default ``True``); a non-bool raises ``TypeError``.
+        include: optional predicate on the qualified module name (the root module is labelled
+            with its class name); ``None`` (default) hooks every module. A non-callable raises
+            ``TypeError``.
+        underflow_threshold: fraction in [0, 1] of underflowing (or subnormal) values above which
+            a recommendation is made (default ``1e-3``); 0 flags any underflow, 1 never does.
+            Values outside [0, 1] raise ``ValueError``, non-numbers (bools included) ``TypeError``.
+
+    Nothing is hooked until :meth:`attach` or ``with``.
 
     Example::
 
@@ -121,6 +152,7 @@ class PrecisionMonitor:
     # -- hooks ----------------------------------------------------------------------------
     @property
     def attached(self) -> bool:
+        """Whether the hooks are registered."""
         return bool(self._handles)
 
     def attach(self) -> "PrecisionMonitor":
@@ -153,6 +185,7 @@ class PrecisionMonitor:
         self.detach()
 
     def reset(self) -> None:
+        """Forget every record (the hooks stay as they are)."""
         self.records.clear()
 
     def _forward_hook(self, label: str) -> Callable[..., None]:
@@ -220,7 +253,8 @@ class PrecisionMonitor:
         span = math.log2(fmt.max / fmt.min_subnormal if fmt.subnormals else fmt.max / fmt.min_normal)
         if rec.nan or rec.inf:
             out.append(f"non-finite values already present ({rec.nan} NaN, {rec.inf} inf): fix upstream")
-        risky_low = rec.frac(rec.underflow) > self.underflow_threshold or rec.frac(rec.subnormal) > self.underflow_threshold
+        risky_low = (rec.frac(rec.underflow) > self.underflow_threshold
+                     or rec.frac(rec.subnormal) > self.underflow_threshold)
         if rec.overflow:
             k = math.ceil(math.log2(rec.amax / fmt.max)) + 1
             if rec.min_nonzero * 2.0**-k < fmt.min_normal and rec.range_log2 > span:

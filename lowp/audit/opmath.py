@@ -34,8 +34,9 @@ __all__ = ["opmath_dtype", "opmath", "opmath_ops", "LOW_PRECISION_DTYPES"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOW_PRECISION_DTYPES: frozenset[torch.dtype] = frozenset(
-    d for d in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
-                getattr(torch, "float8_e4m3fnuz", None), getattr(torch, "float8_e5m2fnuz", None)) if d is not None)
+    d for d in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
+                getattr(torch, "float8_e5m2", None), getattr(torch, "float8_e4m3fnuz", None),
+                getattr(torch, "float8_e5m2fnuz", None)) if d is not None)
 
 
 def opmath_dtype(dtype: "torch.dtype | str | FloatFormat") -> torch.dtype:

@@ -27,6 +27,20 @@ def _everywhere(x: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class UnaryOp:
+    """One audited unary op.
+
+    Args:
+        name: the op's name in the audit tables and in ``--ops`` (also the key of its mpmath
+            function in :data:`lowp.audit.ties.MP_UNARY`, used to settle near-midpoint cases).
+        torch_fn: torch's implementation, called on a tensor of the audited dtype.
+        reference: the float64 reference on a numpy array (the "exact" value).
+        domain: predicate on the float64 inputs (a boolean array); only inputs where it is true
+            are audited. Default: every finite input.
+        exact_reference: ``True`` when ``reference`` is itself exact or correctly rounded in
+            float64, so no result needs settling with mpmath. Default ``False`` (the safe choice:
+            near-midpoint references are checked).
+    """
+
     name: str
     torch_fn: Callable[[torch.Tensor], torch.Tensor]
     reference: Callable[[np.ndarray], np.ndarray]
@@ -36,6 +50,19 @@ class UnaryOp:
 
 @dataclass(frozen=True)
 class BinaryOp:
+    """One audited binary op.
+
+    Args:
+        name: the op's name in the audit tables and in ``--ops`` (also the key of its mpmath
+            function in :data:`lowp.audit.ties.MP_BINARY`).
+        torch_fn: torch's implementation, called on two tensors of the audited dtype.
+        reference: the float64 reference on two numpy arrays.
+        domain: predicate on the two float64 input arrays (a boolean array); only grid pairs
+            where it is true are audited (no default: the grid is chosen per op).
+        exact_reference: ``True`` when ``reference`` is itself exact or correctly rounded in
+            float64, so no result needs settling with mpmath. Default ``False``.
+    """
+
     name: str
     torch_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     reference: Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -104,7 +131,8 @@ BINARY_OPS: dict[str, BinaryOp] = {op.name: op for op in [
     _B("hypot", torch.hypot, np.hypot, _all_pairs),
 ]}
 
-# Appendix 3.3 of PaddlePaddle's low-precision operator guide groups its ops into these families (its own grouping, kept verbatim).
+# Appendix 3.3 of PaddlePaddle's low-precision operator guide groups its ops into these families
+# (its own grouping, kept verbatim).
 SEED_FAMILIES: dict[str, list[str]] = {
     "sin/cos/atan/acosh/asinh/tanh/acos/asin/atanh": ["sin", "cos", "atan", "acosh", "asinh", "tanh", "acos", "asin",
                                                       "atanh"],

@@ -23,10 +23,12 @@ _erfc = np.frompyfunc(math.erfc, 1, 1)
 
 
 def erf(x: np.ndarray) -> np.ndarray:
+    """The error function in float64, elementwise (:func:`math.erf`)."""
     return _erf(x).astype(np.float64)
 
 
 def erfc(x: np.ndarray) -> np.ndarray:
+    """The complementary error function ``1 - erf(x)`` in float64, without cancellation for large x."""
     return _erfc(x).astype(np.float64)
 
 
@@ -56,15 +58,18 @@ def erfinv(y: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-x))``, computed from ``exp(-|x|)`` so that it never overflows."""
     e = np.exp(-np.abs(x))
     return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 def logsigmoid(x: np.ndarray) -> np.ndarray:
+    """``log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|))``."""
     return np.minimum(x, 0.0) - np.log1p(np.exp(-np.abs(x)))
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
+    """``log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|))``."""
     return np.maximum(x, 0.0) + np.log1p(np.exp(-np.abs(x)))
 
 

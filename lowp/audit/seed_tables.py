@@ -1,4 +1,5 @@
-"""The appendix tables of PaddlePaddle's low-precision operator guide, measured: 3.3 (math functions in fp16 vs fp32) and 3.4 (fp32 -> fp16).
+"""The appendix tables of PaddlePaddle's low-precision operator guide, measured: 3.3 (math functions in
+fp16 vs fp32) and 3.4 (fp32 -> fp16).
 
 3.3 compares, per function, torch's fp16 result with its fp32 result (the seed's own yardstick,
 not the exact value) over every finite fp16 input in the function's domain where both results
@@ -64,7 +65,7 @@ def math_vs_fp32(ops: "list[str] | None" = None) -> dict[str, dict[str, float]]:
     return out
 
 
-def family_table(per_op: dict[str, dict[str, float]]) -> list[list[object]]:
+def family_table(per_op: dict[str, dict[str, float]]) -> list[list[str]]:
     """Rows ``[family, max_abs, max_rel, mean_abs, mean_rel]``, each cell ``min~max`` over the family."""
     rows = []
     for family, members in SEED_FAMILIES.items():

@@ -23,7 +23,7 @@ from lowp.rounding import quantize
 __all__ = ["MP_UNARY", "MP_BINARY", "settle_ties", "correct_results"]
 
 _mp = mpmath.mp
-MpFn = Callable[[mpmath.mpf], mpmath.mpf]
+MpFn = Callable[..., mpmath.mpf]
 
 
 def _sigmoid(x: mpmath.mpf) -> mpmath.mpf:

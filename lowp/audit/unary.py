@@ -51,7 +51,8 @@ def reference(op: UnaryOp, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.asarray(op.reference(x.numpy()), dtype=np.float64))
 
 
-def native_result(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], fmt: FloatFormat) -> torch.Tensor | None:
+def native_result(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...],
+                  fmt: FloatFormat) -> torch.Tensor | None:
     """torch's ``fn`` on ``args`` in the format's own dtype (float64 result), or None where torch
     has no dtype or kernel for it."""
     if fmt.torch_dtype is None:
@@ -67,7 +68,8 @@ def opmath_result(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...
     return quantize(fn(*(a.to(torch.float32) for a in args)), fmt).to(torch.float64)
 
 
-def _results(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat, methods: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _results(op: UnaryOp, x: torch.Tensor, fmt: FloatFormat,
+             methods: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for method in methods:
         if method == "native":
             got = native_result(op.torch_fn, (x,), fmt)
@@ -105,8 +107,8 @@ def audit_unary(ops: "list[str] | None" = None, formats: Iterable["str | FloatFo
         correct, doubtful = correct_results(MP_UNARY[op.name], (x,), exact, fmt, op.exact_reference)
         for method, got in _results(op, x, fmt, methods):
             stats = error_stats(got, exact, fmt, correct)
-            worst = stats.pop("worst_index")
+            worst = int(stats.pop("worst_index"))
             rows.append({"kind": "unary", "op": op.name, "format": fmt.name, "method": method, **stats,
-                         "near_midpoint": int(doubtful.sum()), "worst_input": float(x[worst]), "worst_got": float(got[worst]),
-                         "worst_want": float(correct[worst])})
+                         "near_midpoint": int(doubtful.sum()), "worst_input": float(x[worst]),
+                         "worst_got": float(got[worst]), "worst_want": float(correct[worst])})
     return rows

@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
-from lowp.cli_args import check_at_most, check_memory, format_list, int_at_least, int_list, output_dir, usage_error, writable_folder
+from lowp.cli_args import (check_at_most, check_memory, format_list, int_at_least, int_list, output_dir, usage_error,
+                           writable_folder)
 
 HELP = "audit op precision (ulp error vs correctly rounded fp64) for fp16/bf16/fp8: native, opmath and low-format"
 
@@ -36,10 +38,12 @@ def _audit_formats(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp audit`` to ``parser``."""
     parser.add_argument("--formats", type=_audit_formats, default="fp16,bf16",
                         help="comma-separated formats (fp16, bf16 natively; fp8_e4m3fn, fp8_e5m2, dlfloat16 emulated)")
     parser.add_argument("--ops", default=None, help="comma-separated op names (default: every op of the chosen kinds)")
-    parser.add_argument("--kinds", default="unary,binary,reductions", help="comma-separated subset of " + ",".join(KINDS))
+    parser.add_argument("--kinds", default="unary,binary,reductions",
+                        help="comma-separated subset of " + ",".join(KINDS))
     parser.add_argument("--methods", default="native,opmath,lowformat", help="comma-separated methods")
     parser.add_argument("--no-exhaustive", dest="stride", action="store_const", const=16, default=1,
                         help="unary: every 16th input instead of every finite value (default: exhaustive)")
@@ -60,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp audit`` with the parsed ``args``; returns the exit status."""
     from lowp.audit.binary import audit_binary
     from lowp.audit.ops import BINARY_OPS, UNARY_OPS
     from lowp.audit.reductions import REDUCTIONS, audit_reductions
@@ -136,14 +141,14 @@ def write_outputs(rows: list[dict[str, object]], out: Path) -> None:
     write_atomic(out / "audit.md", "# lowp audit\n\n" + "\n\n".join(parts) + "\n")
 
 
-def pivot(rows: list[dict[str, object]]) -> tuple[list[str], list[list[object]]]:
+def pivot(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[object]]]:
     """Headers and rows of a compact table: one row per (kind, op[, length]), one column per
     (format, method), cells ``"max_ulp (number of results not correctly rounded)"``."""
     cols = list(dict.fromkeys(f"{r['format']} {r['method']}" for r in rows))
     table: dict[tuple, dict[str, str]] = {}
     for r in rows:
         key = (r["kind"], r["op"], r.get("length", ""))
-        wrong = round(int(r["n"]) * (1 - float(r["frac_correct"])))  # type: ignore[call-overload]
+        wrong = round(int(r["n"]) * (1 - float(r["frac_correct"])))
         table.setdefault(key, {})[f"{r['format']} {r['method']}"] = f"{r['max_ulp']:.6g} ({wrong})"
     body = [[op if not length else f"{op} n={length}", *(cells.get(c, "-") for c in cols)]
             for (kind, op, length), cells in table.items()]
@@ -151,7 +156,8 @@ def pivot(rows: list[dict[str, object]]) -> tuple[list[str], list[list[object]]]
 
 
 def seed_tables_text(conversion_stride: int) -> str:
-    """The appendix 3.3 and 3.4 tables of Paddle's low-precision operator guide, measured, next to its printed values."""
+    """The appendix 3.3 and 3.4 tables of Paddle's low-precision operator guide, measured, next to its
+    printed values."""
     from lowp.audit.seed_tables import SEED_33, SEED_34, conversion_errors, family_table, math_vs_fp32
     from lowp.report import text_table
 

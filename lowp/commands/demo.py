@@ -20,11 +20,13 @@ MAX_JOBS = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp demo`` to ``parser``."""
     parser.add_argument("--steps", type=int_at_least(1), default=700, help="training steps per run (default 700)")
     parser.add_argument("--modes", default=DEFAULT_RUNS,
                         help=f"comma-separated runs from fp32, bf16-nearest, bf16-kahan, bf16-stochastic, "
                              f"bf16-exact, fp16-kahan (default {DEFAULT_RUNS})")
-    parser.add_argument("--out", type=output_dir, default="lowp-report/demo", help="folder for demo_loss.png and demo.csv")
+    parser.add_argument("--out", type=output_dir, default="lowp-report/demo",
+                        help="folder for demo_loss.png and demo.csv")
     parser.add_argument("--jobs", type=int_at_least(1), default=None,
                         help="runs trained in parallel, one single-threaded process each (default: CPU count, "
                              "at most the number of runs)")
@@ -34,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--max-bytes", type=int_at_least(4096), default=600_000,
                         help="bytes of stdlib source to read (at least 4096)")
-    parser.add_argument("--keep-norms-fp32", action="store_true", help="keep LayerNorm weights in fp32 (a tip of optimi's low-precision training guide)")
+    parser.add_argument("--keep-norms-fp32", action="store_true",
+                        help="keep LayerNorm weights in fp32 (a tip of optimi's low-precision training guide)")
 
 
 def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: DemoConfig) -> int:
@@ -50,12 +53,14 @@ def _check(args: argparse.Namespace, runs: list[str], known: dict, cfg: DemoConf
     jobs = min(args.jobs or os.cpu_count() or 1, len(runs))
     # per sample: about 40 activations of width dim per layer and position, attention scores, logits (fp32)
     per_sample = 4 * cfg.seq_len * (40 * cfg.layers * cfg.dim + 4 * cfg.layers * cfg.heads * cfg.seq_len + 4 * 256)
-    check_memory("demo", "--batch-size", jobs * args.batch_size * per_sample, f"{jobs} run(s) of batch {args.batch_size}")
+    check_memory("demo", "--batch-size", jobs * args.batch_size * per_sample,
+                 f"{jobs} run(s) of batch {args.batch_size}")
     check_memory("demo", "--max-bytes", (jobs + 1) * 8 * args.max_bytes, f"{jobs + 1} copies of the data")
     return jobs
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp demo`` with the parsed ``args``; returns the exit status."""
     import signal
     import sys
     from pathlib import Path

@@ -22,6 +22,7 @@ def _checkable_format(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp doctor`` to ``parser``."""
     parser.add_argument("--format", type=_checkable_format, default="fp16",
                         help="target format to check against, narrower than fp32 (default fp16)")
     parser.add_argument("--scale", type=float_in(0, 1e30, low_open=True), default=300.0,
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp doctor`` with the parsed ``args``; returns the exit status."""
     import torch
 
     from lowp.audit.demo import DemoModel, demo_batch, run_demo

@@ -12,6 +12,7 @@ COLUMNS = ["name", "bits", "exponent_bits", "mantissa_bits", "bias", "subnormals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp formats`` to ``parser``."""
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--csv", action="store_true", help="print CSV")
     parser.add_argument("--custom", metavar="EXMY", type=format_spec, action="append", default=[],
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp formats`` with the parsed ``args``; returns the exit status."""
     from lowp.formats import PRESETS, get_format
     from lowp.report import csv_text, markdown_table, text_table
 
@@ -31,5 +33,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(text_table(COLUMNS, rows))
         print("\neps: gap between 1 and the next value; unit_roundoff u = eps/2 bounds the relative error of "
-              "round-to-nearest.\nfp16's largest value is 65504 (Paddle's low-precision operator guide, table 1-2, prints 655 by mistake).")
+              "round-to-nearest.\nfp16's largest value is 65504 (Paddle's low-precision operator guide, table 1-2, "
+              "prints 655 by mistake).")
     return 0

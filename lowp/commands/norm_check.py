@@ -5,7 +5,8 @@ import argparse
 
 from lowp.cli_args import check_at_most, check_memory, int_at_least, usage_error, writable_file
 
-HELP = "measure the L2-norm methods (naive, max-scaled, two-segment, Blue's, robust) per format: ulp error, overflow, underflow"
+HELP = ("measure the L2-norm methods (naive, max-scaled, two-segment, Blue's, robust) per format: ulp error, overflow, "
+        "underflow")
 
 DEFAULT_SPECS = "fp16,bf16,dlfloat16,e4m3:fp16,e5m2:fp16,e4m3:bf16"
 MODULE_COLUMNS = ["module", "dtype", "rows", "lowp_max_ulp", "torch_max_ulp", "lowp_grad_rel_error",
@@ -20,6 +21,7 @@ COLUMNS = ["method", "input", "compute", "family", "rows", "max_ulp", "correctly
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp norm-check`` to ``parser``."""
     parser.add_argument("--formats", default=DEFAULT_SPECS,
                         help="comma-separated INPUT[:COMPUTE] formats; COMPUTE is a format emulated exactly "
                              "(default: the input format) or 'native' for the fp32-opmath native path "
@@ -59,6 +61,7 @@ def _parse_specs(text: str) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp norm-check`` with the parsed ``args``; returns the exit status."""
     from lowp.norms.methods import METHODS
     from lowp.report import csv_text, markdown_table, text_table, write_atomic
     from lowp.threads import single_thread

@@ -37,6 +37,7 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp optim-speed`` to ``parser``."""
     parser.add_argument("--size", type=_size, default="8M", help="parameter count, e.g. 8M (default) or 64M")
     parser.add_argument("--rounds", type=_positive, default=5, help="timed steps per optimizer; the best counts")
     parser.add_argument("--threads", type=_positive, default=None, help="CPU threads (default: torch's)")
@@ -47,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp optim-speed`` with the parsed ``args``; returns the exit status."""
     import torch
 
     from lowp.optim.backends import backend_for

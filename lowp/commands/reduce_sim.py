@@ -1,8 +1,10 @@
-"""``lowp reduce-sim``: simulate low-precision gradient reduction, explain the post "Why reduction precision matters", show where it hurts."""
+"""``lowp reduce-sim``: simulate low-precision gradient reduction, explain the post "Why reduction
+precision matters", show where it hurts."""
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from lowp.cli_args import check_at_most, check_memory, int_at_least, output_dir, usage_error, writable_folder
 
@@ -10,8 +12,8 @@ HELP = "simulate bf16/fp16/fp8 gradient all-reduce (ring, tree, all-to-all): err
 
 SECTIONS = ("seed", "mean", "microbatch", "fp16", "fp8", "premultiply", "outlier")
 TITLES = {
-    "seed": "The grid of \"Why reduction precision matters\": error std / sigma of a bf16 reduction of N(0, sigma^2) pre-divided by R "
-            "(measured vs model); ring/noise = ring error / (sigma / sqrt(R))",
+    "seed": "The grid of \"Why reduction precision matters\": error std / sigma of a bf16 reduction of "
+            "N(0, sigma^2) pre-divided by R (measured vs model); ring/noise = ring error / (sigma / sqrt(R))",
     "mean": "Non-zero mean across ranks (mu = ratio * sigma): stagnation bias of nearest rounding (bf16)",
     "microbatch": "Local accumulation of M micro-batch gradients g/M in a bf16 .grad",
     "fp16": "fp16 without loss scaling: g/R below fp16's range; dividing after an fp32 sum instead",
@@ -22,18 +24,20 @@ TITLES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``lowp reduce-sim`` to ``parser``."""
     parser.add_argument("--out", type=output_dir, default=os.path.join("lowp-report", "reduce-sim"),
                         help="folder for the PNG plots and CSV tables (default: lowp-report/reduce-sim)")
     parser.add_argument("--only", choices=SECTIONS, action="append", default=None,
                         help="run only these sections (repeatable; default: all)")
-    parser.add_argument("--elements", type=int_at_least(1), default=4096, help="elements per simulated tensor (default 4096)")
+    parser.add_argument("--elements", type=int_at_least(1), default=4096,
+                        help="elements per simulated tensor (default 4096)")
     parser.add_argument("--max-world-size", type=int_at_least(2), default=1024,
                         help="largest R in the seed grid (powers of two from 2; default 1024, at most 65536)")
     parser.add_argument("--no-plots", action="store_true", help="print the tables only")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
 
 
-def _plot_seed(headers: list[str], rows: list[list[object]], path: str) -> None:
+def _plot_seed(headers: list[str], rows: list[list[Any]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,7 +66,8 @@ def _plot_seed(headers: list[str], rows: list[list[object]], path: str) -> None:
     plt.close(fig)
 
 
-def _plot_lines(headers: list[str], rows: list[list[object]], x: str, group: str, y: str, path: str, title: str) -> None:
+def _plot_lines(headers: list[str], rows: list[list[Any]], x: str, group: str, y: str, path: str,
+                title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,6 +108,7 @@ def _check_sizes(args: argparse.Namespace, sections: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``lowp reduce-sim`` with the parsed ``args``; returns the exit status."""
     from tqdm import tqdm
 
     from lowp.distributed import experiments as ex

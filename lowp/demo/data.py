@@ -36,7 +36,14 @@ def stdlib_text(max_bytes: int = 600_000) -> tuple[bytes, list[str]]:
 
 @dataclass
 class TextData:
-    """Byte tensors for training and validation, with a batch sampler."""
+    """Byte tensors for training and validation, with a batch sampler (:func:`load_data` builds it).
+
+    Args:
+        train: training bytes, a 1-D int64 tensor of values in [0, 256). :meth:`batch` needs more
+            than ``seq_len + 1`` of them (``torch.randint`` raises otherwise).
+        val: validation bytes, same kind; fewer than ``seq_len + 1`` give no validation batch.
+        files: names of the standard-library files the text was read from (informational).
+    """
 
     train: torch.Tensor
     val: torch.Tensor

@@ -44,7 +44,21 @@ class _Block(nn.Module):
 
 
 class CharLM(nn.Module):
-    """``CharLM(vocab=256, dim=96, layers=2, heads=4, seq_len=64)``: logits for the next byte."""
+    """``CharLM(vocab=256, dim=96, layers=2, heads=4, seq_len=64)``: logits for the next byte.
+
+    ``forward(idx)`` maps int64 tokens of shape ``(batch, t)``, ``t <= seq_len``, to logits of
+    shape ``(batch, t, vocab)`` in ``compute_dtype``.
+
+    Args:
+        vocab: vocabulary size (default 256, one token per byte value); token ids must be below it.
+        dim: model width (default 96); must be a multiple of ``heads`` (``ValueError`` otherwise).
+        layers: transformer blocks (default 2; 0 gives embedding, final norm and tied output only).
+        heads: attention heads per block (default 4).
+        seq_len: longest input sequence, the number of learned positions (default 64); longer
+            inputs fail in the position addition.
+        compute_dtype: dtype every layer computes in, whatever dtype the weights are stored in
+            (default ``torch.float32``); weights are cast to it on the fly.
+    """
 
     def __init__(self, vocab: int = 256, dim: int = 96, layers: int = 2, heads: int = 4, seq_len: int = 64,
                  compute_dtype: torch.dtype = torch.float32) -> None:
@@ -64,6 +78,7 @@ class CharLM(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-byte logits ``(batch, t, vocab)`` for tokens ``idx`` of shape ``(batch, t)``."""
         x = self.embed(idx).to(self.compute_dtype) + self.pos[: idx.shape[1]].to(self.compute_dtype)
         for block in self.blocks:
             x = block(x)

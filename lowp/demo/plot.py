@@ -8,7 +8,7 @@ from lowp.demo.train import RunResult
 __all__ = ["plot_curves"]
 
 
-def plot_curves(results: list[RunResult], path: Path) -> None:
+def plot_curves(results: list[RunResult], path: str | Path) -> None:
     """Validation loss against step for every run; raises ImportError without matplotlib."""
     import matplotlib
     matplotlib.use("Agg")

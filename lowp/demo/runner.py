@@ -37,6 +37,7 @@ class _Ticker:
     """Minimal stand-in for a tqdm bar inside a worker: bumps a shared step counter."""
 
     def update(self, n: int = 1) -> None:
+        assert _counter is not None, "set by the worker initializer"
         with _counter.get_lock():
             _counter.value += n
 

@@ -33,7 +33,29 @@ RUNS: dict[str, tuple[torch.dtype, str]] = {
 
 @dataclass
 class DemoConfig:
-    """Defaults: the settings measured in docs/optimizers.md."""
+    """Settings of one demo training run; the defaults are the settings measured in docs/optimizers.md.
+
+    The fields are not validated here (``lowp demo`` checks its options before building one).
+
+    Args:
+        batch_size: sequences of ``seq_len`` bytes per step (default 16).
+        seq_len: bytes per training sequence and positions of the model (default 64).
+        dim: transformer width (default 96), a multiple of ``heads``.
+        layers: transformer blocks (default 2).
+        heads: attention heads (default 4).
+        steps: optimizer steps (default 700); at least 1, as the last step is always evaluated.
+        lr: peak AdamW learning rate (default 2e-3).
+        min_lr_ratio: the cosine decay ends at ``min_lr_ratio * lr`` (default 0.1).
+        warmup: steps of linear warm-up from ``lr / warmup`` to ``lr`` (default 50; 0 starts the
+            cosine at once).
+        weight_decay: decoupled weight decay on the matrices (default 0.1); biases, norms and
+            positions get none.
+        eval_every: steps between points of the validation curve (default 50; at least 1).
+        eval_batches: validation batches (of 64 sequences) per curve point (default 8); the final
+            loss uses the whole validation text.
+        seed: seed of the initialisation, the batches and stochastic rounding (default 0).
+        keep_norms_fp32: keep LayerNorm weights in fp32 in the low-precision runs (default ``False``).
+    """
 
     batch_size: int = 16          # sequences of seq_len bytes per step
     seq_len: int = 64
@@ -53,6 +75,19 @@ class DemoConfig:
 
 @dataclass
 class RunResult:
+    """Outcome of one demo run (:func:`train_run`).
+
+    Args:
+        name: the run's key in :data:`RUNS` (e.g. ``"bf16-kahan"``).
+        val_loss: final mean next-byte cross-entropy on the whole validation text, in nats.
+        bytes_per_param: bytes of weights, gradients and optimizer states per parameter.
+        seconds: wall-clock training time (the curve's evaluations included, the final one not).
+        curve: ``(step, validation loss)`` points, every ``eval_every`` steps and at the last
+            (default: empty).
+        stalled_fraction: fraction of the first parameter group's elements whose stored weight
+            did not change in the last evaluated step (default 0.0).
+    """
+
     name: str
     val_loss: float
     bytes_per_param: float

@@ -29,10 +29,19 @@ BIAS_WARN = 0.01           # 1 % systematic shrinkage of the mean gradient
 class BucketStats:
     """Statistics of one gradient bucket across R ranks.
 
-    ``mean_rms``: rms over elements of the across-rank mean; ``spread_rms``: rms over elements of
-    the across-rank standard deviation; ``underflow_fraction``: fraction of per-rank values with
-    ``|g / R|`` below half the wire format's smallest subnormal; ``absmax``: largest ``|g|``
-    divided by R (sum over ranks of the local maxima / R, an upper bound's scale).
+    The fields are checked by :func:`advise` (``ValueError`` naming ``stats.<field>``), not here.
+
+    Args:
+        numel: elements in the bucket, a positive int.
+        world_size: R, the number of ranks, an int in [1, 65536].
+        mean_rms: rms over elements of the across-rank mean, in gradient units (>= 0, finite).
+        spread_rms: rms over elements of the across-rank standard deviation, in gradient units
+            (>= 0, finite); 0 means the ranks agree exactly, so there is no sampling noise.
+        underflow_fraction: fraction in [0, 1] of per-rank values with ``|g / R|`` below half the
+            wire format's smallest subnormal (default 0.0: :func:`advise` then estimates it from
+            ``mean_rms`` and ``spread_rms`` when averaging divides before the sum).
+        absmax: largest ``|g|`` divided by R (sum over ranks of the local maxima / R, an upper
+            bound's scale), >= 0 (default 0.0: no fp16 overflow check).
     """
 
     numel: int
@@ -45,7 +54,25 @@ class BucketStats:
 
 @dataclass
 class Advice:
-    """Predicted behaviour of one reduction set-up; ``warnings`` lists what to change."""
+    """Predicted behaviour of one reduction set-up; ``warnings`` lists what to change.
+
+    Built by :func:`advise`; every error is on the scale of the averaged gradient.
+
+    Args:
+        algorithm: ``"ring"``, ``"tree"`` or ``"alltoall"``.
+        dtype: name of the reduction format (e.g. ``"bf16"``).
+        world_size: R.
+        error_std: predicted standard deviation of the reduction error of the mean, in gradient
+            units (:func:`lowp.distributed.model.reduction_error_std`).
+        sampling_noise: the gradient's own sampling noise ``spread_rms / sqrt(R)`` (0 when the
+            ranks agree).
+        stagnation_bias: simulated relative shrinkage of the mean gradient (``-0.19`` is 19 %
+            too small; 0 for all-to-all or a zero mean).
+        underflow_fraction: fraction of ``g / R`` values that flush to zero in ``dtype``.
+        premultiply_bias: relative scale error of multiplying by ``fl(1/R)`` (0 unless averaging
+            by pre-multiplication).
+        warnings: one sentence per risky aspect with the remedy (default: none).
+    """
 
     algorithm: str
     dtype: str
@@ -59,10 +86,12 @@ class Advice:
 
     @property
     def error_to_noise(self) -> float:
+        """``error_std / sampling_noise`` (``inf`` when there is no sampling noise)."""
         return self.error_std / self.sampling_noise if self.sampling_noise > 0 else math.inf
 
     @property
     def ok(self) -> bool:
+        """``True`` when there is no warning."""
         return not self.warnings
 
 

@@ -1,5 +1,6 @@
-"""The experiments behind ``lowp reduce-sim`` and ``benchmarks/reduce_sim.py``: the grid of the post "Why reduction precision matters"
-and the regimes where low-precision reduction does hurt. Each returns ``(headers, rows)``.
+"""The experiments behind ``lowp reduce-sim`` and ``benchmarks/reduce_sim.py``: the grid of the post
+"Why reduction precision matters" and the regimes where low-precision reduction does hurt. Each
+returns ``(headers, rows)``.
 
 Every error is reported against the gradient's own sampling noise ``sigma / sqrt(R)`` (the std
 of a mean of R per-rank gradients), which is what decides whether training can notice.
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from lowp.distributed import model
-from lowp.distributed.simulator import (GaussianGrads, ReduceConfig, accumulate, check_size, exact_reduce, measure_error,
-                                        reduce)
+from lowp.distributed.simulator import (GaussianGrads, ReduceConfig, accumulate, check_size, exact_reduce,
+                                        measure_error, reduce)
 from lowp.rounding import quantize
 
 __all__ = ["SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "microbatch_table", "fp16_table",
@@ -25,7 +27,7 @@ __all__ = ["SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "m
 
 SEED_WORLD_SIZES: tuple[int, ...] = tuple(2**i for i in range(1, 11))
 SEED_SIGMAS: tuple[float, ...] = tuple(2.0**-i for i in range(8, 3, -1))
-Table = tuple[list[str], list[list[object]]]
+Table = tuple[list[str], list[list[Any]]]
 Progress = Callable[[], None]
 
 
@@ -47,10 +49,10 @@ def _check_sizes(world_sizes: Sequence[int], elements: int, per_rank: int = 1) -
 def seed_grid(world_sizes: Sequence[int] = SEED_WORLD_SIZES, sigmas: Sequence[float] = SEED_SIGMAS,
               elements: int = 4096, fmt: str = "bf16", seed: int = 0,
               algorithms: Sequence[str] = ("ring", "tree", "alltoall"), progress: "Progress | None" = None) -> Table:
-    """The experiment of "Why reduction precision matters": inputs ``N(0, sigma**2)`` in ``fmt``, pre-divided by R and reduced
-    by each algorithm; error std (in units of sigma) measured against the exact fp64 mean and
-    predicted by :mod:`lowp.distributed.model`. ``seed_std`` is the seed's own metric (std of
-    ring - fl(exact)). All sigmas run in one pass per R."""
+    """The experiment of "Why reduction precision matters": inputs ``N(0, sigma**2)`` in ``fmt``,
+    pre-divided by R and reduced by each algorithm; error std (in units of sigma) measured against
+    the exact fp64 mean and predicted by :mod:`lowp.distributed.model`. ``seed_std`` is the seed's
+    own metric (std of ring - fl(exact)). All sigmas run in one pass per R."""
     _check_sizes(world_sizes, elements, len(sigmas))
     headers = ["R", "sigma", "seed_std/sigma"]
     for alg in algorithms:
@@ -86,7 +88,8 @@ def mean_bias_table(world_sizes: Sequence[int] = (64, 256, 1024, 4096), ratios: 
         for ratio in ratios:
             grads = GaussianGrads(sigma, mean=ratio * sigma, fmt=fmt)
             row: list[object] = [R, ratio]
-            for cfg in (ReduceConfig("ring", fmt), ReduceConfig("ring", fmt, "stochastic"), ReduceConfig("alltoall", fmt)):
+            for cfg in (ReduceConfig("ring", fmt), ReduceConfig("ring", fmt, "stochastic"),
+                        ReduceConfig("alltoall", fmt)):
                 st = measure_error(R, elements, grads, cfg)
                 row += [100 * st.bias / (ratio * sigma) if ratio else math.nan, st.error_to_noise]
             rows.append(row)
@@ -108,7 +111,8 @@ def microbatch_table(counts: Sequence[int] = (8, 64, 256, 1024), ratios: Sequenc
             exact = exact_reduce(g)
             noise = sigma / math.sqrt(M)
             err = {name: accumulate(g, acc_fmt, rounding, generator=torch.Generator().manual_seed(1)) - exact
-                   for name, acc_fmt, rounding in (("n", fmt, "nearest"), ("sr", fmt, "stochastic"), ("f", "fp32", "nearest"))}
+                   for name, acc_fmt, rounding in (("n", fmt, "nearest"), ("sr", fmt, "stochastic"),
+                                                   ("f", "fp32", "nearest"))}
             rms = {k: float(v.pow(2).mean().sqrt()) / noise for k, v in err.items()}
             bias = 100 * float(err["n"].mean()) / (ratio * sigma) if ratio else math.nan
             rows.append([M, ratio, rms["n"], bias, rms["sr"], rms["f"]])
@@ -170,7 +174,8 @@ def premultiply_table(world_sizes: Sequence[int] = (3, 6, 12, 24, 96, 1000),
         measured = []
         for fmt in formats:
             slopes = [float((got * exact).sum() / (exact * exact).sum())
-                      for got in (reduce(x, ReduceConfig("alltoall", fmt, average=avg)) for avg in ("premultiply", "post_divide"))]
+                      for got in (reduce(x, ReduceConfig("alltoall", fmt, average=avg))
+                                  for avg in ("premultiply", "post_divide"))]
             measured.append(100 * (slopes[0] / slopes[1] - 1))
         rows.append([R] + [100 * model.premultiply_bias(R, f) for f in formats] + measured)
         _tick(progress)

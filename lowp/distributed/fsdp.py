@@ -26,7 +26,7 @@ deterministic, not overlapped with the backward pass.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,15 @@ import torch.distributed as dist
 from lowp.distributed.hooks import _stream_seed
 from lowp.rounding import quantize
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
 __all__ = ["FP32ReduceScatter", "set_fp32_reduce_scatter", "fsdp_modules", "param_groups", "has_custom_reduce_scatter"]
 
 try:   # the interface FSDPModule.set_custom_reduce_scatter takes; without it there is no hook
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
 except ImportError:  # pragma: no cover - older torch
-    _ReduceScatterBase = object
+    _ReduceScatterBase = object  # type: ignore[misc, assignment]
 
 _WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -53,9 +56,18 @@ def has_custom_reduce_scatter() -> bool:
 class FP32ReduceScatter(_ReduceScatterBase):
     """FSDP2 reduce-scatter: ``wire_dtype`` on the wire, fp32 sum (see the module docstring).
 
-    ``stochastic=True`` compresses with stochastic rounding (unbiased; one independent stream
-    per rank and call, from ``seed``), so components far below an ulp of their neighbours are
-    not lost on average.
+    Install it with :func:`set_fp32_reduce_scatter`; one instance may serve every FSDP module.
+
+    Args:
+        wire_dtype: dtype the gradients cross the wire in: ``torch.bfloat16`` (default),
+            ``torch.float16`` or ``torch.float32`` (no compression); anything else raises
+            ``ValueError``. fp16 overflows beyond 65504, so use it with gradients known to be small.
+        stochastic: compress with stochastic rounding instead of to nearest (default ``False``;
+            converted with ``bool``). Unbiased, with one independent stream per rank and call,
+            so components far below an ulp of their neighbours are not lost on average. No
+            effect with an fp32 wire.
+        seed: seed of the stochastic-rounding streams (default 0; converted with ``int()``, which
+            raises for a value it cannot convert). The same seed gives the same bits on every run.
     """
 
     #: read by :func:`lowp.distributed.advisor.advise_fsdp`
@@ -69,7 +81,8 @@ class FP32ReduceScatter(_ReduceScatterBase):
         self.seed = int(seed)
         self.calls = 0
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised buffer for FSDP to gather the gradient input into."""
         return torch.empty(tuple(size), dtype=dtype, device=device)
 
     def _compress(self, values: torch.Tensor, rank: int) -> torch.Tensor:
@@ -80,6 +93,10 @@ class FP32ReduceScatter(_ReduceScatterBase):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object = dist.ReduceOp.SUM, async_op: bool = False) -> None:
+        """Reduce-scatter ``input_tensor`` (R equal shards, flat) into ``output_tensor`` over
+        ``group``: shard r of the fp32 sum (``op=AVG``: mean) of every rank's input goes to rank r.
+        Synchronous whatever ``async_op`` says; ``op`` other than SUM/AVG and a size mismatch
+        raise ``ValueError`` before anything is sent."""
         R = dist.get_world_size(group)
         n = input_tensor.numel()
         if n != R * output_tensor.numel():
@@ -102,7 +119,7 @@ class FP32ReduceScatter(_ReduceScatterBase):
         return None
 
 
-def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     """The modules of ``model`` (itself included) that ``fully_shard`` was applied to."""
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -126,7 +143,7 @@ def set_fp32_reduce_scatter(model: torch.nn.Module, comm: FP32ReduceScatter | No
     return comm
 
 
-def param_groups(module: torch.nn.Module) -> list:
+def param_groups(module: FSDPModule) -> list:
     """The parameter groups of FSDP module ``module`` (torch's internal ``FSDPParamGroup``s)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)

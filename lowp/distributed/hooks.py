@@ -50,11 +50,24 @@ __all__ = ["ReduceState", "fp32_reduce_hook", "alltoall_fp32_hook", "stochastic_
 
 @dataclass
 class ReduceState:
-    """Configuration and bookkeeping shared by the hooks.
+    """Configuration and bookkeeping shared by the hooks (one instance per DDP model).
 
-    ``wire_dtype``: dtype sent over the network (bf16 or fp16); ``gather_dtype``: dtype of the
-    all-gather of reduced shards (default ``wire_dtype``; float32 doubles those bytes and keeps
-    the fp32 mean); ``seed``: base seed of stochastic rounding (rank and step are mixed in).
+    Args:
+        process_group: group the collectives run on (default ``None``: the default group, which
+            must be initialised before the first hook call).
+        wire_dtype: dtype sent over the network: ``torch.bfloat16`` (default), ``torch.float16``
+            or ``torch.float32`` (no compression); anything else raises ``ValueError``.
+        gather_dtype: dtype of the all-gather of reduced shards in the all-to-all hooks (default
+            ``None``: ``wire_dtype``; ``torch.float32`` doubles those bytes and keeps the fp32
+            mean); same choices and check as ``wire_dtype``.
+        seed: base seed of stochastic rounding, any int (taken modulo 2**64; rank and call are
+            mixed in, see ``_stream_seed``). Default 0.
+        collect_stats: record :class:`~lowp.distributed.advisor.BucketStats` per bucket into
+            ``stats`` (default ``False``; costs one 3-element all-reduce per bucket).
+        stats: bucket index -> statistics of its latest reduction (default: empty; filled by the
+            hooks).
+        calls: hook calls so far (default 0; the hooks count it up, and stochastic rounding
+            streams depend on it, so keep it when resuming for identical bits).
     """
 
     process_group: Optional[dist.ProcessGroup] = None
@@ -73,6 +86,7 @@ class ReduceState:
 
     @property
     def world_size(self) -> int:
+        """Ranks in ``process_group``."""
         return dist.get_world_size(self.process_group)
 
 

@@ -21,7 +21,12 @@ __all__ = ["GroupFailure", "free_port", "run_local_group"]
 
 
 class GroupFailure(RuntimeError):
-    """One or more ranks raised, died or did not finish in time. ``.ranks`` maps rank -> status."""
+    """One or more ranks raised, died or did not finish in time. ``.ranks`` maps rank -> status.
+
+    Args:
+        ranks: rank -> what happened to it (the traceback of its exception, its exit code, or
+            that it timed out); only the ranks that failed. The message lists them in rank order.
+    """
 
     def __init__(self, ranks: dict[int, str]) -> None:
         self.ranks = ranks
@@ -62,7 +67,7 @@ def run_local_group(fn: Callable[..., Any], world_size: int, *args: Any, backend
     ``timeout_s`` is the process-group timeout (a collective waiting on a dead or hung peer
     raises after it); ``join_timeout_s`` (default ``3 * timeout_s + 30``) bounds the whole call:
     ranks still running then are terminated, as are ranks still running ``timeout_s + 1`` seconds
-after another rank failed. Raises :class:`GroupFailure` if any rank failed.
+    after another rank failed. Raises :class:`GroupFailure` if any rank failed.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected a positive int, got {world_size!r}")

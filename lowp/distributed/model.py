@@ -14,9 +14,10 @@ Ring, R ranks, each holding ``x_r ~ N(mu, sigma**2)`` pre-divided by R: after ho
               -> c(F) * 2**(-2m) * sigma**2 / 24          (R large; mu = 0)
 
 a constant independent of R: the R hops grow in number like R but each partial sum is
-``1/R`` times smaller. That is the observation of the post "Why reduction precision matters". The tree rounds R/2**l sums of
-``2**l`` terms at level l: ``Var(tree) ~ c 2**(-2m) sigma**2 log2(R) / (12 R)``, which shrinks;
-all-to-all with fp32 accumulation only rounds the final mean: ``c 2**(-2m) sigma**2 / (12 R)``.
+``1/R`` times smaller. That is the observation of the post "Why reduction precision matters". The
+tree rounds R/2**l sums of ``2**l`` terms at level l:
+``Var(tree) ~ c 2**(-2m) sigma**2 log2(R) / (12 R)``, which shrinks; all-to-all with fp32
+accumulation only rounds the final mean: ``c 2**(-2m) sigma**2 / (12 R)``.
 The sampling noise of the averaged gradient is ``sigma / sqrt(R)``, so the ring's
 error-to-noise ratio grows like ``sqrt(R) * 2**-m`` (0.04 at R = 1024 in bf16) and the tree's
 and all-to-all's stay flat.

@@ -20,8 +20,8 @@ format, so the result carries exactly the rounding errors of the real collective
     fp64 sum with no rounding: the reference.
 
 Averaging (``average``): ``"sum"``; ``"pre_divide"`` (each rank computes ``fl(x / R)`` in the
-wire format, then the sum; what torch's DDP default hook and the post "Why reduction precision matters" do); ``"post_divide"``
-(sum, then ``fl(S / R)``; for ``alltoall`` the division is in fp32, which is bias-free);
+wire format, then the sum; what torch's DDP default hook and the post "Why reduction precision
+matters" do); ``"post_divide"`` (sum, then ``fl(S / R)``; for ``alltoall`` the division is in fp32, which is bias-free);
 ``"premultiply"`` (NCCL's ``ncclAvg`` on floating types: each rank multiplies by the scalar
 ``fl(1/R)`` held in the reduction type, then the sum; see NCCL's ``FuncPreMulSum`` in
 ``src/device/reduce_kernel.h``). When R is not a power of two, ``fl(1/R) != 1/R`` and every
@@ -98,10 +98,17 @@ class Rounder:
     """``fl(x)``: round a container tensor to ``fmt`` by nearest-even or stochastic rounding.
 
     ``container`` is the dtype every simulated value lives in (see the module docstring).
-    Stochastic rounding draws from ``generator`` so runs are reproducible. bf16 stochastic
-    rounding uses the bit trick (add 16 random bits below the bf16 mantissa of the fp32 value,
-    then truncate), which is exact stochastic rounding of the fp32 value; other formats go
-    through :func:`lowp.rounding.quantize`.
+    bf16 stochastic rounding uses the bit trick (add 16 random bits below the bf16 mantissa of the
+    fp32 value, then truncate), which is exact stochastic rounding of the fp32 value; other formats
+    go through :func:`lowp.rounding.quantize`.
+
+    Args:
+        fmt: the format rounded to (name, dtype or :class:`~lowp.formats.FloatFormat`); an unknown
+            name raises ``ValueError``.
+        rounding: ``"nearest"`` (nearest even; default) or ``"stochastic"``; anything else raises
+            ``ValueError``.
+        generator: random source of stochastic rounding, so runs are reproducible (default
+            ``None``: torch's global generator). Unused with ``"nearest"``.
     """
 
     def __init__(self, fmt: "str | torch.dtype | FloatFormat", rounding: str = "nearest",
@@ -122,6 +129,7 @@ class Rounder:
         self._mode = canonical_mode(rounding if stochastic else "nearest_even")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``fl(x)`` in the container dtype; ``x`` is a container or float64 tensor."""
         if self._native and (x.dtype != torch.float64 or self.fmt.precision > 24):
             return x.to(self.fmt.torch_dtype).to(self.container)
         if self._native:   # torch casts float64 -> bf16/fp16 through fp32: a double rounding
@@ -140,7 +148,20 @@ class Rounder:
 
 @dataclass(frozen=True)
 class ReduceConfig:
-    """How a simulated collective reduces: algorithm, wire/accumulator format, rounding, averaging."""
+    """How a simulated collective reduces: algorithm, wire/accumulator format, rounding, averaging.
+
+    Every field is checked at construction (``ValueError`` naming it).
+
+    Args:
+        algorithm: ``"ring"`` (default), ``"tree"``, ``"alltoall"`` or ``"exact"`` (see the
+            module docstring).
+        fmt: wire and accumulator format (name or :class:`~lowp.formats.FloatFormat`; default
+            ``"bf16"``).
+        rounding: ``"nearest"`` (default) or ``"stochastic"``, for every rounding of the reduction.
+        average: ``"sum"``, ``"pre_divide"`` (default), ``"post_divide"`` or ``"premultiply"``.
+        seed: seed of the stochastic-rounding generator when :func:`reduce` is given none
+            (default 0).
+    """
 
     algorithm: str = "ring"
     fmt: "str | FloatFormat" = "bf16"
@@ -159,6 +180,7 @@ class ReduceConfig:
 
     @property
     def format(self) -> FloatFormat:
+        """``fmt`` as a :class:`~lowp.formats.FloatFormat`."""
         return get_format(self.fmt)
 
 
@@ -279,8 +301,17 @@ def accumulate(micro: torch.Tensor, fmt: "str | FloatFormat" = "bf16", rounding:
 class GaussianGrads:
     """Synthetic per-rank gradients: ``x[r, j] = scale_r * (mean + sigma * z)``, rounded to ``fmt``.
 
-    ``outlier_ranks`` get ``scale_r = outlier_scale`` (a rank hit by a loss spike); all others 1.
-    That post draws ``torch.normal(0, sigma)`` directly in bf16: ``fmt="bf16"``.
+    The post "Why reduction precision matters" draws ``torch.normal(0, sigma)`` directly in bf16:
+    ``fmt="bf16"``.
+
+    Args:
+        sigma: standard deviation of each value, a finite number >= 0 (``ValueError``
+            otherwise; ``TypeError`` for non-numbers); 0 gives constant gradients.
+        mean: mean of each value, any finite number (default 0.0).
+        fmt: format the samples are rounded to (default ``"bf16"``; checked when sampling).
+        outlier_ranks: ranks (taken modulo the world size) whose values are scaled by
+            ``outlier_scale``, e.g. a rank hit by a loss spike (default: none).
+        outlier_scale: scale of the outlier ranks, any finite number (default 1.0: no outlier).
     """
 
     sigma: float
@@ -308,11 +339,21 @@ class GaussianGrads:
 class ErrorStats:
     """Error of a simulated reduction against the exact fp64 result, over N elements.
 
-    ``std``/``bias``/``rms`` are of ``result - exact``; ``seed_std`` is that post's metric, the
-    std of ``result - fl(exact)`` (the reference rounded once to the wire format);
-    ``noise`` is the sampling noise of the averaged gradient, ``sigma / sqrt(R)`` (for sums,
-    ``sigma * sqrt(R)``); ``zero_fraction`` counts results that came out exactly 0 while the
-    exact value was not (underflow).
+    Built by :func:`measure_error`; errors are in the units of the gradients.
+
+    Args:
+        world_size: R, the simulated ranks.
+        elements: N, the reduced elements.
+        std: standard deviation of ``result - exact``.
+        bias: mean of ``result - exact`` (negative: the reduction shrinks the mean).
+        rms: root mean square of ``result - exact``.
+        seed_std: the metric of the post "Why reduction precision matters": the std of
+            ``result - fl(exact)`` (the reference rounded once to the wire format).
+        exact_mean: mean of the exact results.
+        noise: sampling noise of the averaged gradient, ``sigma / sqrt(R)`` (for sums,
+            ``sigma * sqrt(R)``).
+        zero_fraction: fraction of results that came out exactly 0 while the exact value was
+            not (underflow).
     """
 
     world_size: int
@@ -327,6 +368,7 @@ class ErrorStats:
 
     @property
     def error_to_noise(self) -> float:
+        """``rms / noise`` (``inf`` when there is no sampling noise)."""
         return self.rms / self.noise if self.noise > 0 else math.inf
 
     @property
@@ -360,8 +402,8 @@ def measure_error(world_size: int, elements: int, grads: GaussianGrads, config: 
         sums += torch.stack([err.sum(), (err * err).sum(), seed_err.sum(), (seed_err * seed_err).sum(),
                              exact.sum(), zeros.sum()])
     n = float(elements)
-    e1, e2, s1, s2, ex, zeros = (float(v) for v in sums)
+    e1, e2, s1, s2, ex, zero_count = (float(v) for v in sums)
     noise = grads.sigma / math.sqrt(world_size) if config.average != "sum" else grads.sigma * math.sqrt(world_size)
     return ErrorStats(world_size=world_size, elements=elements, std=math.sqrt(max(e2 / n - (e1 / n) ** 2, 0.0)),
                       bias=e1 / n, rms=math.sqrt(e2 / n), seed_std=math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)),
-                      exact_mean=ex / n, noise=noise, zero_fraction=zeros / n)
+                      exact_mean=ex / n, noise=noise, zero_fraction=zero_count / n)

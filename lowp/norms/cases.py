@@ -19,6 +19,14 @@ __all__ = ["Case", "case_families", "log_uniform"]
 
 @dataclass(frozen=True)
 class Case:
+    """Input rows of one case family, with the ``eps`` they are normalised with.
+
+    Args:
+        family: the family's name (``"pairs"``, ``"huge"`` ..., see :func:`case_families`).
+        rows: float64 tensor ``(rows, n)`` whose values are all values of the input format.
+        eps: the bias added to the sum of squares (default 0.0).
+    """
+
     family: str
     rows: torch.Tensor  # float64, (rows, n), values of the input format
     eps: float = 0.0
@@ -36,13 +44,14 @@ def log_uniform(shape: tuple[int, ...], lo: float, hi: float, fmt: FloatFormat, 
 
 def case_families(format: "str | FloatFormat", *, rows: int = 2000, n_long: int = 4096, seed: int = 0,
                   exhaustive: bool = True) -> list[Case]:
-    """The families, for input format ``format``:
+    """The case families for input format ``format``, one :class:`Case` each.
 
-    ``n=1 all``: every finite value (exhaustive; n = 1 so the answer is ``|x|``);
+    ``n=1 all`` (only with ``exhaustive``): every finite value (n = 1 so the answer is ``|x|``);
     ``pairs``: random pairs over the whole range (log-uniform magnitudes);
     ``same-scale``: n = 16, every row drawn near one random power of two anywhere in the range
     (so the sum sits anywhere, including where squares overflow or underflow);
-    ``huge``: n = 2..8 magnitudes in [sqrt(max)/2, max], including [255, 255] (the two-segment method overflows on it in fp16);
+    ``huge``: n = 2..8 magnitudes in [sqrt(max)/2, max], including [255, 255] (the two-segment method
+    overflows on it in fp16);
     ``tiny``: n = 16 magnitudes between the smallest subnormal and sqrt(smallest normal);
     ``mixed``: n = 64, one huge value and log-uniform others over the whole range;
     ``long``: n = ``n_long``: ones, uniform [0, 1), and one large value among small ones;

@@ -18,6 +18,18 @@ __all__ = ["Score", "score", "as_input"]
 
 @dataclass(frozen=True)
 class Score:
+    """Accuracy of one norm method on one case (:func:`score`), against the exact norm.
+
+    Args:
+        rows: rows scored.
+        max_ulp: largest error in ulps of the input format (``inf`` where a result is inf or NaN
+            and the exact norm is not).
+        correctly_rounded: fraction of rows equal to the correctly rounded norm.
+        faithful: fraction of rows with an error below 1 ulp.
+        overflow: rows that came out inf/NaN where the correctly rounded result is finite.
+        underflow: rows that came out 0 where the correctly rounded result is not.
+    """
+
     rows: int
     max_ulp: float
     correctly_rounded: float  # fraction of rows

@@ -35,11 +35,17 @@ class Native:
     ``2p + 2`` bits for both, so +, -, *, / are correctly rounded (same argument as
     :class:`~lowp.arith.Arith`). ``sum`` is sequential in ``dtype`` (not torch's fp32-accumulated
     reduction), so ``Native(torch.float16)`` is a machine whose only type is fp16.
+
+    Args:
+        dtype: ``torch.float16``, ``torch.bfloat16``, ``torch.float32`` or ``torch.float64``;
+            anything else raises ``ValueError`` naming ``compute``, the argument of
+            :func:`lowp.norms.vector_norm` it comes from.
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError(f"compute: a native compute dtype must be float16, bfloat16, float32 or float64, got {dtype}")
+            raise ValueError(f"compute: a native compute dtype must be float16, bfloat16, float32 or float64, "
+                             f"got {dtype}")
         self.dtype = dtype
         self.format = get_format(dtype)
 
@@ -47,18 +53,23 @@ class Native:
         return f"Native({self.dtype})"
 
     def cast(self, x: "torch.Tensor | float") -> torch.Tensor:
+        """``x`` rounded once to ``dtype``."""
         return torch.as_tensor(x).to(self.dtype)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a + b``, one rounding."""
         return torch.add(a, b)
 
     def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a - b``, one rounding."""
         return torch.sub(a, b)
 
     def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a * b``, one rounding."""
         return torch.mul(a, b)
 
     def div(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a / b``, one rounding."""
         return torch.div(a, b)
 
     def sqrt(self, a: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,7 @@ def row_statistics(rows: torch.Tensor, eps: float, center: bool
         r, e1, e2 = r.clone(), e1.clone(), e2.clone()
         r[bad], e1[bad], e2[bad] = r_bad, e1_bad, e2_bad
         if center:
+            assert mu is not None and mu_bad is not None   # both computed when center
             mu = mu.clone()
             mu[bad] = mu_bad
     return mu, r, e1, e2
@@ -184,11 +185,24 @@ def _check_shape(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> None:
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with a safe forward and backward (same arguments and state_dict).
 
-    ``y = x / sqrt(mean(x**2) + eps) * weight``; ``eps=None`` means ``torch.finfo(x.dtype).eps``
-    as in torch.
+    ``y = x / sqrt(mean(x**2) + eps) * weight``, the mean over the trailing ``normalized_shape``
+    dimensions. ``forward`` raises ``TypeError`` for a non-floating input and ``ValueError`` when
+    its trailing dimensions are not ``normalized_shape``.
+
+    Args:
+        normalized_shape: the trailing dimensions normalised over (an int or a shape).
+        eps: added to the mean square; default ``None`` means ``torch.finfo(x.dtype).eps`` as in
+            torch. With ``eps <= 0`` an all-zero row gives NaN (0/0), and with ``eps < 0`` so does
+            every row whose mean square is below ``-eps``, as the formula says.
+        elementwise_affine: learn a ``weight`` of shape ``normalized_shape``, initialised to ones
+            (default ``True``); ``False`` leaves out the multiplication.
+        device: device of ``weight`` (default: torch's default device).
+        dtype: dtype of ``weight`` (default: torch's default dtype). The computation is in fp32
+            (fp64 for fp64 inputs) whatever the dtypes; the output has the input's dtype.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` over its trailing ``normalized_shape`` dimensions."""
         _check_shape(x, self.normalized_shape)
         eps = torch.finfo(x.dtype).eps if self.eps is None else float(self.eps)
         return _NormFunction.apply(x, self.weight, None, eps, len(self.normalized_shape), False)
@@ -196,8 +210,26 @@ class RMSNorm(torch.nn.RMSNorm):
 
 class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` with a safe forward and backward (same arguments and state_dict):
-    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` with a corrected two-pass mean."""
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` with a corrected two-pass mean.
+
+    The statistics are over the trailing ``normalized_shape`` dimensions. ``forward`` raises
+    ``TypeError`` for a non-floating input and ``ValueError`` when its trailing dimensions are not
+    ``normalized_shape``.
+
+    Args:
+        normalized_shape: the trailing dimensions normalised over (an int or a shape).
+        eps: added to the variance, a number (default ``1e-5``; ``None`` fails in ``forward``).
+            With ``eps <= 0`` a row of equal values gives NaN (0/0), and with ``eps < 0`` so does
+            every row whose variance is below ``-eps``, as the formula says.
+        elementwise_affine: learn ``weight`` (ones) and ``bias`` (zeros) of shape
+            ``normalized_shape`` (default ``True``); ``False`` leaves both out.
+        bias: learn the ``bias`` when ``elementwise_affine`` (default ``True``).
+        device: device of the parameters (default: torch's default device).
+        dtype: dtype of the parameters (default: torch's default dtype). The computation is in
+            fp32 (fp64 for fp64 inputs) whatever the dtypes; the output has the input's dtype.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` over its trailing ``normalized_shape`` dimensions."""
         _check_shape(x, self.normalized_shape)
         return _NormFunction.apply(x, self.weight, self.bias, float(self.eps), len(self.normalized_shape), True)

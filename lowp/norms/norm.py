@@ -37,8 +37,9 @@ def vector_norm(x: torch.Tensor, dim: int = -1, *, eps: float = 0.0, method: str
         eps: a bias added to the sum of squares, positive or negative (a generalised norm allows both). It
             is held in the compute format (rounded to it once, like a constant on the machine).
             When ``sum x**2 + eps < 0`` the result is NaN, as for the square root of a negative.
-        method: ``"naive"``, ``"max_scaled"`` (scaling by the largest magnitude, as LAPACK does), ``"two_segment"``
-            (thresholds at sqrt(max) and sqrt(min subnormal)), ``"blue"`` (reference BLAS nrm2) or ``"robust"`` (lowp's; see docs/norms.md).
+        method: ``"naive"``, ``"max_scaled"`` (scaling by the largest magnitude, as LAPACK does),
+            ``"two_segment"`` (thresholds at sqrt(max) and sqrt(min subnormal)), ``"blue"`` (reference
+            BLAS nrm2) or ``"robust"`` (lowp's; see docs/norms.md).
         compute: where every intermediate operation happens. A torch dtype runs natively (each
             elementwise op rounded to it, sums sequential in it); a format name (``"fp16"``,
             ``"bf16"``, ``"dlfloat16"`` ...) or :class:`~lowp.arith.Arith` emulates that format

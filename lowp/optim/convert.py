@@ -73,9 +73,12 @@ def _first_float_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
 
 
 def _fp32_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    module._lowp_input_dtype = _first_float_dtype(args, kwargs)
-    to32 = (lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
-    return _map_floats(args, to32), _map_floats(kwargs, to32)
+    module.__dict__["_lowp_input_dtype"] = _first_float_dtype(args, kwargs)   # popped by _fp32_post_hook
+    return _map_floats(args, _to_fp32), _map_floats(kwargs, _to_fp32)
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
 def _fp32_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -118,7 +121,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16, *,
     for name, module in model.named_modules():
         inside = any(name == k or name.startswith(k + ".") for k in prefixes)
         target = torch.float32 if inside else dtype
-        for key, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        for _, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             if t is not None and t.is_floating_point() and t.dtype != target:
                 t.data = t.data.to(target)
     if dtype != torch.float32:
@@ -181,7 +184,7 @@ def full_precision_weights(optimizer: LowpOptimizer) -> list[torch.Tensor]:
     """The fp32 value of every parameter as the optimizer holds it (``theta + k`` for kahan,
     the exact weight/remainder pair for exact mode, the weight itself otherwise)."""
     out = []
-    for group, p in _param_states(optimizer):
+    for _, p in _param_states(optimizer):
         state = optimizer.state.get(p, {})
         if "remainder" in state:
             out.append(MODES["exact"].load(p, state["remainder"]).clone())

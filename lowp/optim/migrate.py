@@ -106,10 +106,10 @@ def to_lowp_layout(optimizer: "LowpOptimizer", state_dict: Mapping[str, Any]) ->
         if optimi:
             entry = _from_optimi(optimizer, entry, group_steps.get(key), betas.get(key), key)
         if entry and "step" not in entry:
-            step = optimizer.infer_step(entry)
-            if step is None:
+            inferred = optimizer.infer_step(entry)
+            if inferred is None:
                 raise ValueError(f"state_dict['state'][{key!r}]: has no 'step' entry")
-            entry["step"] = step
+            entry["step"] = inferred
         states[key] = entry
     return {"state": states, "param_groups": out_groups, "lowp": extras}
 
@@ -123,7 +123,7 @@ def _from_optimi(optimizer: "LowpOptimizer", entry: dict[str, Any], step: int | 
         entry["step"] = step
     if "step" in entry:
         t = step_count(entry["step"], f"state_dict['state'][{key!r}]['step']")
-        for name, beta_index in optimizer.optimi_debiased.items():
+        for name, beta_index in (optimizer.optimi_debiased or {}).items():
             value = entry.get(name)
             if isinstance(value, torch.Tensor) and t > 0 and isinstance(betas, (tuple, list)) \
                     and len(betas) > beta_index and isinstance(betas[beta_index], (int, float)):

@@ -174,6 +174,15 @@ class ElementIndex:
     (the product of the local sizes from ``d`` on) every ``stride`` global elements (the product
     of the global sizes from ``d`` on), starting at ``offset``. ``start`` moves along the local
     tensor when it is cut into chunks.
+
+    The fields are not checked: they are computed by lowp from the tensor's placement.
+
+    Args:
+        offset: global index of the local tensor's first element (default 0), >= 0.
+        start: local flat position where this piece starts (default 0), >= 0.
+        block: contiguous local elements per run, or 0 (default) for one contiguous range.
+        stride: global elements between the starts of two runs (unused when ``block == 0``;
+            default 0), at least ``block``.
     """
 
     offset: int = 0
@@ -216,7 +225,16 @@ class ElementIndex:
 @dataclass(frozen=True)
 class RandomStreams:
     """The random streams of one (local piece of a) parameter at one step: what a write-back or
-    a state store needs to round stochastically."""
+    a state store needs to round stochastically.
+
+    Args:
+        seed: the optimizer's seed, any int (only its low 64 bits count).
+        step: the parameter's step counter, any int (low 64 bits).
+        param_id: the parameter's position in the optimizer, any int (low 64 bits); with
+            ``seed`` and ``step`` it selects independent streams per parameter.
+        index: where the local elements sit in the whole parameter (default: the whole tensor,
+            from global index 0).
+    """
 
     seed: int
     step: int

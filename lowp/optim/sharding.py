@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -35,12 +35,16 @@ import torch.distributed as dist
 from lowp.optim.backends import ParamSlice
 from lowp.optim.randomness import ElementIndex
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
+
 __all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_buffer", "element_index",
            "box_index", "box", "gather", "keep_local", "local_grad", "load_state", "agree", "global_sums",
            "replicas", "world_size", "check_placements"]
 
 
-def is_dtensor(t: object) -> bool:
+def is_dtensor(t: object) -> TypeIs[DTensor]:
     """True when ``t`` is a :class:`~torch.distributed.tensor.DTensor`."""
     if not dist.is_available():
         return False
@@ -54,7 +58,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def check_placements(p: torch.Tensor) -> None:
+def check_placements(p: DTensor) -> None:
     """Raise ``TypeError`` unless every placement of the DTensor ``p`` is ``Shard(d)`` or
     ``Replicate()`` (the layouts whose local box :func:`box` computes)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -63,7 +67,7 @@ def check_placements(p: torch.Tensor) -> None:
             raise TypeError(f"params: DTensor placements must be Shard(d) or Replicate(), got {tuple(p.placements)}")
 
 
-def _wrap(local_tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _wrap(local_tensor: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor with ``like``'s mesh, placements and global shape around ``local_tensor``."""
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(local_tensor, like.device_mesh, like.placements, run_check=False,
@@ -90,7 +94,7 @@ def new_buffer(p: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor | No
     return None if buf is None else _wrap(buf, p)
 
 
-def box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Local shape and global offset of this rank's box of the DTensor ``t``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -131,6 +135,7 @@ def local_grad(p: torch.Tensor) -> torch.Tensor:
     """The plain local gradient of ``p``: a DTensor gradient placed unlike ``p`` is redistributed
     first, a plain full gradient of a DTensor ``p`` is cut to this rank's box."""
     g = p.grad
+    assert g is not None, "local_grad: the optimizer passes only parameters with a gradient"
     if not is_dtensor(p):
         return g.full_tensor() if is_dtensor(g) else g
     if not is_dtensor(g):
@@ -168,7 +173,7 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     return _int16_as_bf16(t).full_tensor().view(local(t).dtype)
 
 
-def _int16_as_bf16(t: torch.Tensor) -> torch.Tensor:
+def _int16_as_bf16(t: DTensor) -> DTensor:
     """The DTensor ``t`` itself, or for int16 the same bits as a bf16 DTensor (collectives copy them)."""
     if local(t).dtype != torch.int16:
         return t
@@ -177,7 +182,7 @@ def _int16_as_bf16(t: torch.Tensor) -> torch.Tensor:
                               shape=t.shape, stride=t.stride())
 
 
-def keep_local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def keep_local(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     """This rank's box of the full tensor ``full``, for the DTensor ``like`` (a view)."""
     shape, offset = box(like)
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
@@ -199,20 +204,32 @@ def world_size() -> int:
 @dataclass
 class Gathered:
     """A step of a non-elementwise optimizer on full copies (``piece``) of the DTensor parameter
-    ``param`` and its ``states`` / ``buffer``; :meth:`write_back` keeps this rank's box."""
+    ``param`` and its ``states`` / ``buffer``; :meth:`write_back` keeps this rank's box.
+
+    Args:
+        piece: the full (gathered) parameter, gradient and states the step runs on.
+        param: the sharded DTensor parameter the result goes back to.
+        states: state name -> this rank's state tensor (sharded like ``param`` or replicated).
+        buffer: this rank's write-back buffer (Kahan compensation or exact remainder), or ``None``.
+    """
 
     piece: ParamSlice
-    param: torch.Tensor
+    param: DTensor
     states: dict[str, torch.Tensor]
     buffer: torch.Tensor | None
 
     def write_back(self) -> None:
+        """Copy this rank's box of the stepped full copies into the local shards (replicated
+        states whole)."""
         local(self.param).copy_(keep_local(self.piece.param, self.param))
         pairs = [(self.states[n], self.piece.states[n]) for n in self.states]
         if self.buffer is not None:
+            assert self.piece.buffer is not None, "make_slice gathers the buffer with the parameter"
             pairs.append((self.buffer, self.piece.buffer))
         for t, full in pairs:   # replicated states (another shape than the parameter's) are whole
-            local(t).copy_(keep_local(full, t) if tuple(t.shape) == tuple(self.param.shape) else full)
+            if tuple(t.shape) == tuple(self.param.shape):   # sharded like the parameter: a DTensor
+                full = keep_local(full, cast("DTensor", t))
+            local(t).copy_(full)
 
 
 def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], buffer: torch.Tensor | None,
@@ -232,6 +249,7 @@ def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tens
         piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
                            None if buffer is None else local(buffer), param_id, element_index(p))
         return piece, 1.0 / replicas(p), None
+    assert p.grad is not None, "make_slice: the optimizer passes only parameters with a gradient"
     piece = ParamSlice(gather(p.detach()), gather(p.grad), {n: gather(t) for n, t in states.items()},
                        None if buffer is None else gather(buffer), param_id)
     return piece, 1.0 / world_size(), Gathered(piece, p, states, buffer)

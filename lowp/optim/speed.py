@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from types import SimpleNamespace
-from typing import Callable
+from typing import Any, Callable, TypedDict
 
 import torch
 
@@ -31,7 +31,7 @@ __all__ = ["measure", "report", "parse_size", "split", "BYTES_FP32_ADAMW", "BYTE
 MIN_SIZE = 1 << 16
 BYTES_FP32_ADAMW = 28
 BYTES_BF16_KAHAN = 18
-HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+HYPER: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
 def _sync(device: torch.device) -> None:
@@ -100,19 +100,28 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
+class Timing(TypedDict):
+    """Seconds of the first and of the best step, and peak extra bytes (``None``: not measurable)."""
+
+    first: float
+    step: float
+    peak: int | None
+
+
 def time_all(makers: dict[str, tuple[torch.dtype, Callable]], sizes: list[int], device: torch.device,
-             rounds: int) -> dict[str, dict[str, float]]:
+             rounds: int) -> dict[str, Timing]:
     """First-step time, best step time over ``rounds`` and peak extra memory per optimizer.
 
     The optimizers take turns, one step each per round, and the best round counts: on a shared
     machine other processes slow some steps down, never speed them up."""
-    opts, out = {}, {}
+    opts: dict[str, Any] = {}
+    out: dict[str, Timing] = {}
     for name, (dtype, make) in makers.items():
         params = [torch.randn(n, device=device).mul_(0.1).to(dtype) for n in sizes]
         for p in params:
             p.grad = torch.randn_like(p).mul_(0.01)
         opts[name] = make(params)
-        out[name] = {"first": timed(opts[name].step, device), "step": math.inf}
+        out[name] = {"first": timed(opts[name].step, device), "step": math.inf, "peak": None}
     for _ in range(rounds):
         for name, opt in opts.items():
             out[name]["step"] = min(out[name]["step"], timed(opt.step, device))

@@ -106,7 +106,8 @@ def _remainder_buffer(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.shape, dtype=torch.int16, device=p.device)
 
 
-def _exact_load(p: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+def _exact_load(p: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    assert r is not None, "exact mode always keeps a remainder"
     bits = p.view(torch.int16).to(torch.int32).bitwise_left_shift_(16).add_(r)
     return bits.view(torch.float32)
 
@@ -130,6 +131,18 @@ class WriteBack:
 
     ``apply(p, w, u, buf, streams, count)`` may overwrite ``u``; it returns the number of
     stalled elements (a 0-dim tensor) when ``count`` is true, else ``None``.
+
+    The modes are the entries of :data:`MODES`; user code selects one by name (:func:`get_mode`).
+
+    Args:
+        name: the mode's name (``"nearest"``, ``"stochastic"``, ``"kahan"``, ``"exact"``).
+        dtypes: weight dtypes the mode supports (:func:`resolve_mode` refuses others).
+        buffer_name: key of the mode's per-parameter state buffer (``"compensation"``,
+            ``"remainder"``), or ``None`` when it keeps none.
+        init_buffer: ``init_buffer(p)`` makes the buffer for parameter ``p`` (``None`` without one).
+        load: ``load(p, buf)`` is the fp32 value of the weight the mode holds (``p`` plus its
+            compensation or remainder).
+        apply: the write-back ``apply(p, w, u, buf, streams, count)`` described above.
     """
 
     name: str
@@ -191,5 +204,6 @@ def ensure_buffer(param: torch.Tensor, state: dict, mode: WriteBack) -> None:
             _apply_exact(param, torch.full_like(held, -0.0), held, buffer, None, False)
         elif mode.name == "kahan" and "remainder" in others and param.dtype == torch.bfloat16:   # exact -> kahan
             held = _exact_load(param, others["remainder"])
+            assert buffer is not None, "kahan mode always keeps a compensation"
             buffer.copy_(held - param.float())
         state[wanted] = buffer
