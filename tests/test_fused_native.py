@@ -479,7 +479,8 @@ def test_fp16_weights_and_states_with_stochastic_rounding_are_fused(monkeypatch)
 
 
 def test_helpers_fail_when_the_kernel_is_refused(monkeypatch):
-    """The proof that these tests prove something: with the kernel refusing every spec, each step silently takes the reference pipeline, bit-identical to it by design,
+    """The proof that these tests prove something: with the kernel refusing every spec, each step
+    silently takes the reference pipeline, bit-identical to it by design,
     and only the backend's element counts tell; every shared helper and check then fails."""
     kw = dict(lr=1e-2, weight_decay=0.1, steps=2, shapes=NATIVE_SHAPES, **FP32_STATES)
     fused = train(lo.AdamW, "native", "kahan", **kw)

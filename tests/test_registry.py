@@ -21,7 +21,7 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.registry import optimizers
-from fused_helpers import SHAPES, assert_fused, assert_same_run, correctly_rounded_sqrt, train
+from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, train
 
 HERE = Path(__file__).parent
 MODES = ("nearest", "stochastic", "kahan", "exact")

@@ -1,5 +1,7 @@
-"""Adafactor (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
-2018) with the conventions and defaults of ``torch.optim.Adafactor`` (lr=1e-2,
+"""Adafactor with the conventions and defaults of ``torch.optim.Adafactor``.
+
+Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", 2018, with
+torch's defaults (lr=1e-2,
 beta2_decay=-0.8, eps=(None, 1e-3), d=1, no first moment). For a matrix gradient the second
 moment is factored into row and column means ``R`` and ``C`` (memory ``rows + cols``)::
 
@@ -61,6 +63,7 @@ class Adafactor(LowpOptimizer):
                          **options)
 
     def validate(self, group: dict[str, Any]) -> None:
+        """Check ``beta2_decay``, ``d``, ``eps`` and ``weight_decay``."""
         beta2_decay, d = real_value(group["beta2_decay"]), real_value(group["d"])
         if beta2_decay is None or not beta2_decay <= 0:
             raise ValueError(f"beta2_decay: expected a number <= 0, got {group['beta2_decay']!r}")
@@ -75,9 +78,11 @@ class Adafactor(LowpOptimizer):
         check_nonnegative("weight_decay", group["weight_decay"])
 
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+        """Factored second moments for matrices (``row_var``, ``col_var``), a full one otherwise."""
         return ("row_var", "col_var") if param.dim() > 1 else ("variance",)
 
     def state_shape(self, name: str, param: torch.Tensor) -> torch.Size:
+        """Row and column factors drop the last and second-to-last dimension."""
         shape = list(param.shape)
         if name == "row_var":
             shape[-1] = 1
@@ -86,6 +91,7 @@ class Adafactor(LowpOptimizer):
         return torch.Size(shape)
 
     def update(self, group, weights, grads, states, step):
+        """The reference update (:func:`adafactor_update`)."""
         eps1, eps2 = group["eps"]
         eps1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
         return [adafactor_update(w, g, {k: v[i] for k, v in states.items()}, step=step, lr=float(group["lr"]),

@@ -12,7 +12,7 @@ reuses it with L2 decay.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 
@@ -39,7 +39,7 @@ def adamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     denom = torch._foreach_sqrt(second)
     torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
     torch._foreach_add_(denom, eps)
-    updates = torch._foreach_div(exp_avgs, denom)
+    updates = list(torch._foreach_div(exp_avgs, denom))
     torch._foreach_mul_(updates, -lr / (1 - beta1 ** step))
     if weight_decay:
         torch._foreach_add_(updates, weights, alpha=-lr * weight_decay)
@@ -90,7 +90,8 @@ class AdamW(TwoMomentOptimizer):
     """
 
     spec = ADAMW
-    examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, amsgrad=True, maximize=True))
+    examples: ClassVar[tuple[dict[str, Any], ...]] = (dict(lr=1e-2, weight_decay=0.1),
+                                                      dict(lr=1e-2, amsgrad=True, maximize=True))
     decoupled_weight_decay = True
     optimi_debiased = {"exp_avg": 0, "exp_avg_sq": 1}
 
@@ -101,6 +102,7 @@ class AdamW(TwoMomentOptimizer):
                          **options)
 
     def update(self, group, weights, grads, states, step):
+        """The reference update (:func:`adamw_update`; L2 decay folded into ``g`` for Adam)."""
         wd = group["weight_decay"]
         if wd and not self.decoupled_weight_decay:
             grads = torch._foreach_add(grads, weights, alpha=wd)

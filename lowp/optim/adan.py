@@ -1,5 +1,7 @@
-"""Adan (Xie et al., "Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep
-Models", 2022; TPAMI 2024), with the defaults of the authors' implementation: lr=1e-3,
+"""Adan, the adaptive Nesterov momentum optimizer, with four states per parameter.
+
+Xie et al., "Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep Models",
+2022 (TPAMI 2024), with the defaults of the authors' implementation: lr=1e-3,
 betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0. With ``d = g - g_prev`` (0 at the first
 step) and bias corrections ``bc_i = 1 - beta_i**t``::
 
@@ -47,7 +49,7 @@ def adan_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, math.sqrt(1 - beta3 ** step))
     torch._foreach_add_(denom, eps)
-    updates = torch._foreach_div(exp_avgs, 1 - beta1 ** step)
+    updates = list(torch._foreach_div(exp_avgs, 1 - beta1 ** step))
     torch._foreach_add_(updates, torch._foreach_div(exp_avg_diffs, 1 - beta2 ** step), alpha=beta2)
     torch._foreach_div_(updates, denom)
     torch._foreach_mul_(updates, -lr)
@@ -120,11 +122,13 @@ class Adan(LowpOptimizer):
                          **options)
 
     def validate(self, group: dict[str, Any]) -> None:
+        """Check the three betas, ``eps`` and ``weight_decay``."""
         check_betas(group["betas"], count=3)
         check_nonnegative("eps", group["eps"])
         check_nonnegative("weight_decay", group["weight_decay"])
 
     def update(self, group, weights, grads, states, step):
+        """The reference update (:func:`adan_update`)."""
         return adan_update(weights, grads, states["exp_avg"], states["exp_avg_diff"], states["exp_avg_sq"],
                            states["prev_grad"], step=step, lr=float(group["lr"]), betas=group["betas"],
                            eps=group["eps"], weight_decay=group["weight_decay"], no_prox=group["no_prox"])

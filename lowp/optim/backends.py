@@ -73,8 +73,8 @@ class Backend(ABC):
 
 
 def _total(counts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    counts = [c for c in counts if c is not None]
-    return torch.stack(counts).sum() if counts else None
+    present = [c for c in counts if c is not None]
+    return torch.stack(present).sum() if present else None
 
 
 class EagerBackend(Backend):
@@ -83,6 +83,7 @@ class EagerBackend(Backend):
     name = "eager"
 
     def run(self, optimizer, ctx, slices):
+        """Each chunk through the reference pipeline on its own."""
         return _total([optimizer.apply_batch(ctx, [piece]) for piece in self.pieces(optimizer, slices)])
 
 
@@ -93,9 +94,11 @@ class ForeachBackend(Backend):
     name = "foreach"
 
     def run(self, optimizer, ctx, slices):
+        """Each batch through the reference pipeline."""
         return _total([optimizer.apply_batch(ctx, batch) for batch in self.batches(optimizer, slices)])
 
     def batches(self, optimizer, slices) -> Iterator[list[ParamSlice]]:
+        """The chunks packed into batches of at most ``chunk_size`` elements (a larger chunk alone)."""
         batch: list[ParamSlice] = []
         size = 0
         for piece in self.pieces(optimizer, slices):
@@ -127,6 +130,7 @@ class FusedBackend(Backend):
 
     @property
     def fused_elements(self) -> int:
+        """Elements updated by a kernel (see the class docstring)."""
         inner = self.fallback.fused_elements if isinstance(self.fallback, FusedBackend) else 0
         return self.kernel.fused_elements + inner
 
@@ -138,6 +142,7 @@ class FusedBackend(Backend):
 
     @property
     def reference_elements(self) -> int:
+        """Elements updated by the reference pipeline (see the class docstring)."""
         inner = self.fallback.reference_elements if isinstance(self.fallback, FusedBackend) else 0
         return self._reference_elements + inner
 
@@ -156,6 +161,7 @@ class FusedBackend(Backend):
         return [bool(f) for f in flags]
 
     def run(self, optimizer, ctx, slices):
+        """The admitted slices through the kernel, the others through the fallback."""
         spec = optimizer.kernel_spec()
         if spec is None or not self.kernel.supports(spec):
             return self._fallback(optimizer, ctx, slices)

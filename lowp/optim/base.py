@@ -270,6 +270,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.validate(group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its hyper-parameters and every parameter (layout, mode, overlap)."""
         if not isinstance(param_group, Mapping) or "params" not in param_group:
             raise TypeError(f"param_group: expected a dict with a 'params' entry, got {type(param_group).__name__}")
         params = param_group["params"]
@@ -424,7 +425,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             jobs[(id(group), mode.name, state["step"], p.dtype, p.device, names, weight)].append(piece)
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
         self._last_stalled = defaultdict(list)
-        for (gid, mode_name, step, _, device, _, weight), slices in jobs.items():
+        for (gid, mode_name, step, _, _, _, weight), slices in jobs.items():
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed, self.diagnostics_enabled)
             stalled = self.backend.run(self, ctx, slices)
@@ -440,17 +441,19 @@ class LowpOptimizer(torch.optim.Optimizer):
         grads = [working_copy(s.grad) for s in batch]
         factor = (-1.0 if group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
         if factor != 1.0:
-            grads = torch._foreach_mul(grads, factor)
+            grads = list(torch._foreach_mul(grads, factor))
         weights = [mode.load(s.param, s.buffer) for s in batch]
         names = list(batch[0].states)
         states = {n: [working_copy(s.states[n]) for s in batch] for n in names}
         updates = self.update(group, weights, grads, states, ctx.step)
-        counts = []
+        counts: list[torch.Tensor] = []
         for i, s in enumerate(batch):
             streams = ctx.streams(s)
             for j, n in enumerate(names):
                 store(s.states[n], states[n][i], group["state_rounding"], streams, Stream.STATE + j)
-            counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count))
+            stalled = mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count)
+            if stalled is not None:
+                counts.append(stalled)
         return torch.stack(counts).sum() if ctx.count else None
 
     # ---- diagnostics ----------------------------------------------------------------------
@@ -477,11 +480,11 @@ class LowpOptimizer(torch.optim.Optimizer):
         if any(sharding.is_dtensor(p) for g in self.param_groups for p in g["params"]):
             reduced = iter(sharding.global_sums([v for _, shared in sums for v in shared]))
             sums = [(plain, [next(reduced) for _ in shared]) for plain, shared in sums]
-        out = []
+        out: list[dict[str, float]] = []
         for plain, shared in sums:
-            stalled, n, comp_sq, weight_sq = (a + b for a, b in zip(plain, shared))
+            stalled_sum, count, comp_sq, weight_sq = (a + b for a, b in zip(plain, shared))
             out.append({
-                "stalled_fraction": stalled / n if n and not math.isnan(stalled) else 0.0,
+                "stalled_fraction": stalled_sum / count if count and not math.isnan(stalled_sum) else 0.0,
                 "compensation_rel": math.sqrt(comp_sq / weight_sq) if weight_sq else 0.0,
                 "skipped_params": float(self.skipped_params),
                 "skipped_steps": float(self.skipped_steps),
@@ -528,8 +531,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.__setstate__({"state": state, "param_groups": groups})
         self.seed, self.skipped_params, self.skipped_steps = (extras["seed"], extras["skipped_params"],
                                                               extras["skipped_steps"])
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _checked_load(self, sd: Mapping[str, Any]) -> tuple[list[dict[str, Any]], defaultdict, dict[str, Any]]:
         """The new groups, states and extras of a checkpoint in lowp's layout, all checked."""
@@ -602,6 +605,7 @@ class TwoMomentOptimizer(LowpOptimizer):
     """Checks shared by the Adam family: ``betas``, ``eps``, ``weight_decay``."""
 
     def validate(self, group: dict[str, Any]) -> None:
+        """Check ``betas``, ``eps`` and ``weight_decay``."""
         check_betas(group["betas"])
         check_nonnegative("eps", group["eps"])
         check_nonnegative("weight_decay", group["weight_decay"])

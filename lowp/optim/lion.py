@@ -1,4 +1,6 @@
-"""Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023), the paper's
+"""Lion, the sign-momentum optimizer.
+
+Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023, with the paper's
 defaults (lr=1e-4, betas=(0.9, 0.99), weight_decay=0)::
 
     u = -lr * (sign(beta1 * m + (1 - beta1) * g) + weight_decay * theta)
@@ -21,7 +23,7 @@ def lion_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
                 lr: float, betas: tuple[float, float], weight_decay: float) -> list[torch.Tensor]:
     """Functional Lion on fp32 lists: updates the momentum in place, returns ``u``."""
     beta1, beta2 = betas
-    updates = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
+    updates = list(torch._foreach_lerp(exp_avgs, grads, 1 - beta1))
     torch._foreach_sign_(updates)
     if weight_decay:
         torch._foreach_add_(updates, weights, alpha=weight_decay)
@@ -51,7 +53,8 @@ class Lion(LowpOptimizer):
     """``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, ...)``."""
 
     spec = LION
-    examples = (dict(lr=1e-3, weight_decay=0.1), dict(lr=1e-3, betas=(0.6, 0.99)))  # 1 - beta1 >= 0.5: the other lerp branch
+    # betas=(0.6, ...): 1 - beta1 >= 0.5 takes the other branch of lerp
+    examples = (dict(lr=1e-3, weight_decay=0.1), dict(lr=1e-3, betas=(0.6, 0.99)))
 
     optimi_debiased: dict[str, int] = {}   # optimi's Lion momentum is not bias-corrected
 
@@ -60,6 +63,7 @@ class Lion(LowpOptimizer):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), **options)
 
     def validate(self, group: dict[str, Any]) -> None:
+        """Check ``betas`` and ``weight_decay``."""
         check_betas(group["betas"])
         check_nonnegative("weight_decay", group["weight_decay"])
 
@@ -68,5 +72,6 @@ class Lion(LowpOptimizer):
         return 0
 
     def update(self, group, weights, grads, states, step):
+        """The reference update (:func:`lion_update`)."""
         return lion_update(weights, grads, states["exp_avg"], lr=float(group["lr"]), betas=group["betas"],
                            weight_decay=group["weight_decay"])

@@ -1,4 +1,6 @@
-"""RAdam (Liu et al., "On the Variance of the Adaptive Learning Rate and Beyond", 2020) with the
+"""RAdam, Adam with a rectified adaptive learning rate.
+
+Liu et al., "On the Variance of the Adaptive Learning Rate and Beyond", 2020, with the
 defaults of ``torch.optim.RAdam``. With ``rho_inf = 2 / (1 - beta2) - 1`` and
 ``rho_t = rho_inf - 2 t beta2**t / (1 - beta2**t)``, the adaptive step is used once ``rho_t > 5``::
 
@@ -28,14 +30,14 @@ def radam_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     """Functional RAdam on fp32 lists: updates the moments in place, returns ``u``."""
     beta1, beta2 = betas
     if weight_decay and not decoupled_weight_decay:
-        grads = torch._foreach_add(grads, weights, alpha=weight_decay)
+        grads = list(torch._foreach_add(grads, weights, alpha=weight_decay))
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
     bias_correction2 = 1 - beta2 ** step
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * step * beta2 ** step / bias_correction2
-    updates = torch._foreach_mul(exp_avgs, -lr / (1 - beta1 ** step))
+    updates = list(torch._foreach_mul(exp_avgs, -lr / (1 - beta1 ** step)))
     if rho_t > 5:
         rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
         denom = torch._foreach_sqrt(exp_avg_sqs)
@@ -100,6 +102,7 @@ class RAdam(TwoMomentOptimizer):
                                       decoupled_weight_decay=decoupled_weight_decay), **options)
 
     def update(self, group, weights, grads, states, step):
+        """The reference update (:func:`radam_update`)."""
         return radam_update(weights, grads, states["exp_avg"], states["exp_avg_sq"], step=step, lr=float(group["lr"]),
                             betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                             decoupled_weight_decay=group["decoupled_weight_decay"])

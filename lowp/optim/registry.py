@@ -16,9 +16,10 @@ __all__ = ["optimizers", "exported_names"]
 
 
 def _subclasses(cls: type) -> list[type]:
-    out = []
-    for sub in cls.__subclasses__():
-        out += [sub, *_subclasses(sub)]
+    out: list[type] = []
+    subclasses: list[type] = cls.__subclasses__()
+    for subclass in subclasses:
+        out += [subclass, *_subclasses(subclass)]
     return out
 
 

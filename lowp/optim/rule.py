@@ -59,6 +59,7 @@ class Expr:
 
     @property
     def is_condition(self) -> bool:
+        """True for comparisons and their combinations (lane masks)."""
         return self.op in CONDITIONS
 
     def __repr__(self) -> str:
@@ -147,7 +148,8 @@ class _Leaves:
     """Attribute access ``r.<kind>.<name>`` creating (once) the leaf of that name."""
 
     def __init__(self, kind: str, allowed: tuple[str, ...] | None) -> None:
-        self._kind, self._allowed, self._made = kind, allowed, {}
+        self._kind, self._allowed = kind, allowed
+        self._made: dict[str, Expr] = {}
 
     def __getattr__(self, name: str) -> Expr:
         if name.startswith("_"):

@@ -1,4 +1,6 @@
-"""SGD with momentum, dampening and Nesterov momentum, as ``torch.optim.SGD``::
+"""SGD with momentum, dampening and Nesterov momentum, as ``torch.optim.SGD``.
+
+The update::
 
     d = g + weight_decay * theta
     b = d (first step),  b = momentum * b + (1 - dampening) * d (later steps)
@@ -30,7 +32,7 @@ def sgd_update(weights: list[torch.Tensor], grads: list[torch.Tensor], momentum_
             torch._foreach_mul_(momentum_buffers, momentum)
             torch._foreach_add_(momentum_buffers, d, alpha=1 - dampening)
         d = torch._foreach_add(d, momentum_buffers, alpha=momentum) if nesterov else momentum_buffers
-    return torch._foreach_mul(d, -lr)
+    return list(torch._foreach_mul(d, -lr))
 
 
 def sgd_rule(r: RuleArgs) -> RuleResult:
@@ -68,6 +70,7 @@ class SGD(LowpOptimizer):
                                       nesterov=nesterov), **options)
 
     def validate(self, group: dict[str, Any]) -> None:
+        """Check momentum, dampening and weight decay, and Nesterov needs momentum without dampening."""
         for name in ("momentum", "dampening", "weight_decay"):
             check_nonnegative(name, group[name])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
@@ -79,6 +82,7 @@ class SGD(LowpOptimizer):
         return 1 if "momentum_buffer" in state else 0
 
     def update(self, group, weights, grads, states, step):
+        """The reference update (:func:`sgd_update`)."""
         return sgd_update(weights, grads, states.get("momentum_buffer"), step=step, lr=float(group["lr"]),
                           momentum=group["momentum"], dampening=group["dampening"],
                           weight_decay=group["weight_decay"], nesterov=group["nesterov"])

@@ -35,6 +35,7 @@ class ParamSlice:
 
     @property
     def numel(self) -> int:
+        """Elements of the slice."""
         return self.param.numel()
 
     def chunks(self, size: int) -> list["ParamSlice"]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from lowp.optim.rule import Expr, Program, RuleArgs, RuleFn, trace
 
@@ -40,9 +40,9 @@ class OptimizerSpec:
     """One optimizer, described once; see the module docstring."""
 
     name: str
-    states: Callable[[Mapping[str, Any]], tuple[str, ...]]
-    numbers: Callable[[Mapping[str, Any], int], Numbers]
-    switches: Callable[[Mapping[str, Any]], Switches] = field(default=lambda group: {})
+    states: Callable[[dict[str, Any]], tuple[str, ...]]
+    numbers: Callable[[dict[str, Any], int], Numbers]
+    switches: Callable[[dict[str, Any]], Switches] = field(default=lambda group: {})
     rule: RuleFn | None = None
     tensor_sum: Callable[[RuleArgs], Expr] | None = None
     tensor_numbers: Callable[[Numbers, float, int], Numbers] | None = None
@@ -59,18 +59,18 @@ class OptimizerSpec:
         reduction): parameters may then be cut into chunks anywhere."""
         return self.tensor_sum is None
 
-    def variant(self, group: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:
+    def variant(self, group: dict[str, Any]) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]:
         """What selects the traced program for ``group``: its state names and switches."""
         return self.states(group), tuple(sorted((k, bool(v)) for k, v in self.switches(group).items()))
 
-    def program(self, group: Mapping[str, Any]) -> Program:
+    def program(self, group: dict[str, Any]) -> Program:
         """The rule traced for ``group``'s variant (cached); ``ValueError`` when there is no rule."""
         if self.rule is None:
             raise ValueError(f"spec {self.name!r} has no elementwise rule")
         states, switches = self.variant(group)
         return _traced(self, states, switches)
 
-    def reduction(self, group: Mapping[str, Any]) -> Program | None:
+    def reduction(self, group: dict[str, Any]) -> Program | None:
         """The per-tensor reduction term traced for ``group`` as a program whose ``update`` is the
         term (``None`` without one)."""
         if self.tensor_sum is None:
@@ -78,7 +78,7 @@ class OptimizerSpec:
         states, switches = self.variant(group)
         return _traced_sum(self, states, switches)
 
-    def step_numbers(self, program: Program, group: Mapping[str, Any], step: int) -> list[float]:
+    def step_numbers(self, program: Program, group: dict[str, Any], step: int) -> list[float]:
         """The numbers ``program`` reads, in its order, from :attr:`numbers` (float64)."""
         values = self.numbers(group, step)
         missing = [n for n in program.numbers if n not in values]

@@ -1,5 +1,7 @@
-"""StableAdamW (Wortsman et al., "Stable and low-precision training for large-scale
-vision-language models", 2023): AdamW whose step size is divided per tensor by the RMS of
+"""StableAdamW, AdamW with a per-tensor update clip.
+
+Wortsman et al., "Stable and low-precision training for large-scale vision-language models",
+2023: AdamW whose step size is divided per tensor by the RMS of
 ``g**2 / v_hat``, which clips the update when the second moment is stale (their Algorithm 2,
 without the optional beta2 warm-up)::
 
@@ -105,6 +107,7 @@ class StableAdamW(TwoMomentOptimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), **options)
 
     def update(self, group, weights, grads, states, step):
+        """The reference update (:func:`stableadamw_update`)."""
         return stableadamw_update(weights, grads, states["exp_avg"], states["exp_avg_sq"], step=step,
                                   lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
                                   weight_decay=group["weight_decay"])

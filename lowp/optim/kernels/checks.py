@@ -150,7 +150,9 @@ def check_slice(ctx: StepContext, s: ParamSlice, dtypes: Sequence[torch.dtype] =
 
 def check_kernel_args(slices: Iterable[ParamSlice], names: Sequence[str],
                       dtypes: tuple[torch.dtype | None, ...]) -> None:
-    """The last check before a native kernel call over ``slices``: ``RuntimeError`` unless every
+    """The last check before a native kernel call over ``slices``.
+
+    ``RuntimeError`` unless every
     tensor the variant reads, ``dtypes`` = (weight, gradient, buffer or ``None``, one per state in
     ``names``), is a plain CPU tensor of that dtype with the weight's (non-zero) number of
     elements, contiguous (but for the gradient, which the caller copies first) and aligned. (The
@@ -164,7 +166,7 @@ def check_kernel_args(slices: Iterable[ParamSlice], names: Sequence[str],
         written = [s.param, *(s.states.get(name) for name in names)] + ([s.buffer] if buffer is not None else [])
         bad = None if n > 0 and _plain_cpu(s.grad, grad, n) else "grad"
         for t, dtype in zip(written, expected):
-            if bad is None and not (_plain_cpu(t, dtype, n) and t.is_contiguous()
+            if bad is None and not (t is not None and _plain_cpu(t, dtype, n) and t.is_contiguous()
                                     and t.data_ptr() % t.element_size() == 0):
                 bad = "a weight, state or buffer"
         if bad is not None:

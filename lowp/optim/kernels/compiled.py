@@ -84,6 +84,7 @@ class CompiledKernel(Kernel):
     name = "compiled"
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """Every slice through the compiled step, chunk by chunk."""
         device = slices[0].param.device
         names = list(slices[0].states)
         program = spec.program(ctx.group)

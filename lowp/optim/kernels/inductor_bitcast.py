@@ -25,6 +25,7 @@ def _vector_bitcast(x: Any, dtype: torch.dtype, src_dtype: torch.dtype) -> Any:
     source = getattr(x, "dtype", None)
     if not isinstance(kernel, CppVecKernel) or source not in _BITCASTABLE or dtype not in _BITCASTABLE \
             or dtype.itemsize != source.itemsize:
+        assert _SCALARIZED_BITCAST is not None  # set while the patch is active
         return _SCALARIZED_BITCAST(x, dtype, src_dtype)
     n = kernel._get_num_vectors(source)
     target = f"at::vec::Vectorized<{DTYPE_TO_CPP[dtype]}>" if n == 1 else \
@@ -50,8 +51,8 @@ def vector_bitcasts() -> Iterator[None]:
         yield
         return
     _SCALARIZED_BITCAST = original.__func__
-    CppVecOverrides.to_dtype_bitcast = staticmethod(_vector_bitcast)
+    CppVecOverrides.to_dtype_bitcast = staticmethod(_vector_bitcast)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        CppVecOverrides.to_dtype_bitcast = original
+        CppVecOverrides.to_dtype_bitcast = original  # type: ignore[method-assign]

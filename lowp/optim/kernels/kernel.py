@@ -18,7 +18,8 @@ from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["Kernel", "fusable", "partition", "grad_factor", "slice_keys", "by_signature", "stream_count", "step_numbers"]
+__all__ = ["Kernel", "fusable", "partition", "grad_factor", "slice_keys", "by_signature", "stream_count",
+           "step_numbers"]
 
 _LOW16 = (torch.bfloat16, torch.float16)
 _KERNEL_FLOATS = (torch.float32, *_LOW16)
@@ -43,7 +44,8 @@ def fusable(ctx: StepContext, s: ParamSlice, min_numel: int = 2, fp16_stochastic
         return False
     if type(grad) not in PLAIN_TYPES or grad.is_neg() or grad.dtype not in floats:
         return False
-    if ctx.mode.name in ("stochastic", "kahan") and param.dtype not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
+    rounds_stochastically = _LOW16 if fp16_stochastic else (torch.bfloat16,)
+    if ctx.mode.name in ("stochastic", "kahan") and param.dtype not in rounds_stochastically:
         return False
     stochastic_states = ctx.group["state_rounding"] == "stochastic"
     return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
@@ -103,6 +105,10 @@ class Kernel(ABC):
     def __init__(self) -> None:
         self.fused_elements = 0
 
+    def device_types(self) -> tuple[str, ...]:
+        """The device types whose memory this kernel addresses (default: :attr:`devices`)."""
+        return self.devices
+
     def supports(self, spec: OptimizerSpec) -> bool:
         """Whether this kernel has a form of ``spec`` (default: any elementwise rule)."""
         return spec.rule is not None and spec.elementwise
@@ -115,7 +121,7 @@ class Kernel(ABC):
         if tuple(s.states) != tuple(expected):
             raise ValueError(f"states: the {spec.name} optimizer reads the states {list(expected)} of this "
                              f"parameter, the slice has {list(s.states)}")
-        return fusable(ctx, s, self.min_numel, self.fp16_stochastic, self.devices, spans)
+        return fusable(ctx, s, self.min_numel, self.fp16_stochastic, self.device_types(), spans)
 
     @abstractmethod
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:

@@ -87,6 +87,7 @@ class NativeKernel(Kernel):
         return flags
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """One kernel call per dtype signature."""
         numbers = spec.numbers(ctx.group, ctx.step)
         stalled = 0
         for dtypes, members in by_signature(slices, slice_dtypes).items():

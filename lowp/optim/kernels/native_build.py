@@ -6,9 +6,10 @@ Nothing is compiled when lowp is installed: the first step of a variant (optimiz
 switches, write-back mode, dtypes, state rounding, diagnostics) compiles one shared object with
 the system C++ compiler (about 1 s), stores it in a cache folder keyed by a hash of the
 generated source, the hand-written sources, the compiler and the flags, and loads it with
-:mod:`ctypes`; later processes load it from the cache. The kernel needs an x86-64 CPU with AVX2, FMA and F16C (every x86 server CPU
-since 2013-2015) and ``g++``/``c++``/``clang++`` on PATH; :func:`native_available` says whether
-both hold, and the backends fall back to ``torch.compile`` or the reference pipeline otherwise.
+:mod:`ctypes`; later processes load it from the cache. The kernel needs an x86-64 CPU with AVX2,
+FMA and F16C (every x86 server CPU since 2013-2015) and ``g++``/``c++``/``clang++`` on PATH;
+:func:`native_available` says whether both hold, and the backends fall back to ``torch.compile``
+or the reference pipeline otherwise.
 
 The cache folder is ``$LOWP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/lowp`` or ``~/.cache/lowp``.
 Loading a library runs its code, so the cache is guarded: the folder and its ``kernels``
@@ -41,6 +42,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 __all__ = ["native_available", "step_function", "sums_function", "finite_function", "cache_dir", "library_path",
            "FLAGS"]
@@ -316,7 +318,7 @@ def library_path(name: str, source: str | None = None) -> Path:
     return cache_dir() / "kernels" / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
 
 
-def step_function(source: str) -> "ctypes._CFuncPtr":
+def step_function(source: str) -> Callable[..., Any]:
     """``lowp_step(tensors, pointer table, numel, offsets, h, tensor numbers, keys, threads) ->
     stalled count`` of the generated variant ``source`` (:func:`~lowp.optim.kernels.cpp_source.variant_source`)."""
     fn = _library("step", source).lowp_step
@@ -326,7 +328,7 @@ def step_function(source: str) -> "ctypes._CFuncPtr":
     return fn
 
 
-def sums_function(source: str) -> "ctypes._CFuncPtr":
+def sums_function(source: str) -> Callable[..., Any]:
     """``lowp_sums(tensors, pointer table, numel, h, sums out, threads)`` of a variant with a
     per-tensor reduction."""
     fn = _library("step", source).lowp_sums
@@ -335,7 +337,7 @@ def sums_function(source: str) -> "ctypes._CFuncPtr":
     return fn
 
 
-def finite_function() -> "ctypes._CFuncPtr":
+def finite_function() -> Callable[..., Any]:
     """``lowp_finite(tensors, pointers, numel, dtype codes, flags out, threads)``."""
     fn = _library("finite").lowp_finite
     fn.restype = None

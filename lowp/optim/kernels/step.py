@@ -88,6 +88,7 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
     j = torch.arange(n, device=p.device, dtype=torch.int32)
     before = j < keys[1]
     if mode == "exact":
+        assert buf is not None
         bits = (p.view(torch.int16).to(torch.int32) << 16) + buf.to(torch.int32)
         w = bits.view(torch.float32)
     else:
@@ -100,12 +101,14 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
             s.copy_(x.to(s.dtype))
     stalled = None
     if mode == "kahan":
+        assert buf is not None
         v = buf.float() + u
         new = (w + v).to(p.dtype)
         change = new.float() - w
         buf.copy_(stochastic_bf16(v - change, _stream_bits(j, before, keys, Stream.COMPENSATION)))
         stalled = (change == 0).sum(dtype=torch.int32) if count else None
     elif mode == "exact":
+        assert buf is not None
         bits = (w + u).view(torch.int32)
         hi = (bits + _HALF) >> 16
         buf.copy_((bits - (hi << 16)).to(torch.int16))

@@ -78,8 +78,7 @@ class TritonKernel(Kernel):
 
     name = "triton"
 
-    @property  # type: ignore[override]
-    def devices(self) -> tuple[str, ...]:
+    def device_types(self) -> tuple[str, ...]:
         """CUDA memory, and CPU memory under the interpreter."""
         return ("cuda", "cpu") if interpreting() else ("cuda",)
 
@@ -89,6 +88,7 @@ class TritonKernel(Kernel):
         super().__init__()
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """One launch per dtype signature."""
         from lowp.optim.kernels.triton_ops import tl_dtype  # imports triton
 
         program = spec.program(ctx.group)
@@ -99,8 +99,8 @@ class TritonKernel(Kernel):
         for members in by_signature(slices, _dtypes).values():
             counts.append(self.launch(kernel, tl_dtype, ctx, members, h))
         self.fused_elements += sum(s.numel for s in slices)
-        counts = [c for c in counts if c is not None]
-        return torch.stack(counts).sum() if counts else None
+        present = [c for c in counts if c is not None]
+        return torch.stack(present).sum() if present else None
 
     @staticmethod
     def launch(kernel, tl_dtype, ctx: StepContext, slices: list[ParamSlice], h: torch.Tensor) -> torch.Tensor | None:
