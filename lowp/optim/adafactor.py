@@ -52,7 +52,23 @@ def adafactor_update(weight: torch.Tensor, grad: torch.Tensor, factors: dict[str
 
 
 class Adafactor(LowpOptimizer):
-    """``Adafactor(params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0, ...)``."""
+    """Adafactor with bf16/fp16 weights compensated per :mod:`lowp.optim.writeback` mode.
+
+    Args:
+        params: the parameters (or parameter groups) to optimize.
+        lr: the relative step size; the step is ``max(eps2, RMS(theta)) * min(lr, 1/sqrt(t))``
+            (default 1e-2).
+        beta2_decay: the exponent of the second-moment decay ``beta2_t = 1 - t**beta2_decay``, a
+            number <= 0 (default -0.8).
+        eps: ``(eps1, eps2)``: ``eps1`` floors the second moment at ``eps1**2`` (``None``, the
+            default: fp32's machine epsilon), ``eps2`` floors the parameter scale ``RMS(theta)``;
+            each a finite number >= 0 (default ``(None, 1e-3)``).
+        d: the clipping threshold of the update's RMS, a number >= 1 (default 1.0).
+        weight_decay: decoupled decay rate, ``-lr * weight_decay * theta`` joins the update
+            (default 0).
+        **options: the common options of :class:`~lowp.optim.base.LowpOptimizer` (``mode``,
+            ``state_dtype``, ``fused``...).
+    """
 
     elementwise = False
 

@@ -85,8 +85,21 @@ ADAMW = OptimizerSpec(
 class AdamW(TwoMomentOptimizer):
     """AdamW with bf16/fp16 weights compensated per :mod:`lowp.optim.writeback` mode.
 
-    ``AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-    mode="auto", state_dtype=None, ...)``; common options: :class:`LowpOptimizer`.
+    Positional order is torch's (``eps`` before ``weight_decay``, unlike optimi; a large ``eps``
+    with a tiny ``weight_decay`` warns).
+
+    Args:
+        params: the parameters (or parameter groups) to optimize.
+        lr: learning rate (default 1e-3).
+        betas: ``(beta1, beta2)``, the decay rates of the gradient and squared-gradient averages,
+            each in [0, 1) (default (0.9, 0.999)).
+        eps: added to the denominator ``sqrt(v_hat)``, a finite number >= 0 (default 1e-8).
+        weight_decay: decoupled decay rate, ``-lr * weight_decay * theta`` joins the update
+            (default 1e-2).
+        amsgrad: ``True`` uses the running maximum of ``v`` (one more state, ``max_exp_avg_sq``)
+            in place of ``v`` in the denominator; default ``False``.
+        **options: the common options of :class:`~lowp.optim.base.LowpOptimizer` (``mode``,
+            ``state_dtype``, ``fused``...).
     """
 
     spec = ADAMW

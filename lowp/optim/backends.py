@@ -39,7 +39,13 @@ __all__ = ["Backend", "EagerBackend", "ForeachBackend", "FusedBackend", "registe
 
 
 class Backend(ABC):
-    """Runs one step over a list of slices. Subclasses set ``name`` and implement ``run``."""
+    """Runs one step over a list of slices. Subclasses set ``name`` and implement ``run``.
+
+    Args:
+        chunk_size: the most elements of one chunk of a parameter of an elementwise optimizer
+            (default ``2**17``), which bounds a step's fp32 temporaries; a positive int, else
+            ``ValueError``.
+    """
 
     name: ClassVar[str]
 
@@ -78,7 +84,13 @@ def _total(counts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 class EagerBackend(Backend):
-    """One tensor (chunk) at a time: the simplest path and the smallest temporaries."""
+    """One tensor (chunk) at a time: the simplest path and the smallest temporaries.
+
+    Args:
+        chunk_size: the most elements of one chunk of a parameter of an elementwise optimizer
+            (default ``2**17``), which bounds a step's fp32 temporaries; a positive int, else
+            ``ValueError``.
+    """
 
     name = "eager"
 
@@ -89,7 +101,13 @@ class EagerBackend(Backend):
 
 class ForeachBackend(Backend):
     """Packs chunks into batches of about ``chunk_size`` elements and runs each batch with
-    ``torch._foreach_*`` ops (one multi-tensor kernel per op on GPU, fewer dispatches on CPU)."""
+    ``torch._foreach_*`` ops (one multi-tensor kernel per op on GPU, fewer dispatches on CPU).
+
+    Args:
+        chunk_size: the most elements of one chunk and of one batch (a larger parameter of a
+            non-elementwise optimizer forms a batch alone); default ``2**17``, a positive int,
+            else ``ValueError``.
+    """
 
     name = "foreach"
 
@@ -121,7 +139,19 @@ class FusedBackend(Backend):
     host, no device sync): ``fused_elements``, the elements a kernel updated (this backend's, and
     a fused fallback's), and ``reference_elements``, those that took the reference pipeline.
     Both sum over slices and steps (an element updated in 8 steps counts 8 times); assign 0 to
-    restart them."""
+    restart them.
+
+    The ``chunk_size`` is the fallback's. ``get_backend`` makes the stock fused backends
+    (``native``, ``compiled``, ``triton``); build one directly only to pair another kernel.
+
+    Args:
+        kernel: the fused kernel (:class:`~lowp.optim.kernels.kernel.Kernel`), which says which
+            specs it supports and which slices it admits.
+        fallback: the backend for what the kernel does not take: a ``ForeachBackend`` for the
+            stock backends, a ``compiled`` fused backend under ``triton``.
+        name: the backend's name (its :attr:`Backend.name`; the stock ones use their key in
+            :data:`BACKENDS`).
+    """
 
     def __init__(self, kernel: Kernel, fallback: Backend, name: str) -> None:
         super().__init__(fallback.chunk_size)

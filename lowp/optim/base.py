@@ -126,26 +126,67 @@ def warn_if_swapped(eps: Any, weight_decay: Any) -> None:
 class LowpOptimizer(torch.optim.Optimizer):
     """Base of every lowp optimizer.
 
-    Common keyword arguments (per parameter group where noted):
+    Subclasses take their own hyper-parameters and pass the options below through ``**options``;
+    the options marked *(group)* are stored per parameter group and may differ between groups.
 
-    - ``mode`` (group): ``"auto"`` (kahan for bf16/fp16 weights), ``"kahan"``, ``"stochastic"``,
-      ``"nearest"`` or ``"exact"``; fp32/fp64 weights are always updated plainly.
-    - ``state_dtype`` (group): ``None`` (the parameter's dtype; bf16 for fp16 parameters, see
-      :func:`default_state_dtype`), a dtype, or a dict
-      ``{state name: dtype}``.
-    - ``state_rounding`` (group): ``"stochastic"`` (default) or ``"nearest"`` for states stored in
-      16 bits. With beta2 = 0.999, ``v * beta2`` rounds back to ``v`` in bf16 (eps 2**-7), so
-      round-to-nearest states stop decaying; stochastic rounding keeps them unbiased.
-    - ``maximize`` (group).
-    - ``nonfinite``: ``"skip_param"`` (a parameter whose gradient has a NaN/inf is not updated),
-      ``"skip_step"`` (nothing is updated) or ``"off"`` (no check). Skips are counted.
-    - ``foreach`` / ``backend`` / ``chunk_size``: how the step runs (:mod:`lowp.optim.backends`).
-    - ``fused``: ``None`` picks a fused backend when one is available and worth it, ``True``
-      requires one, ``False`` never uses one (:func:`lowp.optim.backends.backend_for`).
-    - ``seed``: seed of the stochastic-rounding streams (default: ``torch.initial_seed()``): element
-      ``i`` of parameter ``param_id`` (its position over all groups) draws
-      ``random16(i, stream_key(seed, step, param_id, stream))`` (:mod:`lowp.optim.randomness`).
-    - ``diagnostics``: count elements whose stored weight did not move this step.
+    Args:
+        params: the tensors to optimize, or parameter groups (dicts with a ``"params"`` entry and
+            per-group options), or ``(name, tensor)`` pairs as ``named_parameters()`` yields them.
+            Each must be a dense real floating-point tensor (bf16, fp16, fp32 or fp64); a set (no
+            fixed order), distinct tensors sharing memory and tensor subclasses other than
+            ``nn.Parameter`` and DTensor raise.
+        defaults: the subclass's hyper-parameters (``lr``, ``betas``...), the defaults of every
+            group; checked (``lr`` a finite number >= 0, the subclass's ``validate``) before any
+            state exists.
+        mode (group): how the fp32 update is written back into bf16/fp16 weights
+            (:mod:`lowp.optim.writeback`): ``"auto"`` (default: ``"kahan"``), ``"kahan"``,
+            ``"stochastic"``, ``"nearest"`` or ``"exact"`` (bf16 weights only; a ``TypeError``
+            for fp16). fp32/fp64 weights are always updated plainly, whatever the mode. Another
+            name raises ``ValueError``.
+        state_dtype (group): the dtype new optimizer states are created in: ``None`` (default:
+            the parameter's dtype, but bf16 for fp16 parameters, see :func:`default_state_dtype`),
+            ``torch.float32``, ``torch.bfloat16``, ``torch.float16``, or a dict
+            ``{state name: dtype or None}``. fp64 parameters always keep fp64 states; float64
+            and other dtypes raise ``ValueError``.
+        state_rounding (group): ``"stochastic"`` (default) or ``"nearest"``, how states stored in
+            16 bits are rounded. With beta2 = 0.999, ``v * beta2`` rounds back to ``v`` in bf16
+            (eps 2**-7), so round-to-nearest states stop decaying; stochastic rounding keeps them
+            unbiased.
+        maximize (group): ``True`` ascends the objective (the gradient's sign is flipped);
+            default ``False``. Must be a bool.
+        nonfinite: what a gradient holding a NaN or infinity does: ``"skip_param"`` (default:
+            that parameter is not updated), ``"skip_step"`` (no parameter is updated) or
+            ``"off"`` (no check: the non-finite values reach the weights). Skips are counted
+            (:meth:`diagnostics`).
+        foreach: ``None`` (default) or ``True`` run unfused steps with the ``foreach`` backend
+            (batches of ``torch._foreach_*`` ops), ``False`` with ``eager`` (one tensor at a
+            time); with ``fused=None``, ``False`` also rules out the fused CPU backends. ``None``,
+            ``True`` or ``False``.
+        backend: a backend by name (``"eager"``, ``"foreach"``, ``"native"``, ``"compiled"``,
+            ``"triton"`` or one added with :func:`~lowp.optim.backends.register_backend`),
+            overriding ``foreach`` and ``fused``; default ``None`` (chosen by
+            :func:`~lowp.optim.backends.backend_for`). An unknown name, or a name together with
+            ``fused=True``, raises ``ValueError``.
+        chunk_size: the most elements one batch or chunk holds (default ``2**17``), which bounds
+            the fp32 temporaries of a step (:mod:`lowp.optim.backends`); a positive int.
+        seed: the seed of the stochastic-rounding streams, an int in ``[0, 2**64)`` (default:
+            ``torch.initial_seed()``): element ``i`` of parameter ``param_id`` (its position
+            over all groups) draws ``random16(i, stream_key(seed, step, param_id, stream))``
+            (:mod:`lowp.optim.randomness`). Saved in the ``state_dict``.
+        diagnostics: ``True`` (default) counts the elements whose stored weight did not move in
+            each step (:meth:`diagnostics`); ``False`` saves that count. Must be a bool.
+        fused: ``None`` (default) picks a fused backend when one is available and worth it (large
+            models, CUDA with Triton), ``True`` requires one (``RuntimeError`` when none can
+            build code here), ``False`` never uses one (:func:`lowp.optim.backends.backend_for`).
+        kahan_sum: optimi's spelling of the mode: ``True`` means ``mode="kahan"``, ``False``
+            ``mode="nearest"``, ``None`` (default) leaves ``mode`` alone; a conflicting ``mode``
+            raises ``ValueError``.
+        capturable: torch's option for CUDA-graph capture, accepted for compatibility; only
+            ``False`` (default) is supported (the step reads its counters on the host), ``True``
+            raises ``ValueError``.
+        differentiable: torch's option for autograd through the step, accepted for
+            compatibility; only ``False`` (default) is supported (the low-precision write-back is
+            not differentiable), ``True`` raises ``ValueError``.
     """
 
     #: The optimizer described for the backends (:mod:`lowp.optim.spec`); ``None``: reference only.
@@ -602,7 +643,30 @@ def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:
 
 
 class TwoMomentOptimizer(LowpOptimizer):
-    """Checks shared by the Adam family: ``betas``, ``eps``, ``weight_decay``."""
+    """Checks shared by the Adam family: ``betas``, ``eps``, ``weight_decay``.
+
+    The constructor is :class:`LowpOptimizer`'s; its Args section has the details of each option.
+
+    Args:
+        params: the tensors, parameter groups or ``(name, tensor)`` pairs to optimize.
+        defaults: the subclass's hyper-parameters; besides ``lr`` they must hold ``betas`` (two
+            numbers in [0, 1)), ``eps`` and ``weight_decay`` (finite numbers >= 0).
+        mode (group): the write-back mode of bf16/fp16 weights (default ``"auto"``: kahan).
+        state_dtype (group): the dtype of new states (default ``None``: the parameter's, bf16 for
+            fp16 parameters).
+        state_rounding (group): ``"stochastic"`` (default) or ``"nearest"`` for 16-bit states.
+        maximize (group): ascend instead of descend (default ``False``).
+        nonfinite: ``"skip_param"`` (default), ``"skip_step"`` or ``"off"``.
+        foreach: ``False`` runs unfused steps with the eager backend (default ``None``: foreach).
+        backend: a backend by name (default ``None``: chosen from ``fused`` and ``foreach``).
+        chunk_size: the most elements per batch or chunk (default ``2**17``).
+        seed: the stochastic-rounding seed (default ``torch.initial_seed()``).
+        diagnostics: count elements whose stored weight did not move (default ``True``).
+        fused: ``None`` (default) fused when worth it, ``True`` required, ``False`` never.
+        kahan_sum: optimi's spelling of ``mode`` (default ``None``: not given).
+        capturable: only ``False`` (default) is supported.
+        differentiable: only ``False`` (default) is supported.
+    """
 
     def validate(self, group: dict[str, Any]) -> None:
         """Check ``betas``, ``eps`` and ``weight_decay``."""

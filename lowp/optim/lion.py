@@ -50,7 +50,18 @@ LION = OptimizerSpec(
 
 
 class Lion(LowpOptimizer):
-    """``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, ...)``."""
+    """Lion with bf16/fp16 weights compensated per :mod:`lowp.optim.writeback` mode.
+
+    Args:
+        params: the parameters (or parameter groups) to optimize.
+        lr: learning rate, the size of every element's signed step (default 1e-4).
+        betas: ``(beta1, beta2)``, each in [0, 1): ``beta1`` mixes momentum and gradient inside
+            the sign, ``beta2`` is the momentum's decay rate (default (0.9, 0.99)).
+        weight_decay: decoupled decay rate, ``-lr * weight_decay * theta`` joins the update
+            (default 0).
+        **options: the common options of :class:`~lowp.optim.base.LowpOptimizer` (``mode``,
+            ``state_dtype``, ``fused``...).
+    """
 
     spec = LION
     # betas=(0.6, ...): 1 - beta1 >= 0.5 takes the other branch of lerp

@@ -88,8 +88,21 @@ RADAM = OptimizerSpec(
 
 
 class RAdam(TwoMomentOptimizer):
-    """``RAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
-    decoupled_weight_decay=False, ...)``."""
+    """RAdam with bf16/fp16 weights compensated per :mod:`lowp.optim.writeback` mode.
+
+    Args:
+        params: the parameters (or parameter groups) to optimize.
+        lr: learning rate (default 1e-3).
+        betas: ``(beta1, beta2)``, the decay rates of the gradient and squared-gradient averages,
+            each in [0, 1) (default (0.9, 0.999)).
+        eps: added to the denominator ``sqrt(v)``, a finite number >= 0 (default 1e-8).
+        weight_decay: decay rate (default 0), L2 (added to the gradient) unless
+            ``decoupled_weight_decay``.
+        decoupled_weight_decay: ``True`` applies decay as ``-lr * weight_decay * theta`` in the
+            update, as AdamW does; default ``False``.
+        **options: the common options of :class:`~lowp.optim.base.LowpOptimizer` (``mode``,
+            ``state_dtype``, ``fused``...).
+    """
 
     spec = RADAM
     examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True))

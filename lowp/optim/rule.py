@@ -50,7 +50,19 @@ LEAVES = frozenset({"input", "state", "number", "tensor_number", "const"})
 
 class Expr:
     """One node of a rule: an operation of :data:`OPS` on other nodes, or a leaf (:data:`LEAVES`)
-    whose ``name`` says which input, state or number it is (``value`` for constants)."""
+    whose ``name`` says which input, state or number it is (``value`` for constants).
+
+    Rules build nodes with operators and the functions of this module, which check operand kinds;
+    the constructor itself checks nothing.
+
+    Args:
+        op: an operation of :data:`OPS` or a leaf kind of :data:`LEAVES`.
+        args: the operand nodes of an operation, as many as :data:`OPS` says (default ``()``:
+            a leaf).
+        name: a leaf's name: ``"w"`` or ``"g"`` for ``"input"``, the state's or number's name
+            otherwise (default ``""``: unused by operations and constants).
+        value: a ``"const"`` leaf's number (default 0.0: unused by other nodes).
+    """
 
     __slots__ = ("op", "args", "name", "value")
 
@@ -181,7 +193,19 @@ class _Switches:
 @dataclass
 class RuleArgs:
     """What a rule function receives: ``w``, ``g``, ``s`` (states), ``n`` (step numbers), ``t``
-    (per-tensor numbers) and ``on`` (structural switches); see the module docstring."""
+    (per-tensor numbers) and ``on`` (structural switches); see the module docstring.
+
+    Made by :func:`trace`; attribute access on ``s``, ``n`` and ``t`` creates the leaf of that
+    name (an ``AttributeError`` for a name the variant does not have).
+
+    Args:
+        w: the ``"input"`` leaf of the fp32 weight.
+        g: the ``"input"`` leaf of the fp32 gradient (unscaled, sign-flipped under ``maximize``).
+        s: the states: ``s.<name>`` is the fp32 value of state ``name``.
+        n: the step numbers: ``n.<name>`` is a number of the spec's ``numbers``.
+        t: the per-tensor numbers: ``t.<name>`` is a number of the spec's ``tensor_numbers``.
+        on: the structural switches: ``on.<name>`` is a plain bool of the spec's ``switches``.
+    """
 
     w: Expr
     g: Expr
@@ -207,7 +231,21 @@ class Program:
     variant's state order) it returns, with their positions; and the names of the step numbers
     and per-tensor numbers it reads, in first-use order (the position of a number in
     :attr:`numbers` is where the backends pack it); ``update_at`` and ``states_at`` are the
-    positions of the outputs in :attr:`nodes`."""
+    positions of the outputs in :attr:`nodes`.
+
+    Made by :func:`trace`, which keeps the fields consistent; the constructor checks nothing.
+
+    Args:
+        nodes: every node reachable from the outputs, each after its arguments.
+        steps: :attr:`nodes` as plain data, ``(op, name, value, positions of the arguments)``.
+        update: the node of the weight change ``u``.
+        states: ``(state name, node of its new value)`` pairs, in the variant's state order.
+        state_names: the variant's state names, in order.
+        numbers: the step numbers the rule reads, in first-use order.
+        tensor_numbers: the per-tensor numbers the rule reads, in first-use order.
+        update_at: the position of :attr:`update` in :attr:`nodes`.
+        states_at: the positions of the new states in :attr:`nodes`, in state order.
+    """
 
     nodes: tuple[Expr, ...]
     steps: tuple[Step, ...]

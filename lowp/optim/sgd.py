@@ -58,7 +58,20 @@ SGD_SPEC = OptimizerSpec(
 
 
 class SGD(LowpOptimizer):
-    """``SGD(params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, ...)``."""
+    """SGD with bf16/fp16 weights compensated per :mod:`lowp.optim.writeback` mode.
+
+    Args:
+        params: the parameters (or parameter groups) to optimize.
+        lr: learning rate (default 1e-3).
+        momentum: momentum factor, a finite number >= 0 (default 0: no momentum buffer).
+        dampening: the gradient's weight in the momentum is ``1 - dampening`` after the first
+            step, a finite number >= 0 (default 0).
+        weight_decay: L2 penalty, ``weight_decay * theta`` is added to the gradient (default 0).
+        nesterov: ``True`` uses Nesterov momentum, which needs ``momentum > 0`` and
+            ``dampening = 0`` (else ``ValueError``); default ``False``.
+        **options: the common options of :class:`~lowp.optim.base.LowpOptimizer` (``mode``,
+            ``state_dtype``, ``fused``...).
+    """
 
     spec = SGD_SPEC
     examples = (dict(lr=0.05), dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True),

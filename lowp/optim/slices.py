@@ -24,6 +24,19 @@ class ParamSlice:
     ``param_id`` (the parameter's position in the flat list of all parameters of the optimizer)
     and ``index`` (where the local elements sit in the whole parameter) select the random
     streams of stochastic rounding (:mod:`lowp.optim.randomness`).
+
+    Made by the optimizer's step, which has checked every tensor; the constructor checks nothing.
+
+    Args:
+        param: the weight (or a flat chunk of it), updated in place.
+        grad: its gradient, the shape of ``param``, of its dtype or fp32 (read only).
+        states: ``{state name: tensor}`` in the optimizer's state order, each updated in place
+            (default: no states).
+        buffer: the write-back mode's buffer, the shape of ``param`` (default ``None``: nearest
+            and stochastic modes have none).
+        param_id: the parameter's position over all groups of the optimizer (default 0).
+        index: where the local elements sit in the whole parameter (default: a whole tensor,
+            :class:`~lowp.optim.randomness.ElementIndex` ``()``).
     """
 
     param: torch.Tensor
@@ -59,6 +72,15 @@ class StepContext:
     ``inv_scale`` unscales gradients (from :class:`torch.amp.GradScaler`), ``count`` asks the
     write-back for the stalled-element count, ``seed`` (the optimizer's) keys the random streams
     of stochastic rounding.
+
+    Args:
+        group: the parameter group (hyper-parameters and options) of the slices.
+        mode: the write-back mode (:class:`~lowp.optim.writeback.WriteBack`) of the slices.
+        step: the step number of the slices' parameters, counting from 1 at their first step.
+        inv_scale: the reciprocal of the GradScaler's scale, multiplied into every gradient
+            (default ``None``: gradients are used as they are).
+        seed: the optimizer's seed (default 0).
+        count: ``True`` (default) asks for the stalled-element count, ``False`` for none.
     """
 
     group: dict[str, Any]

@@ -37,7 +37,25 @@ Switches = dict[str, bool]
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """One optimizer, described once; see the module docstring."""
+    """One optimizer, described once; see the module docstring.
+
+    Args:
+        name: the optimizer's id, a Python identifier (it names kernel variants and cache
+            entries); else ``ValueError``.
+        states: ``states(group)``, the state names of a parameter of ``group``, in order.
+        numbers: ``numbers(group, step)``, the step's scalars by name (float64, as the reference
+            computes them).
+        switches: ``switches(group)``, the structural choices by name (default: none); one
+            compiled variant per distinct value.
+        rule: the elementwise update in the rule language (:mod:`lowp.optim.rule`); default
+            ``None``: every backend runs the reference update.
+        tensor_sum: an elementwise term whose sum over each tensor the step needs first (default
+            ``None``: elementwise optimizer). Given with ``tensor_numbers`` or not at all, else
+            ``ValueError``.
+        tensor_numbers: ``tensor_numbers(numbers, total, numel)``, the per-tensor numbers made
+            on the host from the step numbers, a tensor's sum of ``tensor_sum`` and its element
+            count (default ``None``).
+    """
 
     name: str
     states: Callable[[dict[str, Any]], tuple[str, ...]]

@@ -96,7 +96,20 @@ STABLEADAMW = OptimizerSpec(
 
 
 class StableAdamW(TwoMomentOptimizer):
-    """``StableAdamW(params, lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=1e-2, ...)``."""
+    """StableAdamW with bf16/fp16 weights compensated per :mod:`lowp.optim.writeback` mode.
+
+    Args:
+        params: the parameters (or parameter groups) to optimize.
+        lr: learning rate before the per-tensor clip ``lr / max(1, RMS_t)`` (default 1e-3).
+        betas: ``(beta1, beta2)``, the decay rates of the gradient and squared-gradient averages,
+            each in [0, 1) (default (0.9, 0.99)).
+        eps: added to the denominator ``sqrt(v_hat)``, and ``eps**2`` floors ``v_hat`` in the
+            RMS; a finite number >= 0 (default 1e-6).
+        weight_decay: decoupled decay rate, ``-lr_t * weight_decay * theta`` joins the update
+            (default 1e-2).
+        **options: the common options of :class:`~lowp.optim.base.LowpOptimizer` (``mode``,
+            ``state_dtype``, ``fused``...).
+    """
 
     spec = STABLEADAMW
     examples = (dict(lr=1e-2, weight_decay=0.1),)

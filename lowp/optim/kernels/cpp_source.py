@@ -29,7 +29,27 @@ MODE_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3}
 class Variant:
     """Everything that selects one compiled variant: the traced rule (and reduction), the
     write-back mode, the dtypes of weight, gradient, buffer (``None``: the mode has none) and
-    states, stochastic state rounding and stalled-element counting."""
+    states, stochastic state rounding and stalled-element counting.
+
+    Two equal variants share one compiled kernel. The fields are not checked here: they are made
+    by :func:`lowp.optim.kernels.native.variant_for` from a step context and a slice's dtypes.
+
+    Args:
+        program: the optimizer's rule traced for the group's variant (:meth:`OptimizerSpec.program
+            <lowp.optim.spec.OptimizerSpec.program>`).
+        reduction: the traced per-tensor reduction term (:meth:`OptimizerSpec.reduction
+            <lowp.optim.spec.OptimizerSpec.reduction>`), ``None`` for an elementwise optimizer.
+        mode: the write-back mode's name, a key of :data:`MODE_CODES` (``"nearest"``,
+            ``"stochastic"``, ``"kahan"`` or ``"exact"``).
+        weight: the weight's dtype (fp32, bf16 or fp16).
+        grad: the gradient's dtype (the weight's or fp32).
+        buffer: the mode buffer's dtype (``compensation``: the weight's or fp32; ``remainder``:
+            int16), ``None`` when the mode has no buffer.
+        states: the dtype of each state, in the rule's state order (fp32, bf16 or fp16).
+        stochastic_states: ``True`` rounds 16-bit states stochastically (the group's
+            ``state_rounding="stochastic"``), ``False`` to nearest.
+        count: ``True`` makes the kernel count the elements whose stored weight did not change.
+    """
 
     program: Program
     reduction: Program | None
