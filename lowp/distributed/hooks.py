@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lowp.distributed.advisor import BucketStats
+from lowp.distributed.stats import BucketStats
 from lowp.formats import get_format
 from lowp.rounding import quantize
 

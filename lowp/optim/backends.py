@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterator
+from typing import Callable, ClassVar, Iterator, Protocol
 
 import torch
 
@@ -30,12 +30,24 @@ from lowp.optim.kernels import CompiledKernel, Kernel, NativeKernel, TritonKerne
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import partition
 from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.spec import OptimizerSpec
 
-if TYPE_CHECKING:
-    from lowp.optim.base import LowpOptimizer
 
 __all__ = ["Backend", "EagerBackend", "ForeachBackend", "FusedBackend", "register_backend", "get_backend",
            "BACKENDS", "backend_for", "AUTO_MIN_NUMEL", "AUTO_MIN_NUMEL_NATIVE"]
+
+
+class LowpOptimizer(Protocol):
+    """What a backend reads of the optimizer it runs (:class:`lowp.optim.base.LowpOptimizer`,
+    which imports this module)."""
+
+    elementwise: bool
+
+    def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
+        """The reference pipeline for one batch; returns the stalled count."""
+
+    def kernel_spec(self) -> OptimizerSpec | None:
+        """The spec the kernels may run (``None``: the reference only)."""
 
 
 class Backend(ABC):

@@ -36,6 +36,7 @@ import torch
 
 from lowp.optim import preflight, sharding
 from lowp.optim.backends import Backend, backend_for, get_backend
+from lowp.optim.migrate import to_lowp_layout
 from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import ParamSlice, StepContext
@@ -558,8 +559,6 @@ class LowpOptimizer(torch.optim.Optimizer):
         unless the group's ``state_dtype`` names one. Everything is checked first: group count
         and sizes, each group's hyper-parameters, each state's shape, dtype and step count, and
         the extras; on any error nothing has changed."""
-        from lowp.optim.migrate import to_lowp_layout
-
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
         state_dict = dict(state_dict)

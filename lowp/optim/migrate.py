@@ -25,14 +25,11 @@ steps, no lowp buffers or keys) for the fp32 weights of
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 
 from lowp.optim.preflight import step_count
-
-if TYPE_CHECKING:
-    from lowp.optim.base import LowpOptimizer
 
 __all__ = ["FOREIGN_GROUP_KEYS", "to_lowp_layout", "to_torch_state_dict"]
 
@@ -43,11 +40,28 @@ FOREIGN_GROUP_KEYS = frozenset({"foreach", "fused", "capturable", "differentiabl
 _LOWP_GROUP_KEYS = ("mode", "state_dtype", "state_rounding", "lowp")
 
 
+class LowpOptimizer(Protocol):
+    """What the translations read of a lowp optimizer (:class:`lowp.optim.base.LowpOptimizer`,
+    which imports this module)."""
+
+    defaults: dict[str, Any]
+    optimi_debiased: dict[str, int] | None
+
+    def infer_step(self, state: Mapping[str, Any]) -> int | None:
+        """The step count of a loaded state that has none."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's checkpoint."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint."""
+
+
 def _is_optimi(groups: list[Mapping[str, Any]]) -> bool:
     return any("kahan_sum" in g and "mode" not in g for g in groups)
 
 
-def _check_weight_decay_kind(optimizer: "LowpOptimizer", group: Mapping[str, Any], decoupled: Any, where: str) -> None:
+def _check_weight_decay_kind(optimizer: LowpOptimizer, group: Mapping[str, Any], decoupled: Any, where: str) -> None:
     """Adam (L2) and AdamW (decoupled) checkpoints are not interchangeable when weight decay acts."""
     ours = getattr(type(optimizer), "decoupled_weight_decay", None)
     if ours is None or decoupled is None or not group.get("weight_decay"):
@@ -58,7 +72,7 @@ def _check_weight_decay_kind(optimizer: "LowpOptimizer", group: Mapping[str, Any
                          f"kind; load it into {'AdamW' if decoupled else 'Adam'}")
 
 
-def to_lowp_layout(optimizer: "LowpOptimizer", state_dict: Mapping[str, Any]) -> dict[str, Any]:
+def to_lowp_layout(optimizer: LowpOptimizer, state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``{"state", "param_groups", "lowp"}`` for ``optimizer.load_state_dict`` (see the module
     docstring). Raises ``ValueError`` for layouts it cannot translate."""
     if not isinstance(state_dict.get("param_groups"), (list, tuple)) or not isinstance(state_dict.get("state"),
@@ -114,7 +128,7 @@ def to_lowp_layout(optimizer: "LowpOptimizer", state_dict: Mapping[str, Any]) ->
     return {"state": states, "param_groups": out_groups, "lowp": extras}
 
 
-def _from_optimi(optimizer: "LowpOptimizer", entry: dict[str, Any], step: int | None, betas: Any,
+def _from_optimi(optimizer: LowpOptimizer, entry: dict[str, Any], step: int | None, betas: Any,
                  key: Any) -> dict[str, Any]:
     comp = entry.pop("kahan_comp", None)
     if isinstance(comp, torch.Tensor) and comp.is_floating_point():
@@ -131,7 +145,7 @@ def _from_optimi(optimizer: "LowpOptimizer", entry: dict[str, Any], step: int | 
     return entry
 
 
-def to_torch_state_dict(optimizer: "LowpOptimizer") -> dict[str, Any]:
+def to_torch_state_dict(optimizer: LowpOptimizer) -> dict[str, Any]:
     """``optimizer``'s state dict in ``torch.optim``'s layout: states as fp32 copies (``torch.optim``
     casts them to the parameter's dtype on load, so load it into an optimizer over fp32
     parameters), ``step`` as a float32 0-dim tensor, without the compensation/remainder buffers

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from lowp.optim.backends import ParamSlice
+from lowp.optim.slices import ParamSlice
 from lowp.optim.randomness import ElementIndex
 
 if TYPE_CHECKING:
