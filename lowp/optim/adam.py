@@ -19,15 +19,12 @@ class Adam(AdamW):
     Args:
         params: the parameters (or parameter groups) to optimize.
         lr: learning rate (default 1e-3).
-        betas: ``(beta1, beta2)``, the decay rates of the gradient and squared-gradient averages,
-            each in [0, 1) (default (0.9, 0.999)).
-        eps: added to the denominator ``sqrt(v_hat)``, a finite number >= 0 (default 1e-8).
-        weight_decay: L2 penalty, ``weight_decay * theta`` is added to the gradient before the
-            moments (default 0).
-        amsgrad: ``True`` uses the running maximum of ``v`` (one more state, ``max_exp_avg_sq``)
-            in place of ``v`` in the denominator; default ``False``.
-        **options: the common options of :class:`~lowp.optim.base.LowpOptimizer` (``mode``,
-            ``state_dtype``, ``fused``...).
+        betas: the moments' decay rates (default (0.9, 0.999)).
+        eps: the denominator's offset (default 1e-8).
+        amsgrad: the running maximum of ``v`` in the denominator (default ``False``).
+        weight_decay: L2 penalty: ``weight_decay * theta`` joins the gradient before the moments,
+            unlike AdamW's decoupled decay (default 0).
+        **options: the common options of :class:`~lowp.optim.base.LowpOptimizer`.
     """
 
     spec = dataclasses.replace(ADAMW, name="adam", switches=lambda group: {

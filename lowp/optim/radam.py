@@ -92,10 +92,9 @@ class RAdam(TwoMomentOptimizer):
 
     Args:
         params: the parameters (or parameter groups) to optimize.
-        lr: learning rate (default 1e-3).
-        betas: ``(beta1, beta2)``, the decay rates of the gradient and squared-gradient averages,
-            each in [0, 1) (default (0.9, 0.999)).
-        eps: added to the denominator ``sqrt(v)``, a finite number >= 0 (default 1e-8).
+        lr: learning rate (default 1e-3); the first steps (``rho_t <= 5``) use ``-lr * m_hat`` alone.
+        betas: ``(beta1, beta2)`` in [0, 1) each (default (0.9, 0.999)); ``rho_inf`` follows from beta2.
+        eps: added to ``sqrt(v)`` in the rectified step, a finite number >= 0 (default 1e-8).
         weight_decay: decay rate (default 0), L2 (added to the gradient) unless
             ``decoupled_weight_decay``.
         decoupled_weight_decay: ``True`` applies decay as ``-lr * weight_decay * theta`` in the
