@@ -55,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model is not None:
         try:
-            target, description = meta_model(args.model.strip())
+            target, description = meta_model(args.model)
         except ValueError as exc:
             usage_error("memory", "--model", str(exc).removeprefix("model: "))
-        report = build_report(args.optimizer, None, args.grads, args.model.strip(), target, description)
+        report = build_report(args.optimizer, None, args.grads, args.model.strip().lower(), target, description)
     else:
         count = args.params if args.params is not None else _count(DEFAULT_PARAMS)
         report = build_report(args.optimizer, count, args.grads)

@@ -5,6 +5,7 @@ architecture built from its config class's defaults on the meta device (no downl
 from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 import torch
 
@@ -38,19 +39,34 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+def _build(transformers: Any, config: Any) -> torch.nn.Module:
+    """The training model of ``config`` on the meta device: the sequence-to-sequence LM of an
+    encoder-decoder, else the causal LM, falling back to the base model when the architecture
+    has no such head."""
+    head = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        try:
+            return head.from_config(config)
+        except ValueError:   # no such head for this architecture
+            return transformers.AutoModel.from_config(config)
+
+
 def meta_model(name: str) -> tuple[torch.nn.Module, str]:
-    """(model on the meta device, description) of the model called ``name``: ``"demo"`` (lowp's demo
-    model, :class:`lowp.demo.model.CharLM` with its defaults) or a ``transformers`` model type
-    (a key of ``transformers.CONFIG_MAPPING``, e.g. ``gpt2``, ``llama``, ``bert``), built from
-    that config class's defaults as a causal language model when the architecture has one, else
-    as its base model. ``model.parameters()`` lists tied weights once. ``ValueError`` naming
-    ``model`` for an unknown name or when ``transformers`` is not installed."""
+    """(model on the meta device, description) of the model called ``name`` (any case): ``"demo"``
+    (lowp's demo model, :class:`lowp.demo.model.CharLM` with its defaults) or a ``transformers``
+    model type (a key of ``transformers.CONFIG_MAPPING``, e.g. ``gpt2``, ``llama``, ``t5``), built
+    from that config class's defaults: the sequence-to-sequence LM of an encoder-decoder, the
+    causal LM of other architectures that have one, else the base model. ``model.parameters()``
+    lists tied weights once. ``ValueError`` naming ``model`` for an unknown name, a model that
+    cannot be built from its defaults (missing packages, required sub-configs), or when
+    ``transformers`` is not installed."""
+    name = name.strip().lower()
     if name == DEMO:
         from lowp.demo.model import CharLM
 
         with torch.device("meta"):
-            model = CharLM()
-        return model, "lowp demo model (CharLM defaults)"
+            demo = CharLM()
+        return demo, "lowp demo model (CharLM defaults)"
     try:
         import transformers
     except ImportError:
@@ -64,11 +80,11 @@ def meta_model(name: str) -> tuple[torch.nn.Module, str]:
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        with torch.device("meta"):
-            try:
-                model = transformers.AutoModelForCausalLM.from_config(config)
-            except ValueError:
-                model = transformers.AutoModel.from_config(config)
+        model = _build(transformers, config)
+    except Exception as exc:   # a third-party constructor: any failure becomes a usage error
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"model: {name!r} cannot be built from {type(config).__name__}()'s defaults: "
+                         f"{reason}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     return model, f"{type(model).__name__}({type(config).__name__}())"
