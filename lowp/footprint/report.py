@@ -55,8 +55,10 @@ def build_report(optimizer: str, count: int | None = None, with_grads: bool = Fa
                          with_grads, reference, 1, m.footprint,
                          {"weight_dtype": weight, "mode": m.mode, "state_dtype": states}))
         if not m.per_element and not notes:
-            shapes = (f"computed for {model or 'the model'}'s own shapes by the optimizer's init_state on the meta device"
-                      if target is not None else "measured on the demo model's shapes; give --model for another's")
+            shapes = "measured on the demo model's shapes; give --model for another's"
+            if target is not None:
+                shapes = (f"computed for {model or 'the model'}'s own shapes by the optimizer's init_state on the "
+                          f"meta device")
             notes.append(f"{cls.__name__}'s states are not shaped like its weights (factored), so its bytes per "
                          f"parameter depend on the matrices' shapes: the lowp rows are {shapes}")
     for i, baseline in enumerate(BASELINES, start=2):
