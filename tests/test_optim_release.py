@@ -246,3 +246,50 @@ def test_refusals_change_nothing():
         with pytest.raises(error, match=f"^{name}: "):
             opt.step_params(*args, **kw)
     assert_nested_equal(before, opt.state_dict())
+
+
+
+class Checkpointed(Net):
+    """``Net`` with one layer under activation checkpointing: the first (its pass runs after
+    the outer pass has reached ``c`` and ``norm``) or the last (its pass runs first; ``norm`` is
+    not used then)."""
+
+    def __init__(self, reentrant: bool, last: bool = False) -> None:
+        super().__init__()
+        self.reentrant, self.last = reentrant, last
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        def first(v: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(v @ self.a.t() + self.b)
+
+        def last(v: torch.Tensor) -> torch.Tensor:
+            return (v @ self.c.t()).float()
+
+        layer = last if self.last else first
+        h = first(x) if self.last else x.requires_grad_()   # a reentrant checkpoint needs an input needing grad
+        h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=self.reentrant)
+        return h if self.last else last(h) * self.norm
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_activation_checkpointing_without_reentrant_passes_matches(last):
+    runs = []
+    for release in (False, True):
+        net = Checkpointed(reentrant=False, last=last)
+        opt = lo.AdamW(net.parameters(), lr=1e-2, mode="stochastic", seed=5)
+        handle = lo.release_gradients(opt, accumulation_steps=2) if release else None
+        train(net, opt, steps=2, k=2)
+        runs.append((net, opt))
+        if handle is not None:
+            handle.remove()
+    assert_same(*runs)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_reentrant_backward_passes_are_refused(last):
+    """Whether the nested pass's hooks fire after the outer pass's (``last=False``) or before
+    them, a hook that sees a backward pass inside another raises, naming the way out."""
+    net = Checkpointed(reentrant=True, last=last)
+    opt = lo.AdamW(net.parameters(), lr=1e-2)
+    with lo.release_gradients(opt), pytest.raises(RuntimeError, match="use_reentrant=False"):
+        loss_of(net, 1).backward()

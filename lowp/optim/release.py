@@ -64,6 +64,7 @@ class GradientRelease:
         #: Backward passes seen (that reached a parameter) since the hooks were registered.
         self.backward_passes = 0
         self._in_backward = False
+        self._task = -1   # the autograd graph task of the current or last backward pass
         self._stepping = False
         self._new_step = True
         self._grad_scale: float | None = None
@@ -96,6 +97,10 @@ class GradientRelease:
 
     def _begin_backward(self) -> None:
         """First hook of a backward pass: does it step, with which scale; queue its end."""
+        task = torch._C._current_graph_task_id()
+        if task < self._task:   # task ids grow: an outer pass goes on after a nested one ended
+            raise _nested_error()
+        self._task = task
         self._in_backward = True
         self._stepping = (self.backward_passes + 1) % self.accumulation_steps == 0
         self._new_step = True
@@ -117,6 +122,8 @@ class GradientRelease:
         try:
             if not self._in_backward:
                 self._begin_backward()
+            elif torch._C._current_graph_task_id() != self._task:
+                raise _nested_error()
             if self._stepping:
                 self._step([p])
         except BaseException:
@@ -135,6 +142,12 @@ class GradientRelease:
             self._step(left)
         if self._grad_scale is not None:
             _report_overflow(self.scaler, self.optimizer, not self._all_finite)  # type: ignore[arg-type]
+
+
+def _nested_error() -> RuntimeError:
+    return RuntimeError("gradient release: a backward pass ran inside another (reentrant activation checkpointing, "
+                        "torch.utils.checkpoint(..., use_reentrant=True)); the hooks cannot tell where the outer "
+                        "pass ends. Use use_reentrant=False")
 
 
 def _check(optimizer: Any, accumulation_steps: Any, scaler: Any) -> None:
