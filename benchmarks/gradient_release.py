@@ -9,7 +9,7 @@ sum of allocations minus frees over the step, in time order, as in ``optim_step.
 time per step is the median over ``--steps`` steps, the two configurations interleaved. The
 ratio is the step with release over the one without, measured in the same run.
 
-    python benchmarks/gradient_release.py [--width 1024] [--layers 8] [--batch 16] [--steps 5]
+    python benchmarks/gradient_release.py [--width 1024] [--layers 8] [--batch 16] [--steps 5] [--threads N]
 """
 from __future__ import annotations
 
@@ -61,7 +61,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(1)).bfloat16()
     runs = {}
     for release in (False, True):

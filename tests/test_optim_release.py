@@ -69,11 +69,12 @@ def assert_same(a: tuple[Net, LowpOptimizer], b: tuple[Net, LowpOptimizer]) -> N
     assert a[1].diagnostics() == b[1].diagnostics()
 
 
-BACKENDS = ["foreach", "eager"] + (["native"] if NATIVE else [])
+#: every mode on the foreach and the fused native backend, and the eager one once
+CASES = [(mode, backend) for mode in ("kahan", "stochastic", "exact", "nearest")
+         for backend in ("foreach", *(["native"] if NATIVE else []))] + [("kahan", "eager")]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["kahan", "stochastic", "exact"])
+@pytest.mark.parametrize("mode,backend", CASES)
 def test_release_equals_step_bit_for_bit(backend, mode):
     plain = make(backend, mode)
     train(*plain, steps=4)
@@ -192,6 +193,16 @@ def test_gradscaler_matches_and_scale_follows():
     plain, released = _scaled_run(False, 5, None), _scaled_run(True, 5, None)
     assert_same(plain[:2], released[:2])
     assert released[2].get_scale() == plain[2].get_scale() == 2.0 ** 12   # grew twice
+
+
+def test_gradscaler_unscale_after_a_released_pass_raises():
+    """The pass has unscaled already: torch's clipping recipe cannot unscale a second time."""
+    net, opt = make()
+    scaler = torch.amp.GradScaler("cpu")
+    with lo.release_gradients(opt, scaler=scaler):
+        scaler.scale(loss_of(net, 0)).backward()
+        with pytest.raises(RuntimeError, match="unscale_"):
+            scaler.unscale_(opt)
 
 
 def test_gradscaler_overflow_skips_that_parameter_and_backs_off():
