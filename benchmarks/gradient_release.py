@@ -14,6 +14,7 @@ ratio is the step with release over the one without, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -69,7 +70,7 @@ def main() -> None:
     runs = {}
     for release in (False, True):
         model, opt, _ = _setup(args.width, args.layers, release)
-        step = (lambda m=model, o=opt: _train_step(m, o, x))
+        step = functools.partial(_train_step, model, opt, x)
         step()                                             # creates the states
         with tempfile.TemporaryDirectory() as tmp:
             peak = _peak_extra_bytes(step, Path(tmp) / "trace.json")
