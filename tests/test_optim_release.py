@@ -304,3 +304,20 @@ def test_reentrant_backward_passes_are_refused(last):
     opt = lo.AdamW(net.parameters(), lr=1e-2)
     with lo.release_gradients(opt), pytest.raises(RuntimeError, match="use_reentrant=False"):
         loss_of(net, 1).backward()
+
+
+def test_parameter_added_later_is_stepped_at_the_end_of_the_pass():
+    """A group added after the hooks: its parameter (no hook) is stepped by the end-of-backward
+    step, as ``step()`` would step it; its position over all groups keys its streams."""
+    runs = []
+    for release in (False, True):
+        net = Net()
+        opt = lo.AdamW([net.a, net.b, net.c], lr=1e-2, mode="stochastic", seed=5)
+        handle = lo.release_gradients(opt) if release else None
+        opt.add_param_group({"params": [net.side, net.norm], "lr": 3e-3})
+        train(net, opt, steps=2)
+        runs.append((net, opt))
+        if handle is not None:
+            assert not net.side._post_accumulate_grad_hooks
+            handle.remove()
+    assert_same(*runs)

@@ -23,6 +23,8 @@ validates every group's hyper-parameters and every (parameter, gradient, state, 
 the first counter, state or weight changes, and ``load_state_dict`` validates the whole
 checkpoint (foreign layouts are translated first, :mod:`lowp.optim.migrate`) before it replaces
 anything. The step itself is never traced by ``torch.compile`` (:data:`COMPILE_REASON`).
+:meth:`LowpOptimizer.step_params` steps some of the parameters along the same path (gradient
+release, :mod:`lowp.optim.release`, steps each one during the backward pass).
 """
 from __future__ import annotations
 
