@@ -13,6 +13,7 @@ from lowp.optim.base import LowpOptimizer
 from lowp.optim.clip import clip_grad_norm_, grad_norm
 from lowp.optim.convert import cast_model, full_precision_state_dict, full_precision_weights, load_full_precision
 from lowp.optim.registry import exported_names
+from lowp.optim.release import GradientRelease, release_gradients
 from lowp.optim.writeback import MODES
 
 from lowp.optim.sgd import SGD, sgd_update
@@ -26,4 +27,5 @@ from lowp.optim.adan import Adan, adan_update
 
 __all__ = ["LowpOptimizer", "Backend", "register_backend", "MODES", "cast_model", "load_full_precision",
            "full_precision_weights", "full_precision_state_dict", "clip_grad_norm_", "grad_norm",
+           "release_gradients", "GradientRelease",
            *(name for name in exported_names() if name in globals())]

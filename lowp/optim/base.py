@@ -23,6 +23,8 @@ validates every group's hyper-parameters and every (parameter, gradient, state, 
 the first counter, state or weight changes, and ``load_state_dict`` validates the whole
 checkpoint (foreign layouts are translated first, :mod:`lowp.optim.migrate`) before it replaces
 anything. The step itself is never traced by ``torch.compile`` (:data:`COMPILE_REASON`).
+:meth:`LowpOptimizer.step_params` steps some of the parameters along the same path (gradient
+release, :mod:`lowp.optim.release`, steps each one during the backward pass).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
 
@@ -204,6 +206,9 @@ class LowpOptimizer(torch.optim.Optimizer):
     #: optimi checkpoints: ``{state name: index of its beta}`` for states optimi stores
     #: bias-corrected (:mod:`lowp.optim.migrate`); ``None`` when optimi's layout is not known.
     optimi_debiased: dict[str, int] | None = None
+    #: The active :func:`lowp.optim.release.release_gradients` handle, which steps the parameters
+    #: during the backward pass (``step`` then only runs its closure); ``None`` without one.
+    _released_by: Any = None
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, mode: str = "auto",
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
@@ -235,6 +240,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         # per group: (stalled count, elements, weight) of each job of the last step; weight 0 for
         # plain parameters, else the share of this rank in a sum over all ranks
         self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
+        # parameter -> (group index, index in the group, position over all groups), see _position
+        self._positions: dict[torch.Tensor, tuple[int, int, int]] = {}
         defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_rounding=state_rounding,
                         maximize=maximize)
         super().__init__(params, defaults)
@@ -394,11 +401,23 @@ class LowpOptimizer(torch.optim.Optimizer):
         return state
 
     # ---- the step -------------------------------------------------------------------------
-    def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[bool]:
-        """Per (local) gradient: finite; for DTensor parameters finite on every rank."""
-        if self.nonfinite == "off":
+    def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor], force: bool = False) -> list[bool]:
+        """Per (local) gradient: finite; for DTensor parameters finite on every rank. All ``True``
+        without a look under ``nonfinite="off"``, unless ``force``."""
+        if self.nonfinite == "off" and not force:
             return [True] * len(grads)
         return sharding.agree(self.backend.finite_flags(grads), params)
+
+    def _checked_param(self, group: dict[str, Any], p: torch.Tensor,
+                       index: int) -> tuple[dict[str, Any], torch.Tensor, WriteBack, int]:
+        """Check one parameter with a gradient (layout, gradient, mode, states and buffers) and
+        return (group, parameter, mode, ``index``), ``index`` being its position over all groups."""
+        where = f"params[{index}]"
+        preflight.check_param(p, where)
+        preflight.check_grad(p, p.grad, where)
+        mode = resolve_mode(group["mode"], p)
+        self.check_state(group, p, self.state.get(p, {}), f"state[{index}]")
+        return group, p, mode, index
 
     def _prepare(self) -> list[tuple[dict[str, Any], torch.Tensor, WriteBack, int]]:
         """Check everything the step will read or write, before anything changes: every group's
@@ -411,15 +430,40 @@ class LowpOptimizer(torch.optim.Optimizer):
             self.check_group(group)
             for p in group["params"]:
                 index += 1
-                if p.grad is None:
-                    continue
-                where = f"params[{index}]"
-                preflight.check_param(p, where)
-                preflight.check_grad(p, p.grad, where)
-                mode = resolve_mode(group["mode"], p)
-                self.check_state(group, p, self.state.get(p, {}), f"state[{index}]")
-                todo.append((group, p, mode, index))
+                if p.grad is not None:
+                    todo.append(self._checked_param(group, p, index))
         return todo
+
+    def _position(self, p: Any, where: str) -> tuple[int, int, int]:
+        """(group index, index in the group, position over all groups) of parameter ``p``.
+
+        Looked up in a cache that is rebuilt when it no longer matches ``param_groups`` (groups
+        added, a checkpoint loaded); an error naming ``where`` when ``p`` is not a parameter of
+        this optimizer."""
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{where}: expected a parameter of this optimizer, got {type(p).__name__}")
+        groups = self.param_groups
+        found = self._positions.get(p)
+        if found is None or found[0] >= len(groups) or found[1] >= len(groups[found[0]]["params"]) \
+                or groups[found[0]]["params"][found[1]] is not p:
+            flat = [(q, g, i) for g, group in enumerate(groups) for i, q in enumerate(group["params"])]
+            self._positions = {q: (g, i, n) for n, (q, g, i) in enumerate(flat)}
+            found = self._positions.get(p)
+        if found is None:
+            raise ValueError(f"{where}: expected a parameter of this optimizer, got another tensor")
+        return found
+
+    def _prepare_subset(self, params: Sequence[torch.Tensor]) -> list[tuple[dict[str, Any], torch.Tensor, WriteBack,
+                                                                             int]]:
+        """:meth:`_prepare` for ``params`` only: the hyper-parameters of the groups holding them
+        and each of them that has a gradient, in the order given."""
+        positions = [self._position(p, f"params[{i}]") for i, p in enumerate(params)]
+        if len({n for _, _, n in positions}) != len(positions):
+            raise ValueError("params: expected distinct parameters, got one parameter twice")
+        for g in sorted({g for g, _, _ in positions}):
+            self.check_group(self.param_groups[g])
+        return [self._checked_param(self.param_groups[g], p, n) for p, (g, _, n) in zip(params, positions)
+                if p.grad is not None]
 
     @torch.compiler.disable(reason=COMPILE_REASON)
     @torch.no_grad()
@@ -428,28 +472,74 @@ class LowpOptimizer(torch.optim.Optimizer):
 
         Everything is checked before anything changes (:meth:`_prepare`): after an error the
         weights, states, counters and hyper-parameters are as they were. Under
-        ``torch.compile`` the step is not traced: it runs eagerly (:data:`COMPILE_REASON`)."""
+        ``torch.compile`` the step is not traced: it runs eagerly (:data:`COMPILE_REASON`).
+        While :func:`lowp.optim.release.release_gradients` is active the parameters are stepped
+        during the backward pass, and ``step`` only runs the closure."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._released_by is not None:
+            return loss
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and float(found_inf) > 0:
             self.skipped_steps += 1
             return loss
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = None if grad_scale is None else float(grad_scale.double().reciprocal())
-
-        todo = self._prepare()
         # GradScaler hands over found_inf only after checking every gradient of this optimizer:
         # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
+        self._run(self._prepare(), inv_scale, checked=found_inf is not None, new_step=True)
+        return loss
+
+    @torch.compiler.disable(reason=COMPILE_REASON)
+    @torch.no_grad()
+    def step_params(self, params: Sequence[torch.Tensor], grad_scale: float | None = None,
+                    new_step: bool = True) -> bool:
+        """Step ``params`` only, with the bookkeeping of :meth:`step`: everything checked first,
+        states created, each parameter's own step count advanced, the non-finite policy, the
+        parameter's position over all groups as its ``param_id`` (so its stochastic-rounding
+        streams are those of a whole :meth:`step`), the backend and the diagnostics. Parameters
+        without a gradient are left alone. Stepping every parameter once this way equals one
+        :meth:`step` bit for bit.
+
+        Args:
+            params: distinct parameters of this optimizer.
+            grad_scale: the loss scale the gradients carry (a :class:`torch.amp.GradScaler`'s
+                ``get_scale()``), divided out in the step; default ``None``: unscaled gradients.
+                With a scale, a non-finite gradient is always skipped (it is an overflow the
+                scaler must hear of), whatever ``nonfinite`` says.
+            new_step: ``True`` (default) starts the step that :meth:`diagnostics` reports;
+                ``False`` adds these parameters to the current one.
+
+        Returns:
+            ``True`` when every checked gradient was finite (with ``nonfinite="off"`` and no
+            ``grad_scale`` nothing is checked).
+        """
+        if grad_scale is not None:
+            v = real_value(grad_scale)
+            if v is None or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"grad_scale: expected a finite number > 0 or None, got {grad_scale!r}")
+            grad_scale = 1.0 / v
+        check_flag("new_step", new_step)
+        return self._run(self._prepare_subset(params), grad_scale, checked=False, new_step=new_step,
+                         force_check=grad_scale is not None)
+
+    def _run(self, todo: list[tuple[dict[str, Any], torch.Tensor, WriteBack, int]], inv_scale: float | None,
+             checked: bool, new_step: bool, force_check: bool = False) -> bool:
+        """Step the checked ``todo`` (:meth:`_prepare`): the non-finite policy (skipped when the
+        gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
+        ``nonfinite="off"``), state creation, step counts, the backend run per job and the
+        stalled counts for :meth:`diagnostics`. Returns whether every checked gradient was finite."""
         params = [p for _, p, _, _ in todo]
         grads = [sharding.local_grad(p) for p in params]
-        finite = [True] * len(todo) if found_inf is not None else self._finite_flags(grads, params)
+        finite = [True] * len(todo) if checked else self._finite_flags(grads, params, force_check)
         if not all(finite) and self.nonfinite == "skip_step":
             self.skipped_steps += 1
-            return loss
+            return False
         self.skipped_params += finite.count(False)
+        if new_step:
+            self._last_stalled = {}
 
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
         gathered: list[sharding.Gathered] = []
@@ -466,15 +556,14 @@ class LowpOptimizer(torch.optim.Optimizer):
                 gathered.append(full)
             jobs[(id(group), mode.name, state["step"], p.dtype, p.device, names, weight)].append(piece)
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
-        self._last_stalled = defaultdict(list)
         for (gid, mode_name, step, _, _, _, weight), slices in jobs.items():
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed, self.diagnostics_enabled)
             stalled = self.backend.run(self, ctx, slices)
-            self._last_stalled[index].append((stalled, sum(s.numel for s in slices), weight))
+            self._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
         for full in gathered:
             full.write_back()
-        return loss
+        return all(finite)
 
     def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
         """The reference pipeline for one batch: fp32 working copies, ``update``, store states

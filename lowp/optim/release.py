@@ -1,0 +1,215 @@
+"""Gradient release: step each parameter during the backward pass and free its gradient.
+
+:func:`release_gradients` registers a post-accumulate-grad hook
+(:meth:`torch.Tensor.register_post_accumulate_grad_hook`) on every parameter of a lowp optimizer.
+On the backward pass that completes a step, the hook steps its parameter as soon as the gradient
+is accumulated (:meth:`~lowp.optim.base.LowpOptimizer.step_params`) and sets ``p.grad = None``,
+so the gradients of the whole model never exist at once: the live gradient memory is about one
+layer's instead of the model's (Zhao et al., *GaLore*, 2024, sec. 4, "per-layer weight updates";
+Lv et al., *Full Parameter Fine-tuning for Large Language Models with Limited Resources* (LOMO),
+2023, fuse the update into the backward pass the same way).
+
+Each parameter is stepped with exactly the bookkeeping of a whole ``step()`` (checks first,
+state creation, its own step count, its position over all groups as the ``param_id`` of its
+stochastic-rounding streams), so a run with release equals the run without it bit for bit.
+
+Backward passes are counted: with ``accumulation_steps=k`` the hooks leave the gradients of the
+first ``k - 1`` backward passes to accumulate and step on the ``k``-th. At the end of a stepping
+backward pass (an autograd engine callback), every parameter that still holds a gradient (one that
+this pass did not reach, or one added to the optimizer later) is stepped too, so one release step
+covers what one ``step()`` would. A backward pass that reaches none of the parameters does not
+count.
+
+With a :class:`torch.amp.GradScaler`, the step happens before ``scaler.step`` could look at the
+gradients, so the hooks divide the scaler's current scale out themselves and skip each parameter
+whose gradient overflowed (its update cannot wait for the other layers' verdict: those layers
+have been stepped already); at the end of the stepping pass the scaler is told whether anything
+overflowed, the record ``scaler.unscale_`` would leave, so ``scaler.step(opt)`` (which then only
+calls the optimizer's ``step``, a no-op here) and ``scaler.update()`` behave as usual.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+from torch.utils.hooks import RemovableHandle
+
+from lowp.optim import sharding
+from lowp.optim.base import LowpOptimizer
+
+__all__ = ["GradientRelease", "release_gradients"]
+
+
+class GradientRelease:
+    """The hooks of :func:`release_gradients` on one optimizer: ``remove()`` them, or use the
+    handle as a context manager (removed on exit).
+
+    While active, ``optimizer.step()`` only runs its closure (the parameters were stepped during
+    the backward pass); after :meth:`remove` it steps again as usual, including gradients that
+    were accumulating when the hooks were removed.
+
+    Args:
+        optimizer: the lowp optimizer whose parameters are stepped during the backward pass.
+        accumulation_steps: backward passes per step, a positive int.
+        scaler: the :class:`torch.amp.GradScaler` that scales the loss, or ``None``.
+    """
+
+    def __init__(self, optimizer: LowpOptimizer, accumulation_steps: int = 1,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        _check(optimizer, accumulation_steps, scaler)
+        self.optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        self.scaler = scaler
+        #: Backward passes seen (that reached a parameter) since the hooks were registered.
+        self.backward_passes = 0
+        self._in_backward = False
+        self._task = -1   # the autograd graph task of the current or last backward pass
+        self._stepping = False
+        self._new_step = True
+        self._grad_scale: float | None = None
+        self._all_finite = True
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._hooks: list[RemovableHandle] = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        optimizer._released_by = self
+
+    @property
+    def active(self) -> bool:
+        """``True`` until :meth:`remove`."""
+        return self.optimizer._released_by is self
+
+    def remove(self) -> None:
+        """Remove the hooks: the optimizer steps in ``step()`` again. Gradients accumulated so
+        far stay for that ``step()``. Removing twice does nothing."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.active:
+            self.optimizer._released_by = None
+
+    def __enter__(self) -> GradientRelease:
+        """The handle itself."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Remove the hooks."""
+        self.remove()
+
+    def _begin_backward(self) -> None:
+        """First hook of a backward pass: does it step, with which scale; queue its end."""
+        task = torch._C._current_graph_task_id()
+        if task < self._task:   # task ids grow: an outer pass goes on after a nested one ended
+            raise _nested_error()
+        self._task = task
+        self._in_backward = True
+        self._stepping = (self.backward_passes + 1) % self.accumulation_steps == 0
+        self._new_step = True
+        self._all_finite = True
+        enabled = self.scaler is not None and self.scaler.is_enabled()
+        self._grad_scale = self.scaler.get_scale() if enabled and self._stepping else None  # type: ignore[union-attr]
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _step(self, params: list[torch.Tensor]) -> None:
+        """Step ``params`` as part of this backward pass's optimizer step and free their gradients."""
+        self._all_finite &= self.optimizer.step_params(params, grad_scale=self._grad_scale, new_step=self._new_step)
+        self._new_step = False
+        for p in params:
+            p.grad = None
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.active:
+            return
+        try:
+            if not self._in_backward:
+                self._begin_backward()
+            elif torch._C._current_graph_task_id() != self._task:
+                raise _nested_error()
+            if self._stepping:
+                self._step([p])
+        except BaseException:
+            self._in_backward = False   # the engine drops the queued callback of a failed pass
+            raise
+
+    def _end_backward(self) -> None:
+        """After the backward pass: count it; after a stepping one, step the parameters that
+        still hold a gradient and report overflows to the scaler."""
+        self._in_backward = False
+        self.backward_passes += 1
+        if not (self._stepping and self.active):
+            return
+        left = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if left:
+            self._step(left)
+        if self._grad_scale is not None:
+            _report_overflow(self.scaler, self.optimizer, not self._all_finite)  # type: ignore[arg-type]
+
+
+def _nested_error() -> RuntimeError:
+    return RuntimeError("gradient release: a backward pass ran inside another (reentrant activation checkpointing, "
+                        "torch.utils.checkpoint(..., use_reentrant=True)); the hooks cannot tell where the outer "
+                        "pass ends. Use use_reentrant=False")
+
+
+def _check(optimizer: Any, accumulation_steps: Any, scaler: Any) -> None:
+    """Raise naming the argument that :class:`GradientRelease` cannot work with."""
+    if not isinstance(optimizer, LowpOptimizer):
+        raise TypeError(f"optimizer: expected a lowp optimizer (lowp.optim.LowpOptimizer), got "
+                        f"{type(optimizer).__name__}")
+    if type(accumulation_steps) is not int or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps: expected an int >= 1, got {accumulation_steps!r}")
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+    if optimizer._released_by is not None:
+        raise RuntimeError("optimizer: its gradients are released already; remove() the first handle before "
+                           "registering another")
+    if optimizer.nonfinite == "skip_step":
+        raise ValueError("nonfinite: 'skip_step' cannot be honoured with gradient release (the layers stepped "
+                         "before a non-finite gradient appears cannot be taken back); use 'skip_param' or 'off'")
+    for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        if sharding.is_dtensor(p):
+            raise TypeError(f"params[{i}]: a DTensor; gradient release steps plain tensors only (FSDP2 "
+                            f"reduce-scatters its gradients after the hooks would run)")
+
+
+def _report_overflow(scaler: torch.amp.GradScaler, optimizer: LowpOptimizer, found: bool) -> None:
+    """Leave in ``scaler`` the record ``scaler.unscale_(optimizer)`` would: whether a gradient of
+    ``optimizer`` overflowed, which ``scaler.update()`` reads to back off or grow the scale, and
+    the stage that makes ``scaler.step(optimizer)`` use it instead of checking the (freed) gradients.
+    GradScaler keeps this record in a private attribute; ``tests/test_optim_release.py`` pins it."""
+    scale = scaler._scale
+    device = scale.device if scale is not None else torch.device(scaler._device)
+    state = scaler._per_optimizer_states[id(optimizer)]
+    state["found_inf_per_device"] = {device: torch.full((), float(found), dtype=torch.float32, device=device)}
+    state["stage"] = OptState.UNSCALED
+
+
+def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
+                      scaler: torch.amp.GradScaler | None = None) -> GradientRelease:
+    """Step ``optimizer``'s parameters during the backward pass and free each gradient right
+    after (module docstring); returns the handle that removes the hooks.
+
+    ``optimizer.step()`` then only runs its closure and ``zero_grad()`` finds the stepped
+    gradients freed already, so a training loop keeps its shape::
+
+        release = release_gradients(opt, accumulation_steps=4)
+        for i, (x, y) in enumerate(loader):
+            loss_fn(model(x), y).backward()        # every 4th backward pass steps
+            if (i + 1) % 4 == 0:
+                opt.step()                         # no-op while released
+                opt.zero_grad()
+        release.remove()
+
+    Args:
+        optimizer: a lowp optimizer of plain (not DTensor) parameters whose ``nonfinite`` is
+            ``"skip_param"`` or ``"off"``, without an active release.
+        accumulation_steps: backward passes per step (default 1): the gradients of the first
+            ``accumulation_steps - 1`` accumulate as usual and the last one steps. A positive int.
+        scaler: the :class:`torch.amp.GradScaler` that scales the loss (default ``None``): the
+            hooks unscale with its current scale, skip parameters whose gradient overflowed and
+            report the overflow to it for ``scaler.update()``. Without it a scaled loss would
+            step with scaled gradients.
+
+    Returns:
+        The :class:`GradientRelease` handle (``remove()``, context manager).
+    """
+    return GradientRelease(optimizer, accumulation_steps, scaler)

@@ -1,0 +1,323 @@
+"""Gradient release (lowp.optim.release): stepping each parameter in its post-accumulate-grad
+hook equals the same training with ``optimizer.step()`` bit for bit (weights, states, stochastic
+rounding streams, diagnostics), with accumulation, GradScaler and checkpoints; and the switch
+refuses what it cannot honour before anything changes."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.optim.base import LowpOptimizer
+from tests.nested_equal import assert_nested_equal
+
+NATIVE = lo.backends.native_available()
+
+
+class Net(torch.nn.Module):
+    """A small bf16 MLP with a side branch that only some micro-batches use (its gradient is
+    then left for the end-of-backward step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter((torch.randn(16, 8, generator=gen) * 0.3).bfloat16())
+        self.b = torch.nn.Parameter(torch.zeros(16, dtype=torch.bfloat16))
+        self.c = torch.nn.Parameter((torch.randn(4, 16, generator=gen) * 0.3).bfloat16())
+        self.side = torch.nn.Parameter((torch.randn(4, 8, generator=gen) * 0.3).bfloat16())
+        self.norm = torch.nn.Parameter(torch.ones(4))   # fp32: updated plainly in every mode
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        h = torch.tanh(x @ self.a.t() + self.b) @ self.c.t()
+        if side:
+            h = h + x @ self.side.t()
+        return h.float() * self.norm
+
+
+def make(backend: str = "foreach", mode: str = "kahan", **kw: Any) -> tuple[Net, LowpOptimizer]:
+    net = Net()
+    groups = [{"params": [net.a, net.b]}, {"params": [net.c, net.side, net.norm], "lr": 3e-3}]
+    return net, lo.AdamW(groups, lr=1e-2, weight_decay=0.1, mode=mode, backend=backend, seed=5, **kw)
+
+
+def batch(t: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    gen = torch.Generator().manual_seed(1000 + t)
+    return torch.randn(6, 8, generator=gen).bfloat16(), torch.randn(6, 4, generator=gen), t % 2 == 0
+
+
+def loss_of(net: Net, t: int, scale: float = 1.0) -> torch.Tensor:
+    x, y, side = batch(t)
+    return ((net(x, side) - y) ** 2).mean() * scale
+
+
+def train(net: Net, opt: LowpOptimizer, steps: int, k: int = 1, start: int = 0) -> None:
+    """``steps`` optimizer steps of ``k`` micro-batches each, the usual loop (with release active,
+    ``opt.step()`` and ``opt.zero_grad()`` are what it documents them to be)."""
+    for s in range(start, start + steps):
+        for m in range(k):
+            loss_of(net, s * k + m).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_same(a: tuple[Net, LowpOptimizer], b: tuple[Net, LowpOptimizer]) -> None:
+    assert_nested_equal(a[0].state_dict(), b[0].state_dict(), "model")
+    assert_nested_equal(a[1].state_dict(), b[1].state_dict(), "optimizer")
+    assert a[1].diagnostics() == b[1].diagnostics()
+
+
+#: every mode on the foreach and the fused native backend, and the eager one once
+CASES = [(mode, backend) for mode in ("kahan", "stochastic", "exact", "nearest")
+         for backend in ("foreach", *(["native"] if NATIVE else []))] + [("kahan", "eager")]
+
+
+@pytest.mark.parametrize("mode,backend", CASES)
+def test_release_equals_step_bit_for_bit(backend, mode):
+    plain = make(backend, mode)
+    train(*plain, steps=4)
+    released = make(backend, mode)
+    with lo.release_gradients(released[1]) as handle:
+        assert handle.active
+        train(*released, steps=4)
+    assert not handle.active and handle.backward_passes == 4
+    assert_same(plain, released)
+    steps = {name: released[1].state[p]["step"] for name, p in released[0].named_parameters()}
+    assert steps == {"a": 4, "b": 4, "c": 4, "side": 2, "norm": 4}   # side: used every other step
+
+
+def test_gradients_are_freed_during_backward():
+    """Each gradient is gone right after its hook: never do all of them exist at once."""
+    net, opt = make()
+    live, most = set(), 0
+
+    def count(p: torch.Tensor) -> None:   # registered first: runs before the release hook
+        nonlocal most
+        live.add(p)
+        most = max(most, sum(q.grad is not None for q in net.parameters()))
+
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(count)
+    with lo.release_gradients(opt):
+        loss_of(net, 0).backward()
+    assert len(live) == 5 and most == 1
+    assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_accumulation_equals_micro_batches_and_one_step(mode):
+    """k = 3 micro-batches; ``side`` is unused in the third, so it is stepped at the end of the
+    backward pass; and a plain loop with a step every 3 backward passes matches."""
+    plain = make(mode=mode)
+    train(*plain, steps=3, k=3)
+    released = make(mode=mode)
+    handle = lo.release_gradients(released[1], accumulation_steps=3)
+    for s in range(3):
+        for m in range(3):
+            loss_of(released[0], 3 * s + m).backward()
+            stepped = m == 2
+            assert all((p.grad is None) == stepped for p in released[0].parameters() if p is not released[0].side)
+    handle.remove()
+    assert_same(plain, released)
+
+
+def test_checkpoint_round_trip_resumes_bit_identically():
+    whole = make(mode="stochastic")
+    with lo.release_gradients(whole[1]):
+        train(*whole, steps=4)
+    first = make(mode="stochastic")
+    with lo.release_gradients(first[1]):
+        train(*first, steps=2)
+    saved = copy.deepcopy({"model": first[0].state_dict(), "optim": first[1].state_dict()})
+    resumed = make(mode="stochastic")
+    resumed[0].load_state_dict(saved["model"])
+    resumed[1].load_state_dict(saved["optim"])
+    with lo.release_gradients(resumed[1]):
+        train(*resumed, steps=2, start=2)
+    assert_same(whole, resumed)
+
+
+def test_step_and_zero_grad_while_released_do_not_step_again():
+    net, opt = make()
+    handle = lo.release_gradients(opt)
+    loss_of(net, 0).backward()
+    before = copy.deepcopy(opt.state_dict())
+    assert opt.step(lambda: torch.tensor(2.0)) == 2.0   # runs the closure only
+    opt.step()
+    opt.zero_grad()
+    assert_nested_equal(before, opt.state_dict())
+    closure_steps = make()
+    with lo.release_gradients(closure_steps[1]):   # the closure's backward pass steps
+        closure_steps[1].step(lambda: loss_of(closure_steps[0], 0).backward())
+    handle.remove()
+    assert_nested_equal(before, closure_steps[1].state_dict())
+
+
+def test_remove_restores_step_mid_accumulation():
+    """Hooks removed with two micro-batches accumulated: step() steps them as usual."""
+    plain = make()
+    train(*plain, steps=2, k=2)
+    released = make()
+    handle = lo.release_gradients(released[1], accumulation_steps=2)
+    train(*released, steps=1, k=2)
+    loss_of(released[0], 2).backward()
+    handle.remove()
+    handle.remove()
+    loss_of(released[0], 3).backward()
+    released[1].step()
+    released[1].zero_grad()
+    assert_same(plain, released)
+
+
+def _scaled_run(release: bool, steps: int, poison: int | None) -> tuple[Net, LowpOptimizer, torch.amp.GradScaler]:
+    """The usual GradScaler loop; at step ``poison`` the gradient of ``c`` becomes infinite."""
+    net, opt = make(mode="stochastic")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    handle = lo.release_gradients(opt, scaler=scaler) if release else None
+    for t in range(steps):
+        hook = net.c.register_hook(lambda g: g * float("inf")) if t == poison else None
+        scaler.scale(loss_of(net, t)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if hook is not None:
+            hook.remove()
+    if handle is not None:
+        handle.remove()
+    return net, opt, scaler
+
+
+def test_gradscaler_matches_and_scale_follows():
+    plain, released = _scaled_run(False, 5, None), _scaled_run(True, 5, None)
+    assert_same(plain[:2], released[:2])
+    assert released[2].get_scale() == plain[2].get_scale() == 2.0 ** 12   # grew twice
+
+
+def test_gradscaler_unscale_after_a_released_pass_raises():
+    """The pass has unscaled already: torch's clipping recipe cannot unscale a second time."""
+    net, opt = make()
+    scaler = torch.amp.GradScaler("cpu")
+    with lo.release_gradients(opt, scaler=scaler):
+        scaler.scale(loss_of(net, 0)).backward()
+        with pytest.raises(RuntimeError, match="unscale_"):
+            scaler.unscale_(opt)
+
+
+def test_gradscaler_overflow_skips_that_parameter_and_backs_off():
+    """Without release the whole step is skipped; with it only the overflowed parameter (the
+    others were stepped before the overflow showed), and the scaler backs off alike."""
+    clean = _scaled_run(True, 1, None)
+    plain, released = _scaled_run(False, 2, 1), _scaled_run(True, 2, 1)
+    assert released[2].get_scale() == plain[2].get_scale() == 2.0 ** 9
+    assert plain[1].skipped_steps == 1 and released[1].skipped_params == 1
+    assert torch.equal(released[0].c, clean[0].c)   # one step, from step 0 only
+    assert released[1].state[released[0].c]["step"] == 1
+    assert not torch.equal(released[0].a, clean[0].a) and released[1].state[released[0].a]["step"] == 2
+    assert_nested_equal(plain[0].state_dict(), clean[0].state_dict())   # plain: step 1 skipped whole
+
+
+def test_step_params_over_every_parameter_equals_step():
+    plain = make(mode="stochastic")
+    parts = make(mode="stochastic")
+    for t in range(2):
+        for net, _ in (plain, parts):
+            loss_of(net, t).backward()
+        plain[1].step()
+        p = list(parts[0].parameters())
+        assert parts[1].step_params(p[3:]) and parts[1].step_params(p[:3], new_step=False)
+        for o in (plain[1], parts[1]):
+            o.zero_grad()
+    assert_same(plain, parts)
+
+
+def test_refusals_change_nothing():
+    net, opt = make()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+    cases = [((sgd,), {}, TypeError, "optimizer"),
+             ((opt,), {"accumulation_steps": 0}, ValueError, "accumulation_steps"),
+             ((opt,), {"accumulation_steps": True}, ValueError, "accumulation_steps"),
+             ((opt,), {"scaler": object()}, TypeError, "scaler"),
+             ((make(nonfinite="skip_step")[1],), {}, ValueError, "nonfinite")]
+    for args, kw, error, name in cases:
+        with pytest.raises(error, match=f"^{name}: "):
+            lo.release_gradients(*args, **kw)
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
+    with lo.release_gradients(opt):
+        with pytest.raises(RuntimeError, match="^optimizer: "):
+            lo.release_gradients(opt)
+    loss_of(net, 0).backward()
+    before = copy.deepcopy(opt.state_dict())
+    for args, kw, error, name in [(([torch.zeros(2)],), {}, ValueError, r"params\[0\]"),
+                                  (([net.a, net.a],), {}, ValueError, "params"),
+                                  (([1.0],), {}, TypeError, r"params\[0\]"),
+                                  (([net.a],), {"grad_scale": 0.0}, ValueError, "grad_scale"),
+                                  (([net.a],), {"new_step": 1}, ValueError, "new_step")]:
+        with pytest.raises(error, match=f"^{name}: "):
+            opt.step_params(*args, **kw)
+    assert_nested_equal(before, opt.state_dict())
+
+
+
+class Checkpointed(Net):
+    """``Net`` with one layer under activation checkpointing: the first (its pass runs after
+    the outer pass has reached ``c`` and ``norm``) or the last (its pass runs first; ``norm`` is
+    not used then)."""
+
+    def __init__(self, reentrant: bool, last: bool = False) -> None:
+        super().__init__()
+        self.reentrant, self.last = reentrant, last
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        def first(v: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(v @ self.a.t() + self.b)
+
+        def last(v: torch.Tensor) -> torch.Tensor:
+            return (v @ self.c.t()).float()
+
+        layer = last if self.last else first
+        h = first(x) if self.last else x.requires_grad_()   # a reentrant checkpoint needs an input needing grad
+        h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=self.reentrant)
+        return h if self.last else last(h) * self.norm
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_activation_checkpointing_without_reentrant_passes_matches(last):
+    runs = []
+    for release in (False, True):
+        net = Checkpointed(reentrant=False, last=last)
+        opt = lo.AdamW(net.parameters(), lr=1e-2, mode="stochastic", seed=5)
+        handle = lo.release_gradients(opt, accumulation_steps=2) if release else None
+        train(net, opt, steps=2, k=2)
+        runs.append((net, opt))
+        if handle is not None:
+            handle.remove()
+    assert_same(*runs)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_reentrant_backward_passes_are_refused(last):
+    """Whether the nested pass's hooks fire after the outer pass's (``last=False``) or before
+    them, a hook that sees a backward pass inside another raises, naming the way out."""
+    net = Checkpointed(reentrant=True, last=last)
+    opt = lo.AdamW(net.parameters(), lr=1e-2)
+    with lo.release_gradients(opt), pytest.raises(RuntimeError, match="use_reentrant=False"):
+        loss_of(net, 1).backward()
+
+
+def test_parameter_added_later_is_stepped_at_the_end_of_the_pass():
+    """A group added after the hooks: its parameter (no hook) is stepped by the end-of-backward
+    step, as ``step()`` would step it; its position over all groups keys its streams."""
+    runs = []
+    for release in (False, True):
+        net = Net()
+        opt = lo.AdamW([net.a, net.b, net.c], lr=1e-2, mode="stochastic", seed=5)
+        handle = lo.release_gradients(opt) if release else None
+        opt.add_param_group({"params": [net.side, net.norm], "lr": 3e-3})
+        train(net, opt, steps=2)
+        runs.append((net, opt))
+        if handle is not None:
+            assert not net.side._post_accumulate_grad_hooks
+            handle.remove()
+    assert_same(*runs)
