@@ -125,10 +125,18 @@ def test_measured_baselines_match_their_libraries(demo_report):
 
 
 def test_torchao_states_are_measured_through_their_inner_tensors():
-    torchao_optim = pytest.importorskip("torchao.optim")
+    """With torchao installed its states are measured; without it (CI: torchao is no test
+    requirement, its CUDA extensions do not load on CPU torch) the rows keep the documented
+    numbers and say that they are not measured."""
     from lowp.footprint.baselines import BASELINES, measure_baseline
 
     layout = {"AdamW8bit": (1, 256, 256 * 4), "AdamWFp8": (1, 256, 0), "AdamW4bit": (0.5, 128, 16 * 4)}
+    try:
+        import torchao.optim as torchao_optim
+    except ImportError:
+        for name in layout:
+            assert measure_baseline(next(b for b in BASELINES if b.name == f"torchao {name}")) is None
+        return
     params = list(CharLM().parameters())
     count = sum(p.numel() for p in params)
     for name, (code, block, qmap) in layout.items():
