@@ -85,20 +85,38 @@ _BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<="
 _CALLS = {"fma": "fma_", "sqrt": "sqrt_", "maximum": "maximum", "sign": "sign", "where": "select"}
 
 
+def _uniform(program: Program) -> set[int]:
+    """Positions of the nodes whose value is the same for every element: numbers, constants and
+    operations on them only (computed once per work unit, not per block)."""
+    out: set[int] = set()
+    for i, (op, _, _, args) in enumerate(program.steps):
+        if op in ("number", "tensor_number", "const") or (args and all(a in out for a in args)):
+            out.add(i)
+    return out
+
+
 def _function(name: str, program: Program, number_order: tuple[str, ...], returns_states: bool) -> str:
-    """``program`` as ``static inline vf name(n, t, w, g, s[, out])``; step number ``k`` of
-    ``number_order`` is ``n.v[k]``."""
+    """``program`` as three pieces: ``struct name_uniform`` (its per-unit values), ``name_prepare(n,
+    t, u)`` computing them from the step numbers ``n`` (number ``k`` of ``number_order`` is
+    ``n.v[k]``) and the per-tensor numbers ``t``, and ``vf name(u, w, g, s[, out])`` per 8 lanes."""
     states = {n: i for i, n in enumerate(program.state_names)}
     numbers = {n: i for i, n in enumerate(number_order)}
     tensor_numbers = {n: i for i, n in enumerate(program.tensor_numbers)}
-    index = program.index()
-    lines = []
+    uniform = _uniform(program)
+    kept = [i for i in sorted(uniform) if any(i in args for j, (_, _, _, args) in enumerate(program.steps)
+                                               if j not in uniform)
+            or i in (program.update_at, *program.states_at)]
+    slot = {i: k for k, i in enumerate(kept)}
+    prepare, lines = [], []
 
-    def ref(node: Expr) -> str:
-        return f"x{index[id(node)]}"
+    def ref(i: int, inside_prepare: bool) -> str:
+        if i in uniform and not inside_prepare:
+            return f"u.{'c' if program.nodes[i].is_condition else 'v'}[{slot[i]}]"
+        return f"x{i}"
 
     for i, node in enumerate(program.nodes):
-        op = node.op
+        op, args = node.op, program.steps[i][3]
+        inside = i in uniform
         if op == "input":
             expr = node.name
         elif op == "state":
@@ -110,21 +128,27 @@ def _function(name: str, program: Program, number_order: tuple[str, ...], return
         elif op == "const":
             expr = _float(node.value)
         elif op in _BINARY:
-            a, b = (ref(x) for x in node.args)
+            a, b = (ref(x, inside) for x in args)
             expr = f"(vi)({a} {_BINARY[op]} {b})" if node.is_condition else f"{a} {_BINARY[op]} {b}"
         elif op == "neg":
-            expr = f"-{ref(node.args[0])}"
+            expr = f"-{ref(args[0], inside)}"
         elif op == "not":
-            expr = f"~{ref(node.args[0])}"
+            expr = f"~{ref(args[0], inside)}"
         else:
-            expr = f"{_CALLS[op]}({', '.join(ref(x) for x in node.args)})"
-        lines.append(f"  const {'vi' if node.is_condition else 'vf'} x{i} = {expr};")
+            expr = f"{_CALLS[op]}({', '.join(ref(x, inside) for x in args)})"
+        (prepare if inside else lines).append(f"  const {'vi' if node.is_condition else 'vf'} x{i} = {expr};")
+        if i in slot:
+            prepare.append(f"  u.{'c' if node.is_condition else 'v'}[{slot[i]}] = x{i};")
     if returns_states:
-        lines += [f"  out[{j}] = {ref(node)};" for j, (_, node) in enumerate(program.states)]
-    lines.append(f"  return {ref(program.update)};")
-    signature = ("const Numbers &n, const vf *t, vf w, vf g, const vf *s" + (", vf *out" if returns_states else ""))
-    unused = "  (void)n; (void)t; (void)w; (void)g; (void)s;\n"
-    return f"static inline vf {name}({signature}) {{\n{unused}" + "\n".join(lines) + "\n}\n"
+        lines += [f"  out[{j}] = {ref(at, False)};" for j, at in enumerate(program.states_at)]
+    lines.append(f"  return {ref(program.update_at, False)};")
+    count = max(1, len(kept))
+    struct = f"struct {name}_uniform {{\n  vf v[{count}];\n  vi c[{count}];\n}};\n"
+    head = f"static inline void {name}_prepare(const Numbers &n, const vf *t, {name}_uniform &u) {{\n"
+    signature = f"const {name}_uniform &u, vf w, vf g, const vf *s" + (", vf *out" if returns_states else "")
+    return (struct + head + "  (void)n; (void)t; (void)u;\n" + "\n".join(prepare) + "\n}\n"
+            + f"static inline vf {name}({signature}) {{\n  (void)u; (void)w; (void)g; (void)s;\n"
+            + "\n".join(lines) + "\n}\n")
 
 
 @functools.lru_cache(maxsize=None)

@@ -123,11 +123,11 @@ static inline void load_inputs(const Pointers &p, int64_t i, const vf &factor, v
 }
 
 // Pass 1 over 16 elements: load, rule, state stores; returns the update ``u`` (even, odd).
-static inline void update_block(const Pointers &p, int64_t i, const Numbers &n, const vf *t, const vf &factor,
+static inline void update_block(const Pointers &p, int64_t i, const rule_uniform &r, const vf &factor,
                                 const Rng &rng, vf u[2]) {
   vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
   load_inputs(p, i, factor, w, g, s);
-  for (int h = 0; h < 2; h++) u[h] = rule(n, t, w[h], g[h], s[h], out[h]);
+  for (int h = 0; h < 2; h++) u[h] = rule(r, w[h], g[h], s[h], out[h]);
   for_states([&](auto j) {
     constexpr int J = decltype(j)::value;
     store<ST[J]>(p.s[J], i, state_value<J>(out[0][J], rng, 0), state_value<J>(out[1][J], rng, 1));
@@ -262,6 +262,8 @@ static int64_t work(Task *t) {
     t->range(unit, tensor, start, end);
     const Pointers p = t->at(tensor);
     for (int j = 0; j < TENSOR_NUMBERS; j++) tn[j] = bc((float)t->tensor_numbers[tensor * TENSOR_NUMBERS + j]);
+    rule_uniform r;  // the rule's values that are the same for every element: once per unit
+    rule_prepare(n, tn, r);
     vi stalled = {};
     int64_t i = start;
     TensorStreams streams{t->keys + tensor * STREAMS};
@@ -271,21 +273,21 @@ static int64_t work(Task *t) {
     for (; i + GROUP <= end; i += GROUP) {
       vf u[GROUP / 16][2];
       for (int64_t j = 0; j < GROUP; j += 16)
-        update_block(p, i + j, n, tn, factor, streams.at(base + i + j), u[j / 16]);
+        update_block(p, i + j, r, factor, streams.at(base + i + j), u[j / 16]);
       for (int64_t j = 0; j < GROUP; j += 16)
         write_back_block(p, i + j, streams.at(base + i + j), u[j / 16], valid, stalled);
     }
     for (; i + 16 <= end; i += 16) {
       vf u[2];
       const Rng rng = streams.at(base + i);
-      update_block(p, i, n, tn, factor, rng, u);
+      update_block(p, i, r, factor, rng, u);
       write_back_block(p, i, rng, u, valid, stalled);
     }
     if (i < end)
       tail<true>(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
         vf u[2];
         const Rng rng = streams.at(base + i);
-        update_block(q, 0, n, tn, factor, rng, u);
+        update_block(q, 0, r, factor, rng, u);
         write_back_block(q, 0, rng, u, lanes_valid, stalled);
       });
     for (int l = 0; l < 8; l++) total -= stalled[l];
@@ -320,12 +322,12 @@ extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *
 // The per-tensor pre-pass: ``sums[j]`` = the sum over tensor j of the spec's reduction term. Lanes
 // add in fp32 within a 16-element block, blocks in float64 per unit, units in unit order per tensor
 // (so the result does not depend on the thread count).
-static inline double reduction_block(const Pointers &p, int64_t i, const Numbers &n, const vf &factor,
+static inline double reduction_block(const Pointers &p, int64_t i, const reduction_uniform &r, const vf &factor,
                                      const vi *valid) {
   vf w[2], g[2], s[2][NSTATES + 1];
   load_inputs(p, i, factor, w, g, s);
   vf sum = {};
-  for (int h = 0; h < 2; h++) sum += select(valid[h], reduction(n, nullptr, w[h], g[h], s[h]), bc(0.0f));
+  for (int h = 0; h < 2; h++) sum += select(valid[h], reduction(r, w[h], g[h], s[h]), bc(0.0f));
   double total = 0;
   for (int l = 0; l < 8; l++) total += sum[l];
   return total;
@@ -338,6 +340,8 @@ extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *num
 #pragma omp parallel num_threads(thread_count(threads, t.units()))
   {
     const vf factor = bc(t.factor);
+    reduction_uniform r;
+    reduction_prepare(t.n, nullptr, r);
     int64_t tensor = 0;
     for (int64_t unit; (unit = t.next.fetch_add(1)) < t.units();) {
       int64_t start, end;
@@ -345,9 +349,9 @@ extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *num
       const Pointers p = t.at(tensor);
       double sum = 0;
       int64_t i = start;
-      for (; i + 16 <= end; i += 16) sum += reduction_block(p, i, t.n, factor, ALL_VALID);
+      for (; i + 16 <= end; i += 16) sum += reduction_block(p, i, r, factor, ALL_VALID);
       if (i < end)
-        tail<false>(p, i, end - i, [&](const Pointers &q, const vi *valid) { sum += reduction_block(q, 0, t.n, factor, valid); });
+        tail<false>(p, i, end - i, [&](const Pointers &q, const vi *valid) { sum += reduction_block(q, 0, r, factor, valid); });
       partial[unit] = sum;
     }
   }
