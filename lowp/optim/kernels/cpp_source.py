@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowp.optim.rule import Expr, Program
+from lowp.optim.rule import Program
 
 __all__ = ["Variant", "variant_source", "DTYPE_CODES", "MODE_CODES"]
 
@@ -107,7 +107,8 @@ def _function(name: str, program: Program, number_order: tuple[str, ...], return
                                                if j not in uniform)
             or i in (program.update_at, *program.states_at)]
     slot = {i: k for k, i in enumerate(kept)}
-    prepare, lines = [], []
+    prepare: list[str] = []
+    lines: list[str] = []
 
     def ref(i: int, inside_prepare: bool) -> str:
         if i in uniform and not inside_prepare:
