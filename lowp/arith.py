@@ -32,7 +32,7 @@ class Arith:
             dtype or a :class:`~lowp.formats.FloatFormat`. The container is fp32 for formats of at
             most 11 significand bits whose range fits fp32, else fp64 (up to 25 bits, e.g. fp32
             itself); a wider format (fp64) raises ``ValueError``, as does an unknown name.
-        mode: rounding mode of every operation, one of :data:`lowp.rounding.MODES` or an alias
+        mode: rounding mode of every operation, one of :data:`lowp.rounding.ROUNDING_MODES` or an alias
             (``"nearest"``, ``"rtz"``, ``"sr"`` ...); default ``"nearest_even"``. An unknown mode
             raises ``ValueError`` at the first rounding.
         generator: random source for ``mode="stochastic"`` (seed it for reproducible results);

@@ -38,18 +38,18 @@ from lowp.pow2 import scale_pow2, ulp_exponent
 
 RoundingMode = Literal["nearest_even", "nearest_away", "toward_zero", "up", "down", "odd", "stochastic"]
 
-MODES: tuple[str, ...] = ("nearest_even", "nearest_away", "toward_zero", "up", "down", "odd", "stochastic")
+ROUNDING_MODES: tuple[str, ...] = ("nearest_even", "nearest_away", "toward_zero", "up", "down", "odd", "stochastic")
 _MODE_ALIASES = {"nearest": "nearest_even", "rne": "nearest_even", "rna": "nearest_away", "rtz": "toward_zero",
                  "truncate": "toward_zero", "ru": "up", "rd": "down", "sr": "stochastic"}
 
-__all__ = ["quantize", "quantize_ste", "MODES", "RoundingMode", "container_for", "fits_in", "canonical_mode"]
+__all__ = ["quantize", "quantize_ste", "ROUNDING_MODES", "RoundingMode", "container_for", "fits_in", "canonical_mode"]
 
 
 def canonical_mode(mode: str) -> str:
     """The canonical name of a rounding mode (``"rne"`` -> ``"nearest_even"``)."""
     name = _MODE_ALIASES.get(mode, mode)
-    if name not in MODES:
-        raise ValueError(f"mode: unknown rounding mode {mode!r}; expected one of {', '.join(MODES)}")
+    if name not in ROUNDING_MODES:
+        raise ValueError(f"mode: unknown rounding mode {mode!r}; expected one of {', '.join(ROUNDING_MODES)}")
     return name
 
 
@@ -73,7 +73,7 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
     Args:
         x: a floating tensor (fp16/bf16 inputs are rounded through fp32, exactly).
         format: a :class:`~lowp.formats.FloatFormat`, a name such as ``"fp8_e4m3fn"`` or a dtype.
-        mode: one of :data:`MODES` (aliases: ``nearest``, ``rne``, ``rtz``, ``sr`` ...).
+        mode: one of :data:`ROUNDING_MODES` (aliases: ``nearest``, ``rne``, ``rtz``, ``sr`` ...).
         generator: random source for ``stochastic`` (seed it for reproducible results).
         rand_bits: random bits per stochastic decision (default: the container's precision,
             24 for fp32 and 53 for fp64, which is exact and unbiased).

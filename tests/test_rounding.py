@@ -11,11 +11,11 @@ import torch
 
 from lowp.codec import all_values
 from lowp.formats import PRESETS, FloatFormat, custom_format, get_format
-from lowp.rounding import (MODES, _native_cast_matches, _round, canonical_mode, container_for, fits_in, quantize,
-                           quantize_ste)
+from lowp.rounding import (ROUNDING_MODES, _native_cast_matches, _round, canonical_mode, container_for, fits_in,
+                           quantize, quantize_ste)
 from rounding_reference import bits_equal, neighbours, probe_points, reference_round, stochastic_up_probability
 
-DETERMINISTIC = [m for m in MODES if m != "stochastic"]
+DETERMINISTIC = [m for m in ROUNDING_MODES if m != "stochastic"]
 # every preset but fp64, fp32; tf32 (2**19 codes, 2M probe points) has its own, slow-marked test
 ENUMERABLE = [name for name, f in PRESETS.items() if f.bits <= 16]
 TORCH_DTYPES = ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz"]
