@@ -36,7 +36,8 @@ from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
 from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.randomness import Stream
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
-from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer, get_mode, resolve_mode
+from lowp.optim.writeback import (BUFFER_NAMES, LOW_PRECISION, MODES, WriteBack, ensure_buffer, get_mode,
+                                  resolve_mode)
 
 __all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "default_state_dtype", "check_betas",
            "check_nonnegative", "real_value", "warn_if_swapped", "COMPILE_REASON"]
@@ -419,10 +420,14 @@ class LowpOptimizer(torch.optim.Optimizer):
         states = {n: [working_copy(s.states[n]) for s in batch] for n in names}
         updates = self.update(group, weights, grads, states, ctx.step)
         counts = []
+        rounding = group["state_rounding"]
         for i, s in enumerate(batch):
             streams = ctx.streams(s)
+            streams.prefetch([Stream.STATE + j for j, n in enumerate(names)
+                              if rounding == "stochastic" and s.states[n].dtype in LOW_PRECISION]
+                             + list(mode.draws(s.param, s.buffer)), s.numel, s.param.device)
             for j, n in enumerate(names):
-                store(s.states[n], states[n][i], group["state_rounding"], streams, Stream.STATE + j)
+                store(s.states[n], states[n][i], rounding, streams, Stream.STATE + j)
             counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count))
         return torch.stack(counts).sum() if ctx.count else None
 
