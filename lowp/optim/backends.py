@@ -13,7 +13,7 @@ knows, falling back to ``apply_batch`` for the others.
 
 Temporaries are bounded by design: elementwise optimizers see parameters cut into flat chunks
 of at most ``chunk_size`` elements, so a step allocates a few fp32 copies of one chunk, never of
-the whole model.
+the whole model, and the batches of one backend call reuse them (:mod:`lowp.optim.scratch`).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 import torch
 
 from lowp.optim.randomness import ElementIndex, RandomStreams
+from lowp.optim.scratch import Scratch
 from lowp.optim.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class StepContext:
 
     ``inv_scale`` unscales gradients (from :class:`torch.amp.GradScaler`), ``count`` asks the
     write-back for the stalled-element count, ``seed`` (the optimizer's) keys the random streams
-    of stochastic rounding.
+    of stochastic rounding, ``scratch`` holds the temporaries that the batches of this call reuse.
     """
 
     group: dict[str, Any]
@@ -84,6 +85,7 @@ class StepContext:
     inv_scale: float | None = None
     seed: int = 0
     count: bool = True
+    scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
 
     def streams(self, s: ParamSlice) -> RandomStreams:
         """The random streams of slice ``s`` at this step."""

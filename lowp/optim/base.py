@@ -35,6 +35,7 @@ from lowp.optim import preflight, sharding
 from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
 from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.randomness import Stream
+from lowp.optim.scratch import Scratch
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
 from lowp.optim.writeback import (BUFFER_NAMES, LOW_PRECISION, MODES, WriteBack, ensure_buffer, get_mode,
                                   resolve_mode)
@@ -409,15 +410,20 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
         """The reference pipeline for one batch: fp32 working copies, ``update``, store states
-        with their rounding, write the weights back with the mode. Returns the stalled count."""
-        group, mode = ctx.group, ctx.mode
-        grads = [working_copy(s.grad) for s in batch]
+        with their rounding, write the weights back with the mode. Returns the stalled count.
+        Working copies, random bits and the write-back's temporaries live in ``ctx.scratch``."""
+        group, mode, scratch = ctx.group, ctx.mode, ctx.scratch
+        device = batch[0].param.device
+        grads = _working_copies([s.grad for s in batch], scratch, "grads", device)
         factor = (-1.0 if group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
         if factor != 1.0:
-            grads = torch._foreach_mul(grads, factor)
-        weights = [mode.load(s.param, s.buffer) for s in batch]
+            grads = [g.mul_(factor) if g is not s.grad else g * factor for g, s in zip(grads, batch)]
+        low = [s for s in batch if s.param.dtype in LOW_PRECISION]
+        loaded = iter(scratch.split("weights", [s.param.shape for s in low], torch.float32, device))
+        weights = [mode.load(s.param, s.buffer, next(loaded) if s.param.dtype in LOW_PRECISION else None)
+                   for s in batch]
         names = list(batch[0].states)
-        states = {n: [working_copy(s.states[n]) for s in batch] for n in names}
+        states = {n: _working_copies([s.states[n] for s in batch], scratch, f"state {n}", device) for n in names}
         updates = self.update(group, weights, grads, states, ctx.step)
         counts = []
         rounding = group["state_rounding"]
@@ -425,10 +431,10 @@ class LowpOptimizer(torch.optim.Optimizer):
             streams = ctx.streams(s)
             streams.prefetch([Stream.STATE + j for j, n in enumerate(names)
                               if rounding == "stochastic" and s.states[n].dtype in LOW_PRECISION]
-                             + list(mode.draws(s.param, s.buffer)), s.numel, s.param.device)
+                             + list(mode.draws(s.param, s.buffer)), s.numel, device, scratch)
             for j, n in enumerate(names):
                 store(s.states[n], states[n][i], rounding, streams, Stream.STATE + j)
-            counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count))
+            counts.append(mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count, scratch))
         return torch.stack(counts).sum() if ctx.count else None
 
     # ---- diagnostics ----------------------------------------------------------------------
@@ -562,6 +568,14 @@ class LowpOptimizer(torch.optim.Optimizer):
             value = sharding.load_state(value, p)
             return value.to(dtype) if cast else value
         return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+
+
+def _working_copies(tensors: list[torch.Tensor], scratch: Scratch, name: str, device: torch.device
+                    ) -> list[torch.Tensor]:
+    """:func:`~lowp.optim.storage.working_copy` of each tensor, the copies in ``scratch``'s buffer ``name``."""
+    copied = [t for t in tensors if t.dtype not in (torch.float32, torch.float64)]
+    outs = iter(scratch.split(name, [t.shape for t in copied], torch.float32, device) if copied else ())
+    return [t if t.dtype in (torch.float32, torch.float64) else working_copy(t, next(outs)) for t in tensors]
 
 
 def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:

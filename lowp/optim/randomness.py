@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowp.optim.scratch import Scratch
+
 __all__ = ["Stream", "stream_key", "stream_keys", "hash32_int", "random16_int", "hash32", "random16",
            "random16_range", "random16_ranges", "fold_key", "ElementIndex", "RandomStreams"]
 
@@ -150,7 +152,8 @@ def random16_range(first: int, n: int, key: int, device: torch.device | str = "c
     return random16_ranges(first, n, [key], device)[0]
 
 
-def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | str = "cpu",
+                    scratch: Scratch | None = None) -> torch.Tensor:
     """``random16(arange(first, first + n), key)`` for each key, as one ``(len(keys), n)`` int32
     tensor (one pass per operation for all streams) with 32-bit arithmetic only.
 
@@ -162,10 +165,16 @@ def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | 
     ``k ^ (k >> 16)`` with ``c ^ (c >> 16)`` for ``c = lo ^ folded key``; other pieces add their
     counts and mix in full. The last xor-shift of ``hash32`` leaves the top 16 bits unchanged, so
     it is skipped: ``random16 = (x >> 16) & 0xFFFF`` with ``x`` the value after the second multiply.
+    With a ``scratch`` the result and its temporary live in its buffers ``"random"`` and
+    ``"random temporary"``.
     """
     device = torch.device(device)
-    x = torch.empty((len(keys), n), dtype=torch.int32, device=device)
-    t = torch.empty_like(x)
+    if scratch is None:
+        x, t = torch.empty((len(keys), n), dtype=torch.int32, device=device), torch.empty(n, dtype=torch.int32,
+                                                                                           device=device)
+    else:
+        x, t = scratch.take("random", (len(keys), n), torch.int32, device), scratch.take("random temporary", (n,),
+                                                                                        torch.int32, device)
     j = 0
     while j < n:
         index = first + j
@@ -179,10 +188,12 @@ def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | 
         else:
             counts = torch.add(_cached_arange(_COUNTS, size, device, mixed=False), _as_int32(lo))
             torch.bitwise_xor(counts.unsqueeze(0), _column(folds, device), out=piece)
-            piece.bitwise_xor_(torch.bitwise_right_shift(piece, _SHIFT16, out=t[:, :size]).bitwise_and_(_LOW16))
+            for row in piece:
+                row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT16, out=t[:size]).bitwise_and_(_LOW16))
         j = end
     x.mul_(_MUL1)
-    x.bitwise_xor_(torch.bitwise_right_shift(x, _SHIFT15, out=t).bitwise_and_(_LOW17))
+    for row in x:   # one row at a time: the temporary stays one row long
+        row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT15, out=t).bitwise_and_(_LOW17))
     x.mul_(_MUL2)
     return x.bitwise_right_shift_(_SHIFT16).bitwise_and_(_LOW16)
 
@@ -268,14 +279,16 @@ class RandomStreams:
         """:func:`stream_key` of ``stream`` (the shared inputs mixed once per instance)."""
         return _splitmix64(self._mix ^ (stream & _MASK64)) & _MASK32
 
-    def prefetch(self, streams: list[int], n: int, device: torch.device | str = "cpu") -> None:
+    def prefetch(self, streams: list[int], n: int, device: torch.device | str = "cpu",
+                 scratch: Scratch | None = None) -> None:
         """Draw the bits of ``n`` elements of several streams together (:func:`random16_ranges`:
-        one pass per hash operation for all of them); the next :meth:`bits` call of each of
-        these streams for ``n`` elements hands them out (once: the caller may overwrite them)."""
+        one pass per hash operation for all of them), into ``scratch``'s buffers when one is
+        given; the next :meth:`bits` call of each of these streams for ``n`` elements hands
+        them out (once: the caller may overwrite them)."""
         streams = list(dict.fromkeys(streams))
-        if len(streams) < 2 or not self.index.contiguous:
+        if len(streams) < (1 if scratch is not None else 2) or not self.index.contiguous:
             return
-        rows = random16_ranges(self.index.first(), n, [self.key(s) for s in streams], device)
+        rows = random16_ranges(self.index.first(), n, [self.key(s) for s in streams], device, scratch)
         self._ahead.update(zip(streams, rows))
 
     def bits(self, stream: int, shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu"

@@ -38,10 +38,12 @@ _SIGN = -(1 << 31)             # 0x80000000 as a signed int32
 _FP16_MAX = 65504.0
 
 
-def working_copy(t: torch.Tensor) -> torch.Tensor:
+def working_copy(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` as fp32 (fp64 stays fp64): the tensor itself when no cast is needed, so in-place math
-    on the working copy writes through."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+    on the working copy writes through; else a new tensor, or ``out`` (fp32, ``t``'s shape)."""
+    if t.dtype in (torch.float32, torch.float64):
+        return t
+    return t.float() if out is None else out.copy_(t)
 
 
 def stochastic_round_bf16(src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
