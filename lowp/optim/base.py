@@ -418,8 +418,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         factor = (-1.0 if group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
         if factor != 1.0:
             grads = [g.mul_(factor) if g is not s.grad else g * factor for g, s in zip(grads, batch)]
-        low = [s for s in batch if s.param.dtype in LOW_PRECISION]
-        loaded = iter(scratch.split("weights", [s.param.shape for s in low], torch.float32, device))
+        loaded = iter(_scratch_copies([s.param for s in batch if s.param.dtype in LOW_PRECISION], scratch, "weights",
+                                      device))
         weights = [mode.load(s.param, s.buffer, next(loaded) if s.param.dtype in LOW_PRECISION else None)
                    for s in batch]
         names = list(batch[0].states)
@@ -570,11 +570,25 @@ class LowpOptimizer(torch.optim.Optimizer):
         return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
 
+#: Batches of fewer elements take fresh temporaries: the heap serves them without page faults,
+#: and the scratch's bookkeeping would cost more than it saves.
+_SCRATCH_MIN_NUMEL = 1 << 14
+
+
+def _scratch_copies(tensors: list[torch.Tensor], scratch: Scratch, name: str, device: torch.device
+                    ) -> list[torch.Tensor | None]:
+    """Uninitialised fp32 tensors of the shapes of ``tensors`` in ``scratch``'s buffer ``name``
+    (``None`` each for a batch too small to be worth it)."""
+    if sum(t.numel() for t in tensors) < _SCRATCH_MIN_NUMEL:
+        return [None] * len(tensors)
+    return scratch.split(name, [t.shape for t in tensors], torch.float32, device)
+
+
 def _working_copies(tensors: list[torch.Tensor], scratch: Scratch, name: str, device: torch.device
                     ) -> list[torch.Tensor]:
     """:func:`~lowp.optim.storage.working_copy` of each tensor, the copies in ``scratch``'s buffer ``name``."""
-    copied = [t for t in tensors if t.dtype not in (torch.float32, torch.float64)]
-    outs = iter(scratch.split(name, [t.shape for t in copied], torch.float32, device) if copied else ())
+    outs = iter(_scratch_copies([t for t in tensors if t.dtype not in (torch.float32, torch.float64)], scratch, name,
+                                device))
     return [t if t.dtype in (torch.float32, torch.float64) else working_copy(t, next(outs)) for t in tensors]
 
 

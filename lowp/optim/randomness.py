@@ -188,11 +188,11 @@ def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | 
         else:
             counts = torch.add(_cached_arange(_COUNTS, size, device, mixed=False), _as_int32(lo))
             torch.bitwise_xor(counts.unsqueeze(0), _column(folds, device), out=piece)
-            for row in piece:
+            for row in piece.unbind():
                 row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT16, out=t[:size]).bitwise_and_(_LOW16))
         j = end
     x.mul_(_MUL1)
-    for row in x:   # one row at a time: the temporary stays one row long
+    for row in x.unbind():   # one row at a time: the temporary stays one row long
         row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT15, out=t).bitwise_and_(_LOW17))
     x.mul_(_MUL2)
     return x.bitwise_right_shift_(_SHIFT16).bitwise_and_(_LOW16)
@@ -289,7 +289,7 @@ class RandomStreams:
         if len(streams) < (1 if scratch is not None else 2) or not self.index.contiguous:
             return
         rows = random16_ranges(self.index.first(), n, [self.key(s) for s in streams], device, scratch)
-        self._ahead.update(zip(streams, rows))
+        self._ahead.update(zip(streams, rows.unbind()))
 
     def bits(self, stream: int, shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu"
              ) -> torch.Tensor:
