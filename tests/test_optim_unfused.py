@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowp.optim as lo
-from lowp.optim.randomness import RandomStreams, ElementIndex, random16, random16_range, random16_ranges, stream_key
+from lowp.optim.randomness import ElementIndex, RandomStreams, random16, random16_range, random16_ranges, stream_key
 from lowp.optim.scratch import Scratch
 from lowp.optim.storage import _has_nan, store_stochastic_bf16
 from lowp.optim.writeback import MODES, _unmoved

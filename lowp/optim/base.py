@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lowp.optim import preflight, sharding
-from lowp.optim.backends import Backend, ParamSlice, StepContext, get_backend
+from lowp.optim.backends import DEFAULT_CHUNK_SIZE, Backend, ParamSlice, StepContext, get_backend
 from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.randomness import Stream
 from lowp.optim.scratch import Scratch
@@ -156,7 +156,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, mode: str = "auto",
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
                  state_rounding: str = "stochastic", maximize: bool = False, nonfinite: str = "skip_param",
-                 foreach: bool | None = None, backend: str | None = None, chunk_size: int = 1 << 17,
+                 foreach: bool | None = None, backend: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  seed: int | None = None, diagnostics: bool = True, fused: bool | None = None,
                  kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False) -> None:
         if nonfinite not in NONFINITE_POLICIES:

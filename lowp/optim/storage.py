@@ -28,8 +28,8 @@ import torch
 
 from lowp.optim.randomness import RandomStreams
 
-__all__ = ["STATE_ROUNDINGS", "working_copy", "store", "stochastic_round_bf16", "store_stochastic_bf16", "stochastic_round_fp16",
-           "stochastic_round"]
+__all__ = ["STATE_ROUNDINGS", "working_copy", "store", "stochastic_round_bf16", "store_stochastic_bf16",
+           "stochastic_round_fp16", "stochastic_round"]
 
 STATE_ROUNDINGS = ("nearest", "stochastic")
 _QUIET = torch.tensor(0x00400000, dtype=torch.int32)   # the quiet bit of an fp32 NaN
