@@ -2,14 +2,15 @@
 (fp32 foreach, fp32 fused, bf16 foreach) and optimi's AdamW (when installed), measured in the
 same run on the same tensors. lowp rows use ``fused=None`` (column "backend": on CPU the
 ``native`` kernel from 2**16 parameters on x86-64 with AVX2 and a C++ compiler, else ``compiled``
-from 2**22; ``triton`` on CUDA), and one row forces the unfused ``foreach`` reference
-(``fused=False``).
+from 2**22; ``triton`` on CUDA), and two rows force the unfused ``foreach`` reference
+(``fused=False``; the second with states rounded to nearest, like optimi's).
 
 Prints, per configuration: parameters/second (median over timed steps, configurations
 interleaved step by step so that load changes on a shared machine hit all alike), bytes/parameter of
 weights + gradients + optimizer state, and the peak extra memory a step allocates (from
 torch.profiler's CPU memory events: the running sum of allocations minus frees during one
-step), in bytes/parameter and MiB.
+step), in bytes/parameter and MiB. Then, for the unfused rows, their time per step over
+optimi's foreach Kahan AdamW's and the number of aten ops per chunk that pass over the data.
 
     python benchmarks/optim_step.py [--numel 8000000] [--tensors 8] [--steps 5] [--threads N]
 """
@@ -29,6 +30,12 @@ import lowp.optim as lo
 from lowp.report import text_table
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
+UNFUSED = "unfused (fused=False)"
+UNFUSED_NEAREST = "unfused, states rounded to nearest"
+OPTIMI = "optimi AdamW bf16 kahan"
+#: ops that only make views or uninitialised tensors: not passes over the data
+_METADATA_OPS = {"view", "slice", "select", "unsqueeze", "split", "split_with_sizes", "unbind", "alias", "as_strided",
+                 "_unsafe_view", "expand", "detach", "empty", "empty_like", "empty_strided"}
 
 
 def _make(numel: int, tensors: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -55,13 +62,14 @@ def _configs(has_optimi: bool) -> dict[str, tuple[torch.dtype, Callable]]:
     variants = {"fp32 states": dict(state_dtype=torch.float32),
                 "states rounded to nearest": dict(state_rounding="nearest"),
                 "no diagnostics, no finite check": dict(diagnostics=False, nonfinite="off"),
-                "unfused (fused=False)": dict(fused=False)}
+                UNFUSED: dict(fused=False),
+                UNFUSED_NEAREST: dict(fused=False, state_rounding="nearest")}
     for label, extra in variants.items():
         configs[f"lowp AdamW bf16 kahan, {label}"] = (
             torch.bfloat16, lambda p, e=extra: lo.AdamW(p, mode="kahan", **e, **kw))
     if has_optimi:
         import optimi
-        configs["optimi AdamW bf16 kahan"] = (torch.bfloat16, lambda p: optimi.AdamW(p, foreach=True, **kw))
+        configs[OPTIMI] = (torch.bfloat16, lambda p: optimi.AdamW(p, foreach=True, **kw))
     return configs
 
 
@@ -82,6 +90,28 @@ def _peak_extra_bytes(opt: torch.optim.Optimizer, trace: Path) -> int:
         running += e["args"]["Bytes"]
         peak = max(peak, running)
     return peak
+
+
+def _ops_per_chunk(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:
+    """aten ops per chunk of one step that touch at least 2**15 elements (the passes over the data
+    of the unfused pipeline, counted under a ``TorchDispatchMode``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes = [t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            if func.overloadpacket.__name__ not in _METADATA_OPS and max(sizes, default=0) >= 1 << 15:
+                Count.ops += 1
+            return out
+
+    with Count():
+        opt.step()
+    chunk = opt.backend.chunk_size
+    return Count.ops / sum(-(-p.numel() // chunk) for p in params)
 
 
 def main() -> None:
@@ -127,14 +157,20 @@ def main() -> None:
         rows.append([name, backend, f"{rates[name] / 1e6:.1f}", f"{held / n:.1f}", f"{peak / n:.2f}",
                      f"{peak / 2**20:.1f}"])
     base = rates.get("torch AdamW fp32 fused")
-    optimi_name = "optimi AdamW bf16 kahan"
     for row in rows:
         row.append(f"{rates[row[0]] / base:.2f}x" if base else "-")
-        row.append(f"{rates[row[0]] / rates[optimi_name]:.2f}x" if optimi_name in rates else "-")
+        row.append(f"{rates[row[0]] / rates[OPTIMI]:.2f}x" if OPTIMI in rates else "-")
     print(f"AdamW step, {args.numel:,} parameters in {args.tensors} tensors, {torch.get_num_threads()} thread(s), "
           f"torch {torch.__version__}" + ("" if has_optimi else "; optimi not installed (pip install torch-optimi)"))
     print(text_table(["configuration", "backend", "Mparams/s", "bytes/param", "peak extra B/param", "peak extra MiB",
                       "vs torch fused fp32", "vs optimi"], rows))
+    for label in (UNFUSED, UNFUSED_NEAREST):
+        name = f"lowp AdamW bf16 kahan, {label}"
+        if name in rates and OPTIMI in rates:
+            params, opt, _ = built[name]
+            print(f"{name}: {rates[OPTIMI] / rates[name]:.2f}x optimi's foreach Kahan AdamW time per step "
+                  f"(project target <= 1.5x), {_ops_per_chunk(opt, params):.0f} aten ops per chunk of "
+                  f"{opt.backend.chunk_size} elements")
 
 
 if __name__ == "__main__":

@@ -37,14 +37,16 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 import torch
 
 from lowp.optim import preflight, sharding
-from lowp.optim.backends import Backend, backend_for, get_backend
+from lowp.optim.backends import DEFAULT_CHUNK_SIZE, Backend, backend_for, get_backend
 from lowp.optim.migrate import to_lowp_layout
 from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.randomness import Stream
+from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import STATE_ROUNDINGS, store, working_copy
-from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer, get_mode, resolve_mode
+from lowp.optim.writeback import (BUFFER_NAMES, LOW_PRECISION, MODES, WriteBack, ensure_buffer, get_mode,
+                                  resolve_mode)
 
 __all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "default_state_dtype", "check_betas",
            "check_nonnegative", "real_value", "warn_if_swapped", "COMPILE_REASON"]
@@ -213,7 +215,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, mode: str = "auto",
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
                  state_rounding: str = "stochastic", maximize: bool = False, nonfinite: str = "skip_param",
-                 foreach: bool | None = None, backend: str | None = None, chunk_size: int = 1 << 17,
+                 foreach: bool | None = None, backend: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  seed: int | None = None, diagnostics: bool = True, fused: bool | None = None,
                  kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False) -> None:
         if nonfinite not in NONFINITE_POLICIES:
@@ -567,22 +569,31 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
         """The reference pipeline for one batch: fp32 working copies, ``update``, store states
-        with their rounding, write the weights back with the mode. Returns the stalled count."""
-        group, mode = ctx.group, ctx.mode
-        grads = [working_copy(s.grad) for s in batch]
+        with their rounding, write the weights back with the mode. Returns the stalled count.
+        Working copies, random bits and the write-back's temporaries live in ``ctx.scratch``."""
+        group, mode, scratch = ctx.group, ctx.mode, ctx.scratch
+        device = batch[0].param.device
+        grads = _working_copies([s.grad for s in batch], scratch, "grads", device)
         factor = (-1.0 if group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
         if factor != 1.0:
-            grads = list(torch._foreach_mul(grads, factor))
-        weights = [mode.load(s.param, s.buffer) for s in batch]
+            grads = [g.mul_(factor) if g is not s.grad else g * factor for g, s in zip(grads, batch)]
+        loaded = iter(_scratch_copies([s.param for s in batch if s.param.dtype in LOW_PRECISION], scratch, "weights",
+                                      device))
+        weights = [mode.load(s.param, s.buffer, next(loaded) if s.param.dtype in LOW_PRECISION else None)
+                   for s in batch]
         names = list(batch[0].states)
-        states = {n: [working_copy(s.states[n]) for s in batch] for n in names}
+        states = {n: _working_copies([s.states[n] for s in batch], scratch, f"state {n}", device) for n in names}
         updates = self.update(group, weights, grads, states, ctx.step)
         counts: list[torch.Tensor] = []
+        rounding = group["state_rounding"]
         for i, s in enumerate(batch):
             streams = ctx.streams(s)
+            streams.prefetch([Stream.STATE + j for j, n in enumerate(names)
+                              if rounding == "stochastic" and s.states[n].dtype in LOW_PRECISION]
+                             + list(mode.draws(s.param, s.buffer)), s.numel, device, scratch)
             for j, n in enumerate(names):
-                store(s.states[n], states[n][i], group["state_rounding"], streams, Stream.STATE + j)
-            stalled = mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count)
+                store(s.states[n], states[n][i], rounding, streams, Stream.STATE + j)
+            stalled = mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count, scratch)
             if stalled is not None:
                 counts.append(stalled)
         return torch.stack(counts).sum() if ctx.count else None
@@ -716,6 +727,29 @@ class LowpOptimizer(torch.optim.Optimizer):
             value = sharding.load_state(value, p)
             return value.to(dtype) if cast else value
         return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+
+
+#: Batches of fewer elements take fresh temporaries: the heap serves them without page faults,
+#: and the scratch's bookkeeping would cost more than it saves.
+_SCRATCH_MIN_NUMEL = 1 << 14
+
+
+def _scratch_copies(tensors: list[torch.Tensor], scratch: Scratch, name: str, device: torch.device
+                    ) -> list[torch.Tensor | None]:
+    """Uninitialised fp32 tensors of the shapes of ``tensors`` in ``scratch``'s buffer ``name``
+    (``None`` each for a batch too small to be worth it)."""
+    if sum(t.numel() for t in tensors) < _SCRATCH_MIN_NUMEL:
+        return [None] * len(tensors)
+    copies: list[torch.Tensor | None] = [*scratch.split(name, [t.shape for t in tensors], torch.float32, device)]
+    return copies
+
+
+def _working_copies(tensors: list[torch.Tensor], scratch: Scratch, name: str, device: torch.device
+                    ) -> list[torch.Tensor]:
+    """:func:`~lowp.optim.storage.working_copy` of each tensor, the copies in ``scratch``'s buffer ``name``."""
+    outs = iter(_scratch_copies([t for t in tensors if t.dtype not in (torch.float32, torch.float64)], scratch, name,
+                                device))
+    return [t if t.dtype in (torch.float32, torch.float64) else working_copy(t, next(outs)) for t in tensors]
 
 
 def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:

@@ -23,14 +23,17 @@ key, so elements ``i`` and ``i + 2**32`` draw different bits::
 """
 from __future__ import annotations
 
+import array
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from lowp.optim.scratch import Scratch
+
 __all__ = ["Stream", "stream_key", "stream_keys", "hash32_int", "random16_int", "hash32", "random16",
-           "random16_range", "fold_key", "ElementIndex", "RandomStreams"]
+           "random16_range", "random16_ranges", "fold_key", "ElementIndex", "RandomStreams"]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -117,47 +120,91 @@ def random16(index: torch.Tensor, key: int) -> torch.Tensor:
     return (hash32(lo ^ hi ^ _as_int32(key)) >> 16) & 0xFFFF
 
 
+#: hash32's constants as 0-dim int32 tensors: a Python int argument costs each op a conversion
+#: of the scalar to a tensor (a CPU scalar tensor also serves tensors on other devices)
+_MUL1, _MUL2, _SHIFT15, _SHIFT16, _LOW17, _LOW16 = (torch.tensor(_as_int32(v), dtype=torch.int32)
+                                                    for v in (0x7FEB352D, 0x846CA68B, 15, 16, 0x1FFFF, 0xFFFF))
 _COUNTS: dict[torch.device, torch.Tensor] = {}
+_MIXED_COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counts(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` as int32, from a per-device cache that grows to the largest ``n`` asked for
-    (an add from a cached tensor is about twice as fast as a fresh ``arange`` on CPU)."""
-    cached = _COUNTS.get(device)
+def _cached_arange(cache: dict[torch.device, torch.Tensor], n: int, device: torch.device, mixed: bool) -> torch.Tensor:
+    """``arange(n)`` as int32 (``mixed``: with ``hash32``'s first xor-shift applied, ``k ^ (k >> 16)``)
+    from a per-device cache that grows to the largest ``n`` asked for."""
+    cached = cache.get(device)
     if cached is None or cached.numel() < n:
-        cached = _COUNTS[device] = torch.arange(max(n, 1 << 16), dtype=torch.int32, device=device)
+        cached = torch.arange(max(n, 1 << 16), dtype=torch.int32, device=device)
+        if mixed:
+            cached.bitwise_xor_(cached >> 16)   # counts stay below 2**31: the shift is logical
+        cache[device] = cached
     return cached[:n]
 
 
+def _xorshift16(v: int) -> int:
+    """``hash32``'s first step ``v ^ (v >> 16)`` on a 32-bit pattern."""
+    v &= _MASK32
+    return v ^ (v >> 16)
+
+
 def random16_range(first: int, n: int, key: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``random16(arange(first, first + n), key)`` (int32) with 32-bit arithmetic only.
+    """``random16(arange(first, first + n), key)`` (int32) with 32-bit arithmetic only; see
+    :func:`random16_ranges`."""
+    return random16_ranges(first, n, [key], device)[0]
+
+
+def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | str = "cpu",
+                    scratch: Scratch | None = None) -> torch.Tensor:
+    """``random16(arange(first, first + n), key)`` for each key, as one ``(len(keys), n)`` int32
+    tensor (one pass per operation for all streams) with 32-bit arithmetic only.
 
     The range is cut where the low 32 bits of the index cross a multiple of ``2**31``: within a
     piece the int32 counts do not wrap and the high bits are constant, so their hash is folded
-    into the key once (:func:`fold_key`); a piece that starts at a multiple of a power of two at
-    least its length (chunks of whole tensors) xors its counts in instead of adding them. The
-    last xor-shift of ``hash32`` leaves the top 16 bits unchanged, so it is skipped:
-    ``random16 = (x >> 16) & 0xFFFF`` with ``x`` the value after the second multiply.
+    into the key once (:func:`fold_key`). ``hash32``'s first step ``x ^ (x >> 16)`` is linear over
+    xor, and in a piece that starts at a multiple ``lo`` of a power of two at least its length
+    (chunks of whole tensors) ``lo + k == lo ^ k``, so there the step is one xor of the cached
+    ``k ^ (k >> 16)`` with ``c ^ (c >> 16)`` for ``c = lo ^ folded key``; other pieces add their
+    counts and mix in full. The last xor-shift of ``hash32`` leaves the top 16 bits unchanged, so
+    it is skipped: ``random16 = (x >> 16) & 0xFFFF`` with ``x`` the value after the second multiply.
+    With a ``scratch`` the result and its temporary live in its buffers ``"random"`` and
+    ``"random temporary"``.
     """
-    x = torch.empty(n, dtype=torch.int32, device=device)
+    device = torch.device(device)
+    if scratch is None:
+        x, t = torch.empty((len(keys), n), dtype=torch.int32, device=device), torch.empty(n, dtype=torch.int32,
+                                                                                           device=device)
+    else:
+        x, t = scratch.take("random", (len(keys), n), torch.int32, device), scratch.take("random temporary", (n,),
+                                                                                        torch.int32, device)
     j = 0
     while j < n:
         index = first + j
         lo = index & _MASK32
         end = min(n, j + (1 << 31) - (lo & 0x7FFFFFFF))
-        piece, fold = x[j:end], _as_int32(fold_key(key, index >> 32))
-        if lo & ((1 << (end - j - 1).bit_length()) - 1) == 0:
-            # lo + k == lo ^ k for every k < end - j (lo has no bits below that power of two): one pass
-            torch.bitwise_xor(_counts(end - j, x.device), _as_int32(lo) ^ fold, out=piece)
+        piece, size = x[:, j:end], end - j
+        folds = [fold_key(key, index >> 32) for key in keys]
+        if lo & ((1 << (size - 1).bit_length()) - 1) == 0:
+            mixed = _cached_arange(_MIXED_COUNTS, size, device, mixed=True)
+            torch.bitwise_xor(mixed.unsqueeze(0), _column([_xorshift16(lo ^ f) for f in folds], device), out=piece)
         else:
-            torch.add(_counts(end - j, x.device), _as_int32(lo), out=piece).bitwise_xor_(fold)
+            counts = torch.add(_cached_arange(_COUNTS, size, device, mixed=False), _as_int32(lo))
+            torch.bitwise_xor(counts.unsqueeze(0), _column(folds, device), out=piece)
+            for row in piece.unbind():
+                row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT16, out=t[:size]).bitwise_and_(_LOW16))
         j = end
-    t = torch.empty_like(x)
-    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=t).bitwise_and_(0xFFFF))
-    x.mul_(_as_int32(0x7FEB352D))
-    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=t).bitwise_and_(0x1FFFF))
-    x.mul_(_as_int32(0x846CA68B))
-    return x.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+    x.mul_(_MUL1)
+    for row in x.unbind():   # one row at a time: the temporary stays one row long
+        row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT15, out=t).bitwise_and_(_LOW17))
+    x.mul_(_MUL2)
+    return x.bitwise_right_shift_(_SHIFT16).bitwise_and_(_LOW16)
+
+
+def _column(values: list[int], device: torch.device) -> torch.Tensor | int:
+    """32-bit patterns as an int32 column that broadcasts over a ``(len(values), n)`` tensor
+    (a plain int for one value)."""
+    if len(values) == 1:
+        return _as_int32(values[0])
+    column = torch.frombuffer(array.array("i", [_as_int32(v) for v in values]), dtype=torch.int32).unsqueeze(1)
+    return column if device.type == "cpu" else column.to(device)
 
 
 @dataclass(frozen=True)
@@ -240,6 +287,7 @@ class RandomStreams:
     step: int
     param_id: int
     index: ElementIndex = ElementIndex()
+    _ahead: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @functools.cached_property
     def _mix(self) -> int:
@@ -249,7 +297,23 @@ class RandomStreams:
         """:func:`stream_key` of ``stream`` (the shared inputs mixed once per instance)."""
         return _splitmix64(self._mix ^ (stream & _MASK64)) & _MASK32
 
+    def prefetch(self, streams: list[int], n: int, device: torch.device | str = "cpu",
+                 scratch: Scratch | None = None) -> None:
+        """Draw the bits of ``n`` elements of several streams together (:func:`random16_ranges`:
+        one pass per hash operation for all of them), into ``scratch``'s buffers when one is
+        given; the next :meth:`bits` call of each of these streams for ``n`` elements hands
+        them out (once: the caller may overwrite them)."""
+        streams = list(dict.fromkeys(streams))
+        if len(streams) < (1 if scratch is not None else 2) or not self.index.contiguous:
+            return
+        rows = random16_ranges(self.index.first(), n, [self.key(s) for s in streams], device, scratch)
+        self._ahead.update(zip(streams, rows.unbind()))
+
     def bits(self, stream: int, shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu"
              ) -> torch.Tensor:
         """16 random bits (int32) per element of a tensor of ``shape`` (row-major order)."""
-        return self.index.random16(math.prod(shape), self.key(stream), device).view(shape)
+        n = math.prod(shape)
+        drawn = self._ahead.pop(stream, None)
+        if drawn is None or drawn.numel() != n or drawn.device != torch.device(device):
+            drawn = self.index.random16(n, self.key(stream), device)
+        return drawn if drawn.shape == shape else drawn.view(shape)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lowp.optim.randomness import ElementIndex, RandomStreams
+from lowp.optim.scratch import Scratch
 from lowp.optim.writeback import WriteBack
 
 __all__ = ["ParamSlice", "StepContext"]
@@ -71,7 +72,7 @@ class StepContext:
 
     ``inv_scale`` unscales gradients (from :class:`torch.amp.GradScaler`), ``count`` asks the
     write-back for the stalled-element count, ``seed`` (the optimizer's) keys the random streams
-    of stochastic rounding.
+    of stochastic rounding, ``scratch`` holds the temporaries that the batches of this call reuse.
 
     Args:
         group: the parameter group (hyper-parameters and options) of the slices.
@@ -81,6 +82,8 @@ class StepContext:
             (default ``None``: gradients are used as they are).
         seed: the optimizer's seed (default 0).
         count: ``True`` (default) asks for the stalled-element count, ``False`` for none.
+        scratch: reusable temporaries of the reference pipeline (:mod:`lowp.optim.scratch`;
+            default: a new, empty one).
     """
 
     group: dict[str, Any]
@@ -89,6 +92,7 @@ class StepContext:
     inv_scale: float | None = None
     seed: int = 0
     count: bool = True
+    scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
 
     def streams(self, s: ParamSlice) -> RandomStreams:
         """The random streams of slice ``s`` at this step."""

@@ -24,38 +24,57 @@ infinity; infinities and NaNs stay themselves.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from lowp.optim.randomness import RandomStreams
 
-__all__ = ["STATE_ROUNDINGS", "working_copy", "store", "stochastic_round_bf16", "stochastic_round_fp16",
-           "stochastic_round"]
+__all__ = ["STATE_ROUNDINGS", "working_copy", "store", "stochastic_round_bf16", "store_stochastic_bf16",
+           "stochastic_round_fp16", "stochastic_round"]
 
 STATE_ROUNDINGS = ("nearest", "stochastic")
-_LOW_16_BITS_CLEARED = -65536  # 0xFFFF0000 as a signed int32
-_QUIET = 0x00400000            # the quiet bit of an fp32 NaN
+_QUIET = torch.tensor(0x00400000, dtype=torch.int32)   # the quiet bit of an fp32 NaN
+_SHIFT16 = torch.tensor(16, dtype=torch.int32)          # 0-dim: no scalar conversion per call
 _SIGN = -(1 << 31)             # 0x80000000 as a signed int32
 _FP16_MAX = 65504.0
-_TOP_HALF = 1 if sys.byteorder == "little" else 0   # the int16 that holds the top half of an int32
 
 
-def working_copy(t: torch.Tensor) -> torch.Tensor:
+def working_copy(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` as fp32 (fp64 stays fp64): the tensor itself when no cast is needed, so in-place math
-    on the working copy writes through."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+    on the working copy writes through; else a new tensor, or ``out`` (fp32, ``t``'s shape)."""
+    if t.dtype in (torch.float32, torch.float64):
+        return t
+    return t.float() if out is None else out.copy_(t)
 
 
 def stochastic_round_bf16(src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """``SR_bf16(src)`` of an fp32 tensor with 16 random bits per element (int32 ``noise`` in
     ``[0, 2**16)``, overwritten); see the module docstring."""
+    out = torch.empty(src.shape, dtype=torch.bfloat16, device=src.device)
+    store_stochastic_bf16(out, src, noise)
+    return out
+
+
+def store_stochastic_bf16(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> None:
+    """Write ``SR_bf16(src)`` into the bf16 tensor ``dst`` (int32 ``noise`` of ``src``'s shape,
+    overwritten).
+
+    Integer arithmetic only: ``(bits + r) >> 16`` is the bf16 pattern, sign-extended, so the
+    int32 to int16 conversion keeps it exactly (one contiguous pass; a strided copy of the top
+    halves costs about four). NaN inputs take the quiet bit instead of the carry,
+    ``(bits | 0x00400000) >> 16``; on the CPU an fp32 sum looks for them first (a NaN makes it
+    NaN) and the fix-up runs only when one is there, elsewhere it always runs (no host sync)."""
     bits = src.contiguous().view(torch.int32)
-    out = noise.add_(bits).bitwise_and_(_LOW_16_BITS_CLEARED)
-    if not bool(src.sum().isfinite()):   # one cheap pass; a NaN makes the sum NaN (isnan + any cost 20% of a step)
-        out = torch.where(src.isnan(), bits.bitwise_and(_LOW_16_BITS_CLEARED).bitwise_or_(_QUIET), out)
-    # the bf16 bits are the top halves of the int32 words, bit for bit (a cast would turn NaNs into 0xFFFF)
-    return out.view(-1).view(torch.int16)[_TOP_HALF::2].view(torch.bfloat16).view(src.shape)
+    out = noise.add_(bits) if noise.shape == bits.shape else noise.view(bits.shape).add_(bits)
+    if not src.is_cpu or _has_nan(src):
+        out = torch.where(src.isnan(), bits.bitwise_or(_QUIET), out)
+    dst.view(torch.int16).copy_(out.bitwise_right_shift_(_SHIFT16))
+
+
+def _has_nan(src: torch.Tensor) -> bool:
+    """True when the fp32 sum of ``src`` is NaN: always with a NaN in ``src``, else only for
+    ``inf - inf`` (a false alarm that costs the NaN fix-up's pass, never a wrong bit)."""
+    total = float(src.sum())
+    return total != total
 
 
 def stochastic_round_fp16(src: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -97,6 +116,10 @@ def store(dst: torch.Tensor, src: torch.Tensor, rounding: str, streams: RandomSt
     if rounding == "stochastic" and dst.dtype in (torch.bfloat16, torch.float16):
         if streams is None:
             raise ValueError("streams: stochastic rounding needs the random streams of the tensor, got None")
-        dst.copy_(stochastic_round(src, dst.dtype, streams.bits(stream, src.shape, src.device)))
+        noise = streams.bits(stream, src.shape, src.device)
+        if dst.dtype == torch.bfloat16:
+            store_stochastic_bf16(dst, src, noise)
+        else:
+            dst.copy_(stochastic_round_fp16(src, noise))
     else:
         dst.copy_(src)

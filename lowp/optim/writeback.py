@@ -49,79 +49,98 @@ from typing import Callable
 
 import torch
 
-from lowp.optim.randomness import RandomStreams, Stream
+from lowp.optim.randomness import Stream
 from lowp.optim.storage import store, working_copy
 
 __all__ = ["WriteBack", "MODES", "get_mode", "resolve_mode", "ensure_buffer", "BUFFER_NAMES", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ALL = (torch.float64, torch.float32, *LOW_PRECISION)
-_HALF = 1 << 15
+# 0-dim int32 constants: a Python int argument costs each op a conversion of the scalar to a tensor
+_HALF, _SHIFT16, _NOT_SIGN = (torch.tensor(v, dtype=torch.int32) for v in (1 << 15, 16, 0x7FFFFFFF))
 
 
 def _unmoved(change: torch.Tensor) -> torch.Tensor:
-    """Elements whose stored weight did not change (update rounded away, or exactly zero)."""
+    """Elements whose stored weight did not change (update rounded away, or exactly zero), from
+    the differences ``change`` (overwritten).
+
+    For fp32 the zeros are counted on the bit patterns without the sign bit (``+-0.0`` are the
+    only fp32 values whose other 31 bits are zero): an int32 ``count_nonzero`` costs about a
+    third of the floating-point one."""
+    if change.dtype == torch.float32:
+        return change.numel() - torch.count_nonzero(change.view(torch.int32).bitwise_and_(_NOT_SIGN))
     return change.numel() - torch.count_nonzero(change)
-
-
-def _stalled(p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _unmoved(torch.sub(p, w))
 
 
 def _no_buffer(p: torch.Tensor) -> None:
     return None
 
 
-def _plain_load(p: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
-    return working_copy(p)
+def _no_draws(p: torch.Tensor, buf: torch.Tensor | None) -> tuple[int, ...]:
+    return ()
 
 
-def _apply_nearest(p, w, u, buf, streams, count):
-    new = torch.add(w, u).to(p.dtype)
-    stalled = _stalled(new, w) if count else None
-    p.copy_(new)
-    return stalled
+def _weight_draws(p: torch.Tensor, buf: torch.Tensor | None) -> tuple[int, ...]:
+    return (Stream.WEIGHT,)
 
 
-def _apply_stochastic(p, w, u, buf, streams, count):
-    store(p, torch.add(w, u), "stochastic", streams, Stream.WEIGHT)
-    return _stalled(p, w) if count else None
+def _compensation_draws(p: torch.Tensor, k: torch.Tensor | None) -> tuple[int, ...]:
+    return (Stream.COMPENSATION,) if k is not None and k.dtype in LOW_PRECISION else ()
+
+
+def _plain_load(p: torch.Tensor, buf: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    return working_copy(p, out)
+
+
+def _apply_nearest(p, w, u, buf, streams, count, scratch=None):
+    new = torch.add(w, u, out=u)
+    if new.dtype == p.dtype:       # fp32/fp64 weights: w is p itself, so count before writing
+        stalled = _unmoved(torch.sub(new, w)) if count else None
+        p.copy_(new)
+        return stalled
+    p.copy_(new)                   # theta' = rn(theta + u)
+    return _unmoved(new.copy_(p).sub_(w)) if count else None
+
+
+def _apply_stochastic(p, w, u, buf, streams, count, scratch=None):
+    store(p, torch.add(w, u, out=u), "stochastic", streams, Stream.WEIGHT)
+    return _unmoved(u.copy_(p).sub_(w)) if count else None
 
 
 def _kahan_buffer(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, memory_format=torch.contiguous_format)
 
 
-def _apply_kahan(p, w, u, k, streams, count):
+def _apply_kahan(p, w, u, k, streams, count, scratch=None):
     u.add_(k)                      # v = k + u
-    change = torch.add(w, u)
+    change = torch.add(w, u) if scratch is None else torch.add(w, u, out=scratch.take("change", u.shape, u.dtype,
+                                                                                      u.device))
     p.copy_(change)                # theta' = rn(theta + v)
     change.copy_(p).sub_(w)        # theta' - theta, exact
-    stalled = _unmoved(change) if count else None
     store(k, u.sub_(change), "stochastic", streams, Stream.COMPENSATION)   # k' = SR(v - (theta' - theta))
-    return stalled
+    return _unmoved(change) if count else None
 
 
 def _remainder_buffer(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.shape, dtype=torch.int16, device=p.device)
 
 
-def _exact_load(p: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+def _exact_load(p: torch.Tensor, r: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     assert r is not None, "exact mode always keeps a remainder"
-    bits = p.view(torch.int16).to(torch.int32).bitwise_left_shift_(16).add_(r)
-    return bits.view(torch.float32)
+    hi = p.view(torch.int16)
+    bits = hi.to(torch.int32) if out is None else out.view(torch.int32).copy_(hi)
+    return bits.bitwise_left_shift_(_SHIFT16).add_(r).view(torch.float32)
 
 
-def _apply_exact(p, w, u, r, streams, count):
-    bits = torch.add(w, u).view(torch.int32)
-    hi = torch.add(bits, _HALF).bitwise_right_shift_(16)
-    r.copy_(bits.sub_(hi.bitwise_left_shift(16)))
-    p.copy_(hi.to(torch.int16).view(torch.bfloat16))
+def _apply_exact(p, w, u, r, streams, count, scratch=None):
+    bits = torch.add(w, u, out=u).view(torch.int32)
+    hi = torch.add(bits, _HALF).bitwise_right_shift_(_SHIFT16)
+    p.view(torch.int16).copy_(hi)  # int32 -> int16 keeps the low 16 bits
+    r.copy_(bits)                  # lo = b - hi * 2**16 is b's low 16 bits as a signed int16
     return torch.zeros((), dtype=torch.int64, device=p.device) if count else None
 
 
-ApplyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "RandomStreams | None", bool],
-                   "torch.Tensor | None"]
+ApplyFn = Callable[..., "torch.Tensor | None"]   # (p, w, u, buf, streams, count, scratch=None)
 
 
 @dataclass(frozen=True)
@@ -129,8 +148,13 @@ class WriteBack:
     """One update mode: the weight dtypes it supports, its buffer, how the fp32 weight is read
     and how ``w + u`` is written back.
 
-    ``apply(p, w, u, buf, streams, count)`` may overwrite ``u``; it returns the number of
-    stalled elements (a 0-dim tensor) when ``count`` is true, else ``None``.
+    ``load(p, buf, out=None)`` returns the fp32 weight (``p`` itself for fp32/fp64 weights),
+    in ``out`` (fp32, ``p``'s shape) when one is given and a copy is needed.
+    ``apply(p, w, u, buf, streams, count, scratch=None)`` may overwrite ``u``; it
+    returns the number of stalled elements (a 0-dim tensor) when ``count`` is true, else
+    ``None``, and takes its temporaries from the :class:`~lowp.optim.scratch.Scratch` when one is
+    given. ``draws(p, buf)`` names the random streams ``apply`` rounds with (so that they can be
+    drawn together with the states', :meth:`~lowp.optim.randomness.RandomStreams.prefetch`).
 
     The modes are the entries of :data:`MODES`; user code selects one by name (:func:`get_mode`).
 
@@ -140,23 +164,26 @@ class WriteBack:
         buffer_name: key of the mode's per-parameter state buffer (``"compensation"``,
             ``"remainder"``), or ``None`` when it keeps none.
         init_buffer: ``init_buffer(p)`` makes the buffer for parameter ``p`` (``None`` without one).
-        load: ``load(p, buf)`` is the fp32 value of the weight the mode holds (``p`` plus its
-            compensation or remainder).
-        apply: the write-back ``apply(p, w, u, buf, streams, count)`` described above.
+        load: ``load(p, buf, out=None)``, described above.
+        apply: the write-back ``apply(p, w, u, buf, streams, count, scratch=None)`` described above.
+        draws: ``draws(p, buf)``, described above (default: no streams).
     """
 
     name: str
     dtypes: tuple[torch.dtype, ...]
     buffer_name: str | None
     init_buffer: Callable[[torch.Tensor], "torch.Tensor | None"]
-    load: Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+    load: Callable[..., torch.Tensor]   # (p, buf, out=None)
     apply: ApplyFn
+    draws: Callable[[torch.Tensor, "torch.Tensor | None"], tuple[int, ...]] = _no_draws
 
 
 MODES: dict[str, WriteBack] = {
     "nearest": WriteBack("nearest", _ALL, None, _no_buffer, _plain_load, _apply_nearest),
-    "stochastic": WriteBack("stochastic", LOW_PRECISION, None, _no_buffer, _plain_load, _apply_stochastic),
-    "kahan": WriteBack("kahan", LOW_PRECISION, "compensation", _kahan_buffer, _plain_load, _apply_kahan),
+    "stochastic": WriteBack("stochastic", LOW_PRECISION, None, _no_buffer, _plain_load, _apply_stochastic,
+                            _weight_draws),
+    "kahan": WriteBack("kahan", LOW_PRECISION, "compensation", _kahan_buffer, _plain_load, _apply_kahan,
+                       _compensation_draws),
     "exact": WriteBack("exact", (torch.bfloat16,), "remainder", _remainder_buffer, _exact_load, _apply_exact),
 }
 
