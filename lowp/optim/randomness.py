@@ -32,7 +32,7 @@ import torch
 
 from lowp.optim.scratch import Scratch
 
-__all__ = ["Stream", "stream_key", "stream_keys", "hash32_int", "random16_int", "hash32", "random16",
+__all__ = ["as_int32", "Stream", "stream_key", "stream_keys", "hash32_int", "random16_int", "hash32", "random16",
            "random16_range", "random16_ranges", "fold_key", "ElementIndex", "RandomStreams"]
 
 _MASK32 = 0xFFFFFFFF
@@ -96,7 +96,7 @@ def random16_int(index: int, key: int) -> int:
     return hash32_int((index & _MASK32) ^ key ^ hash32_int(index >> 32)) >> 16
 
 
-def _as_int32(value: int) -> int:
+def as_int32(value: int) -> int:
     """A 32-bit pattern as the signed value torch's int32 holds."""
     value &= _MASK32
     return value - (1 << 32) if value >= 1 << 31 else value
@@ -106,9 +106,9 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     """:func:`hash32_int` elementwise on an int32 tensor (wrap-around products; the masks make the
     arithmetic shifts logical, so the bits equal the uint32 version in C++ and Triton)."""
     x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _as_int32(0x7FEB352D)
+    x = x * as_int32(0x7FEB352D)
     x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _as_int32(0x846CA68B)
+    x = x * as_int32(0x846CA68B)
     return x ^ ((x >> 16) & 0xFFFF)
 
 
@@ -117,12 +117,12 @@ def random16(index: torch.Tensor, key: int) -> torch.Tensor:
     ``[0, 2**16)``."""
     lo = (index & _MASK32).to(torch.int32)   # int64 -> int32 keeps the low 32 bits (two's complement)
     hi = hash32((index >> 32).to(torch.int32))
-    return (hash32(lo ^ hi ^ _as_int32(key)) >> 16) & 0xFFFF
+    return (hash32(lo ^ hi ^ as_int32(key)) >> 16) & 0xFFFF
 
 
 #: hash32's constants as 0-dim int32 tensors: a Python int argument costs each op a conversion
 #: of the scalar to a tensor (a CPU scalar tensor also serves tensors on other devices)
-_MUL1, _MUL2, _SHIFT15, _SHIFT16, _LOW17, _LOW16 = (torch.tensor(_as_int32(v), dtype=torch.int32)
+_MUL1, _MUL2, _SHIFT15, _SHIFT16, _LOW17, _LOW16 = (torch.tensor(as_int32(v), dtype=torch.int32)
                                                     for v in (0x7FEB352D, 0x846CA68B, 15, 16, 0x1FFFF, 0xFFFF))
 _COUNTS: dict[torch.device, torch.Tensor] = {}
 _MIXED_COUNTS: dict[torch.device, torch.Tensor] = {}
@@ -186,7 +186,7 @@ def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | 
             mixed = _cached_arange(_MIXED_COUNTS, size, device, mixed=True)
             torch.bitwise_xor(mixed.unsqueeze(0), _column([_xorshift16(lo ^ f) for f in folds], device), out=piece)
         else:
-            counts = torch.add(_cached_arange(_COUNTS, size, device, mixed=False), _as_int32(lo))
+            counts = torch.add(_cached_arange(_COUNTS, size, device, mixed=False), as_int32(lo))
             torch.bitwise_xor(counts.unsqueeze(0), _column(folds, device), out=piece)
             for row in piece.unbind():
                 row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT16, out=t[:size]).bitwise_and_(_LOW16))
@@ -202,8 +202,8 @@ def _column(values: list[int], device: torch.device) -> torch.Tensor | int:
     """32-bit patterns as an int32 column that broadcasts over a ``(len(values), n)`` tensor
     (a plain int for one value)."""
     if len(values) == 1:
-        return _as_int32(values[0])
-    column = torch.frombuffer(array.array("i", [_as_int32(v) for v in values]), dtype=torch.int32).unsqueeze(1)
+        return as_int32(values[0])
+    column = torch.frombuffer(array.array("i", [as_int32(v) for v in values]), dtype=torch.int32).unsqueeze(1)
     return column if device.type == "cpu" else column.to(device)
 
 

@@ -28,7 +28,8 @@ import torch
 
 from lowp.optim.randomness import RandomStreams
 
-__all__ = ["STATE_ROUNDINGS", "working_copy", "store", "stochastic_round_bf16", "store_stochastic_bf16",
+__all__ = ["STATE_ROUNDINGS", "working_copy", "store", "stochastic_round_bf16", "stochastic_bf16_patterns",
+           "store_stochastic_bf16",
            "stochastic_round_fp16", "stochastic_round"]
 
 STATE_ROUNDINGS = ("nearest", "stochastic")
@@ -54,20 +55,29 @@ def stochastic_round_bf16(src: torch.Tensor, noise: torch.Tensor) -> torch.Tenso
     return out
 
 
-def store_stochastic_bf16(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> None:
-    """Write ``SR_bf16(src)`` into the bf16 tensor ``dst`` (int32 ``noise`` of ``src``'s shape,
+def stochastic_bf16_patterns(src: torch.Tensor, noise: torch.Tensor, nans: bool = True) -> torch.Tensor:
+    """The definition of ``SR_bf16`` that every Python path runs (the reference and the
+    ``torch.compile`` kernel): int32 values whose low 16 bits are the bf16 patterns of the
+    stochastically rounded fp32 ``src`` (int32 ``noise`` of ``src``'s shape in ``[0, 2**16)``,
     overwritten).
 
-    Integer arithmetic only: ``(bits + r) >> 16`` is the bf16 pattern, sign-extended, so the
-    int32 to int16 conversion keeps it exactly (one contiguous pass; a strided copy of the top
-    halves costs about four). NaN inputs take the quiet bit instead of the carry,
-    ``(bits | 0x00400000) >> 16``; on the CPU an fp32 sum looks for them first (a NaN makes it
-    NaN) and the fix-up runs only when one is there, elsewhere it always runs (no host sync)."""
+    Integer arithmetic only: ``(bits + r) >> 16`` (sign-extended, so an int32 to int16 conversion
+    keeps the pattern exactly). A NaN takes the quiet bit instead of the carry,
+    ``(bits | 0x00400000) >> 16``: the carry could turn it into ``-0.0`` or an infinity.
+    ``nans=False`` skips that select, for a caller that knows ``src`` holds no NaN."""
     bits = src.contiguous().view(torch.int32)
     out = noise.add_(bits) if noise.shape == bits.shape else noise.view(bits.shape).add_(bits)
-    if not src.is_cpu or _has_nan(src):
+    if nans:
         out = torch.where(src.isnan(), bits.bitwise_or(_QUIET), out)
-    dst.view(torch.int16).copy_(out.bitwise_right_shift_(_SHIFT16))
+    return out.bitwise_right_shift_(_SHIFT16)
+
+
+def store_stochastic_bf16(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> None:
+    """Write ``SR_bf16(src)`` (:func:`stochastic_bf16_patterns`) into the bf16 tensor ``dst``, the
+    int32 to int16 conversion fused into the copy (one contiguous pass; a strided copy of the top
+    halves costs about four). On the CPU an fp32 sum looks for NaNs first (a NaN makes it NaN)
+    and the NaN select runs only when one is there; elsewhere it always runs (no host sync)."""
+    dst.view(torch.int16).copy_(stochastic_bf16_patterns(src, noise, nans=not src.is_cpu or _has_nan(src)))
 
 
 def _has_nan(src: torch.Tensor) -> bool:

@@ -24,40 +24,29 @@ from __future__ import annotations
 import torch
 
 from lowp.optim.kernels.torch_rule import evaluate
-from lowp.optim.randomness import Stream, fold_key
+from lowp.optim.randomness import Stream, as_int32, fold_key, hash32
 from lowp.optim.rule import Program
+from lowp.optim.storage import stochastic_bf16_patterns
 
 __all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16"]
 
-_LOW_16_BITS_CLEARED = -65536
 _HALF = 1 << 15
-_QUIET = 0x00400000
 _BIAS = 1 << 31
-
-
-def _int32(value: int) -> int:
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def chunk_keys(keys: list[int], first: int, n: int, device: torch.device) -> torch.Tensor:
     """The int32 numbers of one chunk of ``n`` elements whose first global index is ``first``:
     ``[lo - 2**31, split, (fold(hi) ^ 2**31, fold(hi + 1)) per stream]`` (module docstring)."""
     lo, hi = first & 0xFFFFFFFF, first >> 32
-    values = [_int32(lo - _BIAS), min(n, (1 << 32) - lo)]
+    values = [as_int32(lo - _BIAS), min(n, (1 << 32) - lo)]
     for key in keys:
-        values += [_int32(fold_key(key, hi) ^ _BIAS), _int32(fold_key(key, hi + 1))]
+        values += [as_int32(fold_key(key, hi) ^ _BIAS), as_int32(fold_key(key, hi + 1))]
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def random16(x: torch.Tensor) -> torch.Tensor:
-    """The top 16 bits of ``hash32(x)`` on int32 (wrap-around products; the masks make the
-    arithmetic shifts logical), as int32 in ``[0, 2**16)``."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * 0x7FEB352D
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _int32(0x846CA68B)
-    return (x >> 16) & 0xFFFF
+    """The top 16 bits of :func:`~lowp.optim.randomness.hash32` (int32 in ``[0, 2**16)``)."""
+    return (hash32(x) >> 16) & 0xFFFF
 
 
 def _stream_bits(j: torch.Tensor, before: torch.Tensor, keys: torch.Tensor, stream: int) -> torch.Tensor:
@@ -67,12 +56,10 @@ def _stream_bits(j: torch.Tensor, before: torch.Tensor, keys: torch.Tensor, stre
 
 
 def stochastic_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of fp32 ``x`` to bf16 with 16 random bits ``noise`` per element: add
-    them to the fp32 bit pattern and truncate; a NaN keeps its sign and top bits, made quiet
-    (:mod:`lowp.optim.storage`)."""
-    bits = x.view(torch.int32)
-    rounded = torch.where(x != x, (bits & _LOW_16_BITS_CLEARED) | _QUIET, (bits + noise) & _LOW_16_BITS_CLEARED)
-    return (rounded >> 16).to(torch.int16).view(torch.bfloat16)   # the top halves (a cast would canonicalize NaNs)
+    """``SR_bf16(x)`` with 16 random bits ``noise`` per element, as the bf16 tensor of the
+    patterns :func:`~lowp.optim.storage.stochastic_bf16_patterns` defines (a cast would
+    canonicalize NaNs)."""
+    return stochastic_bf16_patterns(x, noise).to(torch.int16).view(torch.bfloat16)
 
 
 def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], count: bool,
