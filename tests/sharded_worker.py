@@ -14,18 +14,13 @@ from typing import Any
 import torch
 
 import lowp.optim as lo
+from lowp.optim.registry import optimizers
 
 SHAPES = [(6, 5), (7,), (3, 4)]   # 6 rows over 4 ranks leave rank 3 an empty shard
 STEPS = 3
-OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
-    "AdamW": (lo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "Adam": (lo.Adam, dict(lr=1e-2, weight_decay=0.01)),
-    "SGD": (lo.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
-    "Lion": (lo.Lion, dict(lr=1e-2, weight_decay=0.1)),
-    "RAdam": (lo.RAdam, dict(lr=1e-2)),
-    "StableAdamW": (lo.StableAdamW, dict(lr=1e-2)),
-    "Adafactor": (lo.Adafactor, dict(lr=1e-2, weight_decay=0.1)),
-}
+#: every registered optimizer with the first keyword set of its ``examples`` (lowp.optim.registry)
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {cls.__name__: (cls, dict(cls.examples[0]))
+                                                     for cls in optimizers()}
 MODES = ("kahan", "exact", "nearest")
 BACKENDS = {"fused": {"fused": True}, "unfused": {"fused": False},   # native C++ / foreach on CPU
             "compiled": {"backend": "compiled"}}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lowp.optim as lo
+from lowp.optim.registry import optimizers
 from lowp.threads import single_thread
 
 SHAPES = [(37, 11), (300,), (2, 6, 5), ()]
@@ -72,11 +73,11 @@ def test_fp32_matches_an_fp64_transcription_of_the_paper(cls, reference, kw):
     torch.testing.assert_close(p.detach().double(), expected, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("cls", [lo.Lion, lo.RAdam, lo.StableAdamW, lo.Adafactor, lo.SGD, lo.Adam])
+@pytest.mark.parametrize("cls", optimizers(), ids=lambda c: c.__name__)
 @pytest.mark.parametrize("mode", ["kahan", "exact", "stochastic"])
 def test_bf16_modes_resume_bit_identically(cls, mode):
     a = _params(torch.bfloat16)
-    kw = dict(momentum=0.9) if cls is lo.SGD else {}
+    kw = {k: v for k, v in cls.examples[0].items() if k != "lr"}
     opt_a = cls(a, mode=mode, seed=3, **kw)
     _run(opt_a, a, 4, torch.bfloat16)
     saved_params = [p.detach().clone() for p in a]
@@ -92,7 +93,7 @@ def test_bf16_modes_resume_bit_identically(cls, mode):
 
 @pytest.mark.parametrize("cls, low", [(lo.Lion, torch.bfloat16), (lo.RAdam, torch.bfloat16),
                                       (lo.StableAdamW, torch.bfloat16), (lo.Adafactor, torch.bfloat16),
-                                      (lo.SGD, torch.bfloat16), (lo.AdamW, torch.bfloat16),
+                                      (lo.SGD, torch.bfloat16), (lo.AdamW, torch.bfloat16), (lo.Adan, torch.bfloat16),
                                       (lo.SGD, torch.float16), (lo.AdamW, torch.float16)])
 def test_low_precision_kahan_tracks_fp32_closer_than_nearest(cls, low):
     """Same optimizer, same gradients: 16-bit weights with kahan stay nearer the fp32 run."""

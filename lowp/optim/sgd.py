@@ -74,7 +74,7 @@ class SGD(LowpOptimizer):
     """
 
     spec = SGD_SPEC
-    examples = (dict(lr=0.05), dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True),
+    examples = (dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True), dict(lr=0.05),
                 dict(lr=0.05, momentum=0.9, dampening=0.3))
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
