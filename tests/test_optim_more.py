@@ -55,8 +55,27 @@ def _stableadamw_reference(w, grads, lr, betas, eps, wd):
     return w
 
 
+def _adan_reference(w, grads, lr, betas, eps, wd, no_prox=False):
+    """Xie et al. 2022, Algorithm 1 (with the authors' bias corrections and proximal decay)."""
+    b1, b2, b3 = betas
+    m, v, n = torch.zeros_like(w), torch.zeros_like(w), torch.zeros_like(w)
+    previous = None
+    for t, g in enumerate(grads, 1):
+        diff = g - previous if previous is not None else torch.zeros_like(g)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * diff
+        n = b3 * n + (1 - b3) * (g + b2 * diff) ** 2
+        m_hat, v_hat, n_hat = m / (1 - b1 ** t), v / (1 - b2 ** t), n / (1 - b3 ** t)
+        step = (m_hat + b2 * v_hat) / (n_hat.sqrt() + eps)
+        w = w * (1 - lr * wd) - lr * step if no_prox else (w - lr * step) / (1 + lr * wd)
+        previous = g
+    return w
+
+
 @pytest.mark.parametrize("cls, reference, kw", [
     (lo.Lion, _lion_reference, dict(lr=1e-3, betas=(0.9, 0.99))),
+    (lo.Adan, _adan_reference, dict(lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8)),
+    (lo.Adan, _adan_reference, dict(lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, no_prox=True)),
     (lo.StableAdamW, _stableadamw_reference, dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6)),
 ])
 def test_fp32_matches_an_fp64_transcription_of_the_paper(cls, reference, kw):
