@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
-import tempfile
 import time
-from pathlib import Path
-from typing import Callable
 
 import torch
 
 import lowp.optim as lo
+from lowp.optim.speed import profiled_peak_bytes
 from lowp.report import text_table
 
 
@@ -40,19 +37,6 @@ def _train_step(model: torch.nn.Module, opt: lo.AdamW, x: torch.Tensor) -> None:
     model(x).float().square().mean().backward()
     opt.step()
     opt.zero_grad()
-
-
-def _peak_extra_bytes(step: Callable[[], None], trace: Path) -> int:
-    """Peak of (allocated - freed) CPU bytes during ``step()``, from the profiler's memory events."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    prof.export_chrome_trace(str(trace))
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    running = peak = 0
-    for e in sorted(events, key=lambda e: e["ts"]):
-        running += e["args"]["Bytes"]
-        peak = max(peak, running)
-    return peak
 
 
 def main() -> None:
@@ -72,8 +56,7 @@ def main() -> None:
         model, opt, _ = _setup(args.width, args.layers, release)
         step = functools.partial(_train_step, model, opt, x)
         step()                                             # creates the states
-        with tempfile.TemporaryDirectory() as tmp:
-            peak = _peak_extra_bytes(step, Path(tmp) / "trace.json")
+        peak = profiled_peak_bytes(step)
         runs["with release" if release else "without release"] = (model, step, peak)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.steps):

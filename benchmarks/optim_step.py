@@ -17,16 +17,14 @@ optimi's foreach Kahan AdamW's and the number of aten ops per chunk that pass ov
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 import lowp.optim as lo
+from lowp.optim.speed import profiled_peak_bytes
 from lowp.report import text_table
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
@@ -78,20 +76,6 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _peak_extra_bytes(opt: torch.optim.Optimizer, trace: Path) -> int:
-    """Peak of (allocated - freed) CPU bytes during one step, from the profiler's memory events
-    (the ``[memory]`` instant events of its trace, in time order)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        opt.step()
-    prof.export_chrome_trace(str(trace))
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    running = peak = 0
-    for e in sorted(events, key=lambda e: e["ts"]):
-        running += e["args"]["Bytes"]
-        peak = max(peak, running)
-    return peak
-
-
 def _ops_per_chunk(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:
     """aten ops per chunk of one step that touch at least 2**15 elements (the passes over the data
     of the unfused pipeline, counted under a ``TorchDispatchMode``)."""
@@ -138,8 +122,7 @@ def main() -> None:
         params = _make(args.numel, args.tensors, dtype)
         opt = make(params)
         opt.step()                                         # creates the state
-        with tempfile.TemporaryDirectory() as tmp:
-            peak = _peak_extra_bytes(opt, Path(tmp) / "trace.json")
+        peak = profiled_peak_bytes(opt.step)
         built[name] = (params, opt, peak)
     # interleaved rounds: a load change on a shared machine hits every configuration alike
     times: dict[str, list[float]] = {name: [] for name in built}

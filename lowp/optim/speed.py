@@ -15,8 +15,11 @@ m, v (12) = 28; bf16 + Kahan reads weight, grad, m, v, compensation (10), writes
 """
 from __future__ import annotations
 
+import json
 import math
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, TypedDict
 
@@ -25,7 +28,8 @@ import torch
 import lowp.optim as lo
 from lowp.report import text_table
 
-__all__ = ["measure", "report", "parse_size", "split", "BYTES_FP32_ADAMW", "BYTES_BF16_KAHAN"]
+__all__ = ["measure", "report", "parse_size", "split", "peak_extra_bytes", "profiled_peak_bytes",
+           "BYTES_FP32_ADAMW", "BYTES_BF16_KAHAN"]
 
 #: the smallest parameter count :func:`split` can cut into its model-like pieces
 MIN_SIZE = 1 << 16
@@ -66,6 +70,23 @@ def peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int | None
 
 COPY = "copy (fp32, read + write)"
 IN_PLACE = "in-place update (fp32 x += 1)"
+
+
+def profiled_peak_bytes(fn: Callable[[], None]) -> int:
+    """Peak of (allocated - freed) CPU bytes during ``fn()``: the running sum of torch.profiler's
+    memory events (the ``[memory]`` instant events of its trace, in time order). Unlike
+    :func:`peak_extra_bytes` it sees every allocation of torch's CPU allocator, small ones too."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    running = peak = 0
+    for e in sorted(events, key=lambda e: e["ts"]):
+        running += e["args"]["Bytes"]
+        peak = max(peak, running)
+    return peak
 
 
 def copier(params: list[torch.Tensor]) -> SimpleNamespace:
