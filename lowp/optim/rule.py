@@ -29,11 +29,13 @@ a spec's per-tensor reduction). Python floats are constants.
 """
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Union
 
 __all__ = ["Expr", "RuleArgs", "RuleResult", "Program", "trace", "fma", "sqrt", "where", "maximum", "sign",
-           "lerp", "OPS"]
+           "lerp", "fp32", "OPS"]
 
 Operand = Union["Expr", float, int]
 
@@ -101,6 +103,16 @@ class Expr:
     def __and__(self, o: "Expr") -> "Expr": return _node("and", self, o)
     def __or__(self, o: "Expr") -> "Expr": return _node("or", self, o)
     def __invert__(self) -> "Expr": return _node("not", self)
+
+
+def fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 value (ties to even; beyond the largest finite fp32 value
+    plus half an ulp, an infinity), as a Python float: what a number or constant of a rule is in
+    every kernel."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _lift(x: Operand) -> Expr:

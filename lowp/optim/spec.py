@@ -98,11 +98,14 @@ class OptimizerSpec:
 
     def step_numbers(self, program: Program, group: dict[str, Any], step: int) -> list[float]:
         """The numbers ``program`` reads, in its order, from :attr:`numbers` (float64)."""
-        values = self.numbers(group, step)
-        missing = [n for n in program.numbers if n not in values]
+        return self.pick(program.numbers, self.numbers(group, step))
+
+    def pick(self, names: tuple[str, ...], values: Numbers) -> list[float]:
+        """``values[name]`` for each of ``names`` (float64); ``KeyError`` naming the missing ones."""
+        missing = [n for n in names if n not in values]
         if missing:
             raise KeyError(f"spec {self.name!r}: the rule reads the numbers {missing}, which numbers() does not give")
-        return [float(values[n]) for n in program.numbers]
+        return [float(values[n]) for n in names]
 
 
 @lru_cache(maxsize=None)

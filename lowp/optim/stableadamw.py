@@ -15,13 +15,12 @@ The RMS is per tensor, so parameters are never cut into chunks.
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any, Iterable
 
 import torch
 
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
-from lowp.optim.rule import Expr, RuleArgs, RuleResult, fma, lerp, maximum, sqrt
+from lowp.optim.rule import Expr, RuleArgs, RuleResult, fma, fp32, lerp, maximum, sqrt
 from lowp.optim.spec import Numbers, OptimizerSpec
 
 __all__ = ["StableAdamW", "stableadamw_update", "STABLEADAMW"]
@@ -60,13 +59,9 @@ def stable_ratio(r: RuleArgs) -> Expr:
 def stable_tensor_numbers(numbers: Numbers, total: float, numel: int) -> Numbers:
     """``lr_t = lr / max(1, RMS)`` from the tensor's sum, RMS in fp32 as the reference takes it
     (``float(mean.sqrt())``), the rest in float64."""
-    rms = _fp32(math.sqrt(_fp32(total / numel))) if numel else 0.0
+    rms = fp32(math.sqrt(fp32(total / numel))) if numel else 0.0
     lr_t = numbers["lr"] / max(1.0, rms)
     return {"step_size": -lr_t / numbers["bias_correction1"], "decay": -lr_t * numbers["weight_decay"]}
-
-
-def _fp32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def stable_rule(r: RuleArgs) -> RuleResult:

@@ -10,12 +10,12 @@ the compiler contracts nothing else, ``-ffp-contract=off``).
 from __future__ import annotations
 
 import functools
-import struct
+import math
 from dataclasses import dataclass
 
 import torch
 
-from lowp.optim.rule import Program
+from lowp.optim.rule import Program, fp32
 
 __all__ = ["Variant", "variant_source", "DTYPE_CODES", "MODE_CODES"]
 
@@ -76,8 +76,10 @@ class Variant:
 
 def _float(x: float) -> str:
     """An fp32 C++ literal of ``x`` (hexadecimal: exact), after rounding it to fp32."""
-    value = struct.unpack("f", struct.pack("f", x))[0]
-    return f"bc({value.hex()}f)" if value == value and abs(value) != float("inf") else f"bc({x!r}f)"
+    value = fp32(x)
+    if value != value:
+        return "bc(__builtin_nanf(\"\"))"
+    return f"bc({value.hex()}f)" if abs(value) != math.inf else f"bc({'-' if value < 0 else ''}__builtin_inff())"
 
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",

@@ -107,9 +107,6 @@ class NativeKernel(Kernel):
         check_kernel_args(members, names, variant.dtypes)
         if len(keys) != len(members) * stream_count(len(names)):
             raise RuntimeError(f"kernel call: {len(keys)} stream keys for {len(members)} tensors")
-        missing = [k for k in variant.numbers if k not in numbers]
-        if missing:
-            raise KeyError(f"spec {spec.name!r}: its rule reads the numbers {missing}, which numbers() does not give")
         source = variant_source(spec.name, variant)
         n = len(members)
         grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in members]
@@ -119,7 +116,7 @@ class NativeKernel(Kernel):
             for role, t in enumerate([s.param, g, s.buffer, *(s.states[k] for k in names)]):
                 table[role * n + j] = t.data_ptr() if t is not None else None
         numel = (ctypes.c_int64 * n)(*(s.numel for s in members))
-        h = (ctypes.c_double * (1 + len(variant.numbers)))(factor, *(float(numbers[k]) for k in variant.numbers))
+        h = (ctypes.c_double * (1 + len(variant.numbers)))(factor, *spec.pick(variant.numbers, numbers))
         per_tensor = variant.program.tensor_numbers
         tensor_numbers = (ctypes.c_double * max(1, n * len(per_tensor)))()
         if spec.tensor_numbers is not None:

@@ -17,9 +17,9 @@ then the rule's numbers.
 from __future__ import annotations
 
 import functools
-import struct
+import math
 
-from lowp.optim.rule import Program
+from lowp.optim.rule import Program, fp32
 
 __all__ = ["kernel_source", "MODES"]
 
@@ -32,8 +32,9 @@ _CALLS = {"fma": "tl.fma", "sqrt": "tl.sqrt_rn", "div": "tl.div_rn", "maximum": 
 
 
 def _literal(x: float) -> str:
-    value = struct.unpack("f", struct.pack("f", x))[0]
-    return repr(value) if value == value and abs(value) != float("inf") else f"float({str(x)!r})"
+    """A Python literal of ``x`` rounded to fp32 (what Triton makes of it)."""
+    value = fp32(x)
+    return repr(value) if value == value and abs(value) != math.inf else f"float({str(value)!r})"
 
 
 def _rule_lines(program: Program) -> list[str]:
