@@ -2,8 +2,7 @@
 gradients, and the reference run with a correctly rounded sqrt (ATen's CPU sqrt is not)."""
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -18,19 +17,6 @@ SHAPES = [(37, 11), (300,), (4, 3, 5), (5000,)]
 def make_params(dtype: torch.dtype = torch.bfloat16, shapes=SHAPES) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return [(torch.randn(s, generator=gen) * 0.1).to(dtype) for s in shapes]
-
-
-@contextlib.contextmanager
-def correctly_rounded_sqrt() -> Iterator[None]:
-    """Make ``torch._foreach_sqrt`` correctly rounded (through fp64, exact for fp32 inputs): the
-    fused kernels use the hardware's correctly rounded sqrt, ATen's vectorised CPU sqrt is off by
-    one ulp in about 20% of fp32 inputs (measured), so this is the reference to compare bits with."""
-    original = torch._foreach_sqrt
-    torch._foreach_sqrt = lambda xs: [x.double().sqrt().to(x.dtype) for x in xs]
-    try:
-        yield
-    finally:
-        torch._foreach_sqrt = original
 
 
 #: backends with kernels, whose instances count ``fused_elements`` and ``reference_elements``
@@ -91,8 +77,7 @@ def run_at_index(backend: str, mode: str, index: ElementIndex, n: int = 1000, ch
         s = ParamSlice(p, torch.randn(p.shape, generator=gen).bfloat16(),
                        {name: state[name] for name in opt.state_names(group, p)}, state.get("compensation"),
                        param_id=0, index=index)
-        with correctly_rounded_sqrt():
-            opt.backend.run(opt, ctx, [s])
+        opt.backend.run(opt, ctx, [s])
     if backend in FUSED_BACKENDS:
         assert_fused(opt, steps * n)
     return [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]

@@ -6,6 +6,8 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import math
+
 import torch
 
 from lowp.arith import Arith
@@ -170,3 +172,16 @@ def test_containers_and_errors():
         Arith("fp64")
     with pytest.raises(ValueError, match="unknown format"):
         Arith("fp12")
+
+
+def test_sqrt_rn_is_correctly_rounded():
+    """Every result lies within half an ulp of the true root: ``(r -+ ulp/2)**2`` bracket ``x``
+    (50-bit squares, exact in fp64); torch's own CPU sqrt misses this for some inputs."""
+    from lowp.arith import sqrt_rn
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=gen).square() * 10.0 ** torch.empty(200_000).uniform_(-30, 30, generator=gen)
+    r = sqrt_rn(x)
+    assert r.dtype == torch.float32
+    half = (torch.nextafter(r, torch.full_like(r, math.inf)) - r).double() / 2
+    lo, hi = (r.double() - half) ** 2, (r.double() + half) ** 2
+    assert ((lo <= x.double()) & (x.double() <= hi)).all()

@@ -21,7 +21,7 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.registry import optimizers
-from fused_helpers import SHAPES, assert_same_run, correctly_rounded_sqrt, train
+from fused_helpers import SHAPES, assert_same_run, train
 
 HERE = Path(__file__).parent
 MODES = ("nearest", "stochastic", "kahan", "exact")
@@ -49,8 +49,7 @@ def native_here() -> bool:
 
 
 def reference(cls, mode, **kw):
-    with correctly_rounded_sqrt():  # the kernels' sqrt is correctly rounded, ATen's CPU sqrt is not
-        return train(cls, "foreach", mode, **kw)
+    return train(cls, "foreach", mode, **kw)
 
 
 def test_registry_lists_every_optimizer():

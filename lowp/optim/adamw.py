@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Iterable
 
 import torch
 
+from lowp.arith import sqrt_rn
+
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
 from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, maximum, sqrt
 from lowp.optim.spec import OptimizerSpec
@@ -36,7 +38,7 @@ def adamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     if max_exp_avg_sqs is not None:
         torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
         second = max_exp_avg_sqs
-    denom = torch._foreach_sqrt(second)
+    denom = [sqrt_rn(t) for t in second]
     torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
     torch._foreach_add_(denom, eps)
     updates = list(torch._foreach_div(exp_avgs, denom))
@@ -79,7 +81,7 @@ ADAMW = OptimizerSpec(
     states=lambda group: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq"),
     numbers=adam_numbers,
     switches=lambda group: {"amsgrad": group["amsgrad"], "decoupled": True, "weight_decay": group["weight_decay"] != 0},
-    rule=adam_rule)
+    rule=adam_rule, nonnegative=("exp_avg_sq", "max_exp_avg_sq"))
 
 
 class AdamW(TwoMomentOptimizer):

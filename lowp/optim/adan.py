@@ -22,6 +22,8 @@ from typing import Any, Iterable
 
 import torch
 
+from lowp.arith import sqrt_rn
+
 from lowp.optim.base import LowpOptimizer, check_betas, check_nonnegative, warn_if_swapped
 from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, sqrt, where
 from lowp.optim.spec import OptimizerSpec
@@ -46,7 +48,7 @@ def adan_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     torch._foreach_mul_(exp_avg_sqs, beta3)
     torch._foreach_addcmul_(exp_avg_sqs, mixed, mixed, 1 - beta3)
     torch._foreach_copy_(prev_grads, grads)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
+    denom = [sqrt_rn(t) for t in exp_avg_sqs]
     torch._foreach_div_(denom, math.sqrt(1 - beta3 ** step))
     torch._foreach_add_(denom, eps)
     updates = list(torch._foreach_div(exp_avgs, 1 - beta1 ** step))
@@ -92,7 +94,7 @@ ADAN = OptimizerSpec(
     states=lambda group: _STATES,
     numbers=adan_numbers,
     switches=lambda group: {"weight_decay": group["weight_decay"] != 0, "no_prox": group["no_prox"]},
-    rule=adan_rule)
+    rule=adan_rule, nonnegative=("exp_avg_sq",))
 
 
 class Adan(LowpOptimizer):

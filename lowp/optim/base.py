@@ -38,6 +38,9 @@ import torch
 
 from lowp.optim import preflight, sharding
 from lowp.optim.backends import DEFAULT_CHUNK_SIZE, Backend, backend_for, get_backend
+from lowp.optim.codes import (BLOCK_SIZES, CODES, SCALE_DTYPES, code_for, codes_shape, encode, scale_name,
+                              scales_shape)
+from lowp.optim.coded import CodedState, run_coded
 from lowp.optim.migrate import to_lowp_layout
 from lowp.optim.preflight import check_flag, check_seed
 from lowp.optim.randomness import Stream
@@ -113,9 +116,18 @@ def _check_state_dtype(value: Any) -> None:
         raise ValueError(f"state_dtype: expected a dict keyed by state names, got {value!r}")
     dtypes = value.values() if isinstance(value, Mapping) else [value]
     for d in dtypes:
-        if d is not None and d not in STATE_DTYPES:
-            raise ValueError(f"state_dtype: expected None, torch.float32, torch.bfloat16, torch.float16 or a dict "
-                             f"of them, got {value!r}")
+        if d is not None and d not in STATE_DTYPES and code_for(d) is None:
+            raise ValueError(f"state_dtype: expected None, torch.float32, torch.bfloat16, torch.float16, a "
+                             f"block-scaled code ({', '.join(str(c) for c in CODES)}) or a dict of them, got {value!r}")
+
+
+def _check_codes_options(group: Mapping[str, Any]) -> None:
+    if group["state_block"] not in BLOCK_SIZES or type(group["state_block"]) is not int:
+        raise ValueError(f"state_block: expected one of {', '.join(map(str, BLOCK_SIZES))}, "
+                         f"got {group['state_block']!r}")
+    if group["state_scale_dtype"] not in SCALE_DTYPES:
+        raise ValueError(f"state_scale_dtype: expected one of {', '.join(map(str, SCALE_DTYPES))}, "
+                         f"got {group['state_scale_dtype']!r}")
 
 
 def warn_if_swapped(eps: Any, weight_decay: Any) -> None:
@@ -152,11 +164,20 @@ class LowpOptimizer(torch.optim.Optimizer):
             the parameter's dtype, but bf16 for fp16 parameters, see :func:`default_state_dtype`),
             ``torch.float32``, ``torch.bfloat16``, ``torch.float16``, or a dict
             ``{state name: dtype or None}``. fp64 parameters always keep fp64 states; float64
-            and other dtypes raise ``ValueError``.
+            and other dtypes raise ``ValueError``. Block-scaled codes (:mod:`lowp.optim.codes`):
+            ``torch.int8``, ``torch.float8_e4m3fn`` and ``torch.float8_e5m2`` for any state,
+            ``torch.uint8`` and ``torch.uint4`` (stored as square roots) for the states the
+            optimizer's spec declares nonnegative (Adam's ``exp_avg_sq``); elementwise
+            optimizers with plain (non-DTensor) parameters only, else ``ValueError``.
+        state_block (group): elements per scale of block-scaled states: 32, 64 (default), 128 or
+            256.
+        state_scale_dtype (group): the dtype of the block scales: ``torch.bfloat16`` (default:
+            fp32's range, so the scales of tiny second moments do not underflow as in fp16),
+            ``torch.float16`` or ``torch.float32``.
         state_rounding (group): ``"stochastic"`` (default) or ``"nearest"``, how states stored in
-            16 bits are rounded. With beta2 = 0.999, ``v * beta2`` rounds back to ``v`` in bf16
-            (eps 2**-7), so round-to-nearest states stop decaying; stochastic rounding keeps them
-            unbiased.
+            16 bits or in block-scaled codes are rounded. With beta2 = 0.999, ``v * beta2``
+            rounds back to ``v`` in bf16 (eps 2**-7), so round-to-nearest states stop decaying;
+            stochastic rounding keeps them unbiased.
         maximize (group): ``True`` ascends the objective (the gradient's sign is flipped);
             default ``False``. Must be a bool.
         nonfinite: what a gradient holding a NaN or infinity does: ``"skip_param"`` (default:
@@ -214,6 +235,7 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, mode: str = "auto",
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
+                 state_block: int = 64, state_scale_dtype: torch.dtype = torch.bfloat16,
                  state_rounding: str = "stochastic", maximize: bool = False, nonfinite: str = "skip_param",
                  foreach: bool | None = None, backend: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  seed: int | None = None, diagnostics: bool = True, fused: bool | None = None,
@@ -244,8 +266,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
         # parameter -> (group index, index in the group, position over all groups), see _position
         self._positions: dict[torch.Tensor, tuple[int, int, int]] = {}
-        defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_rounding=state_rounding,
-                        maximize=maximize)
+        defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_block=state_block,
+                        state_scale_dtype=state_scale_dtype, state_rounding=state_rounding, maximize=maximize)
         super().__init__(params, defaults)
         if backend is None:
             backend = backend_for([p for g in self.param_groups for p in g["params"]], fused, foreach)
@@ -315,6 +337,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state_rounding: expected one of {', '.join(STATE_ROUNDINGS)}, "
                              f"got {group['state_rounding']!r}")
         _check_state_dtype(group["state_dtype"])
+        _check_codes_options(group)
         for key in self.flag_keys:
             if key in group:
                 check_flag(key, group[key])
@@ -339,6 +362,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(params):
             preflight.check_param(p, f"params[{i}]")
             resolve_mode(merged["mode"], p)
+            self.coded_states(merged, p)
             if sharding.is_dtensor(p):
                 sharding.check_placements(p)
             elif isinstance(p, torch.Tensor) and type(p) not in (torch.Tensor, torch.nn.Parameter):
@@ -360,13 +384,39 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     def state_dtypes(self, group: dict[str, Any], name: str, param: torch.Tensor) -> tuple[torch.dtype, ...]:
         """The dtypes a stored state ``name`` of ``param`` may have: fp64 for fp64 parameters,
-        else the one ``state_dtype`` asks for, else any of fp32/bf16/fp16, since a loaded
-        checkpoint keeps its states' dtypes."""
+        else the one ``state_dtype`` asks for (a code's storage dtype for a block-scaled state),
+        else any of fp32/bf16/fp16, since a loaded checkpoint keeps its states' dtypes."""
         if param.dtype == torch.float64:
             return (torch.float64,)
         spec = group["state_dtype"]
         dtype = spec.get(name) if isinstance(spec, Mapping) else spec
-        return STATE_DTYPES if dtype is None else (dtype,)
+        code = code_for(dtype)
+        return STATE_DTYPES if dtype is None else (code.storage,) if code is not None else (dtype,)
+
+    def coded_states(self, group: dict[str, Any], param: torch.Tensor) -> list[CodedState]:
+        """The states of ``param`` that ``state_dtype`` stores as block-scaled codes; a
+        ``ValueError`` naming the state when its code cannot hold it (a non-elementwise state, an
+        unsigned code for a state that may be negative, a DTensor parameter)."""
+        if param.dtype == torch.float64:
+            return []
+        spec = group["state_dtype"]
+        out = []
+        for j, name in enumerate(self.state_names(group, param)):
+            code = code_for(spec.get(name) if isinstance(spec, Mapping) else spec)
+            if code is None:
+                continue
+            where = f"state_dtype[{name!r}]" if isinstance(spec, Mapping) else "state_dtype"
+            if self.state_shape(name, param) != param.shape or self.spec is None:
+                raise ValueError(f"{where}: {type(self).__name__}'s state {name!r} is not elementwise; block-scaled "
+                                 f"codes ({code.name}) hold states shaped like their parameter only")
+            if not code.signed and name not in self.spec.nonnegative:
+                raise ValueError(f"{where}: {code.name} codes hold nonnegative states only (as square roots), and "
+                                 f"{type(self).__name__}'s {name!r} may be negative; use torch.int8 or an fp8 dtype")
+            if sharding.is_dtensor(param):
+                raise ValueError(f"{where}: block-scaled states of DTensor parameters (FSDP2, tensor parallel) are "
+                                 f"not supported yet; use a 16-bit state dtype for sharded parameters")
+            out.append(CodedState(name, j, code))
+        return out
 
     def check_state(self, group: dict[str, Any], p: torch.Tensor, state: Mapping[str, Any], where: str) -> None:
         """Raise naming ``where[key]`` unless every entry the step reads is usable: ``step`` a
@@ -378,10 +428,19 @@ class LowpOptimizer(torch.optim.Optimizer):
         step = state.get("step")
         if type(step) is not int or step < 0:
             raise ValueError(f"{where}['step']: expected a step count (an int >= 0), got {step!r}")
+        coded = {c.name: c.code for c in self.coded_states(group, p)}
         for name in self.state_names(group, p):
-            if name in state:
-                preflight.check_tensor(state[name], where, self.state_shape(name, p),
-                                       self.state_dtypes(group, name, p), p.device, name)
+            if name not in state:
+                continue
+            code = coded.get(name)
+            shape = self.state_shape(name, p) if code is None else codes_shape(code, p.shape)
+            preflight.check_tensor(state[name], where, shape, self.state_dtypes(group, name, p), p.device, name)
+            if code is not None:
+                if scale_name(name) not in state:
+                    raise ValueError(f"{where}[{scale_name(name)!r}]: the block scales of the coded state {name!r} "
+                                     f"are missing")
+                preflight.check_tensor(state[scale_name(name)], where, scales_shape(p.numel(), group["state_block"]),
+                                       (group["state_scale_dtype"],), p.device, scale_name(name))
         if "compensation" in state:
             preflight.check_tensor(state["compensation"], where, p.shape, (p.dtype, torch.float32), p.device,
                                    "compensation")
@@ -394,9 +453,17 @@ class LowpOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if "step" not in state:
             state["step"] = 0
+        coded = {c.name: c.code for c in self.coded_states(group, p)}
         for name in self.state_names(group, p):   # DTensor parameters: sharded like p
-            if name not in state:
+            if name in state:
+                continue
+            code = coded.get(name)
+            if code is None:
                 state[name] = sharding.new_state(p, self.state_shape(name, p), self._state_dtype(group, name, p))
+            else:
+                state[name] = torch.zeros(codes_shape(code, p.shape), dtype=code.storage, device=p.device)
+                state[scale_name(name)] = torch.zeros(scales_shape(p.numel(), group["state_block"]),
+                                                      dtype=group["state_scale_dtype"], device=p.device)
         if mode.buffer_name is not None and not any(n in state for n in BUFFER_NAMES):
             state[mode.buffer_name] = sharding.new_buffer(p, mode.init_buffer)
         ensure_buffer(p, state, mode)   # a mode switch: folds or drops the other mode's buffer
@@ -544,6 +611,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             self._last_stalled = {}
 
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
+        scales: dict[tuple, list[dict[str, torch.Tensor]]] = defaultdict(list)
         gathered: list[sharding.Gathered] = []
         for (group, p, mode, param_id), grad, ok in zip(todo, grads, finite):
             if not ok:
@@ -556,12 +624,19 @@ class LowpOptimizer(torch.optim.Optimizer):
                                                       param_id, self.elementwise)
             if full is not None:
                 gathered.append(full)
-            jobs[(id(group), mode.name, state["step"], p.dtype, p.device, names, weight)].append(piece)
+            key = (id(group), mode.name, state["step"], p.dtype, p.device, names, weight)
+            jobs[key].append(piece)
+            scales[key].append({n: state[scale_name(n)] for n in names if scale_name(n) in state})
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
-        for (gid, mode_name, step, _, _, _, weight), slices in jobs.items():
+        for key, slices in jobs.items():
+            gid, mode_name, step, _, _, _, weight = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed, self.diagnostics_enabled)
-            stalled = self.backend.run(self, ctx, slices)
+            coded = self.coded_states(group, slices[0].param)
+            if coded:
+                stalled = run_coded(self.backend, self, ctx, slices, scales[key], coded, self.elementwise)
+            else:
+                stalled = self.backend.run(self, ctx, slices)
             self._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
         for full in gathered:
             full.write_back()
@@ -712,6 +787,7 @@ class LowpOptimizer(torch.optim.Optimizer):
                         value = self._loaded_tensor(group, name, p, value)
                     loaded[name] = value
                 if loaded:
+                    self._encode_loaded(group, p, loaded)
                     self.check_state(group, p, loaded, where)
                     state[p] = loaded
         return groups, state, _checked_extras(sd.get("lowp"), self)
@@ -721,12 +797,30 @@ class LowpOptimizer(torch.optim.Optimizer):
         when the group's ``state_dtype`` names a dtype for it."""
         spec = group["state_dtype"]
         wanted = spec.get(name) if isinstance(spec, Mapping) else spec
-        cast = wanted is not None and value.is_floating_point() and name in self.state_names(group, p)
+        cast = (wanted is not None and code_for(wanted) is None and value.dtype in (*STATE_DTYPES, torch.float64)
+                and name in self.state_names(group, p))
         dtype = wanted if cast else value.dtype
         if sharding.is_dtensor(p) or sharding.is_dtensor(value):   # laid out (sharded) like p
             value = sharding.load_state(value, p)
             return value.to(dtype) if cast else value
         return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+
+    def _encode_loaded(self, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
+        """Encode the floating-point states of a loaded checkpoint that the group stores as
+        block-scaled codes (rounded to nearest: a load is not a step and draws no random bits)."""
+        for c in self.coded_states(group, p):
+            value = loaded.get(c.name)
+            if not isinstance(value, torch.Tensor) or value.dtype not in (*STATE_DTYPES, torch.float64) \
+                    or scale_name(c.name) in loaded:
+                continue
+            if value.shape != p.shape:
+                raise ValueError(f"state_dict: state {c.name!r}: expected shape {tuple(p.shape)} to encode it as "
+                                 f"{c.code.name}, got {tuple(value.shape)}")
+            codes = torch.empty(codes_shape(c.code, p.shape), dtype=c.code.storage, device=p.device)
+            block_scales = torch.empty(scales_shape(p.numel(), group["state_block"]),
+                                       dtype=group["state_scale_dtype"], device=p.device)
+            encode(value.float(), c.code, group["state_block"], codes, block_scales, None)
+            loaded[c.name], loaded[scale_name(c.name)] = codes, block_scales
 
 
 #: Batches of fewer elements take fresh temporaries: the heap serves them without page faults,
@@ -775,7 +869,9 @@ class TwoMomentOptimizer(LowpOptimizer):
             numbers in [0, 1)), ``eps`` and ``weight_decay`` (finite numbers >= 0).
         mode (group): the write-back mode of bf16/fp16 weights (default ``"auto"``: kahan).
         state_dtype (group): the dtype of new states (default ``None``: the parameter's, bf16 for
-            fp16 parameters).
+            fp16 parameters), or a block-scaled code (``torch.int8``, ``torch.uint8``...).
+        state_block (group): elements per scale of block-scaled states (default 64).
+        state_scale_dtype (group): the dtype of the block scales (default ``torch.bfloat16``).
         state_rounding (group): ``"stochastic"`` (default) or ``"nearest"`` for 16-bit states.
         maximize (group): ascend instead of descend (default ``False``).
         nonfinite: ``"skip_param"`` (default), ``"skip_step"`` or ``"off"``.

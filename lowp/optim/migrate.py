@@ -37,7 +37,7 @@ __all__ = ["FOREIGN_GROUP_KEYS", "to_lowp_layout", "to_torch_state_dict"]
 FOREIGN_GROUP_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay",
                                 "kahan_sum", "triton", "gradient_release", "setup", "step", "decouple_wd",
                                 "decouple_lr", "max_lr", "torch_init"})
-_LOWP_GROUP_KEYS = ("mode", "state_dtype", "state_rounding", "lowp")
+_LOWP_GROUP_KEYS = ("mode", "state_dtype", "state_block", "state_scale_dtype", "state_rounding", "lowp")
 
 
 class LowpOptimizer(Protocol):

@@ -17,6 +17,8 @@ from typing import Any, Iterable
 
 import torch
 
+from lowp.arith import sqrt_rn
+
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
 from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, sqrt, where
 from lowp.optim.spec import OptimizerSpec
@@ -40,7 +42,7 @@ def radam_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     updates = list(torch._foreach_mul(exp_avgs, -lr / (1 - beta1 ** step)))
     if rho_t > 5:
         rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-        denom = torch._foreach_sqrt(exp_avg_sqs)
+        denom = [sqrt_rn(t) for t in exp_avg_sqs]
         torch._foreach_add_(denom, eps)
         torch._foreach_div_(updates, denom)
         torch._foreach_mul_(updates, rect * math.sqrt(bias_correction2))
@@ -84,7 +86,7 @@ RADAM = OptimizerSpec(
     numbers=radam_numbers,
     switches=lambda group: {"weight_decay": group["weight_decay"] != 0,
                             "decoupled": group["decoupled_weight_decay"]},
-    rule=radam_rule)
+    rule=radam_rule, nonnegative=("exp_avg_sq",))
 
 
 class RAdam(TwoMomentOptimizer):

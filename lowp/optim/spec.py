@@ -55,6 +55,8 @@ class OptimizerSpec:
         tensor_numbers: ``tensor_numbers(numbers, total, numel)``, the per-tensor numbers made
             on the host from the step numbers, a tensor's sum of ``tensor_sum`` and its element
             count (default ``None``).
+        nonnegative: the states that are never negative (Adam's second moment), which unsigned
+            block-scaled codes may hold (:mod:`lowp.optim.codes`); default: none.
     """
 
     name: str
@@ -64,6 +66,7 @@ class OptimizerSpec:
     rule: RuleFn | None = None
     tensor_sum: Callable[[RuleArgs], Expr] | None = None
     tensor_numbers: Callable[[Numbers, float, int], Numbers] | None = None
+    nonnegative: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.tensor_sum is None) != (self.tensor_numbers is None):

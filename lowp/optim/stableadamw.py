@@ -19,6 +19,8 @@ from typing import Any, Iterable
 
 import torch
 
+from lowp.arith import sqrt_rn
+
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
 from lowp.optim.rule import Expr, RuleArgs, RuleResult, fma, fp32, lerp, maximum, sqrt
 from lowp.optim.spec import Numbers, OptimizerSpec
@@ -40,7 +42,7 @@ def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], e
         v_hat = v / bias_correction2
         rms = float((g * g).div_(v_hat.clamp(min=eps * eps)).mean().sqrt()) if g.numel() else 0.0
         lr_t = lr / max(1.0, rms)
-        u = m.div(v_hat.sqrt_().add_(eps)).mul_(-lr_t / (1 - beta1 ** step))
+        u = m.div(sqrt_rn(v_hat).add_(eps)).mul_(-lr_t / (1 - beta1 ** step))
         if weight_decay:
             u.add_(w, alpha=-lr_t * weight_decay)
         updates.append(u)
@@ -87,7 +89,8 @@ STABLEADAMW = OptimizerSpec(
     states=lambda group: ("exp_avg", "exp_avg_sq"),
     numbers=_stable_numbers,
     switches=lambda group: {"weight_decay": group["weight_decay"] != 0},
-    rule=stable_rule, tensor_sum=stable_ratio, tensor_numbers=stable_tensor_numbers)
+    rule=stable_rule, tensor_sum=stable_ratio, tensor_numbers=stable_tensor_numbers,
+    nonnegative=("exp_avg_sq",))
 
 
 class StableAdamW(TwoMomentOptimizer):

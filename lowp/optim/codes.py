@@ -1,0 +1,195 @@
+"""Block-scaled low-bit codes for optimizer states: 8-bit and 4-bit integers, fp8 e4m3 and e5m2.
+
+A coded state of ``n`` elements keeps one small code ``q`` per element and one scale ``s`` per
+block of ``B`` consecutive elements (row-major order of the local tensor; the last block may be
+short), in the spirit of block-wise quantization (Dettmers et al., "8-bit Optimizers via
+Block-wise Quantization", ICLR 2022)::
+
+    encode:  t = T(x)                          T(x) = x (signed codes), sqrt(x) (unsigned codes)
+             s = up(max_block |t| / Q)         Q: the largest code; up: rounded up to the scale dtype
+             q = R(t / s), clamped to [-Q, Q]  R: onto the code grid, stochastically or to nearest
+    decode:  x = T^-1(q * s)                   one fp32 multiply (and a square for unsigned codes)
+
+Unsigned codes hold nonnegative states (Adam's second moment) through a square root, which
+halves their dynamic range in bits; signed codes hold any state linearly. Rounding the scale up
+keeps ``|t| / s <= Q`` (up to the division's rounding, which the clamp absorbs), so no code
+saturates. A block holding a NaN or an infinity gets a NaN scale: it decodes to NaN everywhere
+(the value is lost either way; this way the loss is visible).
+
+The code grid (:class:`Code`) is that of a small float format: its spacing at magnitude ``a``
+is ``2**(max(e(a), emin) - m)`` with ``e(a) = floor(log2 a)``. Integer codes are the case
+``emin = m``: spacing 1 everywhere below ``2**(m + 1)``. So ``q`` is computed the same way for
+every code, from ``c = a / spacing`` (exact: a power-of-two scaling)::
+
+    nearest:     R(a) = round_half_even(c) * spacing
+    stochastic:  R(a) = (floor(c) + [floor(frac(c) * 2**16) + r >= 2**16]) * spacing
+
+with ``r`` the 16 random bits of the element (:mod:`lowp.optim.randomness`), as lowp's 16-bit
+stochastic rounding does (:mod:`lowp.optim.storage`): ``P(up) = frac(c)`` to 16 bits. Rounded
+to nearest, a state whose change per step is below half a code step never moves: with
+``beta2 = 0.999`` a second moment decays by 0.1% per step, far below an 8-bit step, so it
+stops decaying; stochastic rounding keeps it unbiased (``E[R(a)] = a``).
+
+The functions here are the definition: every backend reads and writes coded states through
+them (the step decodes a chunk into fp32, runs the backend's kernel, encodes the chunk back).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lowp.arith import sqrt_rn
+
+__all__ = ["Code", "CODES", "code_for", "SCALE_DTYPES", "BLOCK_SIZES", "codes_shape", "scales_shape", "encode",
+           "decode", "scale_name"]
+
+#: The dtypes a block scale may be stored in.
+SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: The block sizes a group may ask for (``state_block``).
+BLOCK_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Code:
+    """One block-scaled code: its storage and its grid.
+
+    Args:
+        name: the code's name as printed.
+        dtype: the dtype that asks for it in ``state_dtype`` (``torch.int8``, ``torch.uint8``,
+            ``torch.uint4``, ``torch.float8_e4m3fn``, ``torch.float8_e5m2``).
+        storage: the dtype of the stored codes (4-bit codes: two per ``uint8``).
+        bits: bits per code (8 or 4).
+        top: ``Q``, the largest code magnitude.
+        mantissa_bits: ``m`` of the grid (see the module docstring).
+        min_exponent: ``emin`` of the grid.
+        signed: ``True``: any value, stored linearly; ``False``: nonnegative values, stored as
+            their square roots.
+    """
+
+    name: str
+    dtype: torch.dtype
+    storage: torch.dtype
+    bits: int
+    top: float
+    mantissa_bits: int
+    min_exponent: int
+    signed: bool
+
+    def spacing(self, a: torch.Tensor) -> torch.Tensor:
+        """The grid spacing at the nonnegative fp32 magnitudes ``a``: a power of two."""
+        binade = (a.view(torch.int32) & 0x7F800000).view(torch.float32)   # 2**e(a), 0 below fp32's normals
+        return torch.clamp_min(binade, 2.0 ** self.min_exponent) * 2.0 ** -self.mantissa_bits
+
+
+#: Every code, by the dtype that asks for it.
+CODES: dict[torch.dtype, Code] = {c.dtype: c for c in (
+    Code("int8", torch.int8, torch.int8, 8, 127.0, 7, 7, True),
+    Code("uint8", torch.uint8, torch.uint8, 8, 255.0, 7, 7, False),
+    Code("uint4", torch.uint4, torch.uint8, 4, 15.0, 3, 3, False),  # type: ignore[attr-defined]
+    Code("e4m3", torch.float8_e4m3fn, torch.float8_e4m3fn, 8, 448.0, 3, -6, True),
+    Code("e5m2", torch.float8_e5m2, torch.float8_e5m2, 8, 57344.0, 2, -14, True),
+)}
+
+
+def code_for(dtype: object) -> Code | None:
+    """The code that ``dtype`` asks for in ``state_dtype``, ``None`` for a float dtype."""
+    return CODES.get(dtype) if isinstance(dtype, torch.dtype) else None
+
+
+def scale_name(state: str) -> str:
+    """The state-dict key of the block scales of coded state ``state``."""
+    return f"{state}_scale"
+
+
+def codes_shape(code: Code, shape: torch.Size) -> torch.Size:
+    """The shape of the codes of a state of ``shape``: the same for 8-bit codes, a flat
+    ``ceil(n / 2)`` bytes for 4-bit ones."""
+    return shape if code.bits == 8 else torch.Size([(math.prod(shape) + 1) // 2])
+
+
+def scales_shape(numel: int, block: int) -> torch.Size:
+    """The shape of the scales of ``numel`` elements in blocks of ``block``."""
+    return torch.Size([(numel + block - 1) // block])
+
+
+def _round_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The nonnegative fp32 ``s`` (or NaN) rounded up to ``dtype``: the smallest value of
+    ``dtype`` at least ``s`` (bf16: ``(bits + 0xFFFF) >> 16`` on the bit pattern)."""
+    if dtype == torch.float32:
+        return s.clone()
+    if dtype == torch.bfloat16:
+        nan = s.isnan()
+        up = ((s.view(torch.int32) + 0xFFFF) >> 16).to(torch.int16).view(torch.bfloat16)
+        return torch.where(nan, torch.full_like(up, math.nan), up)
+    near = s.to(dtype)
+    below = near.float() < s                  # positive values: the next one up has bits + 1
+    return torch.where(below, (near.view(torch.int16) + 1).view(dtype), near)
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 (int32, flat) as bytes, element ``2k`` in the low nibble of byte ``k``."""
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    pairs = q.view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+
+
+def _unpack4(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The ``numel`` codes (int32) of :func:`_pack4`'s bytes."""
+    b = packed.reshape(-1).to(torch.int32)
+    return torch.stack([b & 15, b >> 4], dim=1).reshape(-1)[:numel]
+
+
+def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
+    """The flat ``t`` as rows of ``block`` elements, the last one padded with zeros."""
+    pad = -t.numel() % block
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad)])
+    return t.view(-1, block)
+
+
+def encode(x: torch.Tensor, code: Code, block: int, codes: torch.Tensor, scales: torch.Tensor,
+           noise: torch.Tensor | None) -> None:
+    """Write the codes and block scales of the fp32 values ``x`` (any shape, taken row-major)
+    into ``codes`` (:func:`codes_shape`, ``code.storage``) and ``scales`` (:func:`scales_shape`,
+    one of :data:`SCALE_DTYPES`); the module docstring has the formulas.
+
+    ``noise`` (int32 in ``[0, 2**16)``, ``x``'s element count) rounds stochastically; ``None``
+    rounds to nearest (ties to even)."""
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    t = flat if code.signed else sqrt_rn(flat)
+    rows = _blocks(t, block)
+    peak = rows.abs().amax(dim=1)
+    scale = _round_up(torch.where(peak.isfinite(), peak / code.top, math.nan), scales.dtype)
+    scales.copy_(scale)
+    y = (rows / scale.float()[:, None]).reshape(-1)[:n]
+    y = torch.where(y.isfinite(), y, 0.0)          # zero blocks (0 / 0) and non-finite ones
+    a = y.abs()
+    step = code.spacing(a)
+    c = a / step
+    if noise is None:
+        m = torch.round(c)
+    else:
+        low = torch.floor(c)
+        up = torch.floor((c - low) * 65536.0) + noise.reshape(-1).float() >= 65536.0
+        m = low + up
+    q = torch.clamp_max(m * step, code.top).copysign(y)
+    if code.bits == 4:
+        codes.copy_(_pack4(q.to(torch.int32)))
+    elif code.storage.is_floating_point:
+        codes.view(-1).copy_(q.to(code.storage))   # on the grid: the cast is exact
+    else:
+        codes.view(-1).copy_(q.to(torch.int32))
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, code: Code, block: int, numel: int,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values of ``numel`` coded elements (flat; into ``out`` when given): ``q * s``,
+    squared for unsigned codes."""
+    q = _unpack4(codes, numel).float() if code.bits == 4 else codes.reshape(-1).float()
+    s = scales.float().repeat_interleave(block)[:numel]
+    y = torch.mul(q, s) if out is None else torch.mul(q, s, out=out)
+    return y if code.signed else y.mul_(y)

@@ -1,0 +1,314 @@
+"""Block-scaled low-bit states (lowp/optim/codes.py, lowp/optim/coded.py): the codes against
+exact references (torch's own fp8 casts, every grid value, all 2**16 random draws), and the
+optimizers with coded states on every backend, bit for bit, through checkpoints and gradient release."""
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.arith import sqrt_rn
+from lowp.optim.codes import CODES, SCALE_DTYPES, code_for, codes_shape, decode, encode, scales_shape
+from lowp.optim.registry import optimizers
+from fused_helpers import assert_fused
+
+NATIVE = lo.backends.native_available()
+ALL_CODES = list(CODES.values())
+
+
+def _values(n: int, seed: int = 0, signed: bool = True) -> torch.Tensor:
+    """Values over many binades, with a zero block and exact zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * 10.0 ** torch.empty(n).uniform_(-8, 2, generator=gen)
+    x[:64] = 0.0
+    x[100:110] = 0.0
+    return x if signed else x.square()
+
+
+def _coded(x: torch.Tensor, code, block: int = 64, scale_dtype=torch.bfloat16, noise=None):
+    codes = torch.empty(codes_shape(code, x.shape), dtype=code.storage)
+    scales = torch.empty(scales_shape(x.numel(), block), dtype=scale_dtype)
+    encode(x, code, block, codes, scales, noise)
+    return codes, scales
+
+
+def _grid(code) -> torch.Tensor:
+    """Every value a code can hold (nonnegative half for unsigned codes), as fp32."""
+    if code.storage.is_floating_point:
+        values = torch.arange(256, dtype=torch.uint8).view(code.storage).float()
+        return values[values.isfinite()].unique()
+    return torch.arange(-code.top if code.signed else 0, code.top + 1)
+
+
+def _code_values(codes: torch.Tensor, code, n: int) -> torch.Tensor:
+    """The codes as fp32 numbers (4-bit ones unpacked, low nibble first)."""
+    if code.bits == 4:
+        return torch.stack([codes & 15, codes >> 4], 1).reshape(-1)[:n].float()
+    return codes.reshape(-1).float()
+
+
+@pytest.mark.parametrize("code", ALL_CODES, ids=lambda c: c.name)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
+def test_nearest_codes_are_the_nearest_grid_values(code, scale_dtype):
+    x = _values(4000, signed=code.signed)
+    codes, scales = _coded(x, code, scale_dtype=scale_dtype)
+    t = x if code.signed else sqrt_rn(x)
+    s = scales.float().repeat_interleave(64)[:x.numel()]
+    # the scale: the smallest value of its dtype at or above the block's peak / top
+    peak = torch.cat([t.abs(), torch.zeros(-x.numel() % 64)]).view(-1, 64).amax(1)
+    want = peak / code.top
+    assert (scales.float() >= want).all()
+    lower = torch.nextafter(scales, torch.zeros_like(scales)).float()
+    assert ((lower < want) | (scales == 0)).all()
+    # the codes: the grid value nearest to t / s (ties cannot occur in these data but are allowed)
+    y = torch.where(s > 0, t / s, 0.0)
+    grid = _grid(code)
+    best = (y[:, None] - grid[None, :]).abs().min(dim=1).values
+    assert torch.equal((y - _code_values(codes, code, x.numel())).abs(), best)
+    if code.storage.is_floating_point:   # torch's own cast rounds to nearest even: the same codes
+        assert torch.equal(codes.view(torch.uint8), y.to(code.storage).view(torch.uint8))
+
+
+@pytest.mark.parametrize("code", ALL_CODES, ids=lambda c: c.name)
+def test_decode_is_code_times_scale(code):
+    x = _values(1000, 1, signed=code.signed)
+    codes, scales = _coded(x, code, block=32, scale_dtype=torch.float32)
+    y = _code_values(codes, code, 1000) * scales.repeat_interleave(32)[:1000]
+    assert torch.equal(decode(codes, scales, code, 32, 1000), y if code.signed else y * y)
+
+
+@pytest.mark.parametrize("code", ALL_CODES, ids=lambda c: c.name)
+def test_stochastic_rounding_is_unbiased_over_every_draw(code):
+    """One block, every one of the 2**16 random draws: the mean code is t / s to 16 bits."""
+    x = _values(64, 2, signed=code.signed)[None, :].expand(1 << 16, 64).contiguous()
+    x[:, 0] = 3.0   # the same peak in every copy of the block (so the same scale)
+    noise = torch.arange(1 << 16, dtype=torch.int32)[:, None].expand(1 << 16, 64).contiguous()
+    codes, scales = _coded(x, code, noise=noise)
+    assert (scales == scales[0]).all()
+    decoded = decode(codes, scales, code, 64, x.numel()).view(1 << 16, 64).double()
+    q = (decoded if code.signed else decoded.sqrt()) / scales[0].double()
+    y = (x[0].double() if code.signed else x[0].double().sqrt()) / scales[0].double()
+    a = y.abs().float()
+    spacing = code.spacing(a).double()
+    assert ((q.mean(0) - y).abs() <= spacing * 2.0 ** -16 + 1e-12 * y.abs()).all()
+    assert len(q.unique()) > len(y.unique())   # it did round both ways
+
+
+def test_nonfinite_values_spoil_their_block_only():
+    x = _values(256, 3)
+    x[70] = math.inf
+    x[200] = math.nan
+    code = CODES[torch.int8]
+    codes, scales = _coded(x, code)
+    y = decode(codes, scales, code, 64, 256)
+    assert y[64:128].isnan().all() and y[192:].isnan().all()
+    assert y[:64].isfinite().all() and y[128:192].isfinite().all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 63, 65, 127, 1001])
+def test_four_bit_codes_pack_two_per_byte(n):
+    code = CODES[torch.uint4]
+    x = _values(n, 4, signed=False)
+    codes, scales = _coded(x, code, block=32)
+    assert codes.shape == ((n + 1) // 2,) and codes.dtype == torch.uint8
+    y = decode(codes, scales, code, 32, n)
+    assert y.shape == (n,)
+    if n > 1:   # each element is decoded from its own nibble: change one element, the rest stay
+        x2 = x.clone()
+        x2[n // 2] = 0.0
+        c2, s2 = _coded(x2, code, block=32)
+        y2 = decode(c2, s2, code, 32, n)
+        same_block = torch.arange(n) // 32 == (n // 2) // 32
+        assert torch.equal(y2[~same_block], y[~same_block])
+
+
+def test_code_for_names_codes_and_not_floats():
+    assert code_for(torch.int8).name == "int8" and code_for(torch.float8_e5m2).name == "e5m2"
+    assert code_for(torch.bfloat16) is None and code_for(None) is None
+
+
+# ---- optimizers with coded states -----------------------------------------------------------
+
+SHAPES = [(1,), (33,), (64,), (65, 7), (3000,)]
+
+
+def _state_dtype(cls, wide: bool = False) -> dict:
+    """8-bit codes for every state (uint8 for nonnegative ones); ``wide``: fp8 e4m3 and uint4."""
+    group = cls([torch.zeros(1)]).param_groups[0]
+    names = cls.spec.states(group)
+    if wide:
+        return {n: torch.uint4 if n in cls.spec.nonnegative else torch.float8_e4m3fn for n in names}
+    return {n: torch.uint8 if n in cls.spec.nonnegative else torch.int8 for n in names}
+
+
+def _steps(params, opt, first: int, last: int) -> None:
+    """Steps ``first .. last - 1``, each with its own gradients."""
+    for t in range(first, last):
+        gen = torch.Generator().manual_seed(1000 + t)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+
+
+def _run(cls, backend: str, steps: int = 4, chunk_size: int = 1 << 17, mode: str = "kahan", wide: bool = False,
+         **kw):
+    gen = torch.Generator().manual_seed(0)
+    params = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in SHAPES]
+    opt = cls(params, lr=1e-2, backend=backend, chunk_size=chunk_size, mode=mode, seed=7,
+              state_dtype=_state_dtype(cls, wide), **kw)
+    _steps(params, opt, 0, steps)
+    return params, opt
+
+
+def _same(a, b) -> None:
+    (pa, oa), (pb, ob) = a, b
+    for x, y in zip(pa, pb):
+        assert torch.equal(x, y), f"weights differ in {int((x != y).sum())} of {x.numel()}"
+        for name, value in oa.state[x].items():
+            if isinstance(value, torch.Tensor):
+                other = ob.state[y][name]
+                assert value.dtype == other.dtype, name
+                assert torch.equal(value.view(torch.uint8) if value.element_size() == 1 else value,
+                                   other.view(torch.uint8) if other.element_size() == 1 else other), name
+
+
+CODED = [cls for cls in optimizers() if cls.spec is not None and cls.spec.rule is not None and cls.spec.states]
+
+
+@pytest.mark.parametrize("cls", CODED, ids=lambda c: c.__name__)
+def test_every_backend_and_chunking_gives_the_same_coded_run(cls):
+    ref = _run(cls, "eager")
+    _same(ref, _run(cls, "foreach", chunk_size=1000))
+    if NATIVE:
+        native = _run(cls, "native", chunk_size=300)
+        _same(ref, native)
+        assert_fused(native[1], 4 * sum(math.prod(s) for s in SHAPES))
+
+
+@pytest.mark.skipif(not NATIVE, reason="needs the native kernel (x86-64 with g++)")
+def test_fp8_and_four_bit_states_on_the_native_kernel():
+    _same(_run(lo.AdamW, "eager", wide=True), _run(lo.AdamW, "native", wide=True))
+
+
+def test_compiled_kernel_with_coded_states():
+    ref = _run(lo.AdamW, "eager", steps=2)
+    compiled = _run(lo.AdamW, "compiled", steps=2)
+    _same(ref, compiled)
+    assert compiled[1].backend.fused_elements > 0
+
+
+def test_states_are_one_byte_and_blocks_of_scales():
+    params, opt = _run(lo.AdamW, "eager", steps=1, state_block=128, state_scale_dtype=torch.float16)
+    p = params[-1]
+    state = opt.state[p]
+    assert state["exp_avg"].dtype == torch.int8 and state["exp_avg"].shape == p.shape
+    assert state["exp_avg_sq"].dtype == torch.uint8
+    assert state["exp_avg_scale"].dtype == torch.float16 and state["exp_avg_scale"].shape == (math.ceil(3000 / 128),)
+    params, opt = _run(lo.AdamW, "eager", steps=1, wide=True)
+    wide = opt.state[params[-1]]
+    assert wide["exp_avg_sq"].shape == (1500,) and wide["exp_avg"].dtype == torch.float8_e4m3fn
+
+
+def test_resume_from_a_checkpoint_is_bit_identical():
+    full = _run(lo.AdamW, "foreach", steps=6)
+    params, opt = _run(lo.AdamW, "foreach", steps=3)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    copies = [p.detach().clone() for p in params]
+    again = lo.AdamW(copies, lr=1e-2, backend="foreach", mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW))
+    again.load_state_dict(torch.load(buf))
+    _steps(copies, again, 3, 6)
+    _same(full, (copies, again))
+
+
+def test_float_states_of_a_checkpoint_are_encoded_on_load():
+    gen = torch.Generator().manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(500, generator=gen).bfloat16())
+    plain = lo.AdamW([p], lr=1e-2, seed=7)
+    p.grad = torch.randn(500, generator=gen).bfloat16()
+    plain.step()
+    coded = lo.AdamW([p], lr=1e-2, seed=7, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    sd = plain.state_dict()
+    sd["param_groups"][0]["state_dtype"] = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+    coded.load_state_dict(sd)
+    state = coded.state[p]
+    assert state["exp_avg"].dtype == torch.int8 and "exp_avg_scale" in state
+    m = decode(state["exp_avg"], state["exp_avg_scale"], CODES[torch.int8], 64, 500)
+    want = plain.state[p]["exp_avg"].float()
+    peak = want.abs().amax()
+    assert (m - want).abs().max() <= peak / 127    # within one code step of the largest block
+
+
+def test_second_moment_keeps_decaying_only_with_stochastic_rounding():
+    """beta2 = 0.999 shrinks v by 0.1% a step, below one 8-bit code step: to nearest it stalls."""
+    out = {}
+    for rounding in ("stochastic", "nearest"):
+        gen = torch.Generator().manual_seed(2)
+        p = torch.nn.Parameter(torch.zeros(4096))
+        opt = lo.AdamW([p], lr=0.0, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                       state_rounding=rounding, backend="native" if NATIVE else "foreach", seed=1)
+        p.grad = torch.randn(4096, generator=gen)
+        opt.step()
+        state = opt.state[p]
+        v0 = decode(state["exp_avg_sq"], state["exp_avg_sq_scale"], CODES[torch.uint8], 64, 4096).double()
+        p.grad = torch.zeros(4096)
+        for _ in range(1000):
+            opt.step()
+        v = decode(state["exp_avg_sq"], state["exp_avg_sq_scale"], CODES[torch.uint8], 64, 4096).double()
+        out[rounding] = float(v.sum() / v0.sum())
+    assert abs(out["stochastic"] / 0.999 ** 1000 - 1) < 0.05
+    assert out["nearest"] > 0.9
+
+
+def test_gradient_release_with_coded_states_equals_the_step():
+    from lowp.optim.release import release_gradients
+    runs = []
+    for release in (False, True):
+        gen = torch.Generator().manual_seed(3)
+        torch.manual_seed(3)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).bfloat16()
+        opt = lo.AdamW(net.parameters(), lr=1e-2, seed=2, state_dtype={"exp_avg": torch.int8,
+                                                                      "exp_avg_sq": torch.uint4})
+        handle = release_gradients(opt) if release else None
+        for _ in range(3):
+            loss = net(torch.randn(5, 8, generator=gen).bfloat16()).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        runs.append((list(net.parameters()), opt))
+    _same(*runs)
+
+
+@pytest.mark.parametrize("make, arg", [
+    (lambda p: lo.AdamW(p, state_dtype={"exp_avg": torch.uint8}), "state_dtype['exp_avg']"),
+    (lambda p: lo.Lion(p, state_dtype=torch.uint4), "state_dtype"),
+    (lambda p: lo.Adafactor(p, state_dtype=torch.int8), "state_dtype"),
+    (lambda p: lo.AdamW(p, state_block=100), "state_block"),
+    (lambda p: lo.AdamW(p, state_scale_dtype=torch.int8), "state_scale_dtype"),
+])
+def test_codes_a_state_cannot_hold_are_refused(make, arg):
+    with pytest.raises(ValueError, match=arg.replace("[", r"\[").replace("]", r"\]")):
+        make([torch.nn.Parameter(torch.zeros(4, 4))])
+
+
+def test_a_checkpoint_without_scales_is_refused_before_anything_changes():
+    params, opt = _run(lo.AdamW, "foreach", steps=1)
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["state"][0]["exp_avg_scale"]
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="exp_avg_scale"):
+        opt.load_state_dict(sd)
+    sd["state"][0]["exp_avg_scale"] = torch.zeros(3, dtype=torch.float32)
+    with pytest.raises(ValueError, match="exp_avg_scale"):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    for key in before["state"]:
+        for name, value in before["state"][key].items():
+            assert torch.equal(value, after["state"][key][name])
