@@ -29,7 +29,8 @@ takes minutes on a CPU and does not change its arithmetic.
 
 Every run is single-threaded and runs one after another.
 
-    python benchmarks/memory_accuracy.py [--quick] [--models demo markov] [--configs NAME ...] [--json PATH]
+    python benchmarks/memory_accuracy.py [--quick] [--models demo markov] [--configs NAME ...] [--no-memory]
+        [--no-ablation] [--json PATH] [--cache PATH]
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -55,7 +57,7 @@ from lowp.demo.model import CharLM
 from lowp.demo.train import DemoConfig, build_model, evaluate, param_groups, train_loop
 from lowp.footprint.measure import Footprint, measure
 from lowp.optim.speed import profiled_peak_bytes
-from lowp.report import text_table
+from lowp.report import markdown_table, text_table
 
 Groups = list[dict[str, Any]]
 Maker = Callable[[Groups, float, float, int], torch.optim.Optimizer]
@@ -169,9 +171,13 @@ ABLATION = (
                 state_rounding="nearest"),
     *(_lowp_setup(f"block {b}", f"recommended, blocks of {b}", mode="exact8", state_dtype=EIGHT_BIT,
                   state_block=b) for b in (32, 128, 256)),
+    _lowp_setup("fp16 scales", "recommended, block scales in fp16", mode="exact8", state_dtype=EIGHT_BIT,
+                state_scale_dtype=torch.float16),
     _lowp_setup("kahan, 8-bit states", "recommended with mode kahan (bf16 compensation)", mode="kahan",
                 state_dtype=EIGHT_BIT),
     _lowp_setup("exact, 8-bit states", "recommended with mode exact (int16 remainder)", mode="exact",
+                state_dtype=EIGHT_BIT),
+    _lowp_setup("stochastic, 8-bit states", "aggressive with v as uint8 (4.06 B/param)", mode="stochastic",
                 state_dtype=EIGHT_BIT),
     _lowp_setup("stochastic, bf16 states", "aggressive's mode with lowp's default bf16 moments", mode="stochastic"),
     _lowp_setup("exact, bf16 states", "mode exact with lowp's default bf16 moments", mode="exact"),
@@ -332,7 +338,14 @@ def memory_once(setup: Setup, release: bool, quick: bool) -> tuple[Footprint, in
 
 
 def _pct(x: float, ref: float) -> str:
-    return f"{100 * (x / ref - 1):+.2f}%"
+    return f"{100 * (x / ref - 1):+.2f}%" if math.isfinite(x) else "diverged"
+
+
+def _loss(x: float, ref: float | None) -> str:
+    """A loss, and its difference to ``ref`` when given; ``diverged`` when it is not finite."""
+    if not math.isfinite(x):
+        return "diverged"
+    return f"{x:.4f}" if ref is None else f"{x:.4f} ({_pct(x, ref)})"
 
 
 def _mib(n: int | None) -> str:
@@ -348,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these configurations (default: all; the reference always runs)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     ap.add_argument("--no-ablation", action="store_true", help="skip the encoding ablation")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables (as in docs/memory.md)")
     ap.add_argument("--json", default=None, help="also write every number to this JSON file")
+    ap.add_argument("--cache", default=None,
+                    help="JSON file of finished training runs: runs found there are not repeated, new ones are "
+                         "added as they finish (delete it after changing the code)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -358,15 +375,23 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     results: dict[str, Any] = {"accuracy": {}, "ablation": {}, "memory": {}, "floors": {}, "skipped": skipped}
     started = time.perf_counter()
+    cache_path = Path(args.cache) if args.cache else None
+    cache = json.loads(cache_path.read_text()) if cache_path and cache_path.exists() else {}
 
     def run(task: Task, setup: Setup, regime: str) -> AccuracyRun | None:
         if setup.name in skipped:
             return None
+        key = f"{'quick|' if args.quick else ''}{task.name}|{regime}|{setup.name}"
+        if key in cache:
+            return AccuracyRun(**cache[key])
         try:
             r = train_once(task, setup, regime)
         except Unavailable as e:
             skipped[setup.name] = str(e)
             return None
+        if cache_path is not None:
+            cache[key] = r.__dict__
+            cache_path.write_text(json.dumps(cache, indent=1))
         print(f"  {task.name:7s} {regime:14s} {setup.name:24s} loss {r.loss:.4f}  {r.seconds:5.1f} s",
               file=sys.stderr, flush=True)
         return r
@@ -397,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
             results["memory_params"] = count
             print(f"  memory {setup.name:24s} peak {_mib(peak)} MiB, with release {_mib(peak_release)} MiB",
                   file=sys.stderr, flush=True)
-    print(report(results, all_tasks, main_setups, ablation, ablation_task.name, regime0))
+    print(report(results, all_tasks, main_setups, ablation, ablation_task.name, regime0,
+                 markdown_table if args.markdown else text_table))
     print(f"\n{time.perf_counter() - started:.0f} s in all, torch {torch.__version__}, 1 thread")
     if args.json:
         with open(args.json, "w") as f:
@@ -406,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(results: dict[str, Any], all_tasks: list[Task], main_setups: list[Setup], ablation: list[Setup],
-           ablation_model: str, ablation_regime: str) -> str:
-    """The accuracy, ablation and memory tables of ``results`` as text."""
+           ablation_model: str, ablation_regime: str, table: Callable[..., str] = text_table) -> str:
+    """The accuracy, ablation and memory tables of ``results`` as text, each made by ``table``."""
     acc, memory, skipped = results["accuracy"], results["memory"], results["skipped"]
     columns = [(t.name, regime) for t in all_tasks for regime in REGIMES]
     headers = ["configuration", "B/param", "+ grads"] + [f"{m} {r}" for m, r in columns]
@@ -420,11 +446,11 @@ def report(results: dict[str, Any], all_tasks: list[Task], main_setups: list[Set
                "-" if m is None else f"{m['bytes_per_param'] + m['grad_bytes_per_param']:.2f}"]
         for m, r in columns:
             ref, this = acc[f"{m}|{r}|{REFERENCE}"]["loss"], acc[f"{m}|{r}|{setup.name}"]["loss"]
-            row.append(f"{this:.4f}" if setup.name == REFERENCE else f"{this:.4f} ({_pct(this, ref)})")
+            row.append(_loss(this, None if setup.name == REFERENCE else ref))
         rows.append(row)
     lines = ["validation loss after training (nats/token) and difference to fp32 AdamW; B/param: weights + "
              "optimizer states, measured on the memory model; + grads: with the gradients",
-             text_table(headers, rows)]
+             table(headers, rows)]
     for t in all_tasks:
         if t.floor is not None:
             lines.append(f"{t.name}: the source's own cross-entropy on the validation text is {t.floor:.4f}")
@@ -436,10 +462,10 @@ def report(results: dict[str, Any], all_tasks: list[Task], main_setups: list[Set
             if setup.name in skipped:
                 continue
             r = results["ablation"][setup.name]
-            rows.append([setup.name, f"{r['bytes_per_param']:.3f}", f"{r['loss']:.4f}", _pct(r["loss"], ref),
+            rows.append([setup.name, f"{r['bytes_per_param']:.3f}", _loss(r["loss"], None), _pct(r["loss"], ref),
                          "-" if base is None else _pct(r["loss"], base["loss"]), setup.note])
         lines += ["", f"encoding ablation: {ablation_model} model, {ablation_regime} (B/param measured on this model)",
-                  text_table(["configuration", "B/param", "val loss", "vs fp32", "vs recommended", "what"], rows)]
+                  table(["configuration", "B/param", "val loss", "vs fp32", "vs recommended", "what"], rows)]
     if memory:
         rows = [[name, f"{m['bytes_per_param']:.2f}", _mib(m["resident"]), _mib(m["peak"]),
                  _mib(m["peak_release"]),
@@ -448,7 +474,7 @@ def report(results: dict[str, Any], all_tasks: list[Task], main_setups: list[Set
         lines += ["", f"peak training memory, memory model ({results['memory_params']:,} parameters, batch 2 x 32 "
                       "tokens): weights + states held between steps, and the peak of torch.profiler's memory events "
                       "over building the model and optimizer and two training steps",
-                  text_table(["configuration", "B/param", "resident MiB", "peak MiB", "peak MiB, release",
+                  table(["configuration", "B/param", "resident MiB", "peak MiB", "peak MiB, release",
                               "release / without"], rows)]
     lines.append("")
     lines += [f"{s.name}: {s.note}" for s in main_setups + ablation if s.name not in skipped]
