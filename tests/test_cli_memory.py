@@ -14,10 +14,11 @@ import torch
 
 from lowp.cli import main
 from lowp.demo.model import CharLM
-from lowp.footprint.measure import layout_on, lowp_footprints
+from lowp.footprint.measure import CODED_LAYOUTS, coded_state_dtype, layout_on, lowp_footprints
 from lowp.footprint.models import meta_model, parse_count
 from lowp.footprint.report import build_report, format_report
 from lowp.optim import Adafactor, AdamW
+from lowp.optim.codes import code_for
 from lowp.optim.writeback import MODES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,25 +55,36 @@ def _real_step_bytes(dtype: torch.dtype, build) -> tuple[int, int, dict]:
 
 def test_lowp_rows_are_the_bytes_of_a_real_adamw_after_a_step(demo_report):
     rows = [r for r in demo_report["rows"] if r["kind"] == "lowp"]
-    # bf16: four modes, fp16: all but exact, fp32 once; each low-precision one with default and fp32 states
-    assert len(rows) == 2 * len(MODES) + 2 * (len(MODES) - 1) + 1
+    # every mode with the weight dtypes it takes, default and fp32 states; fp32 once; bf16 in every mode
+    # with each block-scaled layout
+    low = sum(d in wb.dtypes for wb in MODES.values() for d in (torch.bfloat16, torch.float16))
+    assert len(rows) == 2 * low + 1 + len(CODED_LAYOUTS) * len(MODES)
     assert {(r["weight_dtype"], r["mode"]) for r in rows} >= {("bf16", m) for m in MODES}
     assert ("fp16", "exact") not in {(r["weight_dtype"], r["mode"]) for r in rows}
+    assert {r["state_dtype"] for r in rows} >= set(CODED_LAYOUTS)
     for r in rows:
-        dtype, state_dtype = DTYPES[r["weight_dtype"]], DTYPES[r["state_dtype"]]
+        dtype = DTYPES[r["weight_dtype"]]
+        coded = r["state_dtype"] in CODED_LAYOUTS
+        state_dtype = coded_state_dtype(AdamW, r["state_dtype"]) if coded else DTYPES[r["state_dtype"]]
         count, nbytes, state = _real_step_bytes(
             dtype, lambda ps, mode=r["mode"], state_dtype=state_dtype: AdamW(ps, mode=mode, state_dtype=state_dtype))
         assert demo_report["params"] == count
         assert r["total_bytes"] == nbytes, r["name"]
         assert math.isclose(r["bytes_per_param"], nbytes / count, rel_tol=1e-12)
         assert r["weights"] == dtype.itemsize and r["grads"] == dtype.itemsize
-        moments = [s[k] for s in state.values() for k in ("exp_avg", "exp_avg_sq")]
-        assert {t.dtype for t in moments} == {state_dtype}, r["name"]
+        moments = {k: {s[k].dtype for s in state.values()} for k in ("exp_avg", "exp_avg_sq")}
+        if coded:
+            assert moments == {k: {code_for(d).storage} for k, d in state_dtype.items()}, r["name"]
+        else:
+            assert moments == {k: {state_dtype} for k in moments}, r["name"]
     by_name = {r["name"]: r for r in rows}
     # the layouts the table must show (weights + states + extra, gradients apart)
     assert by_name["lowp AdamW bf16 kahan, bf16 states"]["bytes_per_param"] - 2 == 8
     assert by_name["lowp AdamW bf16 stochastic, bf16 states"]["bytes_per_param"] - 2 == 6
     assert by_name["lowp AdamW bf16 exact, fp32 states"]["bytes_per_param"] - 2 == 12
+    # one byte and a half, and a bf16 scale per 64 elements of each (the last block of a tensor is padded)
+    assert math.isclose(by_name["lowp AdamW bf16 stochastic, int8/uint4 states"]["bytes_per_param"] - 2,
+                        1 + 0.5 + 2 * 2 / 64, rel_tol=1e-3)
 
 
 def test_rows_are_sorted_and_compared_with_torch_fp32_adamw(demo_report):

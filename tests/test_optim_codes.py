@@ -6,6 +6,10 @@ from __future__ import annotations
 import copy
 import io
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,6 +205,24 @@ def test_compiled_kernel_with_coded_states():
     assert compiled[1].backend.fused_elements > 0
 
 
+def test_triton_kernel_with_coded_states_through_the_interpreter():
+    """The Triton kernel on decoded pieces (interpreted on the CPU, in a subprocess: TRITON_INTERPRET
+    must be set before triton is imported)."""
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def _triton_case() -> None:
+    ref = _run(lo.AdamW, "eager", steps=2)
+    triton = _run(lo.AdamW, "triton", steps=2)
+    _same(ref, triton)
+    assert triton[1].backend.fused_elements > 0
+    print("OK")
+
+
 def test_states_are_one_byte_and_blocks_of_scales():
     params, opt = _run(lo.AdamW, "eager", steps=1, state_block=128, state_scale_dtype=torch.float16)
     p = params[-1]
@@ -312,3 +334,7 @@ def test_a_checkpoint_without_scales_is_refused_before_anything_changes():
     for key in before["state"]:
         for name, value in before["state"][key].items():
             assert torch.equal(value, after["state"][key][name])
+
+
+if __name__ == "__main__":
+    _triton_case()

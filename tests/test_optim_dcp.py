@@ -28,10 +28,13 @@ def _gloo(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _setup(mode, seed):
+CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+
+
+def _setup(mode, seed, state_dtype=None):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).bfloat16()
-    return model, lo.AdamW(model.parameters(), lr=1e-3, mode=mode, seed=seed)
+    return model, lo.AdamW(model.parameters(), lr=1e-3, mode=mode, seed=seed, state_dtype=state_dtype)
 
 
 def _train(model, opt, steps, start):
@@ -54,9 +57,11 @@ def _assert_same(a_model, a_opt, b_model, b_opt):
                                                                           b_opt.skipped_steps)
 
 
-@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
-def test_dcp_resume_is_bit_identical(mode, tmp_path, _gloo):
-    model, opt = _setup(mode, seed=1)
+@pytest.mark.parametrize("mode,state_dtype", [("kahan", None), ("stochastic", None), ("kahan", CODED)],
+                         ids=["kahan", "stochastic", "kahan-int8-states"])
+def test_dcp_resume_is_bit_identical(mode, state_dtype, tmp_path, _gloo):
+    """Block-scaled states (int8/uint8 codes and their bf16 scales) keep their dtypes too."""
+    model, opt = _setup(mode, seed=1, state_dtype=state_dtype)
     _train(model, opt, 3, start=0)
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "plain"))
     msd, osd = get_state_dict(model, opt)
@@ -66,7 +71,7 @@ def test_dcp_resume_is_bit_identical(mode, tmp_path, _gloo):
 
     # way 1: opt.state_dict() in, opt.state_dict() out; torch's get_state_dict creates the fresh
     # optimizer's states, which DCP needs as the layout to load into
-    fresh_model, fresh_opt = _setup(mode, seed=2)
+    fresh_model, fresh_opt = _setup(mode, seed=2, state_dtype=state_dtype)
     get_state_dict(fresh_model, fresh_opt)
     target = {"model": fresh_model.state_dict(), "optim": fresh_opt.state_dict()}
     dcp.load(target, checkpoint_id=str(tmp_path / "plain"))
@@ -74,9 +79,11 @@ def test_dcp_resume_is_bit_identical(mode, tmp_path, _gloo):
     fresh_opt.load_state_dict(target["optim"])
     _train(fresh_model, fresh_opt, 3, start=3)
     _assert_same(model, opt, fresh_model, fresh_opt)
+    if state_dtype is not None:
+        assert fresh_opt.state[next(fresh_model.parameters())]["exp_avg"].dtype == torch.int8
 
     # way 2: get_state_dict / set_state_dict
-    fresh_model, fresh_opt = _setup(mode, seed=3)
+    fresh_model, fresh_opt = _setup(mode, seed=3, state_dtype=state_dtype)
     msd, osd = get_state_dict(fresh_model, fresh_opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dsd"))
     set_state_dict(fresh_model, fresh_opt, model_state_dict=msd, optim_state_dict=osd)

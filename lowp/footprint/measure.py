@@ -19,13 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
+from lowp.optim.writeback import BUFFER_NAMES
+
 __all__ = ["Footprint", "tensor_bytes", "measure", "probe_model", "lowp_optimizer", "lowp_configurations",
-           "lowp_footprints", "LowpFootprint", "layout_on",
+           "CODED_LAYOUTS", "takes_codes", "coded_state_dtype", "lowp_footprints", "LowpFootprint", "layout_on",
            "EXTRA_STATE_NAMES"]
 
 #: State entries that hold extra weight precision rather than optimizer statistics: lowp's
 #: write-back buffers (:data:`lowp.optim.writeback.BUFFER_NAMES`) and optimi's Kahan buffer.
-EXTRA_STATE_NAMES = ("compensation", "remainder", "kahan_comp")
+EXTRA_STATE_NAMES = (*BUFFER_NAMES, "kahan_comp")
 
 
 @dataclass(frozen=True)
@@ -104,19 +106,47 @@ def lowp_optimizer(name: str) -> type:
     return found[name.lower()]
 
 
-def lowp_configurations() -> list[tuple[torch.dtype, str, torch.dtype | None]]:
+#: Block-scaled state layouts (:mod:`lowp.optim.codes`) by name: the code of the states that may
+#: be negative, and of the nonnegative ones (Adam's second moment).
+CODED_LAYOUTS: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "int8/uint8": (torch.int8, torch.uint8),
+    "int8/uint4": (torch.int8, torch.uint4),  # type: ignore[attr-defined]
+}
+
+
+def takes_codes(cls: type) -> bool:
+    """Whether the optimizer class can keep block-scaled states: a spec with an elementwise rule
+    and states under its default hyper-parameters."""
+    spec = getattr(cls, "spec", None)
+    if spec is None or spec.rule is None:
+        return False
+    return bool(spec.states(cls([torch.zeros(1)]).param_groups[0]))
+
+
+def coded_state_dtype(cls: type, layout: str) -> dict[str, torch.dtype]:
+    """The ``state_dtype`` dict of the block-scaled ``layout`` (a key of :data:`CODED_LAYOUTS`)
+    for the optimizer class ``cls``."""
+    signed, nonnegative = CODED_LAYOUTS[layout]
+    group = cls([torch.zeros(1)]).param_groups[0]
+    return {n: nonnegative if n in cls.spec.nonnegative else signed for n in cls.spec.states(group)}
+
+
+def lowp_configurations(cls: type | None = None) -> list[tuple[torch.dtype, str, torch.dtype | str | None]]:
     """(weight dtype, mode, state dtype) of every distinct lowp configuration: bf16 weights in
-    the four modes, fp16 weights in all but ``exact`` (bf16 only), fp32 weights once (they are
-    updated plainly in every mode); each low-precision one with default (``None``) and fp32
-    states."""
+    every mode, fp16 weights in those that take them (``exact`` and ``exact8`` take bf16 only),
+    fp32 weights once (they are updated plainly in every mode); each low-precision one with
+    default (``None``) and fp32 states; and, for an optimizer class ``cls`` that
+    :func:`takes_codes`, bf16 weights in every mode with each block-scaled layout (by its name
+    in :data:`CODED_LAYOUTS`)."""
     from lowp.optim.writeback import MODES
 
-    out: list[tuple[torch.dtype, str, torch.dtype | None]] = []
+    out: list[tuple[torch.dtype, str, torch.dtype | str | None]] = []
     for dtype in (torch.bfloat16, torch.float16):
-        for mode in MODES:
-            if dtype == torch.float16 and mode == "exact":
-                continue
-            out += [(dtype, mode, None), (dtype, mode, torch.float32)]
+        for mode, wb in MODES.items():
+            if dtype in wb.dtypes:
+                out += [(dtype, mode, None), (dtype, mode, torch.float32)]
+    if cls is not None and takes_codes(cls):
+        out += [(torch.bfloat16, mode, layout) for layout in CODED_LAYOUTS for mode in MODES]
     return out + [(torch.float32, "nearest", None)]
 
 
@@ -127,7 +157,8 @@ class LowpFootprint:
     Args:
         weight_dtype: the dtype of the weights.
         mode: the write-back mode the optimizer was built with (fp32 weights ignore it).
-        state_dtype: the dtype the optimizer's states were created in.
+        state_dtype: the dtype the optimizer's states were created in, or the name of a
+            block-scaled layout (:data:`CODED_LAYOUTS`).
         footprint: the bytes per parameter measured after one step.
         per_element: every state tensor has as many elements as its parameter, so the bytes per
             parameter hold for any model (``False`` for Adafactor's factored second moments, whose
@@ -137,13 +168,13 @@ class LowpFootprint:
 
     weight_dtype: torch.dtype
     mode: str
-    state_dtype: torch.dtype
+    state_dtype: torch.dtype | str
     footprint: Footprint
     per_element: bool
 
 
 def layout_on(cls: type, params: list[torch.Tensor], dtype: torch.dtype, mode: str,
-              state_dtype: torch.dtype | None) -> Footprint:
+              state_dtype: torch.dtype | dict[str, torch.dtype] | None) -> Footprint:
     """The :class:`Footprint` lowp's optimizer ``cls`` would have on parameters shaped like
     ``params``, without allocating: meta-device copies in ``dtype`` with meta gradients, whose
     states and buffers the optimizer's own ``init_state`` (what its first step calls) creates on
@@ -169,14 +200,15 @@ def lowp_footprints(optimizer: str, target: torch.nn.Module | None = None) -> li
 
     cls = lowp_optimizer(optimizer)
     out = []
-    for dtype, mode, state_dtype in lowp_configurations():
+    for dtype, mode, layout in lowp_configurations(cls):
+        state_dtype = coded_state_dtype(cls, layout) if isinstance(layout, str) else layout
         model = probe_model(dtype)
         opt = cls(model.parameters(), mode=mode, state_dtype=state_dtype)
         opt.step()
-        per_element = all(v.numel() == p.numel() for p, s in opt.state.items() for v in s.values()
-                          if isinstance(v, torch.Tensor) and v.dim() > 0)
+        per_element = isinstance(layout, str) or all(v.numel() == p.numel() for p, s in opt.state.items()
+                                                     for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         footprint = measure(model.parameters(), opt)
         if target is not None and not per_element:
             footprint = layout_on(cls, list(target.parameters()), dtype, mode, state_dtype)
-        out.append(LowpFootprint(dtype, mode, state_dtype or default_state_dtype(dtype), footprint, per_element))
+        out.append(LowpFootprint(dtype, mode, layout or default_state_dtype(dtype), footprint, per_element))
     return out

@@ -49,7 +49,8 @@ def build_report(optimizer: str, count: int | None = None, with_grads: bool = Fa
     rows = []
     notes: list[str] = []
     for m in lowp_footprints(optimizer, target):
-        weight, states = DTYPE_NAMES[m.weight_dtype], DTYPE_NAMES[m.state_dtype]
+        weight = DTYPE_NAMES[m.weight_dtype]
+        states = m.state_dtype if isinstance(m.state_dtype, str) else DTYPE_NAMES[m.state_dtype]
         mode = "(any mode)" if m.weight_dtype == torch.float32 else m.mode
         rows.append(_row(f"lowp {cls.__name__} {weight} {mode}, {states} states", "lowp", m.footprint, count,
                          with_grads, reference, 1, m.footprint,
