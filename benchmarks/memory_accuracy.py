@@ -249,15 +249,15 @@ def tasks(names: list[str], quick: bool) -> list[Task]:
         if name == "demo":
             cfg = DemoConfig(steps=1000, warmup=100)
             if quick:
-                cfg = replace(cfg, steps=8, warmup=2, dim=32, layers=1)
-            out.append(Task("demo", cfg, load_data(200_000 if quick else 600_000), 2 if quick else 8))
+                cfg = replace(cfg, steps=3, warmup=1, dim=32, layers=1)
+            out.append(Task("demo", cfg, load_data(50_000 if quick else 600_000), 1 if quick else 8))
         else:
             cfg = DemoConfig(vocab=32, dim=64, layers=3, heads=4, seq_len=32, batch_size=32, steps=2000, warmup=100)
             tokens = (200_000, 32 * 256)
             if quick:
-                cfg, tokens = replace(cfg, steps=8, warmup=2, dim=32, layers=1), (8192, 4096)
+                cfg, tokens = replace(cfg, steps=3, warmup=1, dim=32, layers=1), (4096, 2048)
             data, floor = _markov_data(cfg.vocab, *tokens, seed=0)
-            out.append(Task("markov", cfg, data, 2 if quick else 4, floor))
+            out.append(Task("markov", cfg, data, 1 if quick else 4, floor))
     return out
 
 
@@ -306,7 +306,7 @@ class MemoryRun:
 
 def _memory_model(weights: torch.dtype, quick: bool) -> CharLM:
     torch.manual_seed(0)
-    dim, layers = (64, 1) if quick else (768, 4)
+    dim, layers = (256, 1) if quick else (768, 4)
     return CharLM(dim=dim, layers=layers, heads=4, seq_len=32, compute_dtype=weights).to(weights)
 
 

@@ -48,11 +48,14 @@ def test_quick_run_reports_every_configuration(tmp_path: Path) -> None:
     assert set(results["ablation"]) == set(ablation)
     for key, run in {**results["accuracy"], **results["ablation"]}.items():
         assert math.isfinite(run["loss"]) and 0 < run["loss"] < math.log(256), key
-    # the reference has exactly its documented layout; release never raises the peak
+    # the documented layouts (torch's AdamW adds a 4-byte step count per tensor); release never
+    # raises the peak
     memory = results["memory"]
-    assert memory["fp32 AdamW"]["bytes_per_param"] == 12.0
+    assert 12.0 < memory["fp32 AdamW"]["bytes_per_param"] < 12.01
     assert memory["bf16 kahan"]["bytes_per_param"] == 8.0
+    assert memory["recommended"]["bytes_per_param"] <= 5.1
+    assert memory["aggressive"]["bytes_per_param"] <= 3.6
     for name, m in memory.items():
         assert m["peak"] >= m["resident"] > 0, name
         if m["peak_release"] is not None:
-            assert m["resident"] < m["peak_release"] <= m["peak"], name
+            assert m["resident"] < m["peak_release"] < m["peak"], name
