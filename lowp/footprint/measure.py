@@ -128,7 +128,8 @@ def coded_state_dtype(cls: type, layout: str) -> dict[str, torch.dtype]:
     for the optimizer class ``cls``."""
     signed, nonnegative = CODED_LAYOUTS[layout]
     group = cls([torch.zeros(1)]).param_groups[0]
-    return {n: nonnegative if n in cls.spec.nonnegative else signed for n in cls.spec.states(group)}
+    spec = cls.spec  # type: ignore[attr-defined]
+    return {n: nonnegative if n in spec.nonnegative else signed for n in spec.states(group)}
 
 
 def lowp_configurations(cls: type | None = None) -> list[tuple[torch.dtype, str, torch.dtype | str | None]]:
