@@ -54,10 +54,10 @@ def _real_step_bytes(dtype: torch.dtype, build) -> tuple[int, int, dict]:
 
 def test_lowp_rows_are_the_bytes_of_a_real_adamw_after_a_step(demo_report):
     rows = [r for r in demo_report["rows"] if r["kind"] == "lowp"]
-    # bf16: four modes, fp16: all but exact, fp32 once; each low-precision one with default and fp32 states
-    assert len(rows) == 2 * len(MODES) + 2 * (len(MODES) - 1) + 1
+    # bf16: every mode, fp16: all but exact and exact8, fp32 once; each low-precision one with default and fp32 states
+    assert len(rows) == 2 * len(MODES) + 2 * (len(MODES) - 2) + 1
     assert {(r["weight_dtype"], r["mode"]) for r in rows} >= {("bf16", m) for m in MODES}
-    assert ("fp16", "exact") not in {(r["weight_dtype"], r["mode"]) for r in rows}
+    assert not {("fp16", "exact"), ("fp16", "exact8")} & {(r["weight_dtype"], r["mode"]) for r in rows}
     for r in rows:
         dtype, state_dtype = DTYPES[r["weight_dtype"]], DTYPES[r["state_dtype"]]
         count, nbytes, state = _real_step_bytes(
@@ -73,6 +73,9 @@ def test_lowp_rows_are_the_bytes_of_a_real_adamw_after_a_step(demo_report):
     assert by_name["lowp AdamW bf16 kahan, bf16 states"]["bytes_per_param"] - 2 == 8
     assert by_name["lowp AdamW bf16 stochastic, bf16 states"]["bytes_per_param"] - 2 == 6
     assert by_name["lowp AdamW bf16 exact, fp32 states"]["bytes_per_param"] - 2 == 12
+    assert by_name["lowp AdamW bf16 exact8, fp32 states"]["bytes_per_param"] - 2 == 11
+    assert by_name["lowp AdamW bf16 exact8, bf16 states"]["bytes_per_param"] - 2 == 7
+    assert by_name["lowp AdamW bf16 exact8, bf16 states"]["extra"] == 1
 
 
 def test_rows_are_sorted_and_compared_with_torch_fp32_adamw(demo_report):
@@ -175,7 +178,8 @@ def test_sgd_without_momentum_has_no_states():
         assert r["vs_torch_fp32_adamw"] == r["bytes_per_param"] / 12
         if r["kind"] == "lowp":
             assert r["states"] == 0
-            assert r["extra"] == (2 if r["mode"] in ("kahan", "exact") and r["weight_dtype"] != "fp32" else 0)
+            low = r["weight_dtype"] != "fp32"
+            assert r["extra"] == {"kahan": 2, "exact": 2, "exact8": 1}.get(r["mode"], 0) * low
             assert r["bytes_per_param"] == r["weights"] + r["extra"]
 
 

@@ -1,8 +1,8 @@
 """Bytes per parameter that an optimizer really allocates, measured on a real model.
 
 A :class:`Footprint` splits the memory of training one parameter into weights, optimizer states,
-extra precision (lowp's ``compensation``/``remainder`` buffers, fp32 master weights, error
-terms) and gradients, each in bytes per parameter. :func:`measure` builds it from a model and an
+extra precision (lowp's write-back buffers: ``compensation``, ``remainder``, ``remainder8``; fp32
+master weights, error terms) and gradients, each in bytes per parameter. :func:`measure` builds it from a model and an
 optimizer after a step: the sum of ``nbytes`` of every parameter, gradient and tensor in
 ``optimizer.state``, divided by the parameter count. Tensor subclasses that store their data in
 inner tensors (torchao's quantized states) are counted through ``__tensor_flatten__``, whose inner
@@ -25,7 +25,7 @@ __all__ = ["Footprint", "tensor_bytes", "measure", "probe_model", "lowp_optimize
 
 #: State entries that hold extra weight precision rather than optimizer statistics: lowp's
 #: write-back buffers (:data:`lowp.optim.writeback.BUFFER_NAMES`) and optimi's Kahan buffer.
-EXTRA_STATE_NAMES = ("compensation", "remainder", "kahan_comp")
+EXTRA_STATE_NAMES = ("compensation", "remainder", "remainder8", "kahan_comp")
 
 
 @dataclass(frozen=True)
@@ -106,15 +106,15 @@ def lowp_optimizer(name: str) -> type:
 
 def lowp_configurations() -> list[tuple[torch.dtype, str, torch.dtype | None]]:
     """(weight dtype, mode, state dtype) of every distinct lowp configuration: bf16 weights in
-    the four modes, fp16 weights in all but ``exact`` (bf16 only), fp32 weights once (they are
-    updated plainly in every mode); each low-precision one with default (``None``) and fp32
-    states."""
+    every mode, fp16 weights in the modes that take them (not ``exact``/``exact8``: bf16 only),
+    fp32 weights once (they are updated plainly in every mode); each low-precision one with
+    default (``None``) and fp32 states."""
     from lowp.optim.writeback import MODES
 
     out: list[tuple[torch.dtype, str, torch.dtype | None]] = []
     for dtype in (torch.bfloat16, torch.float16):
         for mode in MODES:
-            if dtype == torch.float16 and mode == "exact":
+            if dtype not in MODES[mode].dtypes:
                 continue
             out += [(dtype, mode, None), (dtype, mode, torch.float32)]
     return out + [(torch.float32, "nearest", None)]
