@@ -148,8 +148,8 @@ class LowpOptimizer(torch.optim.Optimizer):
             ``"stochastic"``, ``"nearest"``, ``"exact"`` (bf16 weight + int16 remainder: the fp32
             master weight exactly, 4 bytes) or ``"exact8"`` (bf16 weight + int8 remainder, 16
             significant bits in 3 bytes, the remainder rounded stochastically); the last two
-            take bf16 weights only (a ``TypeError`` for fp16). fp32/fp64 weights are always updated plainly, whatever the mode. Another
-            name raises ``ValueError``.
+            take bf16 weights only (a ``TypeError`` for fp16). fp32/fp64 weights are always
+            updated plainly, whatever the mode. Another name raises ``ValueError``.
         state_dtype (group): the dtype new optimizer states are created in: ``None`` (default:
             the parameter's dtype, but bf16 for fp16 parameters, see :func:`default_state_dtype`),
             ``torch.float32``, ``torch.bfloat16``, ``torch.float16``, or a dict
