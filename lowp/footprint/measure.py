@@ -1,8 +1,8 @@
 """Bytes per parameter that an optimizer really allocates, measured on a real model.
 
 A :class:`Footprint` splits the memory of training one parameter into weights, optimizer states,
-extra precision (lowp's ``compensation``/``remainder`` buffers, fp32 master weights, error
-terms) and gradients, each in bytes per parameter. :func:`measure` builds it from a model and an
+extra precision (lowp's write-back buffers: ``compensation``, ``remainder``, ``remainder8``; fp32
+master weights, error terms) and gradients, each in bytes per parameter. :func:`measure` builds it from a model and an
 optimizer after a step: the sum of ``nbytes`` of every parameter, gradient and tensor in
 ``optimizer.state``, divided by the parameter count. Tensor subclasses that store their data in
 inner tensors (torchao's quantized states) are counted through ``__tensor_flatten__``, whose inner
