@@ -75,7 +75,8 @@ def run_at_index(backend: str, mode: str, index: ElementIndex, n: int = 1000, ch
         state["step"] = step
         ctx = StepContext(group, MODES[mode], step, seed=opt.seed)
         s = ParamSlice(p, torch.randn(p.shape, generator=gen).bfloat16(),
-                       {name: state[name] for name in opt.state_names(group, p)}, state.get("compensation"),
+                       {name: state[name] for name in opt.state_names(group, p)},
+                       state.get(MODES[mode].buffer_name) if MODES[mode].buffer_name else None,
                        param_id=0, index=index)
         opt.backend.run(opt, ctx, [s])
     if backend in FUSED_BACKENDS:

@@ -32,10 +32,10 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "StableAdamW": (lo.StableAdamW, dict(lr=1e-2, weight_decay=0.1)),
     "Adafactor": (lo.Adafactor, dict(lr=1e-2)),
 }
-MODES = ("kahan", "stochastic", "exact", "nearest")
+MODES = ("kahan", "stochastic", "exact", "exact8", "nearest")
 #: names an error message may point at
 ARGUMENTS = ("params", "grad", "states", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "row_var",
-             "col_var", "variance", "compensation", "remainder")
+             "col_var", "variance", "compensation", "remainder", "remainder8")
 
 
 @dataclass
@@ -217,8 +217,8 @@ def param_fp64(mode, gen):
 
 def buffer_deleted(mode, gen):
     params = standard(gen)
-    return Scenario(params, plain_grads(params), drop(lambda opt: {"kahan": "compensation",
-                                                                   "exact": "remainder"}.get(mode)))
+    return Scenario(params, plain_grads(params), drop(lambda opt: {"kahan": "compensation", "exact": "remainder",
+                                                                   "exact8": "remainder8"}.get(mode)))
 
 
 def mode_switched(mode, gen):
@@ -372,11 +372,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def within_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Floating-point values two units of their dtype's last place apart, relative to the largest
     value of the tensor (a Kahan buffer holds what the weight could not: a weight one ulp off moves
-    it by about that much); remainders within 256 fp32 ulps; other tensors bit for bit."""
+    it by about that much); remainders within 256 fp32 ulps (int8 ones: one unit, 256 ulps); other
+    tensors bit for bit."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.dtype == torch.int16:   # an exact-mode remainder: the low 16 bits of the fp32 master weight
         return bool(((a.int() - b.int()).abs() <= 256).all())
+    if a.dtype == torch.int8:    # an exact8-mode remainder: bits 8 to 15 of the pair
+        return bool(((a.int() - b.int()).abs() <= 1).all())
     if not a.is_floating_point():
         return same_bits(a, b)
     scale = float(b.double().abs().nan_to_num(posinf=0, neginf=0).max()) if b.numel() else 0.0

@@ -60,7 +60,7 @@ def test_lowp_rows_are_the_bytes_of_a_real_adamw_after_a_step(demo_report):
     low = sum(d in wb.dtypes for wb in MODES.values() for d in (torch.bfloat16, torch.float16))
     assert len(rows) == 2 * low + 1 + len(CODED_LAYOUTS) * len(MODES)
     assert {(r["weight_dtype"], r["mode"]) for r in rows} >= {("bf16", m) for m in MODES}
-    assert ("fp16", "exact") not in {(r["weight_dtype"], r["mode"]) for r in rows}
+    assert not {("fp16", "exact"), ("fp16", "exact8")} & {(r["weight_dtype"], r["mode"]) for r in rows}
     assert {r["state_dtype"] for r in rows} >= set(CODED_LAYOUTS)
     for r in rows:
         dtype = DTYPES[r["weight_dtype"]]
@@ -82,9 +82,13 @@ def test_lowp_rows_are_the_bytes_of_a_real_adamw_after_a_step(demo_report):
     assert by_name["lowp AdamW bf16 kahan, bf16 states"]["bytes_per_param"] - 2 == 8
     assert by_name["lowp AdamW bf16 stochastic, bf16 states"]["bytes_per_param"] - 2 == 6
     assert by_name["lowp AdamW bf16 exact, fp32 states"]["bytes_per_param"] - 2 == 12
-    # one byte and a half, and a bf16 scale per 64 elements of each (the last block of a tensor is padded)
-    assert math.isclose(by_name["lowp AdamW bf16 stochastic, int8/uint4 states"]["bytes_per_param"] - 2,
+    # weights and gradients, then one byte and a half, and a bf16 scale per 64 elements of each state
+    # (the last block of a tensor is padded)
+    assert math.isclose(by_name["lowp AdamW bf16 stochastic, int8/uint4 states"]["bytes_per_param"] - 4,
                         1 + 0.5 + 2 * 2 / 64, rel_tol=1e-3)
+    assert by_name["lowp AdamW bf16 exact8, fp32 states"]["bytes_per_param"] - 2 == 11
+    assert by_name["lowp AdamW bf16 exact8, bf16 states"]["bytes_per_param"] - 2 == 7
+    assert by_name["lowp AdamW bf16 exact8, bf16 states"]["extra"] == 1
 
 
 def test_rows_are_sorted_and_compared_with_torch_fp32_adamw(demo_report):
@@ -187,7 +191,8 @@ def test_sgd_without_momentum_has_no_states():
         assert r["vs_torch_fp32_adamw"] == r["bytes_per_param"] / 12
         if r["kind"] == "lowp":
             assert r["states"] == 0
-            assert r["extra"] == (2 if r["mode"] in ("kahan", "exact") and r["weight_dtype"] != "fp32" else 0)
+            low = r["weight_dtype"] != "fp32"
+            assert r["extra"] == {"kahan": 2, "exact": 2, "exact8": 1}.get(r["mode"], 0) * low
             assert r["bytes_per_param"] == r["weights"] + r["extra"]
 
 

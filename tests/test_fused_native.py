@@ -103,7 +103,7 @@ def test_stochastic_rounding_bit_identical_to_reference(mode, dtype, state_dtype
     assert_same_run(native, train(lo.AdamW, "native", mode, **kw))  # reproducible from the seed
 
 
-@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+@pytest.mark.parametrize("mode", ["stochastic", "kahan", "exact8"])
 def test_bits_do_not_depend_on_chunks_batches_groups_or_backend(mode):
     """The streams are keyed by parameter position and element index: chunk sizes, how slices are
     batched, and splitting the parameters over groups change nothing."""
@@ -126,7 +126,7 @@ def test_bits_do_not_depend_on_chunks_batches_groups_or_backend(mode):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+@pytest.mark.parametrize("mode", ["stochastic", "kahan", "exact8"])
 def test_elements_across_two_to_the_32_equal_the_reference(mode):
     """A slice whose global indices run from 2**32 - 100 across 2**32 (in the middle of a 16-element
     block, so one block mixes both folds of the high bits): kernel and reference agree, with a
@@ -231,7 +231,7 @@ def test_nonfinite_gradient_touches_nothing(policy):
                and v.is_floating_point())
 
 
-@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "exact8"])
 def test_checkpoint_resume_continues_bit_identically(mode):
     """The seed and the step counters define every stream: nothing else needs saving."""
     straight = train(lo.AdamW, "native", mode, steps=5, lr=1e-3)
@@ -331,7 +331,7 @@ def stable_run(backend: str, mode: str, grad_scales: list[float], **kw):
     return params, opt
 
 
-@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact"])
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact", "exact8"])
 def test_stableadamw_bit_identical_while_the_rms_clip_is_off(mode):
     # halving gradients keep g^2 below v_hat on average: RMS(g^2 / v_hat) < 1, lr_t = lr exactly
     kw = dict(state_dtype=torch.float32, weight_decay=0.1)
@@ -368,7 +368,7 @@ def test_stableadamw_stochastic_reproducible_and_fused():
     assert not any(torch.equal(p, q) for p, q in zip(a[0], stable_data([1.0])[0]))  # (stable_run: all fused)
 
 
-@pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic"])
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic", "exact8"])
 def test_zero_updates_count_as_stalled_like_the_reference(mode):
     """``stalled_fraction`` counts elements whose stored weight did not change, zero updates
     included (lowp.optim.writeback); a parameter with an all-zero gradient and no weight decay

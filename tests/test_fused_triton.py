@@ -24,7 +24,7 @@ def _interpret(case: str) -> None:
     assert "OK" in done.stdout
 
 
-@pytest.mark.parametrize("case", ["index-kahan", "index-stochastic"])
+@pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8"])
 def test_triton_stochastic_rounding_bit_identical_to_reference(case):
     """The ``index`` cases also check that the shared helpers fail when the fusing predicate
     refuses every slice (:func:`_assert_helpers_fail_when_refused`; no kernel runs there)."""
@@ -33,7 +33,7 @@ def test_triton_stochastic_rounding_bit_identical_to_reference(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic", "exact"])
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "stochastic", "exact", "exact8"])
 @pytest.mark.parametrize("name", ["AdamW", "SGD", "Lion", "RAdam"])
 def test_triton_on_gpu_matches_compiled(name, mode):
     """On CUDA both backends use tl.fma / correctly rounded sqrt and the same random hash."""

@@ -36,7 +36,7 @@ def test_cast_model_keeps_norm_layers_and_named_modules_in_fp32():
         cast_model(_Net(), torch.int8)
 
 
-@pytest.mark.parametrize("mode", ["kahan", "exact", "nearest"])
+@pytest.mark.parametrize("mode", ["kahan", "exact", "exact8", "nearest"])
 def test_fp32_checkpoint_moves_into_bf16_and_back(mode):
     torch.manual_seed(0)
     fp32 = _Net()
@@ -51,6 +51,10 @@ def test_fp32_checkpoint_moves_into_bf16_and_back(mode):
     load_full_precision(opt, masters, torch_opt.state_dict())
     held = full_precision_weights(opt)
     for m, h, p in zip(masters, held, low.parameters()):
+        if mode == "exact8":   # the nearest pair (ties away), whose bf16 half is rn of the pair, not of m
+            assert torch.equal(h.view(torch.int32), (m.view(torch.int32) + 0x80) & ~0xFF)
+            assert torch.equal(p.float(), ((h.view(torch.int32) + 0x8000) & ~0xFFFF).view(torch.float32))
+            continue
         assert torch.equal(p.float(), m.bfloat16().float())                # visible weight: rn(master)
         if mode == "exact":
             assert torch.equal(h, m)                                       # nothing lost at all

@@ -100,7 +100,8 @@ def test_bf16_kahan_and_exact_track_fp64_far_closer_than_nearest():
     assert err["stochastic"] < err["nearest"]
 
 
-@pytest.mark.parametrize("mode, n", [("kahan", 4096), ("exact", 4096), ("stochastic", 1 << 16), ("nearest", 4096)])
+@pytest.mark.parametrize("mode, n", [("kahan", 4096), ("exact", 4096), ("exact8", 4096), ("stochastic", 1 << 16),
+                                     ("nearest", 4096)])
 def test_decoupled_weight_decay_acts_inside_the_compensation(mode, n):
     """lr * wd = 1e-5, far below bf16's half ulp 2**-9: zero gradients, only the decay acts.
     Stochastic rounding needs many elements for its random jumps to average out, and is measured
@@ -119,8 +120,8 @@ def test_decoupled_weight_decay_acts_inside_the_compensation(mode, n):
     # that value rounded once, and here every element starts on the bf16 grid and decays alike, so
     # those roundings correlate)
     held = p.detach().double()
-    if mode == "exact":
-        held = MODES["exact"].load(p.detach(), opt.state[p]["remainder"])
+    if mode in ("exact", "exact8"):
+        held = MODES[mode].load(p.detach(), opt.state[p][MODES[mode].buffer_name])
     elif mode == "kahan":
         held = held + opt.state[p]["compensation"].double()
     order = 1 if mode == "stochastic" else 2

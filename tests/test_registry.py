@@ -24,7 +24,7 @@ from lowp.optim.registry import optimizers
 from fused_helpers import SHAPES, assert_same_run, train
 
 HERE = Path(__file__).parent
-MODES = ("nearest", "stochastic", "kahan", "exact")
+MODES = ("nearest", "stochastic", "kahan", "exact", "exact8")
 #: awkward sizes: a 1-element tensor, a block of exactly 16, tails of 1 and 15, one across two work units
 SHAPES_NATIVE = [*SHAPES, (1,), (16,), (17,), (31,), (40000,)]
 STEPS = 7  # RAdam takes its rectified step from step 6 on (beta2 = 0.999)
@@ -125,7 +125,7 @@ def test_compiled_bit_identical_adan():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact"])
+@pytest.mark.parametrize("mode", ["nearest", "kahan", "exact", "exact8"])
 @pytest.mark.parametrize("cls,kw", CASES, ids=_id)
 def test_compiled_bit_identical(cls, kw, mode):
     _compiled_case(cls, kw, mode)
@@ -146,8 +146,9 @@ def test_a_disabled_kernel_fails_its_cases(backend, monkeypatch):
     if backend == "triton":  # its fallback is the compiled kernel: off too, so nothing compiles here
         monkeypatch.setattr(kernels.CompiledKernel, "supports", lambda self, spec: False)
     for cls in FUSED:
-        with pytest.raises(AssertionError, match="elements"):
-            train(cls, backend, "kahan", steps=1, **cls.examples[0])
+        for mode in ("kahan", "exact8"):
+            with pytest.raises(AssertionError, match="elements"):
+                train(cls, backend, mode, steps=1, **cls.examples[0])
 
 
 def _interpreted(name: str) -> None:

@@ -22,12 +22,15 @@ TP_CASES = [("shard1", "AdamW", "kahan", "fused", None, "skip_param"),
             ("shard1", "StableAdamW", "exact", "fused", None, "skip_param"),
             ("shard1", "Adafactor", "kahan", "unfused", None, "skip_param"),
             ("replicate", "AdamW", "exact", "fused", None, "skip_param"),
-            ("replicate", "Lion", "kahan", "unfused", None, "skip_param")]
+            ("replicate", "Lion", "kahan", "unfused", None, "skip_param"),
+            ("shard1", "AdamW", "exact8", "fused", None, "skip_param")]
 # flat element 29 of the (6, 5) parameter is in the last row: rank 1's shard of 2, rank 3's... of 4
 NAN_CASES = [("fsdp", "AdamW", "kahan", "fused", (0, 29), "skip_param"),
              ("fsdp", "Lion", "exact", "unfused", (0, 29), "skip_step"),
              ("fsdp", "Adafactor", "kahan", "fused", (0, 29), "skip_param")]
-SR_CASES = [("fsdp", name, "stochastic", backend, None, "skip_param")
+# the modes that draw the weight stream (indexed by global element: the shards must draw the whole
+# tensor's bits)
+SR_CASES = [("fsdp", name, mode, backend, None, "skip_param") for mode in ("stochastic", "exact8")
             for name in ("AdamW", "SGD") for backend in ("fused", "unfused")]
 CASES = STEP_CASES + TP_CASES + NAN_CASES + SR_CASES
 SD_CASES = [("AdamW", "kahan"), ("Adafactor", "exact")]

@@ -1,8 +1,8 @@
 """Bytes per parameter that an optimizer really allocates, measured on a real model.
 
 A :class:`Footprint` splits the memory of training one parameter into weights, optimizer states,
-extra precision (lowp's ``compensation``/``remainder`` buffers, fp32 master weights, error
-terms) and gradients, each in bytes per parameter. :func:`measure` builds it from a model and an
+extra precision (lowp's write-back buffers: ``compensation``, ``remainder``, ``remainder8``; fp32
+master weights, error terms) and gradients, each in bytes per parameter. :func:`measure` builds it from a model and an
 optimizer after a step: the sum of ``nbytes`` of every parameter, gradient and tensor in
 ``optimizer.state``, divided by the parameter count. Tensor subclasses that store their data in
 inner tensors (torchao's quantized states) are counted through ``__tensor_flatten__``, whose inner
@@ -128,7 +128,8 @@ def coded_state_dtype(cls: type, layout: str) -> dict[str, torch.dtype]:
     for the optimizer class ``cls``."""
     signed, nonnegative = CODED_LAYOUTS[layout]
     group = cls([torch.zeros(1)]).param_groups[0]
-    return {n: nonnegative if n in cls.spec.nonnegative else signed for n in cls.spec.states(group)}
+    spec = cls.spec  # type: ignore[attr-defined]
+    return {n: nonnegative if n in spec.nonnegative else signed for n in spec.states(group)}
 
 
 def lowp_configurations(cls: type | None = None) -> list[tuple[torch.dtype, str, torch.dtype | str | None]]:

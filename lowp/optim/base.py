@@ -157,9 +157,11 @@ class LowpOptimizer(torch.optim.Optimizer):
             state exists.
         mode (group): how the fp32 update is written back into bf16/fp16 weights
             (:mod:`lowp.optim.writeback`): ``"auto"`` (default: ``"kahan"``), ``"kahan"``,
-            ``"stochastic"``, ``"nearest"`` or ``"exact"`` (bf16 weights only; a ``TypeError``
-            for fp16). fp32/fp64 weights are always updated plainly, whatever the mode. Another
-            name raises ``ValueError``.
+            ``"stochastic"``, ``"nearest"``, ``"exact"`` (bf16 weight + int16 remainder: the fp32
+            master weight exactly, 4 bytes) or ``"exact8"`` (bf16 weight + int8 remainder, 16
+            significant bits in 3 bytes, the remainder rounded stochastically); the last two
+            take bf16 weights only (a ``TypeError`` for fp16). fp32/fp64 weights are always
+            updated plainly, whatever the mode. Another name raises ``ValueError``.
         state_dtype (group): the dtype new optimizer states are created in: ``None`` (default:
             the parameter's dtype, but bf16 for fp16 parameters, see :func:`default_state_dtype`),
             ``torch.float32``, ``torch.bfloat16``, ``torch.float16``, or a dict
@@ -421,7 +423,8 @@ class LowpOptimizer(torch.optim.Optimizer):
     def check_state(self, group: dict[str, Any], p: torch.Tensor, state: Mapping[str, Any], where: str) -> None:
         """Raise naming ``where[key]`` unless every entry the step reads is usable: ``step`` a
         count, each present state of the right shape, dtype and device, each present buffer of
-        the weight's shape (``compensation``: the weight's dtype or fp32; ``remainder``: int16).
+        the weight's shape (``compensation``: the weight's dtype or fp32; ``remainder``: int16;
+        ``remainder8``: int8).
         Missing states and buffers are fine: the step creates them."""
         if not state:
             return
@@ -446,6 +449,8 @@ class LowpOptimizer(torch.optim.Optimizer):
                                    "compensation")
         if "remainder" in state:
             preflight.check_tensor(state["remainder"], where, p.shape, (torch.int16,), p.device, "remainder")
+        if "remainder8" in state:
+            preflight.check_tensor(state["remainder8"], where, p.shape, (torch.int8,), p.device, "remainder8")
 
     def init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack) -> dict[str, Any]:
         """The state of ``p`` with everything a step in ``mode`` needs: ``step`` and the

@@ -7,7 +7,7 @@
   optimizer keeps a compensation (``k = t - rn(t)``) or remainder, so nothing is lost at the
   switch; optionally take over the moments of a ``torch.optim`` checkpoint.
 - :func:`full_precision_weights` / :func:`full_precision_state_dict`: the fp32 weights the
-  optimizer really holds (``theta + k`` for kahan, the exact pair for exact mode).
+  optimizer really holds (``theta + k`` for kahan, the weight/remainder pair for exact and exact8).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch import nn
 from lowp.optim.base import LowpOptimizer
 from lowp.optim.randomness import RandomStreams, Stream
 from lowp.optim.storage import store
-from lowp.optim.writeback import MODES, resolve_mode
+from lowp.optim.writeback import MODES, resolve_mode, store_nearest_pair8
 
 __all__ = ["KEEP_FP32_TYPES", "KEEP_FP32_NAMES", "NORM_CLASS_PATTERN", "cast_model", "is_norm_layer",
            "load_full_precision", "full_precision_weights", "full_precision_state_dict"]
@@ -139,7 +139,8 @@ def load_full_precision(optimizer: LowpOptimizer, weights: Iterable[torch.Tensor
                         torch_state: Mapping[str, Any] | None = None) -> None:
     """Set the optimizer's parameters from fp32 ``weights`` (same order as the optimizer's
     parameters) so that weight plus compensation/remainder equals them: kahan stores
-    ``rn(t)`` and ``k = t - rn(t)``, exact splits ``t`` exactly, other modes round to nearest.
+    ``rn(t)`` and ``k = t - rn(t)``, exact splits ``t`` exactly, exact8 stores the nearest pair
+    (16 significant bits, ties away from zero), other modes round to nearest.
 
     ``torch_state``: a ``torch.optim`` ``state_dict()`` over the same parameters; its
     per-parameter tensors (moments, momentum buffers) are stored in this optimizer's state
@@ -163,6 +164,8 @@ def load_full_precision(optimizer: LowpOptimizer, weights: Iterable[torch.Tensor
         t = t.detach().to(device=p.device, dtype=torch.float32 if p.dtype != torch.float64 else torch.float64)
         if mode is MODES["exact"]:
             mode.apply(p, torch.full_like(t, -0.0), t.clone(), state["remainder"], None, False)
+        elif mode is MODES["exact8"]:
+            store_nearest_pair8(p, state["remainder8"], t.contiguous())
         else:
             p.copy_(t)
             if mode is MODES["kahan"]:
@@ -182,12 +185,14 @@ def load_full_precision(optimizer: LowpOptimizer, weights: Iterable[torch.Tensor
 @torch.no_grad()
 def full_precision_weights(optimizer: LowpOptimizer) -> list[torch.Tensor]:
     """The fp32 value of every parameter as the optimizer holds it (``theta + k`` for kahan,
-    the exact weight/remainder pair for exact mode, the weight itself otherwise)."""
+    the weight/remainder pair for exact and exact8 modes, the weight itself otherwise)."""
     out = []
     for _, p in _param_states(optimizer):
         state = optimizer.state.get(p, {})
         if "remainder" in state:
             out.append(MODES["exact"].load(p, state["remainder"]).clone())
+        elif "remainder8" in state:
+            out.append(MODES["exact8"].load(p, state["remainder8"]).clone())
         elif "compensation" in state:
             out.append(p.float() + state["compensation"].float())
         else:

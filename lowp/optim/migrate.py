@@ -30,6 +30,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from lowp.optim.preflight import step_count
+from lowp.optim.writeback import BUFFER_NAMES
 
 __all__ = ["FOREIGN_GROUP_KEYS", "to_lowp_layout", "to_torch_state_dict"]
 
@@ -148,7 +149,7 @@ def _from_optimi(optimizer: LowpOptimizer, entry: dict[str, Any], step: int | No
 def to_torch_state_dict(optimizer: LowpOptimizer) -> dict[str, Any]:
     """``optimizer``'s state dict in ``torch.optim``'s layout: states as fp32 copies (``torch.optim``
     casts them to the parameter's dtype on load, so load it into an optimizer over fp32
-    parameters), ``step`` as a float32 0-dim tensor, without the compensation/remainder buffers
+    parameters), ``step`` as a float32 0-dim tensor, without the write-back buffers
     (their value is in :func:`lowp.optim.convert.full_precision_weights`) and without lowp's
     group keys and extras. Adam and AdamW groups get torch's ``decoupled_weight_decay`` (torch
     would otherwise take a group without it for Adam's L2 decay)."""
@@ -164,7 +165,7 @@ def to_torch_state_dict(optimizer: LowpOptimizer) -> dict[str, Any]:
         for name, value in entry.items():
             if name == "step":
                 out["step"] = torch.tensor(float(value), dtype=torch.float32)
-            elif name not in ("compensation", "remainder") and isinstance(value, torch.Tensor):
+            elif name not in BUFFER_NAMES and isinstance(value, torch.Tensor):
                 out[name] = value.to(torch.float32, copy=True)
         state[key] = out
     return {"state": state, "param_groups": groups}

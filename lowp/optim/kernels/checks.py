@@ -17,7 +17,7 @@ Three outcomes for a parameter slice (:func:`check_slice`, then the backend's ow
   parameter's, tensors on another device, a missing compensation/remainder buffer, a state
   whose shape differs from the parameter's or that is not floating-point, a gradient or state
   in float64 for a weight that is not (or the reverse: the update cannot mix them), a buffer of the wrong
-  kind (exact mode's remainder is an integer, kahan's compensation floating-point), a storage
+  kind (the exact modes' remainders are integers, kahan's compensation floating-point), a storage
   too small for its tensor, a written tensor whose elements overlap (stride 0), a plain tensor
   mixed with a subclass tensor.
 
@@ -142,8 +142,9 @@ def check_slice(ctx: StepContext, s: ParamSlice, dtypes: Sequence[torch.dtype] =
     if s.buffer is not None:
         name = buffer_name or "buffer"
         buffer = _admit(name, s.buffer, *facts, True, buffer_dtypes, spans)
-        if s.buffer.is_floating_point() != (ctx.mode.name != "exact"):
-            kind = "an integer remainder" if ctx.mode.name == "exact" else "a floating-point compensation"
+        integer = ctx.mode.name in ("exact", "exact8")
+        if s.buffer.is_floating_point() == integer:
+            kind = "an integer remainder" if integer else "a floating-point compensation"
             raise TypeError(f"{name}: mode {ctx.mode.name!r} needs {kind}, got {s.buffer.dtype}")
     return weights, grad, buffer
 

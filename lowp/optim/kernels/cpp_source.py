@@ -20,9 +20,9 @@ from lowp.optim.rule import Program, fp32
 __all__ = ["Variant", "variant_source", "DTYPE_CODES", "MODE_CODES"]
 
 #: dtype codes of ``enum Dtype`` in ``native/vector.h``.
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3, torch.int8: 4}
 #: write-back mode codes of ``enum Mode`` in ``native/vector.h``.
-MODE_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3}
+MODE_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3, "exact8": 4}
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Variant:
         reduction: the traced per-tensor reduction term (:meth:`OptimizerSpec.reduction
             <lowp.optim.spec.OptimizerSpec.reduction>`), ``None`` for an elementwise optimizer.
         mode: the write-back mode's name, a key of :data:`MODE_CODES` (``"nearest"``,
-            ``"stochastic"``, ``"kahan"`` or ``"exact"``).
+            ``"stochastic"``, ``"kahan"``, ``"exact"`` or ``"exact8"``).
         weight: the weight's dtype (fp32, bf16 or fp16).
         grad: the gradient's dtype (the weight's or fp32).
         buffer: the mode buffer's dtype (``compensation``: the weight's or fp32; ``remainder``:

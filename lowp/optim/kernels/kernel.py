@@ -23,6 +23,8 @@ __all__ = ["Kernel", "fusable", "partition", "grad_factor", "slice_keys", "by_si
 
 _LOW16 = (torch.bfloat16, torch.float16)
 _KERNEL_FLOATS = (torch.float32, *_LOW16)
+#: the integer remainder of the modes that keep one (the others' buffers are floating-point)
+_INTEGER_BUFFERS = {"exact": (torch.int16,), "exact8": (torch.int8,)}
 T = TypeVar("T")
 
 
@@ -37,7 +39,7 @@ def fusable(ctx: StepContext, s: ParamSlice, min_numel: int = 2, fp16_stochastic
     stochastic mode, the compensation in kahan mode, stochastically rounded states); ``spans``
     collects the byte ranges of the slice's tensors (:func:`~lowp.optim.kernels.checks.overlapping`)."""
     floats = _KERNEL_FLOATS
-    weights, _, buffer = check_slice(ctx, s, floats, (torch.int16,) if ctx.mode.name == "exact" else floats, spans)
+    weights, _, buffer = check_slice(ctx, s, floats, _INTEGER_BUFFERS.get(ctx.mode.name, floats), spans)
     param, grad = s.param, s.grad
     device = "cpu" if param.is_cpu else param.device.type
     if not (weights and buffer) or param.numel() < min_numel or device not in devices or not s.index.contiguous:

@@ -31,6 +31,8 @@ from lowp.optim.storage import stochastic_bf16_patterns
 __all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16"]
 
 _HALF = 1 << 15
+_QUIET = 0x00400000   # the quiet bit of an fp32 NaN
+_CLEAR_LOW8 = ~0xFF
 _BIAS = 1 << 31
 
 
@@ -74,10 +76,10 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
     n = p.shape[0]
     j = torch.arange(n, device=p.device, dtype=torch.int32)
     before = j < keys[1]
-    if mode == "exact":
+    if mode in ("exact", "exact8"):
         assert buf is not None
-        bits = (p.view(torch.int16).to(torch.int32) << 16) + buf.to(torch.int32)
-        w = bits.view(torch.float32)
+        low = buf.to(torch.int32) if mode == "exact" else buf.to(torch.int32) << 8
+        w = ((p.view(torch.int16).to(torch.int32) << 16) + low).view(torch.float32)
     else:
         w = p.float()
     u, new_states = evaluate(program, w, g.float() * h[0], [s.float() for s in states], h[1:])
@@ -101,6 +103,16 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
         buf.copy_((bits - (hi << 16)).to(torch.int16))
         new = hi.to(torch.int16).view(torch.bfloat16)
         stalled = torch.zeros((), dtype=torch.int32, device=p.device) if count else None
+    elif mode == "exact8":
+        assert buf is not None
+        total = w + u
+        bits = total.view(torch.int32)
+        noise = _stream_bits(j, before, keys, Stream.WEIGHT) >> 8
+        b2 = torch.where(total.isnan(), bits | _QUIET, bits + noise) & _CLEAR_LOW8
+        hi = (b2 + _HALF) >> 16
+        buf.copy_(((b2 - (hi << 16)) >> 8).to(torch.int8))
+        new = hi.to(torch.int16).view(torch.bfloat16)
+        stalled = (b2 == w.view(torch.int32)).sum(dtype=torch.int32) if count else None
     else:
         new = (stochastic_bf16(w + u, _stream_bits(j, before, keys, Stream.WEIGHT)) if mode == "stochastic"
                else (w + u).to(p.dtype))

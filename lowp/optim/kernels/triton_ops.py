@@ -9,11 +9,12 @@ import triton
 import triton.language as tl
 
 __all__ = ["tl_dtype", "random16", "stochastic_bf16", "round_to", "store_state", "maximum", "sign"]
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.int16: tl.int16}
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.int16: tl.int16,
+       torch.int8: tl.int8}
 
 
 def tl_dtype(dtype: torch.dtype):
-    """The Triton element type of ``dtype`` (float32, bfloat16, float16, int16)."""
+    """The Triton element type of ``dtype`` (float32, bfloat16, float16, int16, int8)."""
     return _TL[dtype]
 
 

@@ -24,7 +24,7 @@ from lowp.optim.rule import Program, fp32
 __all__ = ["kernel_source", "MODES"]
 
 #: The write-back modes the generated kernel implements (the mode is a constexpr string).
-MODES = ("nearest", "stochastic", "kahan", "exact")
+MODES = ("nearest", "stochastic", "kahan", "exact", "exact8")
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "and": "&", "or": "|"}
 _CALLS = {"fma": "tl.fma", "sqrt": "tl.sqrt_rn", "div": "tl.div_rn", "maximum": "maximum", "sign": "sign",
@@ -101,6 +101,9 @@ def kernel_source(program: Program) -> str:
         '    if MODE == "exact":',
         "        top = tl.load(p_ptr, mask=mask).to(tl.int16, bitcast=True).to(tl.int32)",
         "        w = ((top << 16) + tl.load(b_ptr, mask=mask).to(tl.int32)).to(tl.float32, bitcast=True)",
+        '    elif MODE == "exact8":',
+        "        top = tl.load(p_ptr, mask=mask).to(tl.int16, bitcast=True).to(tl.int32)",
+        "        w = ((top << 16) + (tl.load(b_ptr, mask=mask).to(tl.int32) << 8)).to(tl.float32, bitcast=True)",
         "    else:",
         "        w = tl.load(p_ptr, mask=mask).to(tl.float32)",
         "    g = tl.load(g_ptr, mask=mask).to(tl.float32) * tl.load(H)",
@@ -121,6 +124,15 @@ def kernel_source(program: Program) -> str:
         "        top = (bits + 32768) >> 16",
         "        tl.store(b_ptr, (bits - (top << 16)).to(tl.int16), mask=mask)",
         "        new = top.to(tl.int16).to(tl.bfloat16, bitcast=True)",
+        '    elif MODE == "exact8":',
+        "        total = w + u",
+        "        bits = total.to(tl.int32, bitcast=True)",
+        "        noise = random16(index, keys, 0) >> 8",
+        "        b2 = tl.where(total != total, bits | 0x400000, bits + noise) & -256",
+        "        top = (b2 + 32768) >> 16",
+        "        tl.store(b_ptr, ((b2 - (top << 16)) >> 8).to(tl.int8), mask=mask)",
+        "        new = top.to(tl.int16).to(tl.bfloat16, bitcast=True)",
+        "        stalled = ((b2 == w.to(tl.int32, bitcast=True)) & mask).to(tl.int32)",
         "    else:",
         '        if MODE == "stochastic":',
         "            new = stochastic_bf16(w + u, random16(index, keys, 0))",

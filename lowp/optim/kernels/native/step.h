@@ -31,7 +31,7 @@ constexpr int STREAMS = STATE_STREAM + NSTATES;
 
 // Which streams a variant draws from (the others' keys are never formed).
 constexpr bool used_stream(int s) {
-  if (s == WEIGHT_STREAM) return MODE == STOCHASTIC;
+  if (s == WEIGHT_STREAM) return MODE == STOCHASTIC || MODE == EXACT8;
   if (s == COMPENSATION_STREAM) return MODE == KAHAN && BT != F32;
   return SR && ST[s - STATE_STREAM] != F32;
 }
@@ -96,9 +96,18 @@ template <int J> static inline vf state_value(vf x, const Rng &rng, int h) {
 }
 
 // The weight of 16 elements as (even, odd) fp32 vectors; in exact mode the bf16 weight plus its
-// int16 remainder, which is the fp32 weight bit for bit.
+// int16 remainder, which is the fp32 weight bit for bit; in exact8 mode (hi << 16) + (r8 << 8)
+// with the int8 remainder r8 (16 bytes: element pairs read as 8 uint16, even byte low).
 static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
-  if constexpr (MODE == EXACT) {
+  if constexpr (MODE == EXACT8) {
+    vu top;
+    memcpy(&top, (const uint16_t *)p.w + i, 32);
+    vh pairs;
+    memcpy(&pairs, (const int8_t *)p.b + i, 16);
+    const vu rem = __builtin_convertvector(pairs, vu);  // odd byte << 8 | even byte
+    w[0] = (vf)((top << 16) + (vu)((vi)(rem << 24) >> 16));
+    w[1] = (vf)((top & 0xFFFF0000u) + ((vu)((vi)(rem << 16) >> 16) & ~0xFFu));
+  } else if constexpr (MODE == EXACT) {
     vu top, rem;
     memcpy(&top, (const uint16_t *)p.w + i, 32);
     memcpy(&rem, (const uint16_t *)p.b + i, 32);
@@ -165,6 +174,22 @@ static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng
     vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu), pr = ((vu)rem[1] << 16) | ((vu)rem[0] & 0xFFFFu);
     memcpy((uint16_t *)p.w + i, &pw, 32);
     memcpy((uint16_t *)p.b + i, &pr, 32);
+  } else if constexpr (MODE == EXACT8) {
+    // the low 8 bits rounded stochastically with the top 8 of the weight stream's 16 bits (NaN:
+    // the quiet bit instead), then the split of exact mode one byte lower
+    vi top[2], rem[2];
+    for (int h = 0; h < 2; h++) {
+      const vf sum = w[h] + u[h];
+      const vu x = (vu)sum;  // unsigned: the carries wrap as the int32 arithmetic of the reference
+      const vu b2 = ((sum != sum) ? (x | 0x00400000u) : x + (rng.template bits<WEIGHT_STREAM>(h) >> 8)) & ~0xFFu;
+      top[h] = (vi)(b2 + 0x8000u) >> 16;
+      rem[h] = (vi)(b2 - ((vu)top[h] << 16)) >> 8;
+      still[h] = (vi)(b2 == (vu)w[h]);
+    }
+    vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu);
+    vh pr = __builtin_convertvector((((vu)rem[1] & 0xFFu) << 8) | ((vu)rem[0] & 0xFFu), vh);
+    memcpy((uint16_t *)p.w + i, &pw, 32);
+    memcpy((int8_t *)p.b + i, &pr, 16);
   } else {
     for (int h = 0; h < 2; h++) {
       if constexpr (MODE == STOCHASTIC)
@@ -174,7 +199,7 @@ static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng
       still[h] = neww[h] == w[h];
     }
   }
-  if constexpr (MODE != EXACT) store<WT>(p.w, i, neww[0], neww[1]);
+  if constexpr (MODE != EXACT && MODE != EXACT8) store<WT>(p.w, i, neww[0], neww[1]);
   if constexpr (COUNT) stalled += (still[0] & valid[0]) + (still[1] & valid[1]);
 }
 
@@ -183,7 +208,7 @@ static constexpr int64_t UNIT = 1 << 15;  // elements per work unit
 static constexpr int64_t GROUP = 256;     // elements per two-pass group (a multiple of 16)
 static constexpr int ROLES = 3 + NSTATES;  // weight, gradient, buffer, states
 
-static int itemsize(int dt) { return dt == F32 ? 4 : 2; }
+static int itemsize(int dt) { return dt == F32 ? 4 : dt == I8 ? 1 : 2; }
 
 struct Task {
   int64_t tensors;
@@ -221,9 +246,9 @@ struct Task {
 };
 
 static int role_type(int role) {
-  if (role == 0) return MODE == EXACT ? BF16 : WT;
+  if (role == 0) return WT;
   if (role == 1) return GT;
-  if (role == 2) return MODE == EXACT ? I16 : BT;
+  if (role == 2) return BT;  // the exact modes' remainders: I16 / I8 (static_asserts of vector.h)
   return ST[role - 3];
 }
 

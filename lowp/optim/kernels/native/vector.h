@@ -24,8 +24,8 @@
 #error "a variant defines LOWP_MODE, LOWP_W, LOWP_G, LOWP_B, LOWP_NSTATES, LOWP_STATE_TYPES, LOWP_SR, LOWP_COUNT, LOWP_NUMBERS, LOWP_TENSOR_NUMBERS and LOWP_REDUCTION"
 #endif
 
-enum Dtype { F32 = 0, BF16 = 1, F16 = 2, I16 = 3 };
-enum Mode { NEAREST = 0, STOCHASTIC = 1, KAHAN = 2, EXACT = 3 };
+enum Dtype { F32 = 0, BF16 = 1, F16 = 2, I16 = 3, I8 = 4 };
+enum Mode { NEAREST = 0, STOCHASTIC = 1, KAHAN = 2, EXACT = 3, EXACT8 = 4 };
 
 constexpr int MODE = LOWP_MODE, NSTATES = LOWP_NSTATES;
 constexpr int WT = LOWP_W, GT = LOWP_G, BT = LOWP_B;
@@ -37,14 +37,16 @@ constexpr bool states_known() {
     if (ST[j] > F16) return false;
   return true;
 }
-static_assert(MODE >= NEAREST && MODE <= EXACT, "unknown mode");
-static_assert(WT <= F16 && GT <= F16 && BT <= I16 && states_known(), "unknown dtype");
+static_assert(MODE >= NEAREST && MODE <= EXACT8, "unknown mode");
+static_assert(WT <= F16 && GT <= F16 && BT <= I8 && states_known(), "unknown dtype");
 static_assert(MODE != EXACT || (WT == BF16 && BT == I16), "exact mode: bf16 weights and an int16 remainder");
+static_assert(MODE != EXACT8 || (WT == BF16 && BT == I8), "exact8 mode: bf16 weights and an int8 remainder");
 static_assert(MODE != STOCHASTIC || WT == BF16 || WT == F16, "stochastic write-back: bf16 or fp16 weights");
 
 typedef float vf __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
+typedef uint16_t vh __attribute__((vector_size(16)));
 
 static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
 static inline vu bcu(uint32_t x) { return (vu)_mm256_set1_epi32((int)x); }
@@ -88,14 +90,15 @@ template <int DT> static inline void load(const void *base, int64_t i, vf &lo, v
 // Every NaN of a variant whose floating-point inputs are all bf16 has zero low bits: loaded bf16
 // values do, the hardware's default NaN (0xFFC00000) does, and arithmetic passes a NaN operand's
 // payload on. So only variants reading fp32 or fp16 tensors pay for the guard (a compare and a
-// blend per rounding). Exact mode's weight carries an int16 remainder in its low bits, which a
-// NaN weight passes on to the states (through weight decay), so it pays too.
+// blend per rounding). The exact modes' weights carry a remainder in their low bits, which a
+// NaN weight passes on to the states (through weight decay), so they pay too.
 constexpr bool all_states_bf16() {
   for (int j = 0; j < NSTATES; j++)
     if (ST[j] != BF16) return false;
   return true;
 }
 constexpr bool NAN_GUARD = WT != BF16 || GT != BF16 || (MODE == KAHAN && BT != BF16) || MODE == EXACT ||
+                           MODE == EXACT8 ||
                            !all_states_bf16();
 
 static inline vf nan_guard(vf x, vu rounded) {
