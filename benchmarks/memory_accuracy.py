@@ -66,7 +66,6 @@ BETAS = (0.9, 0.999)
 #: regime name -> (peak learning rate, weight decay)
 REGIMES = {"lr1e-3/wd0.01": (1e-3, 0.01), "lr3e-4/wd0.1": (3e-4, 0.1)}
 REFERENCE = "fp32 AdamW"
-NOISE = "fp32 AdamW, seed 1"
 EIGHT_BIT = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 
@@ -149,7 +148,8 @@ def _lowp_setup(name: str, note: str, **options: Any) -> Setup:
 
 MAIN = (
     Setup(REFERENCE, torch.float32, _torch, note="torch.optim.AdamW, fp32 weights and moments (the reference)"),
-    Setup(NOISE, torch.float32, _torch, seed_offset=1, note="the reference from another seed: run-to-run noise"),
+    *(Setup(f"{REFERENCE}, seed {k}", torch.float32, _torch, seed_offset=k,
+            note="the reference from another seed: run-to-run noise") for k in (1, 2)),
     _lowp_setup("bf16 kahan", "lowp's default: bf16 weights, bf16 Kahan compensation, bf16 moments",
                 mode="kahan"),
     _lowp_setup("recommended", "bf16 weights + int8 remainder (exact8), m int8, v uint8 (sqrt), blocks of 64, "
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             results["ablation"][setup.name] = r.__dict__
     if not args.no_memory:
         for setup in main_setups:
-            if setup.name == NOISE or setup.name in skipped:
+            if setup.seed_offset or setup.name in skipped:
                 continue
             footprint, count, peak = memory_once(setup, False, args.quick)
             per_param = footprint.total(with_grads=False)
