@@ -3,7 +3,7 @@
 Accuracy: each configuration trains two models from the same initialisation on the same batches
 (``lowp.demo.train.train_loop``: linear warm-up, cosine decay to 0.1 lr) and its final validation
 loss (mean over fixed validation batches) is compared with ``torch.optim.AdamW`` on fp32 weights,
-the reference; the same fp32 run from another seed shows how large run-to-run noise is.
+the reference; the same fp32 run from two other seeds shows how large run-to-run noise is.
 
 * ``demo``: the demo model (``lowp.demo``: a byte-level transformer on Python's stdlib sources).
 * ``markov``: the demo's transformer, 3 layers of width 64 over 32 tokens, on a synthetic language whose next
