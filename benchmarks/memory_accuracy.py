@@ -18,19 +18,18 @@ decay applies to matrices only. The encoding ablations train the demo model in t
 Memory: bytes per parameter of weights + optimizer states (gradients excluded) come from the
 optimizer's real tensors (``lowp.footprint.measure``) on the memory model, a demo transformer of
 ~28M parameters (width 768, 4 layers) computing in its weights' dtype; its peak training memory
-is what is resident before a step (weights and states) plus the peak of torch.profiler's CPU
-memory events over one training step (forward, backward, ``step``, ``zero_grad``;
-``lowp.optim.speed.profiled_peak_bytes``), with and without gradient release
-(``lowp.optim.release_gradients``, lowp's optimizers only).
+is the peak of torch.profiler's CPU memory events (``lowp.optim.speed.profiled_peak_bytes``)
+over building the model and the optimizer and two training steps (forward, backward, ``step``),
+with and without gradient release (``lowp.optim.release_gradients``, lowp's optimizers only).
 
 torchao's ``AdamW8bit`` (on fp32 weights) is a baseline when ``torchao`` is importable; its step
 runs eagerly (``torch.compile`` replaced by the identity, as in ``lowp memory``): compiling it
-takes minutes on a CPU and does not change its arithmetic.
+takes minutes on a CPU and does not change its algorithm.
 
-Every run is single-threaded and runs one after another.
+Every run is single-threaded and runs one after another. Results are in docs/memory.md.
 
     python benchmarks/memory_accuracy.py [--quick] [--models demo markov] [--configs NAME ...] [--no-memory]
-        [--no-ablation] [--json PATH] [--cache PATH]
+        [--no-ablation] [--markdown] [--json PATH] [--cache PATH]
 """
 from __future__ import annotations
 
