@@ -18,7 +18,7 @@ from lowp.demo.model import CharLM
 from lowp.optim import AdamW
 from lowp.optim.convert import KEEP_FP32_TYPES, cast_model
 
-__all__ = ["RUNS", "DemoConfig", "RunResult", "train_run", "evaluate", "bytes_per_param"]
+__all__ = ["RUNS", "RUN_STATES", "DemoConfig", "RunResult", "train_run", "evaluate", "bytes_per_param"]
 
 #: run name -> (weight dtype, update mode)
 RUNS: dict[str, tuple[torch.dtype, str]] = {
@@ -27,7 +27,15 @@ RUNS: dict[str, tuple[torch.dtype, str]] = {
     "bf16-kahan": (torch.bfloat16, "kahan"),
     "bf16-stochastic": (torch.bfloat16, "stochastic"),
     "bf16-exact": (torch.bfloat16, "exact"),
+    "bf16-exact8": (torch.bfloat16, "exact8"),
+    "bf16-8bit": (torch.bfloat16, "exact8"),
+    "bf16-4bit": (torch.bfloat16, "stochastic"),
     "fp16-kahan": (torch.float16, "kahan"),
+}
+#: run name -> the ``state_dtype`` of runs with block-scaled states (others: the default)
+RUN_STATES: dict[str, dict[str, torch.dtype]] = {
+    "bf16-8bit": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+    "bf16-4bit": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint4},  # type: ignore[attr-defined]
 }
 
 
@@ -133,7 +141,7 @@ def train_run(name: str, data: TextData, cfg: DemoConfig, progress=None) -> RunR
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "pos"]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "pos")]
     opt = AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.99),
-                weight_decay=cfg.weight_decay, mode=mode, seed=cfg.seed)
+                weight_decay=cfg.weight_decay, mode=mode, seed=cfg.seed, state_dtype=RUN_STATES.get(name))
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     val = data.val_batches(64, cfg.seq_len)
     curve, stalled, start = [], [], time.perf_counter()
