@@ -59,6 +59,10 @@ class _Piece:
     end: int
     whole: bool
 
+    def part(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of ``t``, a tensor of the slice's shape."""
+        return t if self.whole else t.view(-1)[self.start:self.end]
+
     def codes(self, c: CodedState, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes and block scales of coded state ``c`` in this piece."""
         t = self.source.states[c.name]
@@ -100,20 +104,16 @@ def _decode(ctx: StepContext, pieces: list[_Piece], coded: list[CodedState], blo
                 decode(*p.codes(c, block), c.code, block, p.end - p.start, out=out)
     plain = []
     for k, p in enumerate(pieces):
-        s, start, end = p.source, p.start, p.end
-
-        def part(t: torch.Tensor) -> torch.Tensor:
-            return t if p.whole else t.view(-1)[start:end]
-
+        s = p.source
         states = {}
         for name, t in s.states.items():
             if name not in decoded:
-                states[name] = part(t)
+                states[name] = p.part(t)
             else:
                 states[name] = decoded[name][k].view(s.param.shape) if p.whole else decoded[name][k]
-        grad = s.grad if p.whole else s.grad.reshape(-1)[start:end]
-        buffer = None if s.buffer is None else part(s.buffer)
-        plain.append(ParamSlice(part(s.param), grad, states, buffer, s.param_id, s.index.shifted(start)))
+        grad = s.grad if p.whole else s.grad.reshape(-1)[p.start:p.end]
+        buffer = None if s.buffer is None else p.part(s.buffer)
+        plain.append(ParamSlice(p.part(s.param), grad, states, buffer, s.param_id, s.index.shifted(p.start)))
     return plain
 
 
