@@ -3,10 +3,8 @@
 // checks every tensor before it calls here).
 //
 // Tensors are cut into units of whole blocks that the threads take from an atomic counter, as in
-// step.h. A tensor's last block may be short, and its length need not be a multiple of 8: that
-// block goes through zero-padded local buffers (zeros do not change a block's maximum).
+// step.h; codes.h's spans do the rest.
 #include <atomic>
-#include <type_traits>
 #include <vector>
 
 #include "codes.h"
@@ -39,9 +37,6 @@ static int thread_count(int threads, int64_t units) {
   return n < 1 ? 1 : n;
 }
 
-// byte offset of element ``i``'s code
-template <int KIND> static inline int64_t code_offset(int64_t i) { return KIND == CODE_UINT4 ? i / 2 : i; }
-
 // ptrs[role * tensors + k]: 0 the fp32 values, 1 the codes, 2 the scales, 3 the drawn random bits
 // (int32) or null; first[k]: global index of element 0 (random bits drawn here); keys[k]: stream key.
 template <int KIND, int S, bool SR, bool DRAWN>
@@ -51,40 +46,15 @@ static void encode_all(int64_t tensors, void *const *ptrs, const int64_t *numel,
 #pragma omp parallel num_threads(thread_count(threads, units.first[tensors]))
   {
     int64_t k = 0, start, end;
-    alignas(32) float x_pad[MAX_BLOCK];
-    alignas(32) int32_t bits_pad[MAX_BLOCK];
-    alignas(32) uint8_t codes_pad[MAX_BLOCK];
     while (units.take(k, start, end)) {
-      const float *x = (const float *)ptrs[k];
-      uint8_t *codes = (uint8_t *)ptrs[tensors + k];
-      void *scales = ptrs[2 * tensors + k];
+      const float *x = (const float *)ptrs[k] + start;
       const int32_t *drawn = (const int32_t *)ptrs[3 * tensors + k];
-      for (int64_t i = start; i < end; i += block) {
-        const int64_t n = end - i < block ? end - i : block;
-        // encode elements i .. i + n of tensor k from ``values`` (``bits``: their drawn random bits)
-        auto run = [&](const float *values, const int32_t *bits, int64_t count, uint8_t *out) {
-          if constexpr (DRAWN) {
-            DrawnNoise noise{bits};
-            encode_block<KIND, S, SR>(values, count, out, scales, i / block, g, noise);
-          } else {
-            CountedNoise noise{SR ? first[k] + (uint64_t)i : 0, SR ? keys[k] : 0};
-            encode_block<KIND, S, SR>(values, count, out, scales, i / block, g, noise);
-          }
-        };
-        if (n % 8 == 0) {
-          run(x + i, DRAWN ? drawn + i : nullptr, n, codes + code_offset<KIND>(i));
-          continue;
-        }
-        const int64_t padded = (n + 7) / 8 * 8;  // the padding encodes to code 0, as _pack4 pads
-        memset(x_pad, 0, sizeof(float) * padded);
-        memcpy(x_pad, x + i, sizeof(float) * n);
-        if (DRAWN) {
-          memset(bits_pad, 0, sizeof(int32_t) * padded);
-          memcpy(bits_pad, drawn + i, sizeof(int32_t) * n);
-        }
-        run(x_pad, bits_pad, padded, codes_pad);
-        memcpy(codes + code_offset<KIND>(i), codes_pad, KIND == CODE_UINT4 ? (n + 1) / 2 : n);
-      }
+      const uint64_t base = SR && !DRAWN ? first[k] : 0;
+      const uint32_t key = SR && !DRAWN ? keys[k] : 0;
+      encode_span<KIND, S, SR>(x, start, end, ptrs[tensors + k], ptrs[2 * tensors + k], block, g, [&](int64_t i) {
+        if constexpr (DRAWN) return DrawnNoise{drawn + i};
+        else return CountedNoise{base + (uint64_t)i, key};
+      });
     }
   }
 }
@@ -97,26 +67,8 @@ static void decode_all(int64_t tensors, void *const *ptrs, const int64_t *numel,
 #pragma omp parallel num_threads(thread_count(threads, units.first[tensors]))
   {
     int64_t k = 0, start, end;
-    alignas(32) uint8_t codes_pad[MAX_BLOCK];
-    alignas(32) float out_pad[MAX_BLOCK];
-    while (units.take(k, start, end)) {
-      const uint8_t *codes = (const uint8_t *)ptrs[k];
-      const void *scales = ptrs[tensors + k];
-      float *out = (float *)ptrs[2 * tensors + k];
-      for (int64_t i = start; i < end; i += block) {
-        const int64_t n = end - i < block ? end - i : block;
-        if (n % 8 == 0) {
-          decode_block<KIND, S>(codes + code_offset<KIND>(i), n, scales, i / block, g, out + i);
-          continue;
-        }
-        const int64_t padded = (n + 7) / 8 * 8;
-        const int64_t bytes = KIND == CODE_UINT4 ? (n + 1) / 2 : n;
-        memset(codes_pad, 0, sizeof(codes_pad));
-        memcpy(codes_pad, codes + code_offset<KIND>(i), bytes);
-        decode_block<KIND, S>(codes_pad, padded, scales, i / block, g, out_pad);
-        memcpy(out + i, out_pad, sizeof(float) * n);
-      }
-    }
+    while (units.take(k, start, end))
+      decode_span<KIND, S>(ptrs[k], ptrs[tensors + k], start, end, block, g, (float *)ptrs[2 * tensors + k] + start);
   }
 }
 

@@ -96,6 +96,8 @@ struct CountedNoise {
     const vu wrapped = (vu)(lanes < bcu(lo));  // lanes past a multiple of 2^32
     return random16(lanes ^ (bcu(k0) ^ (wrapped & bcu(k0 ^ k1))));
   }
+  // the noise of a block of ``n`` elements padded to a multiple of 8 (the bits are computed: no read)
+  inline CountedNoise &padded(int64_t, int32_t *) { return *this; }
 };
 
 struct DrawnNoise {
@@ -104,6 +106,12 @@ struct DrawnNoise {
     vu v;
     memcpy(&v, bits + j, 32);
     return v;
+  }
+  // the bits of a block of ``n`` elements padded to a multiple of 8: copied into ``local``
+  inline DrawnNoise padded(int64_t n, int32_t *local) const {
+    memset(local, 0, sizeof(int32_t) * MAX_BLOCK);
+    memcpy(local, bits, sizeof(int32_t) * n);
+    return DrawnNoise{local};
   }
 };
 
@@ -212,6 +220,9 @@ static inline void encode_block(const float *x, int64_t n, void *codes, void *sc
   }
 }
 
+// byte offset of element ``i``'s code
+template <int KIND> static inline int64_t code_offset(int64_t i) { return KIND == CODE_UINT4 ? i / 2 : i; }
+
 // Decode ``n`` values (a multiple of 8) of scale ``b`` into ``out``.
 template <int KIND, int S>
 static inline void decode_block(const void *codes, int64_t n, const void *scales, int64_t b, const Grid &g,
@@ -221,5 +232,51 @@ static inline void decode_block(const void *codes, int64_t n, const void *scales
     vf y = load_codes<KIND>(codes, j, g) * s;
     if (!g.is_signed) y = y * y;
     memcpy(out + j, &y, 32);
+  }
+}
+
+// ---- a range of whole blocks ---------------------------------------------------------------------
+// Elements [start, end) of a tensor (start at a block boundary; end at one or at the tensor's end),
+// with ``values`` holding element ``start`` first, ``codes`` and ``scales`` the tensor's own. The
+// tensor's last block may be short and need not hold a multiple of 8 elements: it goes through
+// zero-padded local buffers (zeros do not change a block's maximum and encode to code 0, as
+// _pack4 pads). ``noise(i)``: the random bits of the block from element i (unused to nearest).
+template <int KIND, int S, bool SR, typename NoiseAt>
+static inline void encode_span(const float *values, int64_t start, int64_t end, void *codes, void *scales,
+                               int64_t block, const Grid &g, NoiseAt noise) {
+  uint8_t *c = (uint8_t *)codes;
+  for (int64_t i = start; i < end; i += block) {
+    const int64_t n = end - i < block ? end - i : block;
+    auto bits = noise(i);
+    if (n % 8 == 0) {
+      encode_block<KIND, S, SR>(values + (i - start), n, c + code_offset<KIND>(i), scales, i / block, g, bits);
+      continue;
+    }
+    alignas(32) float x[MAX_BLOCK] = {};
+    alignas(32) int32_t local_bits[MAX_BLOCK];
+    alignas(32) uint8_t out[MAX_BLOCK];
+    memcpy(x, values + (i - start), sizeof(float) * n);
+    auto &&tail_bits = bits.padded(n, local_bits);
+    encode_block<KIND, S, SR>(x, (n + 7) / 8 * 8, out, scales, i / block, g, tail_bits);
+    memcpy(c + code_offset<KIND>(i), out, KIND == CODE_UINT4 ? (n + 1) / 2 : n);
+  }
+}
+
+// Decode elements [start, end) (as encode_span) into ``out`` (element ``start`` first).
+template <int KIND, int S>
+static inline void decode_span(const void *codes, const void *scales, int64_t start, int64_t end, int64_t block,
+                               const Grid &g, float *out) {
+  const uint8_t *c = (const uint8_t *)codes;
+  for (int64_t i = start; i < end; i += block) {
+    const int64_t n = end - i < block ? end - i : block;
+    if (n % 8 == 0) {
+      decode_block<KIND, S>(c + code_offset<KIND>(i), n, scales, i / block, g, out + (i - start));
+      continue;
+    }
+    alignas(32) uint8_t local[MAX_BLOCK] = {};
+    alignas(32) float y[MAX_BLOCK];
+    memcpy(local, c + code_offset<KIND>(i), KIND == CODE_UINT4 ? (n + 1) / 2 : n);
+    decode_block<KIND, S>(local, (n + 7) / 8 * 8, scales, i / block, g, y);
+    memcpy(out + (i - start), y, sizeof(float) * n);
   }
 }
