@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, Code, decode, encode
-from lowp.optim.kernels import native_codes
+from lowp.optim.kernels import native_coded, native_codes
+from lowp.optim.kernels.native import NativeKernel
 from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import ParamSlice, StepContext
@@ -155,6 +156,13 @@ def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, 
     counts: list[torch.Tensor] = []
     batch: list[_Piece] = []
     held = 0
+    kernel, spec = getattr(backend, "kernel", None), optimizer.kernel_spec()
+    if isinstance(kernel, NativeKernel) and spec is not None and elementwise:
+        codes = {c.name: c.code for c in coded}
+        taken, rest = native_coded.admitted(kernel, spec, ctx, list(zip(slices, scales)), codes, block)
+        if taken:
+            counts.append(torch.tensor(native_coded.run(kernel, spec, ctx, taken, codes, block), dtype=torch.int64))
+            slices, scales = [s for s, _ in rest], [sc for _, sc in rest]
 
     def flush() -> None:
         nonlocal held

@@ -45,7 +45,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["native_available", "step_function", "sums_function", "finite_function", "encode_function",
+__all__ = ["native_available", "step_function", "coded_step_function", "sums_function", "finite_function",
+           "encode_function",
            "decode_function", "cache_dir", "library_path", "FLAGS"]
 
 SOURCES = Path(__file__).with_name("native")
@@ -326,6 +327,17 @@ def step_function(source: str) -> Callable[..., Any]:
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+def coded_step_function(source: str) -> Callable[..., Any]:
+    """``lowp_coded_step(tensors, pointer table, numel, offsets, h, tensor numbers, keys, scales,
+    grids, fp8 tables, threads) -> stalled count`` of a variant with coded states
+    (``native/coded_step.h``)."""
+    fn = _library("step", source).lowp_coded_step
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn
 
 

@@ -27,8 +27,8 @@ from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, Code, scales_shape
 from lowp.optim.kernels.checks import Span, kernel_memory, overlapping
 from lowp.optim.kernels.native_build import decode_function, encode_function, native_available
 
-__all__ = ["CountedBits", "Noise", "Encoding", "Decoding", "CodecCounts", "COUNTS", "available", "encode_many",
-           "decode_many", "encode", "decode"]
+__all__ = ["CountedBits", "Noise", "Encoding", "Decoding", "CodecCounts", "COUNTS", "available", "code_kind",
+           "scale_code", "grid_numbers", "fp8_table", "encode_many", "decode_many", "encode", "decode"]
 
 _KINDS = {torch.int8: 0, torch.uint8: 1}   # storage dtype of 8-bit integer codes; 4-bit: 2, fp8: 3
 _SCALES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -107,18 +107,29 @@ def available() -> bool:
     return native_available()
 
 
-def _kind(code: Code) -> int:
+def code_kind(code: Code) -> int:
+    """The ``CodeKind`` of ``native/codes.h`` that stores ``code``."""
     if code.bits == 4:
         return 2
     return 3 if code.storage.is_floating_point else _KINDS[code.storage]
 
 
+def scale_code(dtype: torch.dtype) -> int:
+    """The ``ScaleType`` of ``native/codes.h`` of a scale dtype."""
+    return _SCALES[dtype]
+
+
+def grid_numbers(code: Code) -> tuple[float, float, float, float]:
+    """What ``native/codes.h``'s ``Grid`` reads of ``code``: signed, Q, m, emin."""
+    return float(code.signed), code.top, float(code.mantissa_bits), float(code.min_exponent)
+
+
 def _grid(code: Code) -> ctypes.Array:
-    return (ctypes.c_double * 4)(float(code.signed), code.top, code.mantissa_bits, code.min_exponent)
+    return (ctypes.c_double * 4)(*grid_numbers(code))
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_table(storage: torch.dtype) -> torch.Tensor:
+def fp8_table(storage: torch.dtype) -> torch.Tensor:
     """The fp32 value of every byte of an fp8 dtype, by torch's own cast."""
     return torch.arange(256, dtype=torch.uint8).view(storage).float()
 
@@ -189,7 +200,7 @@ def encode_many(jobs: Sequence[Encoding], code: Code, block: int) -> None:
         n = len(members)
         numel = (ctypes.c_int64 * n)(*(j.values.numel() for j in members))
         done = encode_function()(n, table, numel, (ctypes.c_uint64 * n)(*(c.first for c in counted)),
-                                 (ctypes.c_uint32 * n)(*(c.key for c in counted)), _kind(code), _SCALES[scale_dtype],
+                                 (ctypes.c_uint32 * n)(*(c.key for c in counted)), code_kind(code), scale_code(scale_dtype),
                                  block, _grid(code), mode, torch.get_num_threads())
         if done != 0:
             raise RuntimeError(f"the native codec refused code {code.name}, block {block}")
@@ -210,7 +221,7 @@ def decode_many(jobs: Sequence[Decoding], code: Code, block: int) -> None:
         _check_codes(f"jobs[{k}].", job.codes, job.scales, code, block, n, spans, False)
     if overlapping(spans):
         raise ValueError("jobs: an output shares memory with another tensor of the call")
-    table_of_values = _fp8_table(code.storage) if code.storage.is_floating_point else None
+    table_of_values = fp8_table(code.storage) if code.storage.is_floating_point else None
     groups: dict[torch.dtype, list[Decoding]] = {}
     for job in jobs:
         groups.setdefault(job.scales.dtype, []).append(job)
@@ -219,7 +230,7 @@ def decode_many(jobs: Sequence[Decoding], code: Code, block: int) -> None:
         table = _pointers([[j.codes.data_ptr() for j in members], [j.scales.data_ptr() for j in members],
                            [j.out.data_ptr() for j in members]])
         numel = (ctypes.c_int64 * n)(*(j.out.numel() for j in members))
-        done = decode_function()(n, table, numel, _kind(code), _SCALES[scale_dtype], block, _grid(code),
+        done = decode_function()(n, table, numel, code_kind(code), scale_code(scale_dtype), block, _grid(code),
                                  None if table_of_values is None else table_of_values.data_ptr(),
                                  torch.get_num_threads())
         if done != 0:
