@@ -131,13 +131,13 @@ def test_many_tensors_in_one_call_on_several_threads():
         assert torch.equal(wc, gc) and torch.equal(_bits(ws), _bits(gs))
 
 
-def _adamw_run(backend: str, steps: int = 3, rounding: str = "stochastic", wide: bool = False):
+def _adamw_run(backend: str, steps: int = 3, rounding: str = "stochastic", state_dtype: dict | None = None,
+               mode: str = "kahan", shapes=((1,), (33,), (300, 7)), **kw):
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in [(1,), (33,), (300, 7)]]
-    state_dtype = ({"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4} if wide
-                   else {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in shapes]
+    state_dtype = state_dtype or {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
     opt = lo.AdamW(params, lr=1e-2, backend=backend, chunk_size=512, seed=3, state_dtype=state_dtype,
-                   state_rounding=rounding, state_block=32)
+                   state_rounding=rounding, mode=mode, **kw)
     for t in range(steps):
         g = torch.Generator().manual_seed(100 + t)
         for p in params:
@@ -151,22 +151,71 @@ def _states(run) -> list[torch.Tensor]:
     return [*params, *(_bits(v) for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor))]
 
 
-@pytest.mark.parametrize("backend, rounding, wide", [("native", "stochastic", False), ("native", "nearest", True),
-                                                     ("foreach", "stochastic", True)])
-def test_the_coded_step_is_the_same_with_and_without_the_native_codec(monkeypatch, backend, rounding, wide):
-    if backend == "native" and not lo.backends.native_available():
-        pytest.skip("needs the native kernel")
+def _same_runs(a, b) -> None:
+    for x, y in zip(_states(a), _states(b)):
+        assert torch.equal(x, y)
+
+
+WIDE = {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}
+
+
+@pytest.mark.parametrize("rounding, state_dtype", [("stochastic", None), ("nearest", WIDE)])
+def test_the_coded_step_is_the_same_with_and_without_the_native_codec(monkeypatch, rounding, state_dtype):
     native_codes.COUNTS.encoded = native_codes.COUNTS.decoded = 0
-    fast = _adamw_run(backend, rounding=rounding, wide=wide)
+    fast = _adamw_run("foreach", rounding=rounding, state_dtype=state_dtype, state_block=32)
     elements = 1 + 33 + 2100
     # two states, three steps, decoded and encoded: every element through the native codec
     assert native_codes.COUNTS.encoded == native_codes.COUNTS.decoded == 2 * 3 * elements
     monkeypatch.setattr(coded.native_codes, "available", lambda: False)
     native_codes.COUNTS.encoded = 0
-    slow = _adamw_run(backend, rounding=rounding, wide=wide)
+    slow = _adamw_run("foreach", rounding=rounding, state_dtype=state_dtype, state_block=32)
     assert native_codes.COUNTS.encoded == 0
-    for a, b in zip(_states(fast), _states(slow)):
-        assert torch.equal(a, b)
+    _same_runs(fast, slow)
+
+
+SHAPES = ((1,), (33,), (300, 7), (100003,))   # the last one: several work units and a short last block
+
+
+@pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
+@pytest.mark.parametrize("mode, rounding, state_dtype, extra", [
+    ("kahan", "stochastic", None, {}),
+    ("stochastic", "nearest", WIDE, {"state_block": 256, "state_scale_dtype": torch.float16}),
+    ("nearest", "stochastic", {"exp_avg": torch.float8_e5m2, "exp_avg_sq": torch.uint8},
+     {"state_block": 32, "state_scale_dtype": torch.float32}),
+])
+def test_the_step_kernel_with_coded_states_equals_the_decode_step_encode_passes(monkeypatch, mode, rounding,
+                                                                               state_dtype, extra):
+    """The native backend decodes and encodes inside its kernel (native/coded_step.h): the same
+    bits as the generic passes of lowp/optim/coded.py, with no work for the separate codec."""
+    native_codes.COUNTS.encoded = 0
+    fused = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
+    total = 3 * sum(math.prod(s) for s in SHAPES)
+    assert native_codes.COUNTS.encoded == 0
+    assert (fused[1].backend.fused_elements, fused[1].backend.reference_elements) == (total, 0)
+    monkeypatch.setattr(coded.native_coded, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    passes = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
+    assert native_codes.COUNTS.encoded == 2 * total
+    _same_runs(fused, passes)
+
+
+@pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
+def test_slices_the_kernel_cannot_take_go_through_the_passes_in_the_same_step():
+    """A transposed (non-contiguous) weight takes the generic passes, the others the kernel."""
+    def run(backend):
+        gen = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in [(40, 30), (5000,)]]
+        params[0] = torch.nn.Parameter(params[0].detach().t())
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=3, state_dtype={"exp_avg": torch.int8,
+                                                                              "exp_avg_sq": torch.uint8})
+        for t in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+        return params, opt
+    native_codes.COUNTS.encoded = 0
+    fused = run("native")
+    assert native_codes.COUNTS.encoded == 2 * 2 * 1200   # the transposed one, two states, two steps
+    _same_runs(run("eager"), fused)
 
 
 def _bad_calls():
