@@ -207,7 +207,7 @@ def test_slices_the_kernel_cannot_take_go_through_the_passes_in_the_same_step():
         params[0] = torch.nn.Parameter(params[0].detach().t())
         opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=3, state_dtype={"exp_avg": torch.int8,
                                                                               "exp_avg_sq": torch.uint8})
-        for t in range(2):
+        for _ in range(2):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen).bfloat16()
             opt.step()

@@ -25,7 +25,7 @@ import torch
 from lowp.optim.codes import SCALE_DTYPES, Code
 from lowp.optim.kernels.checks import Span, check_kernel_args, kernel_memory, overlapping
 from lowp.optim.kernels.cpp_source import CodedLayout, Variant, variant_source
-from lowp.optim.kernels.kernel import by_signature, fusable, grad_factor, slice_keys
+from lowp.optim.kernels.kernel import fusable, grad_factor, slice_keys
 from lowp.optim.kernels.native import NativeKernel, slice_dtypes
 from lowp.optim.kernels.native_build import coded_step_function
 from lowp.optim.kernels.native_codes import code_kind, fp8_table, grid_numbers, scale_code
@@ -53,7 +53,9 @@ def _codes_fit(s: ParamSlice, scales: dict[str, torch.Tensor], codes: dict[str, 
         return False
     for name, code in codes.items():
         t, sc = s.states.get(name), scales.get(name)
-        if t is None or sc is None or not (t.is_cpu and kernel_memory(t, (code.storage,)) and kernel_memory(sc, SCALE_DTYPES)):
+        if t is None or sc is None or not t.is_cpu:
+            return False
+        if not (kernel_memory(t, (code.storage,)) and kernel_memory(sc, SCALE_DTYPES)):
             return False
         if t.numel() != ((n + 1) // 2 if code.bits == 4 else n) or sc.numel() != math.ceil(n / block):
             return False
@@ -68,7 +70,8 @@ def admitted(kernel: NativeKernel, spec: OptimizerSpec, ctx: StepContext, items:
         return [], list(items)
     expected = tuple(spec.states(ctx.group))
     spans: list[Span] = []
-    taken, rest = [], []
+    taken: list[CodedSlice] = []
+    rest: list[CodedSlice] = []
     for s, scales in items:
         ok = (tuple(s.states) == expected and _codes_fit(s, scales, codes, block)
               and fusable(ctx, _without(s, codes), kernel.min_numel, kernel.fp16_stochastic, kernel.device_types(),
@@ -88,7 +91,9 @@ def run(kernel: NativeKernel, spec: OptimizerSpec, ctx: StepContext, items: Sequ
     the stalled count."""
     numbers = spec.numbers(ctx.group, ctx.step)
     stalled = 0
-    groups = by_signature(list(items), lambda item: (*slice_dtypes(item[0]), next(iter(item[1].values())).dtype))
+    groups: dict[tuple, list[CodedSlice]] = {}
+    for s, scales in items:   # one kernel call per dtype signature (the scale dtype included)
+        groups.setdefault((*slice_dtypes(s), scales[next(iter(codes))].dtype), []).append((s, scales))
     for signature, members in groups.items():
         stalled += _launch(spec, ctx, members, codes, block, numbers, signature[-1])
     kernel.fused_elements += sum(s.numel for s, _ in items)

@@ -199,9 +199,10 @@ def encode_many(jobs: Sequence[Encoding], code: Code, block: int) -> None:
                            [j.noise.data_ptr() if isinstance(j.noise, torch.Tensor) else None for j in members]])
         n = len(members)
         numel = (ctypes.c_int64 * n)(*(j.values.numel() for j in members))
-        done = encode_function()(n, table, numel, (ctypes.c_uint64 * n)(*(c.first for c in counted)),
-                                 (ctypes.c_uint32 * n)(*(c.key for c in counted)), code_kind(code), scale_code(scale_dtype),
-                                 block, _grid(code), mode, torch.get_num_threads())
+        firsts = (ctypes.c_uint64 * n)(*(c.first for c in counted))
+        keys = (ctypes.c_uint32 * n)(*(c.key for c in counted))
+        done = encode_function()(n, table, numel, firsts, keys, code_kind(code), scale_code(scale_dtype), block,
+                                 _grid(code), mode, torch.get_num_threads())
         if done != 0:
             raise RuntimeError(f"the native codec refused code {code.name}, block {block}")
         COUNTS.encoded += sum(numel)
