@@ -12,6 +12,12 @@ memory, as for the backend's own fp32 working copies.
 The pieces of a parameter do not change the result (every block is encoded from its own values
 with the random bits of its own elements), so the step is the same on every backend, for any
 chunk size, bit for bit.
+
+On the CPU the decode and encode passes take the native codec
+(:mod:`lowp.optim.kernels.native_codes`: one C++ call per state and batch, the fp32 copies in the
+step's scratch buffers) where it builds, and ``backend="native"`` runs all three inside its kernel
+for the slices it admits (:mod:`lowp.optim.kernels.native_coded`); the torch functions of
+:mod:`lowp.optim.codes` are the definition and the path for everything else.
 """
 from __future__ import annotations
 
