@@ -73,9 +73,9 @@ def admitted(kernel: NativeKernel, spec: OptimizerSpec, ctx: StepContext, items:
     taken: list[CodedSlice] = []
     rest: list[CodedSlice] = []
     for s, scales in items:
-        ok = (tuple(s.states) == expected and _codes_fit(s, scales, codes, block)
-              and fusable(ctx, _without(s, codes), kernel.min_numel, kernel.fp16_stochastic, kernel.device_types(),
-                          spans))
+        # fusable first: its checks raise for inputs no backend can run, before anything is written
+        ok = (fusable(ctx, _without(s, codes), kernel.min_numel, kernel.fp16_stochastic, kernel.device_types(), spans)
+              and tuple(s.states) == expected and _codes_fit(s, scales, codes, block))
         if ok:
             for t in (*(s.states[name] for name in codes), *(scales[name] for name in codes)):
                 spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), True))
