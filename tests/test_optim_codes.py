@@ -45,7 +45,7 @@ def _grid(code) -> torch.Tensor:
     if code.storage.is_floating_point:
         values = torch.arange(256, dtype=torch.uint8).view(code.storage).float()
         return values[values.isfinite()].unique()
-    return torch.arange(-code.top if code.signed else 0, code.top + 1)
+    return torch.arange(-code.top if code.signed else 1, code.top + 1)   # unsigned codes never hold 0
 
 
 def _code_values(codes: torch.Tensor, code, n: int) -> torch.Tensor:
@@ -71,6 +71,8 @@ def test_nearest_codes_are_the_nearest_grid_values(code, scale_dtype):
     # the codes: the grid value nearest to t / s (ties cannot occur in these data but are allowed)
     y = torch.where(s > 0, t / s, 0.0)
     grid = _grid(code)
+    if not code.signed:
+        assert (_code_values(codes, code, x.numel()) >= 1).all()
     best = (y[:, None] - grid[None, :]).abs().min(dim=1).values
     assert torch.equal((y - _code_values(codes, code, x.numel())).abs(), best)
     if code.storage.is_floating_point:   # torch's own cast rounds to nearest even: the same codes
@@ -98,7 +100,8 @@ def test_stochastic_rounding_is_unbiased_over_every_draw(code):
     y = (x[0].double() if code.signed else x[0].double().sqrt()) / scales[0].double()
     a = y.abs().float()
     spacing = code.spacing(a).double()
-    assert ((q.mean(0) - y).abs() <= spacing * 2.0 ** -16 + 1e-12 * y.abs()).all()
+    want = y if code.signed else y.clamp_min(1.0)   # unsigned codes store values below one step as one step
+    assert ((q.mean(0) - want).abs() <= spacing * 2.0 ** -16 + 1e-12 * y.abs()).all()
     assert len(q.unique()) > len(y.unique())   # it did round both ways
 
 
@@ -306,6 +309,20 @@ def test_gradient_release_with_coded_states_equals_the_step():
             handle.remove()
         runs.append((list(net.parameters()), opt))
     _same(*runs)
+
+
+@pytest.mark.parametrize("second", [torch.uint8, torch.uint4], ids=str)
+def test_a_tiny_second_moment_never_decodes_to_zero(second):
+    """One large gradient beside tiny ones in a block: a tiny second moment coded as 0 would make
+    Adam's step m / eps (1e4 times lr here); the unsigned codes keep every step about lr."""
+    p = torch.zeros(64)
+    p.grad = torch.full((64,), 1e-4)
+    p.grad[0] = 1.0
+    opt = lo.AdamW([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, backend="foreach",   # fp8 m: 1e-5 stays nonzero
+                   state_dtype={"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": second})
+    for _ in range(3):
+        opt.step()
+    assert p.abs().max() <= 2 * 3 * 1e-3   # three Adam steps of about lr each (without the fix: 1e-3 / eps)
 
 
 @pytest.mark.parametrize("make, arg", [

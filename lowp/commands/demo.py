@@ -24,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int_at_least(1), default=700, help="training steps per run (default 700)")
     parser.add_argument("--modes", default=DEFAULT_RUNS,
                         help=f"comma-separated runs from fp32, bf16-nearest, bf16-kahan, bf16-stochastic, "
-                             f"bf16-exact, fp16-kahan (default {DEFAULT_RUNS})")
+                             f"bf16-exact, bf16-exact8, bf16-8bit, bf16-4bit, fp16-kahan (bf16-8bit: exact8 with "
+                             f"int8/uint8 states, 5.06 bytes/param; bf16-4bit: stochastic, int8/uint4 states, 3.56; "
+                             f"default {DEFAULT_RUNS})")
     parser.add_argument("--out", type=output_dir, default="lowp-report/demo",
                         help="folder for demo_loss.png and demo.csv")
     parser.add_argument("--jobs", type=int_at_least(1), default=None,

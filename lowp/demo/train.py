@@ -19,8 +19,8 @@ from lowp.demo.model import CharLM
 from lowp.optim import AdamW
 from lowp.optim.convert import KEEP_FP32_TYPES, cast_model
 
-__all__ = ["RUNS", "DemoConfig", "RunResult", "train_run", "build_model", "param_groups", "lr_at", "train_loop",
-           "evaluate", "bytes_per_param"]
+__all__ = ["RUNS", "RUN_STATES", "DemoConfig", "RunResult", "train_run", "build_model", "param_groups", "lr_at",
+           "train_loop", "evaluate", "bytes_per_param"]
 
 #: run name -> (weight dtype, update mode)
 RUNS: dict[str, tuple[torch.dtype, str]] = {
@@ -29,7 +29,15 @@ RUNS: dict[str, tuple[torch.dtype, str]] = {
     "bf16-kahan": (torch.bfloat16, "kahan"),
     "bf16-stochastic": (torch.bfloat16, "stochastic"),
     "bf16-exact": (torch.bfloat16, "exact"),
+    "bf16-exact8": (torch.bfloat16, "exact8"),
+    "bf16-8bit": (torch.bfloat16, "exact8"),
+    "bf16-4bit": (torch.bfloat16, "stochastic"),
     "fp16-kahan": (torch.float16, "kahan"),
+}
+#: run name -> the ``state_dtype`` of runs with block-scaled states (others: the default)
+RUN_STATES: dict[str, dict[str, torch.dtype]] = {
+    "bf16-8bit": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+    "bf16-4bit": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint4},  # type: ignore[attr-defined]
 }
 
 
@@ -180,7 +188,7 @@ def train_run(name: str, data: TextData, cfg: DemoConfig, progress=None) -> RunR
     dtype, mode = RUNS[name]
     model = build_model(cfg, dtype)
     opt = AdamW(param_groups(model), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, mode=mode,
-                seed=cfg.seed)
+                seed=cfg.seed, state_dtype=RUN_STATES.get(name))
     stalled: list[float] = []
     curve, seconds = train_loop(model, opt, data, cfg, progress,
                                 lambda step: stalled.append(opt.diagnostics()[0]["stalled_fraction"]))

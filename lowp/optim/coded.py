@@ -12,6 +12,12 @@ memory, as for the backend's own fp32 working copies.
 The pieces of a parameter do not change the result (every block is encoded from its own values
 with the random bits of its own elements), so the step is the same on every backend, for any
 chunk size, bit for bit.
+
+On the CPU the decode and encode passes take the native codec
+(:mod:`lowp.optim.kernels.native_codes`: one C++ call per state and batch, the fp32 copies in the
+step's scratch buffers) where it builds, and ``backend="native"`` runs all three inside its kernel
+for the slices it admits (:mod:`lowp.optim.kernels.native_coded`); the torch functions of
+:mod:`lowp.optim.codes` are the definition and the path for everything else.
 """
 from __future__ import annotations
 
@@ -20,7 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowp.optim.codes import BLOCK_SIZES, Code, decode, encode
+from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, Code, decode, encode
+from lowp.optim.kernels import native_coded, native_codes
+from lowp.optim.kernels.native import NativeKernel
+from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import ParamSlice, StepContext
 
@@ -48,49 +57,96 @@ class CodedState:
 
 @dataclass
 class _Piece:
-    """Elements ``[start, end)`` of a slice, ready for the backend, with where to encode them."""
+    """Elements ``[start, end)`` of a slice (all of it, in its shape, when ``whole``) with the
+    block scales of its coded states."""
 
-    plain: ParamSlice
     source: ParamSlice
     scales: dict[str, torch.Tensor]
     start: int
     end: int
+    whole: bool
+
+    def part(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of ``t``, a tensor of the slice's shape."""
+        return t if self.whole else t.view(-1)[self.start:self.end]
+
+    def codes(self, c: CodedState, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and block scales of coded state ``c`` in this piece."""
+        t = self.source.states[c.name]
+        if not self.whole:
+            t = t.view(-1)
+            t = t[self.start // 2:(self.end + 1) // 2] if c.code.bits == 4 else t[self.start:self.end]
+        blocks = self.scales[c.name][self.start // block:(self.end + block - 1) // block]
+        return t, blocks
 
 
-def _piece(s: ParamSlice, scales: dict[str, torch.Tensor], coded: list[CodedState], block: int, start: int,
-           end: int, whole: bool) -> _Piece:
-    """Elements ``[start, end)`` of ``s`` (all of it when ``whole``) with its coded states decoded."""
-    def part(t: torch.Tensor) -> torch.Tensor:
-        return t if whole else t.view(-1)[start:end]
-
-    names = {c.name: c for c in coded}
-    states = {}
-    for name, t in s.states.items():
-        c = names.get(name)
-        if c is None:
-            states[name] = part(t)
-            continue
-        codes = t.view(-1)[start // 2:(end + 1) // 2] if c.code.bits == 4 else t.view(-1)[start:end]
-        blocks = scales[name][start // block:(end + block - 1) // block]
-        fp32 = decode(codes, blocks, c.code, block, end - start)
-        states[name] = fp32.view(s.param.shape) if whole else fp32
-    grad = s.grad if whole else s.grad.reshape(-1)[start:end]
-    buffer = None if s.buffer is None else part(s.buffer)
-    plain = ParamSlice(part(s.param), grad, states, buffer, s.param_id, s.index.shifted(start))
-    return _Piece(plain, s, scales, start, end)
+def _native(pieces: list[_Piece], coded: list[CodedState], block: int) -> bool:
+    """Whether the native codec takes the coded states of ``pieces``: it is available and every
+    code and scale tensor is CPU kernel memory (:func:`~lowp.optim.kernels.checks.kernel_memory`)."""
+    if not native_codes.available():
+        return False
+    for p in pieces:
+        for c in coded:
+            codes, scales = p.codes(c, block)
+            if not (codes.is_cpu and kernel_memory(codes, (c.code.storage,))
+                    and kernel_memory(scales, SCALE_DTYPES)):
+                return False
+    return True
 
 
-def _encode(ctx: StepContext, piece: _Piece, coded: list[CodedState], block: int) -> None:
-    """Encode the decoded states of ``piece`` back into its slice's codes and scales."""
-    stochastic = ctx.group["state_rounding"] == "stochastic"
-    streams = ctx.streams(piece.plain)
-    start, end = piece.start, piece.end
+def _decode(ctx: StepContext, pieces: list[_Piece], coded: list[CodedState], block: int, native: bool
+            ) -> list[ParamSlice]:
+    """The slices the backend runs: ``pieces`` with their coded states decoded into fp32 buffers
+    of ``ctx.scratch``."""
+    device = pieces[0].source.param.device
+    sizes = [(p.end - p.start,) for p in pieces]
+    decoded = {c.name: ctx.scratch.split(f"coded {c.name}", sizes, torch.float32, device) for c in coded}
     for c in coded:
-        codes = piece.source.states[c.name].view(-1)
-        codes = codes[start // 2:(end + 1) // 2] if c.code.bits == 4 else codes[start:end]
-        noise = streams.bits(Stream.STATE + c.position, (end - start,), codes.device) if stochastic else None
-        encode(piece.plain.states[c.name], c.code, block, codes,
-               piece.scales[c.name][start // block:(end + block - 1) // block], noise)
+        outs = decoded[c.name]
+        if native:
+            native_codes.decode_many([native_codes.Decoding(*p.codes(c, block), out) for p, out in zip(pieces, outs)],
+                                     c.code, block)
+        else:
+            for p, out in zip(pieces, outs):
+                decode(*p.codes(c, block), c.code, block, p.end - p.start, out=out)
+    plain = []
+    for k, p in enumerate(pieces):
+        s = p.source
+        states = {}
+        for name, t in s.states.items():
+            if name not in decoded:
+                states[name] = p.part(t)
+            else:
+                states[name] = decoded[name][k].view(s.param.shape) if p.whole else decoded[name][k]
+        grad = s.grad if p.whole else s.grad.reshape(-1)[p.start:p.end]
+        buffer = None if s.buffer is None else p.part(s.buffer)
+        plain.append(ParamSlice(p.part(s.param), grad, states, buffer, s.param_id, s.index.shifted(p.start)))
+    return plain
+
+
+def _encode(ctx: StepContext, pieces: list[_Piece], plain: list[ParamSlice], coded: list[CodedState], block: int,
+            native: bool) -> None:
+    """Encode the decoded states of ``plain`` back into the codes and scales of ``pieces``,
+    rounding with the state's own random stream."""
+    stochastic = ctx.group["state_rounding"] == "stochastic"
+    streams = [ctx.streams(q) for q in plain]
+    for c in coded:
+        stream = Stream.STATE + c.position
+        jobs = []
+        for p, q, st in zip(pieces, plain, streams):
+            values, (codes, scales), n = q.states[c.name], p.codes(c, block), p.end - p.start
+            if not native:
+                noise = st.bits(stream, (n,), codes.device) if stochastic else None
+                encode(values, c.code, block, codes, scales, noise)
+                continue
+            index = q.index
+            bits: native_codes.Noise = None
+            if stochastic:
+                bits = (native_codes.CountedBits(index.first(), st.key(stream)) if index.contiguous
+                        else st.bits(stream, (n,), codes.device))
+            jobs.append(native_codes.Encoding(values, codes, scales, bits))
+        if jobs:
+            native_codes.encode_many(jobs, c.code, block)
 
 
 def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice],
@@ -106,16 +162,24 @@ def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, 
     counts: list[torch.Tensor] = []
     batch: list[_Piece] = []
     held = 0
+    kernel, spec = getattr(backend, "kernel", None), optimizer.kernel_spec()
+    if isinstance(kernel, NativeKernel) and spec is not None and elementwise:
+        codes = {c.name: c.code for c in coded}
+        taken, rest = native_coded.admitted(kernel, spec, ctx, list(zip(slices, scales)), codes, block)
+        if taken:
+            counts.append(torch.tensor(native_coded.run(kernel, spec, ctx, taken, codes, block), dtype=torch.int64))
+            slices, scales = [s for s, _ in rest], [sc for _, sc in rest]
 
     def flush() -> None:
         nonlocal held
         if not batch:
             return
-        stalled = backend.run(optimizer, ctx, [p.plain for p in batch])
+        native = _native(batch, coded, block)
+        plain = _decode(ctx, batch, coded, block, native)
+        stalled = backend.run(optimizer, ctx, plain)
         if stalled is not None:
             counts.append(stalled)
-        for p in batch:
-            _encode(ctx, p, coded, block)
+        _encode(ctx, batch, plain, coded, block, native)
         batch.clear()
         held = 0
 
@@ -123,7 +187,7 @@ def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, 
         n, flat = s.numel, s.param.is_contiguous()
         bounds = [(a, min(a + chunk, n)) for a in range(0, n, chunk)] if flat and elementwise else [(0, n)]
         for start, end in bounds:
-            batch.append(_piece(s, sc, coded, block, start, end, whole=not flat))
+            batch.append(_Piece(s, sc, start, end, whole=not flat))
             held += end - start
             if held >= chunk:
                 flush()

@@ -149,11 +149,14 @@ def _remainder_buffer(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.shape, dtype=torch.int16, device=p.device)
 
 
-def _exact_load(p: torch.Tensor, r: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    assert r is not None, "exact mode always keeps a remainder"
+def _pair_load(p: torch.Tensor, r: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 value of a bf16 weight and its remainder: ``(hi << 16) + r`` for exact mode's
+    int16 remainder, ``(hi << 16) + (r8 << 8)`` for exact8's int8 one."""
+    assert r is not None, "the exact modes always keep a remainder"
     hi = p.view(torch.int16)
     bits = hi.to(torch.int32) if out is None else out.view(torch.int32).copy_(hi)
-    return bits.bitwise_left_shift_(_SHIFT16).add_(r).view(torch.float32)
+    low = r if r.dtype == torch.int16 else r.to(torch.int32).bitwise_left_shift_(_SHIFT8)
+    return bits.bitwise_left_shift_(_SHIFT16).add_(low).view(torch.float32)
 
 
 def _apply_exact(p, w, u, r, streams, count, scratch=None):
@@ -166,15 +169,6 @@ def _apply_exact(p, w, u, r, streams, count, scratch=None):
 
 def _remainder8_buffer(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.shape, dtype=torch.int8, device=p.device)
-
-
-def _exact8_load(p: torch.Tensor, r8: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``(hi << 16) + (r8 << 8)`` as fp32 (the module docstring)."""
-    assert r8 is not None, "exact8 mode always keeps a remainder"
-    hi = p.view(torch.int16)
-    bits = hi.to(torch.int32) if out is None else out.view(torch.int32).copy_(hi)
-    low = r8.to(torch.int32).bitwise_left_shift_(_SHIFT8)
-    return bits.bitwise_left_shift_(_SHIFT16).add_(low).view(torch.float32)
 
 
 def _store_pair8(p: torch.Tensor, r8: torch.Tensor, b2: torch.Tensor) -> None:
@@ -256,8 +250,8 @@ MODES: dict[str, WriteBack] = {
                             _weight_draws),
     "kahan": WriteBack("kahan", LOW_PRECISION, "compensation", _kahan_buffer, _plain_load, _apply_kahan,
                        _compensation_draws),
-    "exact": WriteBack("exact", (torch.bfloat16,), "remainder", _remainder_buffer, _exact_load, _apply_exact),
-    "exact8": WriteBack("exact8", (torch.bfloat16,), "remainder8", _remainder8_buffer, _exact8_load, _apply_exact8,
+    "exact": WriteBack("exact", (torch.bfloat16,), "remainder", _remainder_buffer, _pair_load, _apply_exact),
+    "exact8": WriteBack("exact8", (torch.bfloat16,), "remainder8", _remainder8_buffer, _pair_load, _apply_exact8,
                         _weight_draws),
 }
 
@@ -291,9 +285,9 @@ def _held(param: torch.Tensor, others: dict[str, torch.Tensor]) -> torch.Tensor 
     """The fp32 value a bf16 ``param`` holds with the dropped buffers ``others`` (``None`` when
     they hold nothing beyond the weight)."""
     if "remainder" in others:
-        return _exact_load(param, others["remainder"])
+        return _pair_load(param, others["remainder"])
     if "remainder8" in others:
-        return _exact8_load(param, others["remainder8"])
+        return _pair_load(param, others["remainder8"])
     if "compensation" in others:
         return param.float() + others["compensation"].float()
     return None

@@ -17,12 +17,27 @@ import torch
 
 from lowp.optim.rule import Program, fp32
 
-__all__ = ["Variant", "variant_source", "DTYPE_CODES", "MODE_CODES"]
+__all__ = ["Variant", "CodedLayout", "variant_source", "DTYPE_CODES", "MODE_CODES"]
 
 #: dtype codes of ``enum Dtype`` in ``native/vector.h``.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3, torch.int8: 4}
 #: write-back mode codes of ``enum Mode`` in ``native/vector.h``.
 MODE_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3, "exact8": 4}
+
+
+@dataclass(frozen=True)
+class CodedLayout:
+    """Block-scaled states decoded and encoded inside the kernel (``native/coded_step.h``).
+
+    Args:
+        kinds: per state, its ``CodeKind`` of ``native/codes.h``, or -1 for a plain state.
+        scale: the scale dtype's code (``ScaleType`` of ``native/codes.h``).
+        block: elements per block.
+    """
+
+    kinds: tuple[int, ...]
+    scale: int
+    block: int
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,8 @@ class Variant:
         stochastic_states: ``True`` rounds 16-bit states stochastically (the group's
             ``state_rounding="stochastic"``), ``False`` to nearest.
         count: ``True`` makes the kernel count the elements whose stored weight did not change.
+        coded: the states kept as block-scaled codes (their entries of ``states`` are fp32, what
+            the rule sees), ``None`` (default) for none.
     """
 
     program: Program
@@ -60,6 +77,7 @@ class Variant:
     states: tuple[torch.dtype, ...]
     stochastic_states: bool
     count: bool
+    coded: CodedLayout | None = None
 
     @property
     def numbers(self) -> tuple[str, ...]:
@@ -172,4 +190,9 @@ def variant_source(spec_name: str, variant: Variant) -> str:
     if variant.reduction is not None:
         parts.append(_function("reduction", variant.reduction, variant.numbers, False))
     parts.append('#include "step.h"')
+    if variant.coded is not None:
+        kinds = [*variant.coded.kinds, -1]
+        parts += [f"#define LOWP_CODE_KINDS {{{', '.join(map(str, kinds))}}}",
+                  f"#define LOWP_CODE_SCALE {variant.coded.scale}", f"#define LOWP_CODE_BLOCK {variant.coded.block}",
+                  '#include "coded_step.h"']
     return "\n".join(parts) + "\n"

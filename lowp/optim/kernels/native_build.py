@@ -1,6 +1,7 @@
 """Building and loading the CPU kernels for ``backend="native"``: the fused optimizer step (a
 translation unit generated per variant by :mod:`~lowp.optim.kernels.cpp_source` around
-``native/vector.h`` and ``native/step.h``) and ``native/finite.cpp`` (the non-finite gradient check).
+``native/vector.h`` and ``native/step.h``), ``native/finite.cpp`` (the non-finite gradient check)
+and ``native/codes.cpp`` (the codec of block-scaled states, :mod:`~lowp.optim.kernels.native_codes`).
 
 Nothing is compiled when lowp is installed: the first step of a variant (optimizer rule and
 switches, write-back mode, dtypes, state rounding, diagnostics) compiles one shared object with
@@ -44,8 +45,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["native_available", "step_function", "sums_function", "finite_function", "cache_dir", "library_path",
-           "FLAGS"]
+__all__ = ["native_available", "step_function", "coded_step_function", "sums_function", "finite_function",
+           "encode_function",
+           "decode_function", "cache_dir", "library_path", "FLAGS"]
 
 SOURCES = Path(__file__).with_name("native")
 #: Compiler flags. ``-ffp-contract=off``: only the explicit fmas of the source are fused (the
@@ -328,6 +330,17 @@ def step_function(source: str) -> Callable[..., Any]:
     return fn
 
 
+def coded_step_function(source: str) -> Callable[..., Any]:
+    """``lowp_coded_step(tensors, pointer table, numel, offsets, h, tensor numbers, keys, scales,
+    grids, fp8 tables, threads) -> stalled count`` of a variant with coded states
+    (``native/coded_step.h``)."""
+    fn = _library("step", source).lowp_coded_step
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
 def sums_function(source: str) -> Callable[..., Any]:
     """``lowp_sums(tensors, pointer table, numel, h, sums out, threads)`` of a variant with a
     per-tensor reduction."""
@@ -342,4 +355,26 @@ def finite_function() -> Callable[..., Any]:
     fn = _library("finite").lowp_finite
     fn.restype = None
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def encode_function() -> Callable[..., Any]:
+    """``lowp_encode(tensors, pointer table, numel, first indices, keys, kind, scale dtype, block,
+    grid, mode, threads) -> 0 or -1`` of ``native/codes.cpp``."""
+    fn = _library("codes").lowp_encode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def decode_function() -> Callable[..., Any]:
+    """``lowp_decode(tensors, pointer table, numel, kind, scale dtype, block, grid, fp8 table,
+    threads) -> 0 or -1`` of ``native/codes.cpp``."""
+    fn = _library("codes").lowp_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn

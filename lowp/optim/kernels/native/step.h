@@ -276,48 +276,64 @@ template <bool WRITE, typename Fn> static void tail(const Pointers &p, int64_t i
 
 static const vi ALL_VALID[2] = {(vi){} - 1, (vi){} - 1};
 
-static int64_t work(Task *t) {
+// One work unit: elements [start, end) of the tensor at ``p`` (indexed from its element 0, whose
+// global index is ``base``); stalled lanes add -1 to ``stalled``.
+static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint64_t base, TensorStreams &streams,
+                             const rule_uniform &r, const vf &factor, vi &stalled) {
   const vi *valid = ALL_VALID;
+  int64_t i = start;
+  // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
+  // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
+  for (; i + GROUP <= end; i += GROUP) {
+    vf u[GROUP / 16][2];
+    for (int64_t j = 0; j < GROUP; j += 16)
+      update_block(p, i + j, r, factor, streams.at(base + i + j), u[j / 16]);
+    for (int64_t j = 0; j < GROUP; j += 16)
+      write_back_block(p, i + j, streams.at(base + i + j), u[j / 16], valid, stalled);
+  }
+  for (; i + 16 <= end; i += 16) {
+    vf u[2];
+    const Rng rng = streams.at(base + i);
+    update_block(p, i, r, factor, rng, u);
+    write_back_block(p, i, rng, u, valid, stalled);
+  }
+  if (i < end)
+    tail<true>(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
+      vf u[2];
+      const Rng rng = streams.at(base + i);
+      update_block(q, 0, r, factor, rng, u);
+      write_back_block(q, 0, rng, u, lanes_valid, stalled);
+    });
+}
+
+// The units of ``t`` taken from its counter until none is left, each through ``unit(tensor, p,
+// start, end, base, streams, r, factor, stalled)`` (step_unit's arguments after the tensor's
+// index); returns the stalled count.
+template <typename Unit> static int64_t work_units(Task *t, Unit &&unit) {
   const vf factor = bc(t->factor);
   int64_t total = 0, tensor = 0;
   const Numbers n = t->n;
   vf tn[TENSOR_NUMBERS + 1];
-  for (int64_t unit; (unit = t->next.fetch_add(1)) < t->units();) {
+  for (int64_t index; (index = t->next.fetch_add(1)) < t->units();) {
     int64_t start, end;
-    t->range(unit, tensor, start, end);
+    t->range(index, tensor, start, end);
     const Pointers p = t->at(tensor);
     for (int j = 0; j < TENSOR_NUMBERS; j++) tn[j] = bc((float)t->tensor_numbers[tensor * TENSOR_NUMBERS + j]);
     rule_uniform r;  // the rule's values that are the same for every element: once per unit
     rule_prepare(n, tn, r);
     vi stalled = {};
-    int64_t i = start;
     TensorStreams streams{t->keys + tensor * STREAMS};
-    const uint64_t base = (uint64_t)t->offset[tensor];  // global index of local element 0
-    // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
-    // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
-    for (; i + GROUP <= end; i += GROUP) {
-      vf u[GROUP / 16][2];
-      for (int64_t j = 0; j < GROUP; j += 16)
-        update_block(p, i + j, r, factor, streams.at(base + i + j), u[j / 16]);
-      for (int64_t j = 0; j < GROUP; j += 16)
-        write_back_block(p, i + j, streams.at(base + i + j), u[j / 16], valid, stalled);
-    }
-    for (; i + 16 <= end; i += 16) {
-      vf u[2];
-      const Rng rng = streams.at(base + i);
-      update_block(p, i, r, factor, rng, u);
-      write_back_block(p, i, rng, u, valid, stalled);
-    }
-    if (i < end)
-      tail<true>(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
-        vf u[2];
-        const Rng rng = streams.at(base + i);
-        update_block(q, 0, r, factor, rng, u);
-        write_back_block(q, 0, rng, u, lanes_valid, stalled);
-      });
+    unit(tensor, p, start, end, (uint64_t)t->offset[tensor], streams, r, factor, stalled);
     for (int l = 0; l < 8; l++) total -= stalled[l];
   }
   return total;
+}
+
+static int64_t work(Task *t) {
+  return work_units(t, [](int64_t, const Pointers &p, int64_t start, int64_t end, uint64_t base,
+                          TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
+    step_unit(p, start, end, base, streams, r, factor, stalled);
+  });
 }
 
 static int thread_count(int threads, int64_t units) {

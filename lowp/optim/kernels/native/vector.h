@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 #ifndef LOWP_MODE
 #error "a variant defines LOWP_MODE, LOWP_W, LOWP_G, LOWP_B, LOWP_NSTATES, LOWP_STATE_TYPES, LOWP_SR, LOWP_COUNT, LOWP_NUMBERS, LOWP_TENSOR_NUMBERS and LOWP_REDUCTION"
 #endif
@@ -43,16 +45,7 @@ static_assert(MODE != EXACT || (WT == BF16 && BT == I16), "exact mode: bf16 weig
 static_assert(MODE != EXACT8 || (WT == BF16 && BT == I8), "exact8 mode: bf16 weights and an int8 remainder");
 static_assert(MODE != STOCHASTIC || WT == BF16 || WT == F16, "stochastic write-back: bf16 or fp16 weights");
 
-typedef float vf __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-typedef uint16_t vh __attribute__((vector_size(16)));
-
-static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
-static inline vu bcu(uint32_t x) { return (vu)_mm256_set1_epi32((int)x); }
-static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-static inline vf sqrt_(vf a) { return (vf)_mm256_sqrt_ps((__m256)a); }  // correctly rounded
-static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
+typedef uint16_t vh __attribute__((vector_size(16)));  // 8 lanes of 16 bits (exact8's remainder pairs)
 
 // ---- loads and stores of 16 elements as (even, odd) fp32 vectors ------------------------------
 static inline void deinterleave(vf a, vf b, vf &even, vf &odd) {
@@ -166,26 +159,6 @@ template <int DT> static inline void store(void *base, int64_t i, vf lo, vf hi) 
       memcpy((float *)base + i + 8, &b, 32);
     }
   }
-}
-
-// ---- counter-based random bits (lowp/optim/randomness.py) ---------------------------------------
-// random16(i, key) = hash32(lo32(i) ^ key ^ hash32(hi32(i))) >> 16. The key with the high half
-// folded in is computed per block on the host side of the vectors (scalar_hash32); hash32's last
-// xor-shift leaves the top 16 bits alone, so random16 skips it.
-static inline uint32_t scalar_hash32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x ^ (x >> 16);
-}
-
-static inline vu random16(vu x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x >> 16;
 }
 
 // ---- what a rule reads besides the tensors ------------------------------------------------------

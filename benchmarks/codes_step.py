@@ -1,0 +1,109 @@
+"""AdamW steps with block-scaled 8-bit, fp8 and 4-bit states against the same step with bf16
+states (the named baseline, measured in the same run), on the native backend, plus the native
+codec alone (decode + encode, ns per element).
+
+    python benchmarks/codes_step.py --sizes 8M,32M --threads 1,2 [--rounds 3]
+
+bf16 weights, Kahan write-back (AdamW's default for them), states rounded stochastically (the
+default), blocks of 64 with bf16 scales (the defaults).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import lowp.optim as lo
+from lowp.optim.codes import CODES, codes_shape, scales_shape
+from lowp.optim.kernels import native_codes
+from lowp.optim.speed import parse_size
+
+#: name -> state_dtype (``None``: bf16 states, the baseline)
+CONFIGS: dict[str, dict[str, torch.dtype] | None] = {
+    "bf16 states": None,
+    "int8 / uint8": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+    "e4m3 / e4m3": {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.float8_e4m3fn},
+    "int8 / uint4": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint4},  # type: ignore[attr-defined]
+}
+
+
+def step_seconds(numel: int, rounds: int, chunk_size: int | None) -> dict[str, float]:
+    """Per configuration, the fastest of ``rounds`` AdamW steps over one bf16 parameter of
+    ``numel`` elements; the configurations take turns, so a change of the machine's load touches
+    them all alike."""
+    gen = torch.Generator().manual_seed(0)
+    steps = {}
+    for name, state_dtype in CONFIGS.items():
+        p = torch.nn.Parameter(torch.randn(numel, generator=gen).bfloat16())
+        p.grad = torch.randn(numel, generator=gen).bfloat16()
+        extra: dict = {} if state_dtype is None else {"state_dtype": state_dtype}
+        if chunk_size is not None:
+            extra["chunk_size"] = chunk_size
+        opt = lo.AdamW([p], lr=1e-3, backend="native", **extra)
+        opt.step()
+        steps[name] = opt.step
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def codec_ns(numel: int, code_dtype: torch.dtype, rounds: int) -> tuple[float, float]:
+    """(decode, encode with stochastic rounding) of ``numel`` elements, ns per element."""
+    code = CODES[code_dtype]
+    x = torch.randn(numel)
+    x = x if code.signed else x.square()
+    codes = torch.empty(codes_shape(code, x.shape), dtype=code.storage)
+    scales = torch.empty(scales_shape(numel, 64), dtype=torch.bfloat16)
+    out = torch.empty(numel)
+    bits = native_codes.CountedBits(0, 12345)
+    times = []
+    for fn in (lambda: native_codes.decode(codes, scales, code, 64, numel, out),
+               lambda: native_codes.encode(x, code, 64, codes, scales, bits)):
+        native_codes.encode(x, code, 64, codes, scales, bits)
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        times.append(best / numel * 1e9)
+    return times[0], times[1]
+
+
+def main() -> None:
+    """Run the benchmark described in the module docstring and print its tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="8M,32M", help="parameter counts, e.g. 8M,32M")
+    parser.add_argument("--threads", default="1,2", help="CPU thread counts, e.g. 1,2")
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per configuration (the best counts)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="the backend's chunk_size (default: lowp's)")
+    args = parser.parse_args()
+    if not native_codes.available():
+        raise SystemExit("codes_step: the native backend does not build here (x86-64 with AVX2 and g++ needed)")
+    print(f"torch {torch.__version__}, AdamW, bf16 weights, native backend; ratio = step time / bf16-state step time")
+    print()
+    print("| params | threads | " + " | ".join(CONFIGS) + " |")
+    print("|---|---|" + "---|" * len(CONFIGS))
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for size in args.sizes.split(","):
+            numel = parse_size(size)
+            times = step_seconds(numel, args.rounds, args.chunk_size)
+            base = times["bf16 states"]
+            cells = [f"{t * 1e3:.1f} ms ({t / base:.2f}x)" for t in times.values()]
+            print(f"| {size} | {threads} | " + " | ".join(cells) + " |")
+    print()
+    print("| codec alone, 8M elements, 1 thread | decode ns/element | encode ns/element (stochastic) |")
+    print("|---|---|---|")
+    torch.set_num_threads(1)
+    for dtype in CODES:
+        decode_ns, encode_ns = codec_ns(1 << 23, dtype, args.rounds)
+        print(f"| {CODES[dtype].name} | {decode_ns:.2f} | {encode_ns:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+// lowp block-scaled codes (lowp/optim/codes.py) in C++: encode and decode one block of B <= 256
+// elements, bit for bit as the torch definition does it. Included by codes.cpp (the codec's
+// multi-tensor entry points).
+//
+// The grid's numbers (Q, m, emin, signed) come from the Python Code at run time; what changes the
+// loads and stores is a template parameter: the storage KIND (int8, uint8, two uint4 per byte,
+// fp8) and the scale dtype S (the numbering of vector.h's Dtype: fp32, bf16, fp16).
+//
+//   encode:  t = x or sqrt(x); s = up(max|t| / Q) (NaN when the block holds a NaN or an infinity);
+//            y = t / s (0 where not finite); a = |y|; spacing = max(2^e(a), 2^emin) * 2^-m;
+//            c = a / spacing; q = min(max(R(c) * spacing, L), Q) with y's sign, L = 0 (signed codes)
+//            or 1 (unsigned codes never hold 0)
+//   decode:  y = q * s, squared for unsigned codes
+//
+// c = a / spacing is exact (a power-of-two scaling of a value below 2^(m+1)), so multiplying by
+// the reciprocal of the spacing (a power of two, built from its exponent bits) gives the same
+// bits as torch's division. The other divisions (max / Q, t / s) are true fp32 divisions, as in
+// torch.
+#pragma once
+#include <float.h>
+#include <math.h>
+#include <string.h>
+
+#include "simd.h"
+
+enum CodeKind { CODE_INT8 = 0, CODE_UINT8 = 1, CODE_UINT4 = 2, CODE_FP8 = 3 };
+enum ScaleType { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
+constexpr int MAX_BLOCK = 256;
+
+// The grid of one code (lowp.optim.codes.Code), broadcast once per call.
+struct Grid {
+  bool is_signed;
+  vf top, least, min_binade, inv_mantissa, sub_scale;
+  vu normal_shift, normal_bias;
+  const float *table;  // fp8: the fp32 value of every byte (torch's own cast), for decoding
+
+  Grid(int signed_, float q, int m, int emin, const float *lut) : is_signed(signed_ != 0), table(lut) {
+    top = bc(q);
+    least = bc(is_signed ? 0.0f : 1.0f);
+    min_binade = bc(ldexpf(1.0f, emin));
+    inv_mantissa = bc(ldexpf(1.0f, -m));
+    sub_scale = bc(ldexpf(1.0f, m - emin));                 // fp8 subnormals: q / 2^(emin - m)
+    normal_shift = bcu((uint32_t)(23 - m));                 // fp8 normals: fp32 bits >> (23 - m)
+    normal_bias = bcu((uint32_t)((127 - (1 - emin)) << m));  // minus the exponent bias difference
+  }
+};
+
+// ---- block scales ------------------------------------------------------------------------------
+template <int S> static inline float scale_at(const void *scales, int64_t b) {
+  if constexpr (S == SCALE_F32) {
+    return ((const float *)scales)[b];
+  } else if constexpr (S == SCALE_BF16) {
+    uint32_t bits = (uint32_t)((const uint16_t *)scales)[b] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return _cvtsh_ss(((const uint16_t *)scales)[b]);
+  }
+}
+
+// ``s`` (>= 0 or NaN) rounded up to S, stored as scale ``b``; returns the stored value as fp32.
+template <int S> static inline float store_scale(void *scales, int64_t b, float s) {
+  if constexpr (S == SCALE_F32) {
+    ((float *)scales)[b] = s;
+  } else if constexpr (S == SCALE_BF16) {
+    uint32_t bits;
+    memcpy(&bits, &s, 4);
+    ((uint16_t *)scales)[b] = s != s ? (uint16_t)0x7FC0 : (uint16_t)((bits + 0xFFFFu) >> 16);
+  } else {
+    uint16_t h = (uint16_t)_cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (_cvtsh_ss(h) < s) h++;  // positive values: the next one up has bits + 1
+    ((uint16_t *)scales)[b] = h;
+  }
+  return scale_at<S>(scales, b);
+}
+
+// ---- random bits of the elements of a block ------------------------------------------------------
+// Stochastic rounding draws random16(i, key) for global element index i = first + j (the element's
+// index in its whole parameter: lowp.optim.randomness), or reads bits the caller drew.
+struct CountedNoise {
+  uint64_t first;
+  uint32_t key;
+  uint64_t hi = ~0ull;
+  uint32_t k0 = 0, k1 = 0;
+
+  // the bits of elements j .. j + 7
+  inline vu at(int64_t j) {
+    const uint64_t g = first + (uint64_t)j;
+    if ((g >> 32) != hi) {
+      hi = g >> 32;
+      k0 = key ^ scalar_hash32((uint32_t)hi);
+      k1 = key ^ scalar_hash32((uint32_t)(hi + 1));
+    }
+    const uint32_t lo = (uint32_t)g;
+    const vu lanes = (vu){0, 1, 2, 3, 4, 5, 6, 7} + lo;
+    if (__builtin_expect(lo <= 0xFFFFFFF8u, 1)) return random16(lanes ^ bcu(k0));
+    const vu wrapped = (vu)(lanes < bcu(lo));  // lanes past a multiple of 2^32
+    return random16(lanes ^ (bcu(k0) ^ (wrapped & bcu(k0 ^ k1))));
+  }
+  // the noise of a block of ``n`` elements padded to a multiple of 8 (the bits are computed: no read)
+  inline CountedNoise &padded(int64_t, int32_t *) { return *this; }
+};
+
+struct DrawnNoise {
+  const int32_t *bits;
+  inline vu at(int64_t j) const {
+    vu v;
+    memcpy(&v, bits + j, 32);
+    return v;
+  }
+  // the bits of a block of ``n`` elements padded to a multiple of 8: copied into ``local``
+  inline DrawnNoise padded(int64_t n, int32_t *local) const {
+    memset(local, 0, sizeof(int32_t) * MAX_BLOCK);
+    memcpy(local, bits, sizeof(int32_t) * n);
+    return DrawnNoise{local};
+  }
+};
+
+// ---- 8 codes at a time -------------------------------------------------------------------------
+// Codes of elements j .. j + 7 of a block whose first code is ``codes`` (4-bit codes: j is even,
+// so the 8 codes are the 4 bytes from j / 2).
+template <int KIND> static inline vf load_codes(const void *codes, int64_t j, const Grid &g) {
+  const uint8_t *p = (const uint8_t *)codes;
+  if constexpr (KIND == CODE_UINT4) {
+    uint32_t w;
+    memcpy(&w, p + j / 2, 4);
+    __m256i b = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128((int)w));  // byte k in 64-bit lane k
+    __m256i lo = _mm256_and_si256(b, _mm256_set1_epi64x(0xF));
+    __m256i hi = _mm256_and_si256(_mm256_slli_epi64(b, 28), _mm256_set1_epi64x(0xF00000000ll));
+    return (vf)_mm256_cvtepi32_ps(_mm256_or_si256(lo, hi));
+  } else {
+    __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
+    if constexpr (KIND == CODE_INT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    else if constexpr (KIND == CODE_UINT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    else return (vf)_mm256_i32gather_ps(g.table, _mm256_cvtepu8_epi32(b), 4);
+  }
+}
+
+// Store the codes of the grid values ``q`` (sign included) of elements j .. j + 7.
+template <int KIND> static inline void store_codes(void *codes, int64_t j, vf q, const Grid &g) {
+  uint8_t *p = (uint8_t *)codes;
+  __m256i v;
+  if constexpr (KIND == CODE_FP8) {
+    const vu bits = (vu)q & 0x7FFFFFFFu;
+    const vf mag = (vf)bits;
+    const vu normal = (bits >> g.normal_shift) - g.normal_bias;
+    const vu subnormal = (vu)_mm256_cvttps_epi32((__m256)(mag * g.sub_scale));
+    v = (__m256i)(((mag < g.min_binade) ? subnormal : normal) | (((vu)q >> 24) & 0x80u));
+  } else {
+    v = _mm256_cvttps_epi32((__m256)q);  // integers on the grid: exact (-0 gives 0)
+  }
+  if constexpr (KIND == CODE_UINT4) {
+    // byte k = code 2k | code (2k + 1) << 4, in the low byte of 64-bit lane k
+    __m256i pairs = _mm256_or_si256(v, _mm256_srli_epi64(v, 28));
+    __m256i picked = _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, -1, -1));
+    uint16_t a = (uint16_t)_mm_extract_epi16(_mm256_castsi256_si128(picked), 0);
+    uint16_t b = (uint16_t)_mm_extract_epi16(_mm256_extracti128_si256(picked, 1), 0);
+    memcpy(p + j / 2, &a, 2);
+    memcpy(p + j / 2 + 2, &b, 2);
+  } else {
+    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    __m128i bytes = KIND == CODE_INT8 ? _mm_packs_epi16(_mm_packs_epi32(lo, hi), lo)
+                                      : _mm_packus_epi16(_mm_packus_epi32(lo, hi), lo);
+    _mm_storel_epi64((__m128i *)(p + j), bytes);
+  }
+}
+
+// ---- one block ---------------------------------------------------------------------------------
+// Encode ``n`` values (a multiple of 8, at most MAX_BLOCK) from ``x`` into the codes from
+// ``codes`` (byte offset of element 0 of the block) and scale ``b``.
+template <int KIND, int S, bool SR, typename Noise>
+static inline void encode_block(const float *x, int64_t n, void *codes, void *scales, int64_t b, const Grid &g,
+                                Noise &noise) {
+  alignas(32) float roots[MAX_BLOCK];
+  const float *t = x;
+  vf peak = {};
+  vi bad = {};
+  for (int64_t j = 0; j < n; j += 8) {
+    vf v;
+    memcpy(&v, x + j, 32);
+    if (!g.is_signed) {
+      v = sqrt_(v);
+      memcpy(roots + j, &v, 32);
+    }
+    const vf a = (vf)((vu)v & 0x7FFFFFFFu);
+    bad |= ~(vi)(a <= bc(FLT_MAX));  // NaN or infinity
+    peak = select((vi)(a > peak), a, peak);
+  }
+  if (!g.is_signed) t = roots;
+  float most = 0.0f;
+  bool spoiled = false;
+  for (int l = 0; l < 8; l++) {
+    most = peak[l] > most ? peak[l] : most;
+    spoiled |= bad[l] != 0;
+  }
+  const float s = store_scale<S>(scales, b, spoiled ? __builtin_nanf("") : most / g.top[0]);
+  const vf vs = bc(s);
+  for (int64_t j = 0; j < n; j += 8) {
+    vf v;
+    memcpy(&v, t + j, 32);
+    vf y = v / vs;
+    y = select((vi)((vf)((vu)y & 0x7FFFFFFFu) <= bc(FLT_MAX)), y, bc(0.0f));  // 0 / 0, x / 0, NaN blocks
+    const vf a = (vf)((vu)y & 0x7FFFFFFFu);
+    const vf binade = (vf)((vu)a & 0x7F800000u);
+    const vf spacing = select((vi)(binade > g.min_binade), binade, g.min_binade) * g.inv_mantissa;
+    const vf c = a * (vf)(bcu(254u << 23) - (vu)spacing);  // a / spacing, exactly
+    vf m;
+    if constexpr (SR) {
+      const vf low = (vf)_mm256_floor_ps((__m256)c);
+      const vf drawn = (vf)_mm256_floor_ps((__m256)((c - low) * bc(65536.0f))) +
+                       (vf)_mm256_cvtepi32_ps((__m256i)noise.at(j));
+      m = low + select((vi)(drawn >= bc(65536.0f)), bc(1.0f), bc(0.0f));
+    } else {
+      m = (vf)_mm256_round_ps((__m256)c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    vf q = m * spacing;
+    q = select((vi)(q < g.least), g.least, q);
+    q = select((vi)(q > g.top), g.top, q);
+    store_codes<KIND>(codes, j, (vf)((vu)q | ((vu)y & 0x80000000u)), g);
+  }
+}
+
+// byte offset of element ``i``'s code
+template <int KIND> static inline int64_t code_offset(int64_t i) { return KIND == CODE_UINT4 ? i / 2 : i; }
+
+// Decode ``n`` values (a multiple of 8) of scale ``b`` into ``out``.
+template <int KIND, int S>
+static inline void decode_block(const void *codes, int64_t n, const void *scales, int64_t b, const Grid &g,
+                                float *out) {
+  const vf s = bc(scale_at<S>(scales, b));
+  for (int64_t j = 0; j < n; j += 8) {
+    vf y = load_codes<KIND>(codes, j, g) * s;
+    if (!g.is_signed) y = y * y;
+    memcpy(out + j, &y, 32);
+  }
+}
+
+// ---- a range of whole blocks ---------------------------------------------------------------------
+// Elements [start, end) of a tensor (start at a block boundary; end at one or at the tensor's end),
+// with ``values`` holding element ``start`` first, ``codes`` and ``scales`` the tensor's own. The
+// tensor's last block may be short and need not hold a multiple of 8 elements: it goes through
+// zero-padded local buffers (zeros do not change a block's maximum; an odd uint4 tail's unused
+// high nibble is cleared to 0, as _pack4 pads). ``noise(i)``: the random bits of the block from
+// element i (unused to nearest).
+template <int KIND, int S, bool SR, typename NoiseAt>
+static inline void encode_span(const float *values, int64_t start, int64_t end, void *codes, void *scales,
+                               int64_t block, const Grid &g, NoiseAt noise) {
+  uint8_t *c = (uint8_t *)codes;
+  for (int64_t i = start; i < end; i += block) {
+    const int64_t n = end - i < block ? end - i : block;
+    auto bits = noise(i);
+    if (n % 8 == 0) {
+      encode_block<KIND, S, SR>(values + (i - start), n, c + code_offset<KIND>(i), scales, i / block, g, bits);
+      continue;
+    }
+    alignas(32) float x[MAX_BLOCK] = {};
+    alignas(32) int32_t local_bits[MAX_BLOCK];
+    alignas(32) uint8_t out[MAX_BLOCK];
+    memcpy(x, values + (i - start), sizeof(float) * n);
+    auto &&tail_bits = bits.padded(n, local_bits);
+    encode_block<KIND, S, SR>(x, (n + 7) / 8 * 8, out, scales, i / block, g, tail_bits);
+    if (KIND == CODE_UINT4 && n % 2) out[n / 2] &= 0x0F;  // the unused high nibble is 0, as _pack4 pads
+    memcpy(c + code_offset<KIND>(i), out, KIND == CODE_UINT4 ? (n + 1) / 2 : n);
+  }
+}
+
+// Decode elements [start, end) (as encode_span) into ``out`` (element ``start`` first).
+template <int KIND, int S>
+static inline void decode_span(const void *codes, const void *scales, int64_t start, int64_t end, int64_t block,
+                               const Grid &g, float *out) {
+  const uint8_t *c = (const uint8_t *)codes;
+  for (int64_t i = start; i < end; i += block) {
+    const int64_t n = end - i < block ? end - i : block;
+    if (n % 8 == 0) {
+      decode_block<KIND, S>(c + code_offset<KIND>(i), n, scales, i / block, g, out + (i - start));
+      continue;
+    }
+    alignas(32) uint8_t local[MAX_BLOCK] = {};
+    alignas(32) float y[MAX_BLOCK];
+    memcpy(local, c + code_offset<KIND>(i), KIND == CODE_UINT4 ? (n + 1) / 2 : n);
+    decode_block<KIND, S>(local, (n + 7) / 8 * 8, scales, i / block, g, y);
+    memcpy(out + (i - start), y, sizeof(float) * n);
+  }
+}

@@ -1,0 +1,286 @@
+"""The native CPU codec (lowp/optim/kernels/native_codes.py, native/codes.h) against the torch
+definition (lowp/optim/codes.py), bit for bit: every code x scale dtype x block size, awkward
+sizes, zero, NaN and infinite blocks, values at the top code, subnormal scales, every way of
+rounding; the coded step with and without it; odd inputs refused before any C++ call."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.optim import coded
+from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, codes_shape, decode, encode, scales_shape
+from lowp.optim.kernels import native_codes
+from lowp.optim.randomness import random16
+
+pytestmark = pytest.mark.skipif(not native_codes.available(), reason="needs the native kernel (x86-64 with g++)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL_CODES = list(CODES.values())
+SIZES = [1, 31, 33, 255, 257, 1001, 20011]   # odd sizes for 4-bit codes; 20011 spans two work units
+
+
+def _values(n: int, block: int, signed: bool, seed: int = 0) -> torch.Tensor:
+    """Values over many binades with, block by block: zeros, a NaN, an infinity, values at the top
+    of the grid (all equal to the peak), tiny values (subnormal scales in every scale dtype)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * 10.0 ** torch.empty(n).uniform_(-6, 3, generator=gen)
+    special = [
+        lambda b: b.zero_(),
+        lambda b: b.__setitem__(len(b) // 2, math.nan),
+        lambda b: b.__setitem__(0, -math.inf if signed else math.inf),
+        lambda b: b.fill_(3.0).__setitem__(slice(None, None, 2), -3.0 if signed else 2.9999998),
+        lambda b: b.mul_(1e-38),
+        lambda b: b.mul_(1e-44),
+        lambda b: b.mul_(1e-9),
+    ]
+    for k, blk in enumerate(x.split(block)):
+        if k % 2 == 1:
+            special[(k // 2) % len(special)](blk)
+    return x if signed else x.abs()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _pair(x: torch.Tensor, code, block: int, scale_dtype: torch.dtype):
+    """Fresh code and scale tensors for ``x``, filled with a pattern the codec must overwrite."""
+    codes = torch.full(codes_shape(code, x.shape), 0x5A, dtype=torch.uint8).view(code.storage)
+    return codes, torch.full(scales_shape(x.numel(), block), -1.0, dtype=scale_dtype)
+
+
+def _same_decoded(want: torch.Tensor, got: torch.Tensor, scale_dtype: torch.dtype) -> None:
+    """Bit for bit; NaNs decoded from an fp16 scale only at the same places: torch's own fp16 -> fp32
+    cast gives 0x7FFFFFFF for every NaN on its scalar path and keeps the payload on its vector path
+    (which the codec's F16C cast matches), so those bits depend on where torch's vector loop ends."""
+    if scale_dtype == torch.float16:
+        assert torch.equal(want.isnan(), got.isnan())
+        keep = ~want.isnan()
+        want, got = want[keep], got[keep]
+    assert torch.equal(_bits(want), _bits(got))
+
+
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
+@pytest.mark.parametrize("code", ALL_CODES, ids=lambda c: c.name)
+def test_native_codec_equals_the_torch_definition(code, scale_dtype, block):
+    data = _values(max(SIZES), block, code.signed, seed=block)
+    key = 0x9E3779B9
+    for n in SIZES:
+        x = data[:n].contiguous()
+        first = 5 * n + 3
+        drawn = random16(torch.arange(first, first + n), key)
+        for noise, native_noise in ((None, None), (drawn, drawn), (drawn, native_codes.CountedBits(first, key))):
+            want_codes, want_scales = _pair(x, code, block, scale_dtype)
+            encode(x, code, block, want_codes, want_scales, noise)
+            got_codes, got_scales = _pair(x, code, block, scale_dtype)
+            native_codes.encode(x, code, block, got_codes, got_scales, native_noise)
+            assert torch.equal(_bits(want_codes), _bits(got_codes)), (n, noise is None)
+            assert torch.equal(_bits(want_scales), _bits(got_scales)), (n, noise is None)
+        _same_decoded(decode(want_codes, want_scales, code, block, n),
+                      native_codes.decode(want_codes, want_scales, code, block, n), scale_dtype)
+
+
+@pytest.mark.parametrize("code", ALL_CODES, ids=lambda c: c.name)
+def test_every_code_byte_decodes_as_torch_decodes_it(code):
+    """Codes the encoder never writes (fp8 NaN and infinity codes, int8's -128) included."""
+    codes = torch.arange(256, dtype=torch.uint8).view(code.storage)   # 4-bit: every pair of nibbles
+    numel = 256 if code.bits == 8 else 512
+    scales = torch.tensor([0.75, -2.0, 3.0e-39, 1.0e30, math.inf, 0.0, -0.0, 1.5] * 2)[:scales_shape(numel, 32)[0]]
+    want = decode(codes, scales, code, 32, numel)
+    assert torch.equal(_bits(want), _bits(native_codes.decode(codes, scales, code, 32, numel)))
+
+
+def test_random_bits_across_a_multiple_of_2_to_the_32():
+    """CountedBits draws random16 of the global index, whose high 32 bits change mid-tensor."""
+    code = CODES[torch.uint8]
+    n, first, key = 3000, (1 << 32) - 1234, 77
+    x = _values(n, 64, False, seed=3)
+    x = torch.where(x.isfinite(), x, 1.0)
+    want_codes, want_scales = _pair(x, code, 64, torch.bfloat16)
+    encode(x, code, 64, want_codes, want_scales, random16(torch.arange(first, first + n), key))
+    got_codes, got_scales = _pair(x, code, 64, torch.bfloat16)
+    native_codes.encode(x, code, 64, got_codes, got_scales, native_codes.CountedBits(first, key))
+    assert torch.equal(want_codes, got_codes) and torch.equal(want_scales, got_scales)
+
+
+def test_many_tensors_in_one_call_on_several_threads():
+    code, block = CODES[torch.int8], 32
+    xs = [_values(n, block, True, seed=n) for n in (70000, 1, 4097, 33)]
+    want = []
+    for x in xs:
+        c, s = _pair(x, code, block, torch.float16)
+        encode(x, code, block, c, s, random16(torch.arange(x.numel()) + 11, 5))
+        want.append((c, s))
+    got = [_pair(x, code, block, torch.float16) for x in xs]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native_codes.encode_many([native_codes.Encoding(x, c, s, native_codes.CountedBits(11, 5))
+                                  for x, (c, s) in zip(xs, got)], code, block)
+    finally:
+        torch.set_num_threads(threads)
+    for (wc, ws), (gc, gs) in zip(want, got):
+        assert torch.equal(wc, gc) and torch.equal(_bits(ws), _bits(gs))
+
+
+def _adamw_run(backend: str, steps: int = 3, rounding: str = "stochastic", state_dtype: dict | None = None,
+               mode: str = "kahan", shapes=((1,), (33,), (300, 7)), **kw):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in shapes]
+    state_dtype = state_dtype or {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+    opt = lo.AdamW(params, lr=1e-2, backend=backend, chunk_size=512, seed=3, state_dtype=state_dtype,
+                   state_rounding=rounding, mode=mode, **kw)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 + t)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+        opt.step()
+    return params, opt
+
+
+def _states(run) -> list[torch.Tensor]:
+    params, opt = run
+    return [*params, *(_bits(v) for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor))]
+
+
+def _same_runs(a, b) -> None:
+    for x, y in zip(_states(a), _states(b)):
+        assert torch.equal(x, y)
+
+
+WIDE = {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}
+
+
+@pytest.mark.parametrize("rounding, state_dtype", [("stochastic", None), ("nearest", WIDE)])
+def test_the_coded_step_is_the_same_with_and_without_the_native_codec(monkeypatch, rounding, state_dtype):
+    native_codes.COUNTS.encoded = native_codes.COUNTS.decoded = 0
+    fast = _adamw_run("foreach", rounding=rounding, state_dtype=state_dtype, state_block=32)
+    elements = 1 + 33 + 2100
+    # two states, three steps, decoded and encoded: every element through the native codec
+    assert native_codes.COUNTS.encoded == native_codes.COUNTS.decoded == 2 * 3 * elements
+    monkeypatch.setattr(coded.native_codes, "available", lambda: False)
+    native_codes.COUNTS.encoded = 0
+    slow = _adamw_run("foreach", rounding=rounding, state_dtype=state_dtype, state_block=32)
+    assert native_codes.COUNTS.encoded == 0
+    _same_runs(fast, slow)
+
+
+SHAPES = ((1,), (33,), (300, 7), (100003,))   # the last one: several work units and a short last block
+
+
+@pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
+@pytest.mark.parametrize("mode, rounding, state_dtype, extra", [
+    ("kahan", "stochastic", None, {}),
+    ("stochastic", "nearest", WIDE, {"state_block": 256, "state_scale_dtype": torch.float16}),
+    ("nearest", "stochastic", {"exp_avg": torch.float8_e5m2, "exp_avg_sq": torch.uint8},
+     {"state_block": 32, "state_scale_dtype": torch.float32}),
+])
+def test_the_step_kernel_with_coded_states_equals_the_decode_step_encode_passes(monkeypatch, mode, rounding,
+                                                                               state_dtype, extra):
+    """The native backend decodes and encodes inside its kernel (native/coded_step.h): the same
+    bits as the generic passes of lowp/optim/coded.py, with no work for the separate codec."""
+    native_codes.COUNTS.encoded = 0
+    fused = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
+    total = 3 * sum(math.prod(s) for s in SHAPES)
+    assert native_codes.COUNTS.encoded == 0
+    assert (fused[1].backend.fused_elements, fused[1].backend.reference_elements) == (total, 0)
+    monkeypatch.setattr(coded.native_coded, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    passes = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
+    assert native_codes.COUNTS.encoded == 2 * total
+    _same_runs(fused, passes)
+
+
+@pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
+def test_slices_the_kernel_cannot_take_go_through_the_passes_in_the_same_step():
+    """A transposed (non-contiguous) weight takes the generic passes, the others the kernel."""
+    def run(backend):
+        gen = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in [(40, 30), (5000,)]]
+        params[0] = torch.nn.Parameter(params[0].detach().t())
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=3, state_dtype={"exp_avg": torch.int8,
+                                                                              "exp_avg_sq": torch.uint8})
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+        return params, opt
+    native_codes.COUNTS.encoded = 0
+    fused = run("native")
+    assert native_codes.COUNTS.encoded == 2 * 2 * 1200   # the transposed one, two states, two steps
+    _same_runs(run("eager"), fused)
+
+
+def _bad_calls():
+    code = CODES[torch.int8]
+    x = torch.randn(100)
+    codes = torch.empty(100, dtype=torch.int8)
+    scales = torch.empty(4, dtype=torch.bfloat16)
+    buf = torch.empty(100)
+    enc = native_codes.encode
+    return [
+        ("values", lambda: enc(x.double(), code, 32, codes, scales, None)),
+        ("values", lambda: enc(torch.randn(200)[::2], code, 32, codes, scales, None)),
+        ("codes", lambda: enc(x, code, 32, codes.view(torch.uint8), scales, None)),
+        ("codes", lambda: enc(x, code, 32, codes[:99], scales, None)),
+        ("scales", lambda: enc(x, code, 32, codes, scales[:3], None)),
+        ("scales", lambda: enc(x, code, 32, codes, scales.to(torch.int16), None)),
+        ("noise", lambda: enc(x, code, 32, codes, scales, torch.zeros(99, dtype=torch.int32))),
+        ("noise", lambda: enc(x, code, 32, codes, scales, torch.zeros(100, dtype=torch.int64))),
+        ("noise", lambda: enc(x, code, 32, codes, scales, native_codes.CountedBits(0, 1 << 32))),
+        ("noise", lambda: enc(x, code, 32, codes, scales, native_codes.CountedBits((1 << 63) - 50, 1))),
+        ("block", lambda: enc(x, code, 48, codes, scales, None)),
+        ("code", lambda: enc(x, "int8", 32, codes, scales, None)),
+        ("jobs", lambda: enc(x, code, 32, x[:25].view(torch.int8), scales, None)),
+        ("out", lambda: native_codes.decode(codes, scales, code, 32, 100, torch.empty(100, dtype=torch.float64))),
+        ("out", lambda: native_codes.decode(codes, scales, code, 32, 100, torch.empty(200)[::2])),
+        ("scales", lambda: native_codes.decode(codes, scales[:2], code, 32, 100)),
+        ("jobs", lambda: native_codes.decode(buf.view(torch.int8)[:100], scales, code, 32, 100, buf)),
+        ("numel", lambda: native_codes.decode(codes, scales, code, 32, 0)),
+    ]
+
+
+@pytest.mark.parametrize("k", range(len(_bad_calls())))
+def test_odd_inputs_are_refused_with_a_clear_error_before_anything_is_written(k):
+    name, call = _bad_calls()[k]
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+def test_memory_that_could_crash_is_refused_in_a_subprocess():
+    """A freed storage (size 0, as FSDP leaves it) and a storage shorter than the shape: refused
+    with a ValueError, never read or written (run in a subprocess: a crash shows as a signal)."""
+    script = textwrap.dedent("""
+        import torch
+        from lowp.optim.codes import CODES
+        from lowp.optim.kernels import native_codes
+        code = CODES[torch.int8]
+        x = torch.randn(1 << 16)
+        codes = torch.empty(1 << 16, dtype=torch.int8)
+        scales = torch.empty(1 << 11, dtype=torch.float32)
+        freed = torch.empty(1 << 16, dtype=torch.int8)
+        freed.untyped_storage().resize_(0)
+        short = torch.randn(1 << 16)
+        short.untyped_storage().resize_(1 << 10)
+        for args in [(x, code, 32, freed, scales, None), (short, code, 32, codes, scales, None)]:
+            try:
+                native_codes.encode(*args)
+            except ValueError as e:
+                print("refused:", str(e).split(":")[0])
+        try:
+            native_codes.decode(freed, scales, code, 32, 1 << 16)
+        except ValueError as e:
+            print("refused:", str(e).split(":")[0])
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[:3] == ["refused: jobs[0].codes", "refused: jobs[0].values",
+                                             "refused: jobs[0].codes"]
