@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,8 @@ from lowp.demo.model import CharLM
 from lowp.optim import AdamW
 from lowp.optim.convert import KEEP_FP32_TYPES, cast_model
 
-__all__ = ["RUNS", "RUN_STATES", "DemoConfig", "RunResult", "train_run", "evaluate", "bytes_per_param"]
+__all__ = ["RUNS", "RUN_STATES", "DemoConfig", "RunResult", "train_run", "build_model", "param_groups", "lr_at",
+           "train_loop", "evaluate", "bytes_per_param"]
 
 #: run name -> (weight dtype, update mode)
 RUNS: dict[str, tuple[torch.dtype, str]] = {
@@ -63,6 +65,7 @@ class DemoConfig:
             loss uses the whole validation text.
         seed: seed of the initialisation, the batches and stochastic rounding (default 0).
         keep_norms_fp32: keep LayerNorm weights in fp32 in the low-precision runs (default ``False``).
+        vocab: vocabulary of the model (default 256, the byte values); the data's tokens must be below it.
     """
 
     batch_size: int = 16          # sequences of seq_len bytes per step
@@ -79,6 +82,7 @@ class DemoConfig:
     eval_batches: int = 8
     seed: int = 0
     keep_norms_fp32: bool = False
+    vocab: int = 256
 
 
 @dataclass
@@ -104,7 +108,10 @@ class RunResult:
     stalled_fraction: float = 0.0
 
 
-def _lr_at(step: int, cfg: DemoConfig) -> float:
+def lr_at(step: int, cfg: DemoConfig) -> float:
+    """The learning rate of step ``step`` (from 0): linear warm-up over ``cfg.warmup`` steps to
+    ``cfg.lr``, then ``lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`` with ``r = cfg.min_lr_ratio``
+    and ``p`` the fraction of the remaining steps done (Loshchilov & Hutter, "SGDR", 2017)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -131,23 +138,37 @@ def bytes_per_param(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return (2 * weights + states) / n
 
 
-def train_run(name: str, data: TextData, cfg: DemoConfig, progress=None) -> RunResult:
-    """Train one run; ``progress`` (a tqdm bar or ``None``) is advanced once per step."""
-    dtype, mode = RUNS[name]
+def build_model(cfg: DemoConfig, dtype: torch.dtype) -> CharLM:
+    """The demo model of ``cfg``, initialised from ``cfg.seed`` in fp32 and then cast to ``dtype``
+    (LayerNorm weights stay fp32 with ``cfg.keep_norms_fp32``)."""
     torch.manual_seed(cfg.seed)
-    model = CharLM(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq_len=cfg.seq_len)
+    model = CharLM(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq_len=cfg.seq_len)
     if dtype != torch.float32:
         cast_model(model, dtype, keep_types=KEEP_FP32_TYPES if cfg.keep_norms_fp32 else (), keep_names=())
+    return model
+
+
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """Two parameter groups: the matrices (decayed) and the rest (biases, norms and positions),
+    whose ``weight_decay`` is 0."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "pos"]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "pos")]
-    opt = AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.99),
-                weight_decay=cfg.weight_decay, mode=mode, seed=cfg.seed, state_dtype=RUN_STATES.get(name))
+    return [{"params": decay}, {"params": other, "weight_decay": 0.0}]
+
+
+def train_loop(model: CharLM, opt: torch.optim.Optimizer, data: TextData, cfg: DemoConfig, progress=None,
+               on_eval: Callable[[int], None] | None = None) -> tuple[list[tuple[int, float]], float]:
+    """Train ``model`` with ``opt`` (any torch optimizer) for ``cfg.steps`` steps on batches of
+    ``data`` drawn from ``cfg.seed + 1``, the learning rate following :func:`lr_at`; every
+    ``cfg.eval_every`` steps and at the last, the loss on the first ``cfg.eval_batches``
+    validation batches joins the curve and ``on_eval(step)`` is called. Returns the curve and
+    the seconds taken; ``progress`` (a tqdm bar or ``None``) is advanced once per step."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     val = data.val_batches(64, cfg.seq_len)
-    curve, stalled, start = [], [], time.perf_counter()
+    curve, start = [], time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg)
         x, y = data.batch(cfg.batch_size, cfg.seq_len, gen)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
@@ -155,9 +176,21 @@ def train_run(name: str, data: TextData, cfg: DemoConfig, progress=None) -> RunR
         opt.step()
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             curve.append((step + 1, evaluate(model, val[: cfg.eval_batches])))
-            stalled.append(opt.diagnostics()[0]["stalled_fraction"])
+            if on_eval is not None:
+                on_eval(step + 1)
         if progress is not None:
             progress.update(1)
-    seconds = time.perf_counter() - start
-    return RunResult(name, evaluate(model, val), bytes_per_param(model, opt), seconds, curve,
-                     stalled[-1])
+    return curve, time.perf_counter() - start
+
+
+def train_run(name: str, data: TextData, cfg: DemoConfig, progress=None) -> RunResult:
+    """Train one run; ``progress`` (a tqdm bar or ``None``) is advanced once per step."""
+    dtype, mode = RUNS[name]
+    model = build_model(cfg, dtype)
+    opt = AdamW(param_groups(model), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, mode=mode,
+                seed=cfg.seed, state_dtype=RUN_STATES.get(name))
+    stalled: list[float] = []
+    curve, seconds = train_loop(model, opt, data, cfg, progress,
+                                lambda step: stalled.append(opt.diagnostics()[0]["stalled_fraction"]))
+    return RunResult(name, evaluate(model, data.val_batches(64, cfg.seq_len)), bytes_per_param(model, opt),
+                     seconds, curve, stalled[-1])
