@@ -365,10 +365,10 @@ def reduce_scatter_checks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def placement_errors(world_size: int) -> dict[str, Any]:
-    """A ``Partial`` parameter is refused when the optimizer is built (message and whether the
-    parameter kept its bits)."""
+    """A ``Partial`` parameter, and block-scaled states of a ``Shard(0)`` one, are refused when
+    the optimizer is built (messages and whether the parameter kept its bits)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor, Partial, Shard
     mesh = init_device_mesh("cpu", (world_size,))
     local = torch.arange(6, dtype=torch.float32).bfloat16()
     p = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Partial()], run_check=False))
@@ -377,4 +377,11 @@ def placement_errors(world_size: int) -> dict[str, Any]:
         message = ""
     except TypeError as exc:
         message = str(exc)
-    return {"partial": message, "unchanged": torch.equal(p.to_local(), local)}
+    # block-scaled states of a sharded parameter are refused (their scales are per local shard)
+    q = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False))
+    try:
+        lo.AdamW([q], state_dtype={"exp_avg": torch.int8})
+        coded = ""
+    except ValueError as exc:
+        coded = str(exc)
+    return {"partial": message, "unchanged": torch.equal(p.to_local(), local), "coded": coded}

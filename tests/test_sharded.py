@@ -218,6 +218,7 @@ def test_unsupported_placement_is_refused(two_ranks):
     for results in ranks:
         assert "params" in results["errors"]["partial"] and "Partial" in results["errors"]["partial"]
         assert results["errors"]["unchanged"]
+        assert "state_dtype['exp_avg']" in results["errors"]["coded"] and "DTensor" in results["errors"]["coded"]
 
 
 def _compressed_inputs(world_size: int) -> torch.Tensor:
