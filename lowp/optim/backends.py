@@ -27,8 +27,10 @@ import torch
 
 from lowp.optim.kernels import CompiledKernel, Kernel, NativeKernel, TritonKernel, compiler_available, \
     native_available, triton_available
+from lowp.optim.kernels import native_coded
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import partition
+from lowp.optim.codes import Code
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
@@ -90,6 +92,14 @@ class Backend(ABC):
             for i, ok in zip(plain, torch.isfinite(extremes).all(dim=1).tolist()):
                 flags[i] = ok
         return flags
+
+    def run_coded(self, optimizer: "LowpOptimizer", ctx: StepContext, items: list[native_coded.CodedSlice],
+                  codes: dict[str, Code], block: int) -> tuple[torch.Tensor | None, list[native_coded.CodedSlice]]:
+        """Step the slices with block-scaled states that a kernel decodes and encodes itself
+        (``items``: (slice, block scales by state name); ``codes``: the coded states' codes by
+        name). Returns (their stalled count, ``None`` when none was taken; the items left for the
+        decode-step-encode passes of :mod:`lowp.optim.coded`). Default: none taken."""
+        return None, list(items)
 
     def pieces(self, optimizer: "LowpOptimizer", slices: list[ParamSlice]) -> Iterator[ParamSlice]:
         """The slices, cut into chunks when the optimizer's update is elementwise."""
@@ -222,6 +232,17 @@ class FusedBackend(Backend):
         if fused:
             counts.append(self.kernel.run(spec, ctx, fused))
         return _total(counts)
+
+    def run_coded(self, optimizer, ctx, items, codes, block):
+        """The native kernel decodes and encodes block-scaled states inside its step
+        (:mod:`lowp.optim.kernels.native_coded`) for the slices it admits."""
+        spec = optimizer.kernel_spec()
+        if not isinstance(self.kernel, NativeKernel) or spec is None or not optimizer.elementwise:
+            return None, list(items)
+        taken, rest = native_coded.admitted(self.kernel, spec, ctx, items, codes, block)
+        if not taken:
+            return None, rest
+        return torch.tensor(native_coded.run(self.kernel, spec, ctx, taken, codes, block), dtype=torch.int64), rest
 
     def _fallback(self, optimizer, ctx, slices):
         if not isinstance(self.fallback, FusedBackend):

@@ -15,8 +15,9 @@ chunk size, bit for bit.
 
 On the CPU the decode and encode passes take the native codec
 (:mod:`lowp.optim.kernels.native_codes`: one C++ call per state and batch, the fp32 copies in the
-step's scratch buffers) where it builds, and ``backend="native"`` runs all three inside its kernel
-for the slices it admits (:mod:`lowp.optim.kernels.native_coded`); the torch functions of
+step's scratch buffers) where it builds, and a backend may run all three inside its kernel
+(:meth:`~lowp.optim.backends.Backend.run_coded`: ``backend="native"`` for the slices
+:mod:`lowp.optim.kernels.native_coded` admits); the torch functions of
 :mod:`lowp.optim.codes` are the definition and the path for everything else.
 """
 from __future__ import annotations
@@ -27,8 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, Code, decode, encode
-from lowp.optim.kernels import native_coded, native_codes
-from lowp.optim.kernels.native import NativeKernel
+from lowp.optim.kernels import native_codes
 from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import ParamSlice, StepContext
@@ -162,13 +162,10 @@ def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, 
     counts: list[torch.Tensor] = []
     batch: list[_Piece] = []
     held = 0
-    kernel, spec = getattr(backend, "kernel", None), optimizer.kernel_spec()
-    if isinstance(kernel, NativeKernel) and spec is not None and elementwise:
-        codes = {c.name: c.code for c in coded}
-        taken, rest = native_coded.admitted(kernel, spec, ctx, list(zip(slices, scales)), codes, block)
-        if taken:
-            counts.append(torch.tensor(native_coded.run(kernel, spec, ctx, taken, codes, block), dtype=torch.int64))
-            slices, scales = [s for s, _ in rest], [sc for _, sc in rest]
+    taken, rest = backend.run_coded(optimizer, ctx, list(zip(slices, scales)), {c.name: c.code for c in coded}, block)
+    if taken is not None:
+        counts.append(taken)
+    slices, scales = [s for s, _ in rest], [sc for _, sc in rest]
 
     def flush() -> None:
         nonlocal held
