@@ -8,6 +8,7 @@ gathered) for the test process to compare with a single-process run.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +57,16 @@ def run_steps(opt, params: list[torch.Tensor], set_grad, steps: range, nan_at=No
 
 
 def snapshot(opt, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full plain copies of every parameter and state (a collective for DTensors)."""
+    """Full plain copies of every parameter and state (a collective for DTensors); fp8 codes as
+    their bytes (pickle cannot bring fp8 tensors back from a rank)."""
     from lowp.optim.sharding import gather
     out = {}
     for i, p in enumerate(params):
         out[f"p{i}"] = gather(p.detach()).clone()
         for k, v in opt.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
-                out[f"p{i}.{k}"] = gather(v).clone()
+                full = gather(v).clone()
+                out[f"p{i}.{k}"] = full.view(torch.uint8) if full.dtype.itemsize == 1 else full
     return out
 
 
@@ -101,25 +104,27 @@ class Bag(torch.nn.Module):
         self.ws = torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in tensors])
 
 
-def fsdp_params(world_size: int) -> list[torch.Tensor]:
-    """:func:`full_params` sharded by ``fully_shard`` (bf16 and fp32 parameters in separate units)."""
+def fsdp_params(world_size: int, full: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """:func:`full_params` (or ``full``: bf16 tensors and a last fp32 one) sharded by ``fully_shard``
+    (bf16 and fp32 parameters in separate units)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (world_size,))
-    full = full_params()
+    full = full_params() if full is None else full
     low, high = Bag(full[:-1]), Bag(full[-1:])
     fully_shard(low, mesh=mesh)
     fully_shard(high, mesh=mesh)
     return [*low.ws, *high.ws]
 
 
-def tp_params(world_size: int, placement: str) -> list[torch.Tensor]:
-    """:func:`full_params` distributed with ``Shard(1)`` (matrices; vectors ``Shard(0)``) or ``Replicate()``."""
+def tp_params(world_size: int, placement: str, full: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """:func:`full_params` (or ``full``) distributed with ``Shard(1)`` (matrices; vectors
+    ``Shard(0)``) or ``Replicate()``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world_size,))
     out = []
-    for t in full_params():
+    for t in full_params() if full is None else full:
         pl = Replicate() if placement == "replicate" else Shard(1 if t.dim() > 1 else 0)
         out.append(torch.nn.Parameter(distribute_tensor(t, mesh, [pl], src_data_rank=None)))
     return out
@@ -186,25 +191,138 @@ def state_dict_case(world_size: int, name: str, mode: str, plain_sd: dict[str, A
     return out
 
 
+# ---- block-scaled states --------------------------------------------------------------------------
+#: bf16 shapes in blocks of 32: whole blocks per FSDP shard at 2 ranks (rows; 32 of the 64-vector)
+#: and per Shard(1) shard of (6, 64) and (3, 128); (5, 40) splits blocks under any sharding, and so
+#: does the vector at 4 ranks (16 elements each): their codes are replicated
+CODED_SHAPES = [(6, 64), (64,), (5, 40), (3, 128)]
+CODED_STATES: dict[str, dict[str, torch.dtype]] = {
+    "int8-uint4": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint4},  # type: ignore[attr-defined]
+    "e4m3-uint8": {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint8}}
+CODED_CASES = [(layout, states, backend) for layout in ("fsdp", "shard1") for states in CODED_STATES
+               for backend in ("fused", "unfused")]
+
+
+def coded_full(seed: int) -> list[torch.Tensor]:
+    """Parameters (``seed`` 0) or a step's gradients: bf16 tensors of :data:`CODED_SHAPES` and
+    an fp32 vector of 32."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).bfloat16() for s in CODED_SHAPES] + [torch.randn(32, generator=g)]
+
+
+def coded_optimizer(params: list[torch.Tensor], states: str, backend: str = "fused", **extra: Any):
+    """AdamW in Kahan mode with block-scaled states in blocks of 32, rounded stochastically."""
+    extra = {"state_dtype": CODED_STATES[states], **BACKENDS[backend], **extra}
+    return lo.AdamW(params, lr=1e-2, weight_decay=0.1, mode="kahan", seed=7, state_block=32, **extra)
+
+
+def coded_steps(opt, params: list[torch.Tensor], set_grad, steps: range) -> None:
+    for t in steps:
+        for p, g in zip(params, coded_full(100 + t)):
+            set_grad(p, g)
+        opt.step()
+
+
+def _set_plain_grad(p, g) -> None:
+    p.grad = g.clone()
+
+
+def coded_reference(states: str, backend: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The single-process run of a coded case on plain tensors."""
+    params = [p.clone().requires_grad_() for p in coded_full(0)]
+    opt = coded_optimizer(params, states, backend)
+    coded_steps(opt, params, _set_plain_grad, range(steps))
+    return snapshot(opt, params)
+
+
+def coded_state_dict(states: str, steps: int, state_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """``state_dict()`` of the single-process coded run after ``steps`` steps (with ``state_dtype``:
+    of the same run with those float states instead, to be encoded on load)."""
+    params = [p.clone().requires_grad_() for p in coded_full(0)]
+    extra = {} if state_dtype is None else {"state_dtype": state_dtype}
+    opt = coded_optimizer(params, states, **extra)
+    coded_steps(opt, params, _set_plain_grad, range(steps))
+    return opt.state_dict()
+
+
+def coded_resumed(states: str, backend: str, sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The single-process coded run's weights after ``STEPS - 1`` steps, stepped once more by a
+    fresh optimizer that loaded ``sd``."""
+    params = [p.clone().requires_grad_() for p in coded_full(0)]
+    coded_steps(coded_optimizer(params, states, backend), params, _set_plain_grad, range(STEPS - 1))
+    fresh = coded_optimizer(params, states, backend)
+    fresh.load_state_dict(sd)
+    coded_steps(fresh, params, _set_plain_grad, range(STEPS - 1, STEPS))
+    return snapshot(fresh, params)
+
+
+def coded_case(world_size: int, layout: str, states: str, backend: str, plain_sds: dict[str, Any]
+               ) -> dict[str, Any]:
+    """The coded run on sharded parameters, its codes' placements, and its ``state_dict`` after
+    ``STEPS - 1`` steps loaded into a fresh sharded and a single-process optimizer, plus the
+    single-process dicts ``plain_sds`` (coded, and with bf16 states) loaded into sharded ones;
+    each takes the last step."""
+    full = coded_full(0)
+    params = fsdp_params(world_size, full) if layout == "fsdp" else tp_params(world_size, layout, full)
+    opt = coded_optimizer(params, states, backend)
+    coded_steps(opt, params, set_dtensor_grad, range(STEPS - 1))
+    sd = copy.deepcopy(opt.state_dict())   # the optimizer steps on: its dict holds the live states
+    weights = [p.detach().to_local().clone() for p in params]
+    coded_steps(opt, params, set_dtensor_grad, range(STEPS - 1, STEPS))
+    out: dict[str, Any] = {"run": snapshot(opt, params), "elements": elements(opt),
+                           "placements": [str(tuple(opt.state[p]["exp_avg_scale"].placements)) for p in params],
+                           "local_codes": [opt.state[p]["exp_avg"].to_local().numel() for p in params]}
+    for tag, source in (("resumed", sd), *plain_sds.items()):
+        for p, w0 in zip(params, weights):   # back to the weights after STEPS - 1 steps
+            p.detach().to_local().copy_(w0)
+        fresh = coded_optimizer(params, states, backend)
+        fresh.load_state_dict(source)
+        coded_steps(fresh, params, set_dtensor_grad, range(STEPS - 1, STEPS))
+        out[tag] = snapshot(fresh, params)
+    from lowp.optim.sharding import gather
+    for p, w0 in zip(params, weights):
+        p.detach().to_local().copy_(w0)
+    plain = [gather(p.detach()).clone().requires_grad_() for p in params]
+    single = coded_optimizer(plain, states, backend)
+    single.load_state_dict(sd)
+    coded_steps(single, plain, _set_plain_grad, range(STEPS - 1, STEPS))
+    out["to_plain"] = snapshot(single, plain)
+    return out
+
+
 # ---- checkpoints ------------------------------------------------------------------------------
-def mlp(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+#: ``mode`` names a DCP case of this write-back mode with fp32 states; ``CODED`` one with
+#: block-scaled states on a wider MLP whose blocks of 32 fit some shards and not others
+CODED = "coded"
+
+
+def mlp(dtype: torch.dtype = torch.bfloat16, coded: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(dtype)
+    inputs, width, out = (32, 64, 8) if coded else (8, 16, 4)
+    return torch.nn.Sequential(torch.nn.Linear(inputs, width), torch.nn.GELU(),
+                               torch.nn.Linear(width, out)).to(dtype)
+
+
+def _dcp_optimizer(model: torch.nn.Module, mode: str):
+    if mode == CODED:
+        return lo.AdamW(model.parameters(), lr=1e-2, seed=3, state_block=32, fused=True,
+                        state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    return lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
 
 
 def plain_train(mode: str) -> dict[str, Any]:
     """The unsharded single-process run of :func:`train_save` (bf16 MLP, lowp AdamW)."""
-    model = mlp()
-    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
+    model = mlp(coded=mode == CODED)
+    opt = _dcp_optimizer(model, mode)
     losses = _train(model, opt, range(4))
     return {"losses": losses, "model": _full_model(model), "optim": _full_optim(opt)}
 
 
-def _dcp_model(world_size: int, mp: str | None = None):
+def _dcp_model(world_size: int, mp: str | None = None, coded: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (world_size,))
-    model = mlp(torch.float32 if mp else torch.bfloat16)
+    model = mlp(torch.float32 if mp else torch.bfloat16, coded)
     policy = MixedPrecisionPolicy() if mp is None else MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if mp == "fp32" else torch.bfloat16)
     for layer in (model[0], model[2]):
@@ -217,8 +335,8 @@ def _train(model, opt, steps: range) -> list[float]:
     losses = []
     for t in steps:
         g = torch.Generator().manual_seed(50 + t)
-        x = torch.randn(12, 8, generator=g)
-        y = torch.randn(12, 4, generator=g)
+        x = torch.randn(12, model[0].in_features, generator=g)
+        y = torch.randn(12, model[-1].out_features, generator=g)
         loss = torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
         loss.backward()
         opt.step()
@@ -242,8 +360,8 @@ def train_save(rank: int, world_size: int, folder: str, mode: str, mp: str | Non
     """Train 2 steps, save a DCP checkpoint, train 2 more; return the losses, final weights and states."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    model = _dcp_model(world_size, mp)
-    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
+    model = _dcp_model(world_size, mp, mode == CODED)
+    opt = _dcp_optimizer(model, mode)
     losses = _train(model, opt, range(2))
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
@@ -258,8 +376,8 @@ def load_continue(rank: int, world_size: int, folder: str, mode: str) -> dict[st
     """Load the checkpoint into a fresh model and optimizer, train the last 2 steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model = _dcp_model(world_size)
-    opt = lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
+    model = _dcp_model(world_size, coded=mode == CODED)
+    opt = _dcp_optimizer(model, mode)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=folder)
@@ -279,6 +397,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``load``: checkpoints ``<mode>-<world size it was saved at>`` to resume here;
     - ``mp``: ``reduce_dtype`` names of mixed-precision runs (fp32 parameters, bf16 compute);
     - ``state_dict``: cases ``(optimizer, mode, single-process state_dict)`` of :func:`state_dict_case`;
+    - ``coded``: cases of :func:`coded_case` with the single-process dicts it loads;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
     - ``errors``: :func:`placement_errors`.
     """
@@ -296,6 +415,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     for mp in spec.get("mp", []):
         out["mp"][mp] = train_save(rank, world_size, str(folder / f"mp-{mp}-{world_size}"), "kahan", mp)
     out["state_dict"] = [state_dict_case(world_size, *c) for c in spec.get("state_dict", [])]
+    plain_sds = spec.get("coded_state_dicts", {})
+    out["coded"] = [coded_case(world_size, *c, plain_sds.get(c[1], {})) for c in spec.get("coded", [])]
     if spec.get("reduce_scatter"):
         out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
     if spec.get("errors"):
@@ -365,10 +486,10 @@ def reduce_scatter_checks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def placement_errors(world_size: int) -> dict[str, Any]:
-    """A ``Partial`` parameter, and block-scaled states of a ``Shard(0)`` one, are refused when
-    the optimizer is built (messages and whether the parameter kept its bits)."""
+    """A ``Partial`` parameter is refused when the optimizer is built (the message and whether the
+    parameter kept its bits)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.distributed.tensor import DTensor, Partial
     mesh = init_device_mesh("cpu", (world_size,))
     local = torch.arange(6, dtype=torch.float32).bfloat16()
     p = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Partial()], run_check=False))
@@ -377,11 +498,4 @@ def placement_errors(world_size: int) -> dict[str, Any]:
         message = ""
     except TypeError as exc:
         message = str(exc)
-    # block-scaled states of a sharded parameter are refused (their scales are per local shard)
-    q = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False))
-    try:
-        lo.AdamW([q], state_dtype={"exp_avg": torch.int8})
-        coded = ""
-    except ValueError as exc:
-        coded = str(exc)
-    return {"partial": message, "unchanged": torch.equal(p.to_local(), local), "coded": coded}
+    return {"partial": message, "unchanged": torch.equal(p.to_local(), local)}

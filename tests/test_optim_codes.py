@@ -162,9 +162,9 @@ def _steps(params, opt, first: int, last: int) -> None:
 
 
 def _run(cls, backend: str, steps: int = 4, chunk_size: int = 1 << 17, mode: str = "kahan", wide: bool = False,
-         **kw):
+         shapes: list[tuple[int, ...]] = SHAPES, **kw):
     gen = torch.Generator().manual_seed(0)
-    params = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in SHAPES]
+    params = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in shapes]
     opt = cls(params, lr=1e-2, backend=backend, chunk_size=chunk_size, mode=mode, seed=7,
               state_dtype=_state_dtype(cls, wide), **kw)
     _steps(params, opt, 0, steps)
@@ -236,6 +236,32 @@ def test_states_are_one_byte_and_blocks_of_scales():
     params, opt = _run(lo.AdamW, "eager", steps=1, wide=True)
     wide = opt.state[params[-1]]
     assert wide["exp_avg_sq"].shape == (1500,) and wide["exp_avg"].dtype == torch.float8_e4m3fn
+
+
+def test_codes_keep_the_rows_of_a_parameter_whose_rows_hold_whole_blocks():
+    """Codes and scales keep the leading dimensions when the last one holds whole blocks (so a
+    shard of rows holds its own blocks), else they are flat; the bytes are those of the flat
+    layout either way, so a checkpoint saved flat loads, and a wrong element count is refused."""
+    shapes = [(65, 7), (3, 128)]
+    params, opt = _run(lo.AdamW, "foreach", steps=2, wide=True, shapes=shapes)
+    flat, rows = opt.state[params[0]], opt.state[params[1]]   # blocks of 64
+    assert rows["exp_avg"].shape == (3, 128) and rows["exp_avg_sq"].shape == (3, 64)
+    assert rows["exp_avg_scale"].shape == rows["exp_avg_sq_scale"].shape == (3, 2)
+    assert flat["exp_avg_sq"].shape == (228,) and flat["exp_avg_scale"].shape == (8,)
+    full = _run(lo.AdamW, "foreach", steps=4, wide=True, shapes=shapes)
+    sd = copy.deepcopy(opt.state_dict())
+    for name in ("exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+        sd["state"][1][name] = sd["state"][1][name].reshape(-1)
+    copies = [p.detach().clone() for p in params]
+    again = lo.AdamW(copies, lr=1e-2, backend="foreach", mode="kahan", seed=7,
+                     state_dtype=_state_dtype(lo.AdamW, wide=True))
+    again.load_state_dict(sd)
+    assert again.state[copies[1]]["exp_avg_scale"].shape == (3, 2)
+    _steps(copies, again, 2, 4)
+    _same(full, (copies, again))
+    sd["state"][1]["exp_avg_scale"] = sd["state"][1]["exp_avg_scale"][:5]
+    with pytest.raises(ValueError, match="'exp_avg_scale': 5 elements, expected 6"):
+        again.load_state_dict(sd)
 
 
 def test_resume_from_a_checkpoint_is_bit_identical():

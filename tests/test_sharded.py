@@ -9,6 +9,9 @@ comparison is bit for bit against a single-process run on plain tensors.
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import pytest
 import torch
 
@@ -63,11 +66,20 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
         assert torch.equal(_bits(got[k]), _bits(want[k])), f"{what}: {k} differs"
 
 
+@functools.cache
+def coded_dicts() -> dict[str, dict[str, dict]]:
+    """Per coded case's states: single-process state dicts after all but the last step, loaded by
+    sharded optimizers (block-scaled states, and bf16 states that the load encodes)."""
+    return {states: {"from_plain": w.coded_state_dict(states, w.STEPS - 1),
+                     "from_bf16": w.coded_state_dict(states, w.STEPS - 1, torch.bfloat16)}
+            for states in w.CODED_STATES}
+
+
 @pytest.fixture(scope="module")
 def first_rank(tmp_path_factory):
     """1 rank: checkpoints for the 2 ranks to resume, and the 1-rank mixed-precision run."""
     folder = tmp_path_factory.mktemp("dcp")
-    spec = {"folder": str(folder), "save": ["kahan", "exact"], "mp": ["fp32"]}
+    spec = {"folder": str(folder), "save": ["kahan", "exact", w.CODED], "mp": ["fp32"]}
     return folder, run_local_group(w.session, 1, spec, timeout_s=120)[0]
 
 
@@ -75,9 +87,9 @@ def first_rank(tmp_path_factory):
 def two_ranks(first_rank):
     folder, _ = first_rank
     state_dicts = [(name, mode, w.plain_state_dict(name, mode, w.STEPS - 1)) for name, mode in SD_CASES]
-    spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact"],
-            "reload": True, "load": ["kahan-1", "exact-1"], "mp": ["fp32", "bf16"], "reduce_scatter": True,
-            "errors": True}
+    spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact", w.CODED],
+            "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
+            "reduce_scatter": True, "errors": True, "coded": w.CODED_CASES, "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
@@ -85,7 +97,8 @@ def two_ranks(first_rank):
 def one_rank(two_ranks):
     """1 rank resuming the 2-rank checkpoints."""
     folder, _ = two_ranks
-    return run_local_group(w.session, 1, {"folder": str(folder), "load": ["kahan-2", "exact-2"]}, timeout_s=120)[0]
+    return run_local_group(w.session, 1, {"folder": str(folder), "load": ["kahan-2", "exact-2", f"{w.CODED}-2"]},
+                           timeout_s=120)[0]
 
 
 def _case_id(case) -> str:
@@ -152,8 +165,11 @@ def test_stochastic_rounding_same_bits_at_any_world_size(two_ranks, case):
         assert_same(got, want, f"rank {rank}")
 
 
-@pytest.mark.parametrize("mode", ["kahan", "exact"])
+@pytest.mark.parametrize("mode", ["kahan", "exact", w.CODED])
 def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(first_rank, two_ranks, one_rank, mode):
+    """``coded``: int8 / uint8 states in blocks of 32 on an MLP whose shards hold whole blocks
+    (the weights, the 64-bias) or split them (the 8-bias: replicated codes), saved at one world
+    size and resumed at another."""
     _, ranks = two_ranks
     plain = w.plain_train(mode)
     saved = ranks[0]["save"][mode]
@@ -161,9 +177,13 @@ def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(first_rank, two_r
     assert saved["losses"] == plain["losses"]
     assert_same(saved["model"], plain["model"], "weights after 4 FSDP steps")
     assert_same(saved["optim"], plain["optim"], "states after 4 FSDP steps")
-    remainder = "compensation" if mode == "kahan" else "remainder"
-    assert saved["dtypes"]["0.exp_avg"] == "torch.float32"
-    assert saved["dtypes"][f"0.{remainder}"] == ("torch.bfloat16" if mode == "kahan" else "torch.int16")
+    remainder = "remainder" if mode == "exact" else "compensation"
+    if mode == w.CODED:
+        assert (saved["dtypes"]["0.exp_avg"], saved["dtypes"]["0.exp_avg_sq"]) == ("torch.int8", "torch.uint8")
+        assert saved["dtypes"]["0.exp_avg_scale"] == "torch.bfloat16"
+    else:
+        assert saved["dtypes"]["0.exp_avg"] == "torch.float32"
+    assert saved["dtypes"][f"0.{remainder}"] == ("torch.int16" if mode == "exact" else "torch.bfloat16")
     for rank, results in enumerate(ranks):   # same world size, fresh model and optimizer
         resumed = results["load"][f"{mode}-2"]
         assert resumed["losses"] == plain["losses"][2:]
@@ -213,12 +233,51 @@ def test_optimizer_state_dict_between_sharded_and_plain(two_ranks, case):
             assert_same(got[tag], want, f"rank {rank} {tag}")
 
 
+#: per coded parameter (:data:`sharded_worker.CODED_SHAPES` and the fp32 vector of 32), at 2 ranks:
+#: whether its shards hold whole blocks of 32 (codes sharded like it) or not (codes replicated)
+CODED_LAYOUTS = {"fsdp": ["(Shard(dim=0),)", "(Shard(dim=0),)", "(Replicate(),)", "(Shard(dim=0),)",
+                          "(Replicate(),)"],
+                 "shard1": ["(Shard(dim=1),)", "(Shard(dim=0),)", "(Replicate(),)", "(Shard(dim=1),)",
+                            "(Replicate(),)"]}
+
+
+@pytest.mark.parametrize("case", w.CODED_CASES, ids="-".join)
+def test_block_scaled_states_of_sharded_parameters(two_ranks, case):
+    """Block-scaled states of DTensor parameters are blocks of the whole tensor whoever holds
+    them: the codes and scales of a parameter whose shards hold whole blocks are sharded like it,
+    the others replicated (the parameter is stepped whole on every rank), and either way the
+    weights, codes and scales equal the single-process run bit for bit, with stochastic rounding
+    drawn by global element. The sharded ``state_dict`` resumes on the same ranks and in a single
+    process, a single-process one (coded, or bf16 states encoded on load) on the ranks."""
+    _, ranks = two_ranks
+    layout, states, backend = case
+    for rank, results in enumerate(ranks):
+        got = results["coded"][w.CODED_CASES.index(case)]
+        assert got["placements"] == CODED_LAYOUTS[layout], f"rank {rank}"
+        assert_coded_case(case, got, f"rank {rank}")
+
+
+def assert_coded_case(case: tuple[str, str, str], got: dict, what: str) -> None:
+    """One rank's results of :func:`sharded_worker.coded_case` against the single-process runs."""
+    layout, states, backend = case
+    want = w.coded_reference(states, backend)
+    from_bf16 = w.coded_resumed(states, backend, coded_dicts()[states]["from_bf16"])
+    assert not torch.equal(from_bf16["p0.exp_avg"], want["p0.exp_avg"])   # the two resumes differ
+    sizes = [math.prod(s) for s in w.CODED_SHAPES] + [32]
+    for n, placed, held in zip(sizes, got["placements"], got["local_codes"]):
+        assert held == n if "Replicate" in placed else 0 <= held < n, f"{what}: {held} of {n} codes"
+    if backend == "fused" and layout == "fsdp":   # whole rows: the native kernel's in-step codec
+        assert int(got["elements"][0]) > 0, got["elements"]
+    for tag in ("run", "resumed", "from_plain", "to_plain"):
+        assert_same(got[tag], want, f"{what} {tag}")
+    assert_same(got["from_bf16"], from_bf16, f"{what} from bf16 states")
+
+
 def test_unsupported_placement_is_refused(two_ranks):
     _, ranks = two_ranks
     for results in ranks:
         assert "params" in results["errors"]["partial"] and "Partial" in results["errors"]["partial"]
         assert results["errors"]["unchanged"]
-        assert "state_dtype['exp_avg']" in results["errors"]["coded"] and "DTensor" in results["errors"]["coded"]
 
 
 def _compressed_inputs(world_size: int) -> torch.Tensor:
@@ -269,12 +328,19 @@ def test_fp32_reduce_scatter_in_fsdp_and_advisor(two_ranks):
 @pytest.mark.slow
 def test_four_ranks_and_one_to_many_reshard(tmp_path):
     """4 ranks (one with an empty shard of the (6, 5) parameter), the compiled backend too; a
-    1-rank checkpoint resumed at 4."""
-    one = run_local_group(w.session, 1, {"folder": str(tmp_path), "save": ["kahan", "exact"]}, timeout_s=120)[0]
+    1-rank checkpoint resumed at 4; block-scaled states where fewer blocks fit the shards than at
+    2 ranks (the 64-vector's codes are replicated at 4 ranks, sharded at 2)."""
+    modes = ["kahan", "exact", w.CODED]
+    one = run_local_group(w.session, 1, {"folder": str(tmp_path), "save": modes}, timeout_s=120)[0]
     cases = CASES + COMPILED_CASES
-    spec = {"folder": str(tmp_path), "steps": cases, "load": ["kahan-1", "exact-1"]}
+    spec = {"folder": str(tmp_path), "steps": cases, "load": [f"{m}-1" for m in modes], "coded": w.CODED_CASES,
+            "coded_state_dicts": coded_dicts()}
     ranks = run_local_group(w.session, 4, spec, timeout_s=300)
-    for mode in ("kahan", "exact"):
+    for rank, results in enumerate(ranks):
+        for case, got in zip(w.CODED_CASES, results["coded"]):
+            assert "Replicate" in got["placements"][1], got["placements"]
+            assert_coded_case(case, got, f"4 ranks, rank {rank}")
+    for mode in modes:
         for results in ranks:
             resumed = results["load"][f"{mode}-1"]
             assert resumed["losses"] == one["save"][mode]["losses"][2:]

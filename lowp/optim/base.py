@@ -38,8 +38,7 @@ import torch
 
 from lowp.optim import preflight, sharding
 from lowp.optim.backends import DEFAULT_CHUNK_SIZE, Backend, backend_for, get_backend
-from lowp.optim.codes import (BLOCK_SIZES, CODES, SCALE_DTYPES, code_for, codes_shape, encode, scale_name,
-                              scales_shape)
+from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, Code, code_for, encode, scale_name, stored_shapes
 from lowp.optim.coded import CodedState, run_coded
 from lowp.optim.migrate import to_lowp_layout
 from lowp.optim.preflight import check_flag, check_seed
@@ -398,7 +397,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     def coded_states(self, group: dict[str, Any], param: torch.Tensor) -> list[CodedState]:
         """The states of ``param`` that ``state_dtype`` stores as block-scaled codes; a
         ``ValueError`` naming the state when its code cannot hold it (a non-elementwise state, an
-        unsigned code for a state that may be negative, a DTensor parameter)."""
+        unsigned code for a state that may be negative)."""
         if param.dtype == torch.float64:
             return []
         spec = group["state_dtype"]
@@ -414,9 +413,6 @@ class LowpOptimizer(torch.optim.Optimizer):
             if not code.signed and name not in self.spec.nonnegative:
                 raise ValueError(f"{where}: {code.name} codes hold nonnegative states only (as square roots), and "
                                  f"{type(self).__name__}'s {name!r} may be negative; use torch.int8 or an fp8 dtype")
-            if sharding.is_dtensor(param):
-                raise ValueError(f"{where}: block-scaled states of DTensor parameters (FSDP2, tensor parallel) are "
-                                 f"not supported yet; use a 16-bit state dtype for sharded parameters")
             out.append(CodedState(name, j, code))
         return out
 
@@ -436,14 +432,21 @@ class LowpOptimizer(torch.optim.Optimizer):
             if name not in state:
                 continue
             code = coded.get(name)
-            shape = self.state_shape(name, p) if code is None else codes_shape(code, p.shape)
-            preflight.check_tensor(state[name], where, shape, self.state_dtypes(group, name, p), p.device, name)
-            if code is not None:
-                if scale_name(name) not in state:
-                    raise ValueError(f"{where}[{scale_name(name)!r}]: the block scales of the coded state {name!r} "
-                                     f"are missing")
-                preflight.check_tensor(state[scale_name(name)], where, scales_shape(p.numel(), group["state_block"]),
-                                       (group["state_scale_dtype"],), p.device, scale_name(name))
+            if code is None:
+                preflight.check_tensor(state[name], where, self.state_shape(name, p),
+                                       self.state_dtypes(group, name, p), p.device, name)
+                continue
+            if scale_name(name) not in state:
+                raise ValueError(f"{where}[{scale_name(name)!r}]: the block scales of the coded state {name!r} "
+                                 f"are missing")
+            shapes, placements = self._coded_layout(group, p, code)
+            for key, shape, dtypes in ((name, shapes[0], (code.storage,)),
+                                       (scale_name(name), shapes[1], (group["state_scale_dtype"],))):
+                preflight.check_tensor(state[key], where, shape, dtypes, p.device, key)
+                placed = tuple(state[key].placements) if sharding.is_dtensor(state[key]) else None
+                if placed != placements:
+                    raise ValueError(f"{where}[{key!r}]: placed as {placed}, expected {placements} (the layout of "
+                                     f"{code.name} codes in blocks of {group['state_block']} for this parameter)")
         if "compensation" in state:
             preflight.check_tensor(state["compensation"], where, p.shape, (p.dtype, torch.float32), p.device,
                                    "compensation")
@@ -465,14 +468,26 @@ class LowpOptimizer(torch.optim.Optimizer):
             code = coded.get(name)
             if code is None:
                 state[name] = sharding.new_state(p, self.state_shape(name, p), self._state_dtype(group, name, p))
-            else:
-                state[name] = torch.zeros(codes_shape(code, p.shape), dtype=code.storage, device=p.device)
-                state[scale_name(name)] = torch.zeros(scales_shape(p.numel(), group["state_block"]),
-                                                      dtype=group["state_scale_dtype"], device=p.device)
+                continue
+            (codes, scales), placements = self._coded_layout(group, p, code)
+            for key, shape, dtype in ((name, codes, code.storage), (scale_name(name), scales,
+                                                                      group["state_scale_dtype"])):
+                state[key] = (torch.zeros(shape, dtype=dtype, device=p.device) if placements is None
+                              else sharding.new_tensor(p, shape, dtype, placements))
         if mode.buffer_name is not None and not any(n in state for n in BUFFER_NAMES):
             state[mode.buffer_name] = sharding.new_buffer(p, mode.init_buffer)
         ensure_buffer(p, state, mode)   # a mode switch: folds or drops the other mode's buffer
         return state
+
+    @staticmethod
+    def _coded_layout(group: dict[str, Any], p: torch.Tensor, code: Code
+                      ) -> tuple[tuple[torch.Size, torch.Size], tuple | None]:
+        """The global shapes of the codes and scales of a coded state of ``p``
+        (:func:`~lowp.optim.codes.stored_shapes`) and, for a DTensor ``p``, their placements
+        (:func:`~lowp.optim.sharding.coded_placements`; ``None`` for a plain ``p``)."""
+        block = group["state_block"]
+        placements = sharding.coded_placements(p, block) if sharding.is_dtensor(p) else None
+        return stored_shapes(code, p.shape, block), placements
 
     # ---- the step -------------------------------------------------------------------------
     def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor], force: bool = False) -> list[bool]:
@@ -624,14 +639,18 @@ class LowpOptimizer(torch.optim.Optimizer):
             state = self.init_state(group, p, mode)
             state["step"] += 1
             names = self.state_names(group, p)
+            coded_names = [c.name for c in self.coded_states(group, p)]
+            # codes of blocks split between ranks are replicated: those parameters step whole
+            local_blocks = not coded_names or not sharding.is_dtensor(p) \
+                or sharding.coded_placements(p, group["state_block"]) == tuple(p.placements)
             piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
                                                       state.get(mode.buffer_name) if mode.buffer_name else None,
-                                                      param_id, self.elementwise)
+                                                      param_id, self.elementwise and local_blocks)
             if full is not None:
                 gathered.append(full)
             key = (id(group), mode.name, state["step"], p.dtype, p.device, names, weight)
             jobs[key].append(piece)
-            scales[key].append({n: state[scale_name(n)] for n in names if scale_name(n) in state})
+            scales[key].append({n: sharding.local(state[scale_name(n)]).view(-1) for n in coded_names})
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
         for key, slices in jobs.items():
             gid, mode_name, step, _, _, _, weight = key
@@ -800,6 +819,10 @@ class LowpOptimizer(torch.optim.Optimizer):
     def _loaded_tensor(self, group: dict[str, Any], name: str, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """A private copy of a saved tensor on ``p``'s device; a floating-point state is cast only
         when the group's ``state_dtype`` names a dtype for it."""
+        for c in self.coded_states(group, p):   # codes and scales (a coded state saved as floats is encoded later)
+            (codes, scales), placements = self._coded_layout(group, p, c.code)
+            if name == scale_name(c.name) or (name == c.name and value.dtype not in (*STATE_DTYPES, torch.float64)):
+                return self._placed(value, p, codes if name == c.name else scales, placements, name)
         spec = group["state_dtype"]
         wanted = spec.get(name) if isinstance(spec, Mapping) else spec
         cast = (wanted is not None and code_for(wanted) is None and value.dtype in (*STATE_DTYPES, torch.float64)
@@ -810,9 +833,24 @@ class LowpOptimizer(torch.optim.Optimizer):
             return value.to(dtype) if cast else value
         return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
+    @staticmethod
+    def _placed(value: torch.Tensor, p: torch.Tensor, shape: torch.Size, placements: tuple | None,
+                name: str) -> torch.Tensor:
+        """A private copy of the saved codes or scales ``value`` (plain or DTensor, in this shape
+        or flat, as saved before codes kept their parameter's rows) in ``shape``, placed like
+        ``placements`` on ``p``'s mesh (a plain tensor when ``None``)."""
+        if value.numel() != math.prod(shape):
+            raise ValueError(f"state_dict: state {name!r}: {value.numel()} elements, expected {math.prod(shape)} "
+                             f"(shape {tuple(shape)})")
+        if placements is None:
+            return sharding.gather(value).to(device=p.device, copy=True,
+                                             memory_format=torch.contiguous_format).reshape(shape)
+        return sharding.place(value, p, shape, placements)
+
     def _encode_loaded(self, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
         """Encode the floating-point states of a loaded checkpoint that the group stores as
-        block-scaled codes (rounded to nearest: a load is not a step and draws no random bits)."""
+        block-scaled codes (rounded to nearest: a load is not a step and draws no random bits).
+        A sharded state is gathered and encoded whole (a collective: every rank loads)."""
         for c in self.coded_states(group, p):
             value = loaded.get(c.name)
             if not isinstance(value, torch.Tensor) or value.dtype not in (*STATE_DTYPES, torch.float64) \
@@ -821,11 +859,13 @@ class LowpOptimizer(torch.optim.Optimizer):
             if value.shape != p.shape:
                 raise ValueError(f"state_dict: state {c.name!r}: expected shape {tuple(p.shape)} to encode it as "
                                  f"{c.code.name}, got {tuple(value.shape)}")
-            codes = torch.empty(codes_shape(c.code, p.shape), dtype=c.code.storage, device=p.device)
-            block_scales = torch.empty(scales_shape(p.numel(), group["state_block"]),
-                                       dtype=group["state_scale_dtype"], device=p.device)
-            encode(value.float(), c.code, group["state_block"], codes, block_scales, None)
-            loaded[c.name], loaded[scale_name(c.name)] = codes, block_scales
+            (codes_at, scales_at), placements = self._coded_layout(group, p, c.code)
+            codes = torch.empty(codes_at, dtype=c.code.storage, device=p.device)
+            block_scales = torch.empty(scales_at, dtype=group["state_scale_dtype"], device=p.device)
+            encode(sharding.gather(value).float(), c.code, group["state_block"], codes.view(-1),
+                   block_scales.view(-1), None)
+            loaded[c.name] = self._placed(codes, p, codes_at, placements, c.name)
+            loaded[scale_name(c.name)] = self._placed(block_scales, p, scales_at, placements, scale_name(c.name))
 
 
 #: Batches of fewer elements take fresh temporaries: the heap serves them without page faults,

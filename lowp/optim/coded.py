@@ -58,7 +58,7 @@ class CodedState:
 @dataclass
 class _Piece:
     """Elements ``[start, end)`` of a slice (all of it, in its shape, when ``whole``) with the
-    block scales of its coded states."""
+    block scales of its coded states (flat)."""
 
     source: ParamSlice
     scales: dict[str, torch.Tensor]
@@ -72,9 +72,8 @@ class _Piece:
 
     def codes(self, c: CodedState, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes and block scales of coded state ``c`` in this piece."""
-        t = self.source.states[c.name]
+        t = self.source.states[c.name].view(-1)   # flat, whatever shape the codes keep
         if not self.whole:
-            t = t.view(-1)
             t = t[self.start // 2:(self.end + 1) // 2] if c.code.bits == 4 else t[self.start:self.end]
         blocks = self.scales[c.name][self.start // block:(self.end + block - 1) // block]
         return t, blocks

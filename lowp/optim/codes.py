@@ -1,7 +1,7 @@
 """Block-scaled low-bit codes for optimizer states: 8-bit and 4-bit integers, fp8 e4m3 and e5m2.
 
 A coded state of ``n`` elements keeps one small code ``q`` per element and one scale ``s`` per
-block of ``B`` consecutive elements (row-major order of the local tensor; the last block may be
+block of ``B`` consecutive elements (row-major order of the whole tensor; the last block may be
 short), in the spirit of block-wise quantization (Dettmers et al., "8-bit Optimizers via
 Block-wise Quantization", ICLR 2022)::
 
@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from lowp.arith import sqrt_rn
 
-__all__ = ["Code", "CODES", "code_for", "SCALE_DTYPES", "BLOCK_SIZES", "codes_shape", "scales_shape", "encode",
-           "decode", "scale_name"]
+__all__ = ["Code", "CODES", "code_for", "SCALE_DTYPES", "BLOCK_SIZES", "codes_shape", "scales_shape",
+           "stored_shapes", "encode", "decode", "scale_name"]
 
 #: The dtypes a block scale may be stored in.
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -119,6 +120,23 @@ def codes_shape(code: Code, shape: torch.Size) -> torch.Size:
 def scales_shape(numel: int, block: int) -> torch.Size:
     """The shape of the scales of ``numel`` elements in blocks of ``block``."""
     return torch.Size([(numel + block - 1) // block])
+
+
+def stored_shapes(code: Code, shape: Sequence[int], block: int) -> tuple[torch.Size, torch.Size]:
+    """The shapes of the codes and of the block scales that a state of ``shape`` keeps (the same
+    bytes as the flat :func:`codes_shape` and :func:`scales_shape`, in the same order).
+
+    When the last dimension holds whole blocks (``shape[-1] % block == 0``), both keep the leading
+    dimensions: codes ``shape`` (4-bit codes: the last dimension halved), scales ``shape[:-1] +
+    (shape[-1] // block,)``. Then a box of the state that takes whole rows, or whole-block ranges
+    of the last dimension, has its codes and scales in the same box of theirs; that is how a
+    parameter sharded along any dimension keeps whole blocks per shard
+    (:func:`lowp.optim.sharding.coded_placements`). Otherwise both are flat."""
+    shape = torch.Size(shape)
+    if len(shape) == 0 or shape[-1] % block:
+        return codes_shape(code, shape), scales_shape(math.prod(shape), block)
+    last = shape[-1] // 2 if code.bits == 4 else shape[-1]
+    return torch.Size([*shape[:-1], last]), torch.Size([*shape[:-1], shape[-1] // block])
 
 
 def _round_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

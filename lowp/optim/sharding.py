@@ -36,12 +36,14 @@ from lowp.optim.slices import ParamSlice
 from lowp.optim.randomness import ElementIndex
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
     from typing_extensions import TypeIs
 
-__all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_buffer", "element_index",
-           "box_index", "box", "gather", "keep_local", "local_grad", "load_state", "agree", "global_sums",
-           "replicas", "world_size", "check_placements"]
+__all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_tensor", "coded_placements",
+           "new_buffer", "element_index", "box_index", "box", "gather", "keep_local", "local_grad", "load_state",
+           "place", "agree", "global_sums", "replicas", "world_size", "check_placements"]
 
 
 def is_dtensor(t: object) -> TypeIs[DTensor]:
@@ -79,11 +81,58 @@ def new_state(p: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.T
     ``p``'s shape, replicated over ``p``'s mesh otherwise (Adafactor's row/column factors)."""
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
-    if tuple(shape) == tuple(p.shape):
-        return _wrap(torch.zeros(local(p).shape, dtype=dtype, device=local(p).device), p)
-    from torch.distributed.tensor import DTensor, Replicate
-    return DTensor.from_local(torch.zeros(shape, dtype=dtype, device=local(p).device), p.device_mesh,
-                              [Replicate()] * p.device_mesh.ndim, run_check=False)
+    return new_tensor(p, shape, dtype, p.placements if tuple(shape) == tuple(p.shape) else _replicated(p))
+
+
+def new_tensor(p: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, placements: Sequence[Placement]
+               ) -> DTensor:
+    """A zero DTensor of global ``shape`` and ``dtype`` on the mesh and device of the DTensor
+    ``p``, placed by ``placements``."""
+    from torch.distributed.tensor import DTensor
+    mesh = cast("DTensor", p).device_mesh
+    local_shape, _ = _box_of(shape, mesh, placements)
+    return DTensor.from_local(torch.zeros(local_shape, dtype=dtype, device=local(p).device), mesh,
+                              placements, run_check=False, shape=torch.Size(shape), stride=_strides(shape))
+
+
+def coded_placements(p: DTensor, block: int) -> tuple[Placement, ...]:
+    """The placements of the block-scaled states of the DTensor parameter ``p``
+    (:func:`lowp.optim.codes.stored_shapes`): ``p``'s own when every rank's box of ``p`` consists of
+    whole blocks of ``block`` consecutive elements of the row-major global tensor, so each rank
+    keeps the codes and scales of its own elements; replicated otherwise, so that the blocks never
+    depend on the sharding (every rank then keeps the whole state and steps the whole parameter).
+
+    The boxes consist of whole blocks when the last dimension holds whole blocks and is split over
+    at most one mesh dimension, into chunks of whole blocks (``ceil(n / ranks) % block == 0``); an
+    unsplit last dimension means whole rows per rank. A replicated ``p`` keeps its placements."""
+    from torch.distributed.tensor import Shard
+    shape = tuple(p.shape)
+    if not any(isinstance(pl, Shard) for pl in p.placements):
+        return tuple(p.placements)
+    if not shape or shape[-1] % block:
+        return _replicated(p)
+    splits = [p.device_mesh.size(i) for i, pl in enumerate(p.placements)
+              if isinstance(pl, Shard) and pl.dim % len(shape) == len(shape) - 1]
+    if not splits or (len(splits) == 1 and math.ceil(shape[-1] / splits[0]) % block == 0):
+        return tuple(p.placements)
+    return _replicated(p)
+
+
+def _replicated(p: DTensor) -> tuple[Placement, ...]:
+    from torch.distributed.tensor import Replicate
+    return (Replicate(),) * p.device_mesh.ndim
+
+
+def _box_of(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+            ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shape and global offset of this rank's box of a DTensor of global ``shape``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+
+
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The row-major strides of ``shape``."""
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def new_buffer(p: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor | None:
@@ -96,8 +145,7 @@ def new_buffer(p: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor | No
 
 def box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Local shape and global offset of this rank's box of the DTensor ``t``."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return _box_of(t.shape, t.device_mesh, t.placements)
 
 
 def element_index(t: torch.Tensor) -> ElementIndex:
@@ -151,34 +199,49 @@ def load_state(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     otherwise, a plain full tensor for a plain ``p``. The dtype is kept."""
     if not is_dtensor(p):
         return gather(value).to(device=p.device, copy=True)
-    from torch.distributed.tensor import DTensor, Replicate
     own_shape = tuple(value.shape) == tuple(p.shape)
-    if is_dtensor(value):
-        placements = p.placements if own_shape else [Replicate()] * p.device_mesh.ndim
+    return place(value, p, value.shape, p.placements if own_shape else _replicated(p))
+
+
+def place(value: torch.Tensor, p: torch.Tensor, shape: Sequence[int], placements: Sequence[Placement]) -> DTensor:
+    """A copy of ``value`` (plain or DTensor, any placements; its elements in row-major order are
+    those of a tensor of ``shape``) as a DTensor of global ``shape`` on ``p``'s mesh and device,
+    placed by ``placements``. The dtype is kept. A DTensor of ``shape`` is redistributed; any other
+    ``value`` is gathered whole first."""
+    from torch.distributed.tensor import DTensor
+    mesh = cast("DTensor", p).device_mesh
+    shape = torch.Size(shape)
+    if is_dtensor(value) and value.shape == shape:
         if tuple(value.placements) != tuple(placements):
-            bits = _int16_as_bf16(value).redistribute(p.device_mesh, placements)
+            bits = _wire(value).redistribute(mesh, placements)
             return _wrap(local(bits).view(value.dtype).clone(), bits)
         return _wrap(local(value).clone(), value)
-    value = value.to(device=local(p).device)
-    if own_shape:
-        return _wrap(keep_local(value, p).clone(), p)
-    return DTensor.from_local(value.clone(), p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+    full = gather(value).to(device=local(p).device).reshape(shape)
+    local_shape, offset = _box_of(shape, mesh, placements)
+    piece = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))].clone()
+    return DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=_strides(shape))
 
 
 def gather(t: torch.Tensor) -> torch.Tensor:
-    """The full plain tensor of the DTensor ``t`` (a plain ``t`` itself) (an all-gather; a copy). int16 travels as bf16
-    bits (gloo has no int16 collectives), which only copies them."""
+    """The full plain tensor of the DTensor ``t`` (a plain ``t`` itself) (an all-gather; a copy).
+    Dtypes that gloo cannot carry travel as bits (:func:`_wire`)."""
     if not is_dtensor(t):
         return t
-    return _int16_as_bf16(t).full_tensor().view(local(t).dtype)
+    return _wire(t).full_tensor().view(local(t).dtype)
 
 
-def _int16_as_bf16(t: DTensor) -> DTensor:
-    """The DTensor ``t`` itself, or for int16 the same bits as a bf16 DTensor (collectives copy them)."""
-    if local(t).dtype != torch.int16:
+#: dtypes without gloo collectives -> a dtype of the same width that has them (only bits travel)
+_WIRE_DTYPES = {torch.int16: torch.bfloat16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+def _wire(t: DTensor) -> DTensor:
+    """The DTensor ``t`` itself, or for int16 and fp8 the same bits as a bf16 or uint8 DTensor
+    (collectives copy them)."""
+    wire = _WIRE_DTYPES.get(local(t).dtype)
+    if wire is None:
         return t
     from torch.distributed.tensor import DTensor
-    return DTensor.from_local(local(t).view(torch.bfloat16), t.device_mesh, t.placements, run_check=False,
+    return DTensor.from_local(local(t).view(wire), t.device_mesh, t.placements, run_check=False,
                               shape=t.shape, stride=t.stride())
 
 
@@ -226,10 +289,10 @@ class Gathered:
         if self.buffer is not None:
             assert self.piece.buffer is not None, "make_slice gathers the buffer with the parameter"
             pairs.append((self.buffer, self.piece.buffer))
-        for t, full in pairs:   # replicated states (another shape than the parameter's) are whole
-            if tuple(t.shape) == tuple(self.param.shape):   # sharded like the parameter: a DTensor
-                full = keep_local(full, cast("DTensor", t))
-            local(t).copy_(full)
+        for t, full in pairs:   # replicated states (Adafactor's factors, codes of split blocks) are whole
+            if is_dtensor(t) and tuple(t.placements) == tuple(self.param.placements):   # sharded like the parameter
+                full = keep_local(full.reshape(t.shape), t)
+            local(t).copy_(full.reshape(local(t).shape))
 
 
 def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], buffer: torch.Tensor | None,
