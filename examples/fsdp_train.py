@@ -3,6 +3,7 @@ with a torch.distributed.checkpoint (DCP) checkpoint half way.
 
     torchrun --nproc_per_node 2 examples/fsdp_train.py                # train, checkpoint at steps/2
     torchrun --nproc_per_node 2 examples/fsdp_train.py --resume       # resume from the checkpoint
+    torchrun --nproc_per_node 2 examples/fsdp_train.py --states 8bit  # int8 / uint8 moments
 
 Every rank trains on its own batches (data parallel); the weights, the moments and the Kahan
 compensation are sharded over the ranks (``fully_shard``), and the optimizer works on each
@@ -10,6 +11,11 @@ rank's shards. A resumed run prints the same losses, bit for bit, as the steps a
 checkpoint in the first run. The global batch is drawn per sample, so the data is also the same
 with another number of ranks (``--batch`` must be divisible by it; DCP reshards the
 checkpoint), though the gradient's sums are then grouped differently.
+
+``--states 8bit`` / ``4bit`` keep the moments as block-scaled codes (int8 first moment, uint8 or
+uint4 second moment, one bf16 scale per 64 elements): the codes of the weight matrices are sharded
+with them (their rows hold whole blocks), those of the 64-element vectors, whose 32-element
+shards split a block, are replicated (see docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -30,12 +36,21 @@ from lowp.optim import AdamW
 from lowp.optim.convert import cast_model
 
 
+#: ``--states`` -> AdamW's state_dtype
+STATES: dict[str, object] = {
+    "bf16": None,
+    "8bit": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+    "4bit": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint4},  # type: ignore[attr-defined]
+}
+
+
 def parse_args() -> argparse.Namespace:
     """The example's command-line options."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60, help="total optimizer steps (the checkpoint is at steps/2)")
     ap.add_argument("--batch", type=int, default=16, help="global batch size (divided over the ranks)")
-    ap.add_argument("--mode", default="kahan", choices=["kahan", "exact", "stochastic", "nearest"])
+    ap.add_argument("--mode", default="kahan", choices=["kahan", "exact", "exact8", "stochastic", "nearest"])
+    ap.add_argument("--states", default="bf16", choices=sorted(STATES), help="the moments' storage")
     ap.add_argument("--checkpoint", default="lowp-fsdp-checkpoint", help="DCP checkpoint folder")
     ap.add_argument("--resume", action="store_true", help="load the checkpoint and train the second half")
     return ap.parse_args()
@@ -73,7 +88,8 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     data = load_data(max_bytes=200_000)
     model = build(mesh)
-    opt = AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), mode=args.mode, seed=0)
+    opt = AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), mode=args.mode, seed=0,
+                state_dtype=STATES[args.states])
     half = args.steps // 2
     first = 0
     if args.resume:

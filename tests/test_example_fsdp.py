@@ -24,10 +24,11 @@ def _torchrun(tmp_path: Path, *args: str) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_fsdp_example_trains_and_resumes_bit_identically(tmp_path):
-    first = _torchrun(tmp_path)
+@pytest.mark.parametrize("options", [(), ("--states", "8bit", "--mode", "exact8")], ids=["bf16", "8bit"])
+def test_fsdp_example_trains_and_resumes_bit_identically(tmp_path, options):
+    first = _torchrun(tmp_path, *options)
     assert sorted(first) == list(range(1, 9))
-    resumed = _torchrun(tmp_path, "--resume")
+    resumed = _torchrun(tmp_path, "--resume", *options)
     assert sorted(resumed) == list(range(5, 9))
     assert all(resumed[s] == first[s] for s in resumed)   # printed to 6 decimals: the same run
     assert float(first[8]) < float(first[1])
