@@ -487,7 +487,9 @@ def reduce_scatter_checks(rank: int, world_size: int) -> dict[str, Any]:
 
 def placement_errors(world_size: int) -> dict[str, Any]:
     """A ``Partial`` parameter is refused when the optimizer is built (the message and whether the
-    parameter kept its bits)."""
+    parameter kept its bits); the warnings of a step of block-scaled states for a large parameter
+    whose shards split blocks (``(3, 33000)``) and one whose shards hold whole blocks
+    (``(2, 33024)``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
     mesh = init_device_mesh("cpu", (world_size,))
@@ -498,4 +500,16 @@ def placement_errors(world_size: int) -> dict[str, Any]:
         message = ""
     except TypeError as exc:
         message = str(exc)
-    return {"partial": message, "unchanged": torch.equal(p.to_local(), local)}
+    import warnings
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+    warned = {}
+    for shape in ((3, 33000), (2, 33024)):
+        q = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.bfloat16), mesh, [Shard(0)]))
+        q.grad = distribute_tensor(torch.ones(shape, dtype=torch.bfloat16), mesh, [Shard(0)])
+        opt = lo.AdamW([q], state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        warned[shape] = [str(w.message) for w in caught]
+    return {"partial": message, "unchanged": torch.equal(p.to_local(), local), "warned": warned}

@@ -278,6 +278,9 @@ def test_unsupported_placement_is_refused(two_ranks):
     for results in ranks:
         assert "params" in results["errors"]["partial"] and "Partial" in results["errors"]["partial"]
         assert results["errors"]["unchanged"]
+        split, whole = results["errors"]["warned"][(3, 33000)], results["errors"]["warned"][(2, 33024)]
+        assert len(split) == 1 and "(3, 33000)" in split[0] and "replicated" in split[0], split
+        assert whole == []
 
 
 def _compressed_inputs(world_size: int) -> torch.Tensor:

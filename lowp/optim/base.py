@@ -57,6 +57,9 @@ NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
 #: What a state may be stored in (float64 states are refused: the fused kernels and the mixed
 #: fp32/fp64 foreach pipeline cannot run them).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: A sharded parameter of at least this many elements whose block-scaled states must be replicated
+#: (its shards split blocks) gets a warning: it costs its whole state on every rank.
+REPLICATED_WARN_NUMEL = 1 << 16
 #: Why ``torch.compile`` must not trace a lowp step (shown by ``fullgraph=True``).
 COMPILE_REASON = ("a lowp optimizer step runs eagerly (its fused kernels and exact bf16 round trips, e.g. the Kahan "
                   "update k' = v - (theta' - theta), would be rewritten by Inductor); compile the model and call "
@@ -470,6 +473,12 @@ class LowpOptimizer(torch.optim.Optimizer):
                 state[name] = sharding.new_state(p, self.state_shape(name, p), self._state_dtype(group, name, p))
                 continue
             (codes, scales), placements = self._coded_layout(group, p, code)
+            if sharding.is_dtensor(p) and placements != tuple(p.placements) and p.numel() >= REPLICATED_WARN_NUMEL \
+                    and name == next(iter(coded)):
+                warnings.warn(f"lowp: the shards of a parameter of shape {tuple(p.shape)} ({tuple(p.placements)}) "
+                              f"split blocks of {group['state_block']} elements, so its block-scaled states are "
+                              f"replicated on every rank and it is stepped whole (an all-gather per step); a "
+                              f"smaller state_block, or a group with 16-bit states, avoids it", stacklevel=4)
             for key, shape, dtype in ((name, codes, code.storage), (scale_name(name), scales,
                                                                       group["state_scale_dtype"])):
                 state[key] = (torch.zeros(shape, dtype=dtype, device=p.device) if placements is None
