@@ -22,8 +22,8 @@ from fused_helpers import assert_fused, assert_same_run
 
 NATIVE = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
                             reason="the native kernel needs x86-64 and g++")
-#: awkward sizes: one element, a block short by one, a block, a tail of 1, tails of 4 and 12, one
-#: past a work unit; a 2-D tensor too
+#: awkward sizes: one element, a block short by one, a block, a tail of 1, 300 (a tail of 12), 384
+#: (whole blocks), 1000 (a tail of 8), a 2-D tensor (a tail of 7), three past a work unit
 SIZES = [(1,), (15,), (16,), (17,), (300,), (384,), (1000,), (37, 11), (UNIT + 3,)]
 
 
