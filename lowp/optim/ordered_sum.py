@@ -40,7 +40,8 @@ def ordered_sum(terms: torch.Tensor) -> float:
     flat = terms.detach().reshape(-1)
     if flat.numel() == 0:
         return 0.0
-    flat = F.pad(flat, (0, -flat.numel() % BLOCK))
+    if flat.numel() % BLOCK:
+        flat = F.pad(flat, (0, -flat.numel() % BLOCK))
     lanes = (flat[0::2] + flat[1::2]).view(-1, BLOCK // 2).double()
     blocks = lanes[:, 0].clone()
     for lane in range(1, BLOCK // 2):
