@@ -15,7 +15,8 @@ holds:
 - ``rule``: the elementwise update in the rule language of :mod:`lowp.optim.rule` (``None``
   when the update is not elementwise: every backend then runs the reference);
 - optionally a per-tensor reduction (``tensor_sum``, an elementwise term whose sum over each
-  tensor the native kernel computes first, and ``tensor_numbers(numbers, total, numel)``, the
+  tensor the native kernel computes first, in the order of :mod:`lowp.optim.ordered_sum`, which
+  the reference update follows too, and ``tensor_numbers(numbers, total, numel)``, the
   per-tensor numbers made from it on the host), for updates such as StableAdamW's RMS clip.
 
 The reference update itself stays a method of the optimizer class (a few ``torch._foreach_*``

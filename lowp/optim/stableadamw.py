@@ -22,6 +22,7 @@ import torch
 from lowp.arith import sqrt_rn
 
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
+from lowp.optim.ordered_sum import ordered_sum
 from lowp.optim.rule import Expr, RuleArgs, RuleResult, fma, fp32, lerp, maximum, sqrt
 from lowp.optim.spec import Numbers, OptimizerSpec
 
@@ -31,20 +32,26 @@ __all__ = ["StableAdamW", "stableadamw_update", "STABLEADAMW"]
 def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                        exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float],
                        eps: float, weight_decay: float) -> list[torch.Tensor]:
-    """Functional StableAdamW on fp32 lists of whole tensors: updates the moments, returns ``u``."""
+    """Functional StableAdamW on fp32 lists of whole tensors: updates the moments, returns ``u``.
+
+    A tensor's ``RMS**2`` is the sum of its fp32 terms ``g**2 / max(v_hat, eps**2)`` in
+    :func:`~lowp.optim.ordered_sum.ordered_sum`'s order (the native kernel's) over its element
+    count, and ``lr_t`` comes from that sum by :func:`stable_tensor_numbers`, as in the kernel, so
+    every backend takes the same ``lr_t``."""
     beta1, beta2 = betas
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
     bias_correction2 = 1 - beta2 ** step
+    numbers = {"lr": lr, "bias_correction1": 1 - beta1 ** step, "weight_decay": weight_decay}
     updates = []
     for w, g, m, v in zip(weights, grads, exp_avgs, exp_avg_sqs):
         v_hat = v / bias_correction2
-        rms = float((g * g).div_(v_hat.clamp(min=eps * eps)).mean().sqrt()) if g.numel() else 0.0
-        lr_t = lr / max(1.0, rms)
-        u = m.div(sqrt_rn(v_hat).add_(eps)).mul_(-lr_t / (1 - beta1 ** step))
+        total = ordered_sum((g * g).div_(v_hat.clamp(min=eps * eps)))
+        t = stable_tensor_numbers(numbers, total, g.numel())
+        u = m.div(sqrt_rn(v_hat).add_(eps)).mul_(t["step_size"])
         if weight_decay:
-            u.add_(w, alpha=-lr_t * weight_decay)
+            u.add_(w, alpha=t["decay"])
         updates.append(u)
     return updates
 
@@ -59,8 +66,10 @@ def stable_ratio(r: RuleArgs) -> Expr:
 
 
 def stable_tensor_numbers(numbers: Numbers, total: float, numel: int) -> Numbers:
-    """``lr_t = lr / max(1, RMS)`` from the tensor's sum, RMS in fp32 as the reference takes it
-    (``float(mean.sqrt())``), the rest in float64."""
+    """``lr_t = lr / max(1, RMS)`` from the tensor's sum ``total`` of :func:`stable_ratio` (added in
+    :func:`~lowp.optim.ordered_sum.ordered_sum`'s order) over ``numel`` elements:
+    ``RMS = fp32(sqrt(fp32(total / numel)))``, the rest in float64. The reference and the native
+    kernel both take their per-tensor numbers from here."""
     rms = fp32(math.sqrt(fp32(total / numel))) if numel else 0.0
     lr_t = numbers["lr"] / max(1.0, rms)
     return {"step_size": -lr_t / numbers["bias_correction1"], "decay": -lr_t * numbers["weight_decay"]}

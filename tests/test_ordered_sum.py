@@ -1,0 +1,173 @@
+"""StableAdamW's per-tensor sum (lowp/optim/ordered_sum.py): the order written down once in
+Python, against math.fsum and hand-built cases where the order decides the result, and the
+reference (eager, foreach) bit for bit against the native kernel, whose lowp_sums adds the terms
+in that order, with the RMS clip acting."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import shutil
+from functools import reduce
+
+import numpy as np
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.optim import ordered_sum as order
+from lowp.optim import stableadamw
+from lowp.optim.ordered_sum import BLOCK, UNIT, ordered_sum
+from fused_helpers import assert_fused, assert_same_run
+
+NATIVE = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
+                            reason="the native kernel needs x86-64 and g++")
+#: awkward sizes: one element, a block short by one, a block, a tail of 1, 300 (a tail of 12), 384
+#: (whole blocks), 1000 (a tail of 8), a 2-D tensor (a tail of 7), three past a work unit
+SIZES = [(1,), (15,), (16,), (17,), (300,), (384,), (1000,), (37, 11), (UNIT + 3,)]
+
+
+def _sequential(values: list[float]) -> float:
+    return reduce(lambda a, b: a + b, values, 0.0)
+
+
+def _by_definition(terms: torch.Tensor) -> float:
+    """The order of the module docstring, one Python float at a time (slow: small inputs)."""
+    t = terms.reshape(-1).tolist()
+    t += [0.0] * (-len(t) % BLOCK)
+    lanes = [float(np.float32(t[i]) + np.float32(t[i + 1])) for i in range(0, len(t), 2)]
+    blocks = [_sequential(lanes[i:i + BLOCK // 2]) for i in range(0, len(lanes), BLOCK // 2)]
+    per_unit = UNIT // BLOCK
+    return _sequential([_sequential(blocks[i:i + per_unit]) for i in range(0, len(blocks), per_unit)])
+
+
+def test_cpu_cumsum_is_a_sequential_float64_scan():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(3, 4099, generator=gen, dtype=torch.float64) * torch.randn(3, 4099, generator=gen,
+                                                                             dtype=torch.float64).mul(30).exp()
+    assert float(x[0].sum()) != _sequential(x[0].tolist())  # the data tell orders apart
+    for row, total in zip(x, x.cumsum(1)[:, -1].tolist()):
+        assert total == _sequential(row.tolist())
+    assert float(x[1].cumsum(0)[-1]) == _sequential(x[1].tolist())
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 2 * UNIT + 100])
+def test_close_to_fsum_and_equal_to_the_definition(n):
+    gen = torch.Generator().manual_seed(n)
+    terms = torch.randn(n, generator=gen).exp()
+    exact = math.fsum(terms.double().tolist())
+    got = ordered_sum(terms)
+    assert abs(got - exact) <= 2 ** -23 * exact  # the fp32 lane additions: half an ulp each at most
+    assert got == _by_definition(terms)
+    signed = torch.randn(n, generator=gen)
+    assert abs(ordered_sum(signed) - math.fsum(signed.double().tolist())) <= 2 ** -23 * float(signed.abs().sum())
+
+
+def test_pairs_add_in_fp32_and_change_the_rounded_mean():
+    """Even elements 1.0 and odd ones 0.75 * 2**-24 in 15 lanes: each lane rounds to 1.0 in fp32,
+    so the sum is 15.0, where the exact one (15 + 11.25 * 2**-24) rounds up in fp32."""
+    t = torch.zeros(32)
+    t[0:30:2] = 1.0
+    t[1:30:2] = 0.75 * 2 ** -24
+    exact = math.fsum(t.double().tolist())
+    assert ordered_sum(t) == 15.0 == _by_definition(t)
+    assert np.float32(15.0 / 32) != np.float32(exact / 32)
+    assert ordered_sum(t.view(2, 16).t().contiguous()) != 15.0  # another element order, another sum
+
+
+def test_units_add_their_blocks_separately():
+    """One 1.0, then 2**-54 at the head of every block: inside the first unit the small ones are
+    lost against the 1.0 (half an ulp of 1.0 is 2**-53), the second unit's add up exactly first."""
+    t = torch.zeros(2 * UNIT)
+    t[::BLOCK] = 2.0 ** -54
+    t[0] = 1.0
+    assert ordered_sum(t) == 1.0 + 2 ** -43
+    assert _sequential(t.double().tolist()) == 1.0  # one sequential float64 sum: all lost
+
+
+def test_empty_shaped_and_wrong_dtype():
+    assert ordered_sum(torch.zeros(0)) == 0.0
+    t = torch.rand(5, 7)
+    assert ordered_sum(t) == ordered_sum(t.reshape(-1)) == ordered_sum(t.t().contiguous().t())
+    with pytest.raises(TypeError, match="terms: expected a float32 tensor, got torch.float64"):
+        ordered_sum(torch.zeros(3, dtype=torch.float64))
+
+
+# ---- StableAdamW: every backend the same ----------------------------------------------------------
+SCALES = [0.01, 1.0, 0.5]  # a 100x jump at step 2: RMS(g**2 / v_hat) > 1 in every tensor there
+
+
+def _run(backend: str, dtype: torch.dtype, mode: str | None, sizes=SIZES, scales=SCALES, spread=2.0, **kw):
+    """StableAdamW over tensors of ``sizes``, a step per gradient scale, gradients of magnitudes
+    ``exp(spread * N(0, 1))`` (the terms ``g**2 / v_hat`` then span many binades)."""
+    gen = torch.Generator().manual_seed(3)
+    params = [(torch.randn(s, generator=gen) * 0.1).to(dtype) for s in sizes]
+    opt = lo.StableAdamW(params, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1, backend=backend, seed=5,
+                         **({"mode": mode} if mode else {}), **kw)
+    for scale in scales:
+        for p in params:
+            magnitude = torch.randn(p.shape, generator=gen).mul(spread).exp()
+            p.grad = (torch.randn(p.shape, generator=gen) * magnitude * scale).to(dtype)
+        opt.step()
+    return params, opt
+
+
+CODED = dict(state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+# (every write-back mode x StableAdamW on the native kernel: tests/test_registry.py)
+CASES = {"bf16": (torch.bfloat16, "kahan", {}), "fp32": (torch.float32, None, dict(state_dtype=torch.float32)),
+         "bf16-coded": (torch.bfloat16, "stochastic", CODED)}
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype,mode,kw", CASES.values(), ids=CASES.keys())
+def test_stableadamw_bit_identical_on_every_backend(monkeypatch, dtype, mode, kw):
+    clipped = []
+
+    def spy(numbers, total, numel):
+        made = stable_tensor_numbers(numbers, total, numel)
+        clipped.append(made["step_size"] > -numbers["lr"] / numbers["bias_correction1"])
+        return made
+
+    stable_tensor_numbers = stableadamw.stable_tensor_numbers
+    monkeypatch.setattr(stableadamw, "stable_tensor_numbers", spy)  # the reference's calls
+    eager = _run("eager", dtype, mode, **kw)
+    assert any(clipped) and not all(clipped)  # lr_t < lr for some tensors at some steps
+    native = _run("native", dtype, mode, **kw)
+    assert_fused(native[1], len(SCALES) * sum(p.numel() for p in native[0]))  # pre-pass and all
+    assert_same_run(eager, native)
+    assert_same_run(eager, _run("foreach", dtype, mode, **kw))
+
+
+@NATIVE
+def test_native_sums_are_the_python_ones(monkeypatch):
+    """The kernel's per-tensor totals equal :func:`ordered_sum` of the reference's terms in every
+    bit, for tensors of several work units; with another unit size they would not."""
+    sizes = [(3 * UNIT + 5,), (2 * UNIT,), (UNIT + 17,)]
+    native_totals, terms = [], []
+
+    def record_total(numbers, total, numel):
+        native_totals.append(total)
+        return stableadamw.stable_tensor_numbers(numbers, total, numel)
+
+    def record_terms(t):
+        terms.append(t.clone())
+        return ordered_sum(t)
+
+    monkeypatch.setattr(lo.StableAdamW, "spec", dataclasses.replace(stableadamw.STABLEADAMW,
+                                                                    tensor_numbers=record_total))
+    monkeypatch.setattr(stableadamw, "ordered_sum", record_terms)
+    scales = [1.0, 1.0, 1.0]
+    _run("native", torch.bfloat16, "kahan", sizes, scales, spread=4.0, state_dtype=torch.float32)
+    _run("eager", torch.bfloat16, "kahan", sizes, scales, spread=4.0, state_dtype=torch.float32)
+    assert len(native_totals) == len(terms) == len(scales) * len(sizes)
+    assert native_totals == [ordered_sum(t) for t in terms]
+    for unit in (UNIT // 2, UNIT * 2):
+        monkeypatch.setattr(order, "UNIT", unit)
+        assert native_totals != [ordered_sum(t) for t in terms]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_same_sum_on_cuda():
+    gen = torch.Generator().manual_seed(1)
+    terms = torch.randn(2 * UNIT + 77, generator=gen).mul(4).exp()
+    assert ordered_sum(terms.cuda()) == ordered_sum(terms)
