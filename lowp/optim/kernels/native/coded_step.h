@@ -50,16 +50,18 @@ template <int KIND> static inline void load_code_pairs(const void *codes, int64_
     even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 15u));
     odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 4));
   } else {
-    const vu x = (vu)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + i)));  // byte 2l | byte 2l+1 << 8
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(p + i));
+    const vu x = (vu)_mm256_cvtepu16_epi32(bytes);  // lane l: byte 2l | byte 2l+1 << 8
     if constexpr (KIND == CODE_INT8) {
-      even = (vf)_mm256_cvtepi32_ps((__m256i)((vi)(x << 24) >> 24));
-      odd = (vf)_mm256_cvtepi32_ps((__m256i)((vi)(x << 16) >> 24));
+      const vi sx = (vi)_mm256_cvtepi16_epi32(bytes);  // the same, sign-extended from the odd byte
+      even = (vf)_mm256_cvtepi32_ps((__m256i)((sx << 24) >> 24));
+      odd = (vf)_mm256_cvtepi32_ps((__m256i)(sx >> 8));
     } else if constexpr (KIND == CODE_UINT8) {
       even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 0xFFu));
       odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 8));
     } else {
-      even = (vf)_mm256_i32gather_ps(g.table, (__m256i)(x & 0xFFu), 4);
-      odd = (vf)_mm256_i32gather_ps(g.table, (__m256i)(x >> 8), 4);
+      even = fp8_values(x & 0xFFu, g);
+      odd = fp8_values(x >> 8, g);
     }
   }
 }
