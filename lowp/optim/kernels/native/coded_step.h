@@ -153,7 +153,8 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
         vi c[2];
         for (int h = 0; h < 2; h++) {
           const vu noise = SR ? rng.template bits<STATE_STREAM + J>(h) : vu{};
-          if (KIND != CODE_FP8 && bs[J].fixed) c[h] = code_lanes<KIND, SR, KIND != CODE_FP8>(t[J][k][h], bs[J], grid[J], noise);
+          if (bs[J].fixed && (KIND != CODE_FP8 || SR))
+            c[h] = code_lanes<KIND, SR, KIND != CODE_FP8 || SR>(t[J][k][h], bs[J], grid[J], noise);
           else c[h] = code_lanes<KIND, SR, false>(t[J][k][h], bs[J], grid[J], noise);
         }
         store_code_pairs<KIND>(p.s[J], e, c[0], c[1]);

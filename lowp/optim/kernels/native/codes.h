@@ -21,7 +21,8 @@
 // Q < 2^(m+1)) have spacing 1 for every |y| <= Q(1 + 2^-22), so c = a; a block whose scale is
 // positive and whose k * 2^16 is finite (no NaN, infinity or zero in sight) takes F = floor(|t| *
 // (k * 2^16)) directly: k * 2^16 is exact, so |t| * (k * 2^16) = fl(|t| * k) * 2^16 (a result
-// below 2^-126 gives F = 0 both ways).
+// below 2^-126 gives F = 0 both ways). fp8 codes round stochastically in the bits of such a block
+// (code_lanes).
 #pragma once
 #include <float.h>
 #include <math.h>
@@ -39,7 +40,8 @@ struct Grid {
   float q;
   vf top, least, min_binade, inv_mantissa, sub_scale, sub_step;
   vi top_code, least_code;  // Q and L as integers (integer codes)
-  vu normal_shift, normal_bias, subnormal_below, finite_bytes;
+  vf sub_fixed;              // fp8 subnormals: 2^(m - emin + 16), c * 2^16 of the fixed path
+  vu normal_shift, normal_bias, subnormal_below, finite_bytes, fixed_shift;
   const float *table;  // fp8: the fp32 value of every byte (torch's own cast), for decoding
 
   Grid(int signed_, float top_, int m, int emin, const float *lut) : is_signed(signed_ != 0), q(top_), table(lut) {
@@ -54,6 +56,8 @@ struct Grid {
     normal_bias = bcu((uint32_t)((127 - (1 - emin)) << m));  // minus the exponent bias difference
     sub_step = bc(ldexpf(1.0f, emin - m));                  // fp8 subnormals: value = code * 2^(emin - m)
     subnormal_below = bcu(1u << m);                         // fp8 magnitudes below: subnormal
+    sub_fixed = bc(ldexpf(1.0f, m - emin + 16));
+    fixed_shift = bcu((uint32_t)(7 - m));                   // fp8 normals: c * 2^16 = fp32 bits >> (7 - m)
     uint32_t top_bits;
     memcpy(&top_bits, &q, 4);
     finite_bytes = bcu((top_bits >> (23 - m)) - ((127 - (1 - emin)) << m) + 1);  // fp8 magnitudes below: finite
@@ -165,11 +169,12 @@ template <int S> static inline BlockScale block_scale(void *scales, int64_t b, u
 
 // The codes of 8 values t of a block (any lane order; ``noise``: their 16 random bits when SR) as
 // int32 lanes: the signed code of int8, the code of uint8 / uint4 (1..Q), the byte of fp8.
-// FIXED: the block's ``fixed`` holds (integer codes only; see the header).
+// FIXED: the block's ``fixed`` holds (integer codes, and fp8 codes rounded stochastically).
 template <int KIND, bool SR, bool FIXED>
 static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) {
   const vf abs_mask = (vf)bcu(0x7FFFFFFFu);
-  const vf y = FIXED ? t : [&] {
+  // y = t * k (integer codes' fixed path: t itself, k * 2^16 comes below); finite in a fixed block
+  const vf y = FIXED ? (KIND == CODE_FP8 ? t * b.k : t) : [&] {
     const vf v = b.divide ? t / b.s : t * b.k;
     return select((vi)((vf)((vu)v & (vu)abs_mask) <= bc(FLT_MAX)), v, bc(0.0f));  // 0 / 0, x / 0, NaN blocks
   }();
@@ -183,7 +188,19 @@ static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) 
     if constexpr (unsigned_kind(KIND)) return (vi)_mm256_max_epi32((__m256i)m, (__m256i)g.least_code);
     else return (vi)_mm256_sign_epi32((__m256i)m, (__m256i)y);  // y's sign; -0 and +0 give 0
   } else {
-    static_assert(!FIXED, "fp8 codes take the general path");
+    if constexpr (FIXED) {
+      // Stochastic rounding in the bits. For a normal a = 2^e (1 + f 2^-23): F = floor(c 2^16) = 2^(m+16)
+      // + f >> (7 - m), so (F + r) >> 16 = 2^m + ((f >> (7 - m)) + r) >> 16, and the byte of q =
+      // ((F + r) >> 16) * 2^(e-m) is (e + bias) << m plus that minus 2^m (a carry out of the
+      // mantissa moves q to the next binade, as the byte's own carry does): ((bits(a) >> (7 - m)) +
+      // r) >> 16 minus the exponent bias difference. A subnormal a's byte is (F + r) >> 16.
+      static_assert(SR, "the fixed path of fp8 codes rounds stochastically");
+      const vu normal = ((((vu)a >> g.fixed_shift) + noise) >> 16) - g.normal_bias;
+      const vu subnormal = ((vu)_mm256_cvttps_epi32((__m256)(a * g.sub_fixed)) + noise) >> 16;
+      const vu byte = (vu)_mm256_min_epi32((__m256i)((a < g.min_binade) ? subnormal : normal),
+                                           (__m256i)(g.finite_bytes - 1u));
+      return (vi)(byte | (((vu)y >> 24) & 0x80u));
+    }
     const vf binade = (vf)((vu)a & 0x7F800000u);
     const vf spacing = select((vi)(binade > g.min_binade), binade, g.min_binade) * g.inv_mantissa;
     vi m;
@@ -294,7 +311,7 @@ static inline void encode_block(const float *x, int64_t n, void *codes, void *sc
   }
   if constexpr (unsigned_kind(KIND)) t = roots;
   const BlockScale bs = block_scale<S>(scales, b, max_lane(peak), g);
-  if (KIND != CODE_FP8 && bs.fixed) encode_values<KIND, SR, KIND != CODE_FP8>(t, n, codes, bs, g, noise);
+  if (bs.fixed && (KIND != CODE_FP8 || SR)) encode_values<KIND, SR, KIND != CODE_FP8 || SR>(t, n, codes, bs, g, noise);
   else encode_values<KIND, SR, false>(t, n, codes, bs, g, noise);
 }
 
