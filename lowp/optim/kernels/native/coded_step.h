@@ -8,9 +8,10 @@
 //           the coded states' new values t (for unsigned codes their square roots: the rule's own
 //           sqrt of the second moment, which the compiler computes once) in L1, and each block's
 //           peak |t| (an integer max on the bit patterns);
-//   pass 2, per 16 elements: step.h's write-back, then the codes: at each block's start its scale
-//           and reciprocal from the peak (codes.h's BlockScale), then the codes of t with the
-//           random bits of the state's own stream (the Rng of step.h, as for 16-bit states).
+//   pass 2, per block: its scales and reciprocals from the peaks (codes.h's BlockScale), then per 16
+//           elements step.h's write-back and the codes of t with the random bits of the state's own
+//           stream (the Rng of step.h, as for 16-bit states); a block where every coded state takes
+//           its fixed path (the common case) runs code without the general path's checks.
 //
 // Every block is encoded from its own values with the bits of its own elements, so the result is
 // that of lowp/optim/coded.py's decode / step / encode passes bit for bit. The decoded states use
@@ -137,29 +138,39 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
       }
     });
   }
-  BlockScale bs[NSTATES + 1];
-  for (int k = 0; k < subs; k++) {
-    const int64_t e = i + 16 * k;
-    const Rng rng = streams.at(index + 16 * k);
-    if constexpr (MASKED) valid_lanes(16 * k, count, valid);
-    write_back_block(p, e, rng, u[k], MASKED ? valid : ALL_VALID, stalled);
+  for (int b = 0; b < subs / BLOCK_SUBS; b++) {
+    BlockScale bs[NSTATES + 1];
+    bool fixed = true;  // every coded state's block takes its fixed path
     for_states([&](auto j) {
       constexpr int J = decltype(j)::value;
       if constexpr (coded_state(J)) {
-        constexpr int KIND = CODE_KINDS[J];
-        if (k % BLOCK_SUBS == 0)
-          bs[J] = block_scale<CODE_SCALE>(scales[J], block0 + k / BLOCK_SUBS, max_lane(peak[J][k / BLOCK_SUBS]),
-                                          grid[J]);
-        vi c[2];
-        for (int h = 0; h < 2; h++) {
-          const vu noise = SR ? rng.template bits<STATE_STREAM + J>(h) : vu{};
-          if (bs[J].fixed && (KIND != CODE_FP8 || SR))
-            c[h] = code_lanes<KIND, SR, KIND != CODE_FP8 || SR>(t[J][k][h], bs[J], grid[J], noise);
-          else c[h] = code_lanes<KIND, SR, false>(t[J][k][h], bs[J], grid[J], noise);
-        }
-        store_code_pairs<KIND>(p.s[J], e, c[0], c[1]);
+        bs[J] = block_scale<CODE_SCALE>(scales[J], block0 + b, max_lane(peak[J][b]), grid[J]);
+        fixed &= bs[J].fixed && (CODE_KINDS[J] != CODE_FP8 || SR);
       }
     });
+    auto run = [&](auto all_fixed) {
+      constexpr bool ALL_FIXED = decltype(all_fixed)::value;
+      for (int k = b * BLOCK_SUBS; k < (b + 1) * BLOCK_SUBS; k++) {
+        const int64_t e = i + 16 * k;
+        const Rng rng = streams.at(index + 16 * k);
+        if constexpr (MASKED) valid_lanes(16 * k, count, valid);
+        write_back_block(p, e, rng, u[k], MASKED ? valid : ALL_VALID, stalled);
+        for_states([&](auto j) {
+          constexpr int J = decltype(j)::value;
+          if constexpr (coded_state(J)) {
+            constexpr int KIND = CODE_KINDS[J];
+            constexpr bool FIXED = ALL_FIXED && (KIND != CODE_FP8 || SR);
+            vi c[2];
+            for (int h = 0; h < 2; h++)
+              c[h] = code_lanes<KIND, SR, FIXED>(t[J][k][h], bs[J], grid[J],
+                                                 SR ? rng.template bits<STATE_STREAM + J>(h) : vu{});
+            store_code_pairs<KIND>(p.s[J], e, c[0], c[1]);
+          }
+        });
+      }
+    };
+    if (fixed) run(std::true_type{});
+    else run(std::false_type{});
   }
 }
 
