@@ -12,10 +12,10 @@ Block-wise Quantization", ICLR 2022)::
                                                (unsigned codes: to [1, Q], never 0)
     decode:  x = T^-1(q * s)                   one fp32 multiply (and a square for unsigned codes)
 
-``t * k`` stands for ``t / s``: it differs from the correctly rounded quotient by at most about one
-fp32 ulp (two roundings instead of one, a relative change below ``2**-22``) before it is rounded
+``t * k`` stands for ``t / s``: it differs from the correctly rounded quotient by at most two fp32
+ulps (two roundings instead of one, a relative change below ``3 * 2**-24``) before it is rounded
 to a grid of 3 to 8 bits, so the codes are those of ``t / s`` except where ``t / s`` lies within
-``2**-22`` of a rounding boundary (to nearest: a tie; stochastically: a boundary of the 16-bit
+those ulps of a rounding boundary (to nearest: a tie; stochastically: a boundary of the 16-bit
 draw), and the rounding is as unbiased as before. It saves a division per element, the most
 expensive operation of the encoder. Where ``k`` is not finite (``s`` is 0 or NaN, or below about
 ``2**-128`` so that ``1 / s`` overflows) the block divides, ``t / s``.
