@@ -61,8 +61,8 @@ template <int KIND> static inline void load_code_pairs(const void *codes, int64_
       even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 0xFFu));
       odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 8));
     } else {
-      even = fp8_values(x & 0xFFu, g);
-      odd = fp8_values(x >> 8, g);
+      even = (vf)_mm256_i32gather_ps(g.table, (__m256i)(x & 0xFFu), 4);
+      odd = (vf)_mm256_i32gather_ps(g.table, (__m256i)(x >> 8), 4);
     }
   }
 }

@@ -38,10 +38,10 @@ constexpr int MAX_BLOCK = 256;
 struct Grid {
   bool is_signed;
   float q;
-  vf top, least, min_binade, inv_mantissa, sub_scale, sub_step;
+  vf top, least, min_binade, inv_mantissa, sub_scale;
   vi top_code, least_code;  // Q and L as integers (integer codes)
   vf sub_fixed;              // fp8 subnormals: 2^(m - emin + 16), c * 2^16 of the fixed path
-  vu normal_shift, normal_bias, subnormal_below, finite_bytes, fixed_shift;
+  vu normal_shift, normal_bias, top_byte, fixed_shift;
   const float *table;  // fp8: the fp32 value of every byte (torch's own cast), for decoding
 
   Grid(int signed_, float top_, int m, int emin, const float *lut) : is_signed(signed_ != 0), q(top_), table(lut) {
@@ -54,13 +54,11 @@ struct Grid {
     sub_scale = bc(ldexpf(1.0f, m - emin));                 // fp8 subnormals: q / 2^(emin - m)
     normal_shift = bcu((uint32_t)(23 - m));                 // fp8 normals: fp32 bits >> (23 - m)
     normal_bias = bcu((uint32_t)((127 - (1 - emin)) << m));  // minus the exponent bias difference
-    sub_step = bc(ldexpf(1.0f, emin - m));                  // fp8 subnormals: value = code * 2^(emin - m)
-    subnormal_below = bcu(1u << m);                         // fp8 magnitudes below: subnormal
     sub_fixed = bc(ldexpf(1.0f, m - emin + 16));
     fixed_shift = bcu((uint32_t)(7 - m));                   // fp8 normals: c * 2^16 = fp32 bits >> (7 - m)
     uint32_t top_bits;
     memcpy(&top_bits, &q, 4);
-    finite_bytes = bcu((top_bits >> (23 - m)) - ((127 - (1 - emin)) << m) + 1);  // fp8 magnitudes below: finite
+    top_byte = bcu((top_bits >> (23 - m)) - ((127 - (1 - emin)) << m));  // fp8: the byte of Q
   }
 };
 
@@ -198,7 +196,7 @@ static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) 
       const vu normal = ((((vu)a >> g.fixed_shift) + noise) >> 16) - g.normal_bias;
       const vu subnormal = ((vu)_mm256_cvttps_epi32((__m256)(a * g.sub_fixed)) + noise) >> 16;
       const vu byte = (vu)_mm256_min_epi32((__m256i)((a < g.min_binade) ? subnormal : normal),
-                                           (__m256i)(g.finite_bytes - 1u));
+                                           (__m256i)g.top_byte);
       return (vi)(byte | (((vu)y >> 24) & 0x80u));
     }
     const vf binade = (vf)((vu)a & 0x7F800000u);
@@ -221,20 +219,6 @@ static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) 
   }
 }
 
-// The fp32 values of 8 fp8 bytes (one per 32-bit lane), as torch casts them: normal magnitudes by
-// moving their exponent and mantissa bits into place, subnormal ones as code * 2^(emin - m) (both
-// exact), the NaN and infinity bytes (rare) from the table of torch's own casts.
-static inline vf fp8_values(vu bytes, const Grid &g) {
-  const vu mag = bytes & 0x7Fu;
-  const vf normal = (vf)((mag + g.normal_bias) << g.normal_shift);
-  const vf subnormal = (vf)_mm256_cvtepi32_ps((__m256i)mag) * g.sub_step;
-  vf v = (vf)((vu)((mag < g.subnormal_below) ? subnormal : normal) | ((bytes & 0x80u) << 24));
-  const vi special = (vi)(mag >= g.finite_bytes);
-  if (__builtin_expect(_mm256_movemask_ps((__m256)special) != 0, 0))
-    v = select(special, (vf)_mm256_i32gather_ps(g.table, (__m256i)bytes, 4), v);
-  return v;
-}
-
 // ---- 8 codes at a time, in memory order ----------------------------------------------------------
 // Codes of elements j .. j + 7 of a block whose first code is ``codes`` (4-bit codes: j is even,
 // so the 8 codes are the 4 bytes from j / 2).
@@ -251,7 +235,7 @@ template <int KIND> static inline vf load_codes(const void *codes, int64_t j, co
     __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
     if constexpr (KIND == CODE_INT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     else if constexpr (KIND == CODE_UINT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-    else return fp8_values((vu)_mm256_cvtepu8_epi32(b), g);
+    else return (vf)_mm256_i32gather_ps(g.table, _mm256_cvtepu8_epi32(b), 4);
   }
 }
 
