@@ -1,7 +1,7 @@
 // lowp fused optimizer step, part 3: a variant whose states include block-scaled codes
 // (LOWP_CODE_KINDS, defined before step.h; lowp/optim/kernels/native_coded.py). Included after
-// step.h. The codes are decoded and encoded in registers, next to the rule, in groups of GROUP
-// elements (whole blocks):
+// step.h. The codes are decoded and encoded in registers, next to the rule, in groups of
+// CODED_GROUP (256) elements (whole blocks of every size):
 //
 //   pass 1, per 16 elements: load weight, gradient, plain states and the codes of the coded states;
 //           decode them (q * s, squared for unsigned codes); the rule; store the plain states; keep
@@ -16,9 +16,9 @@
 // Every block is encoded from its own values with the bits of its own elements, so the result is
 // that of lowp/optim/coded.py's decode / step / encode passes bit for bit. The decoded states use
 // step.h's (even, odd) lanes: 16 one-byte codes are one 16-byte load whose 16-bit halves split
-// into the two vectors with shifts (4-bit codes: 8 bytes, low and high nibbles). The last group of
-// a tensor (fewer than GROUP elements) runs on zero-padded local copies, its padding lanes masked
-// out of the block peaks.
+// into the two vectors with shifts (4-bit codes: 8 bytes, low and high nibbles). The last group
+// of a tensor (fewer than CODED_GROUP elements) runs on zero-padded local copies, its padding
+// lanes masked out of the block peaks.
 #pragma once
 #include "codes.h"
 
@@ -180,8 +180,8 @@ static inline int64_t role_bytes(int role, int64_t count) {
   return count * itemsize(role_type(role));
 }
 
-// The last ``count`` (< GROUP) elements of a tensor, from element ``i``: through zero-padded local
-// copies (every read in bounds), the written ones copied back. A 4-bit state with an odd count
+// The last ``count`` (< CODED_GROUP) elements of a tensor, from element ``i``: through zero-padded
+// local copies (every read in bounds), the written ones copied back. A 4-bit state with an odd count
 // keeps its unused high nibble 0, as _pack4 pads.
 static void coded_tail(const Pointers &p, int64_t i, int64_t count, void *const *scales, uint64_t base,
                        TensorStreams &streams, const rule_uniform &r, const vf &factor, const Grid *grid, vi &stalled) {

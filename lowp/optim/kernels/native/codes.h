@@ -180,8 +180,13 @@ static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) 
   const vf a = FIXED && unsigned_kind(KIND) ? y : (vf)((vu)y & (vu)abs_mask);
   if constexpr (KIND != CODE_FP8) {
     vi m;
-    if constexpr (SR) m = (vi)(((vu)_mm256_cvttps_epi32((__m256)(FIXED ? a * b.k16 : a * bc(65536.0f))) + noise) >> 16);
-    else m = (vi)_mm256_cvttps_epi32(_mm256_round_ps((__m256)(FIXED ? a * b.k : a), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if constexpr (SR) {
+      const vf scaled = FIXED ? a * b.k16 : a * bc(65536.0f);  // c * 2^16
+      m = (vi)(((vu)_mm256_cvttps_epi32((__m256)scaled) + noise) >> 16);
+    } else {
+      const vf c = FIXED ? a * b.k : a;
+      m = (vi)_mm256_cvttps_epi32(_mm256_round_ps((__m256)c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
     m = (vi)_mm256_min_epi32((__m256i)m, (__m256i)g.top_code);
     if constexpr (unsigned_kind(KIND)) return (vi)_mm256_max_epi32((__m256i)m, (__m256i)g.least_code);
     else return (vi)_mm256_sign_epi32((__m256i)m, (__m256i)y);  // y's sign; -0 and +0 give 0
