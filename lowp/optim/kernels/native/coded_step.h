@@ -71,11 +71,19 @@ template <int KIND> static inline void load_code_pairs(const void *codes, int64_
 template <int KIND> static inline void store_code_pairs(void *codes, int64_t i, vi even, vi odd) {
   uint8_t *p = (uint8_t *)codes;
   if constexpr (KIND == CODE_UINT4) {
-    _mm_storel_epi64((__m128i *)(p + i / 2), low_bytes(even | (odd << 4)));
+    // byte l = code 2l | code (2l + 1) << 4: the low byte of each 32-bit lane, gathered
+    const __m256i b = _mm256_shuffle_epi8((__m256i)(even | (odd << 4)),
+                                          _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storel_epi64((__m128i *)(p + i / 2),
+                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
   } else {
-    const __m256i w = (__m256i)((even & 0xFF) | ((odd & 0xFF) << 8));
-    _mm_storeu_si128((__m128i *)(p + i),
-                     _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+    // 16-bit lanes e0-3 o0-3 | e4-7 o4-7 (codes fit without saturating), their low bytes
+    // interleaved within each half, the halves' low 8 bytes joined
+    const __m256i w = _mm256_packs_epi32((__m256i)even, (__m256i)odd);
+    const __m256i b = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                              0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storeu_si128((__m128i *)(p + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
   }
 }
 
