@@ -39,11 +39,13 @@ def _values(n: int, block: int, signed: bool, seed: int = 0) -> torch.Tensor:
         lambda b: b.mul_(1e-38),
         lambda b: b.mul_(1e-44),
         lambda b: b.mul_(1e-9),
+        lambda b: b.mul_(1e-33),           # scale about 2**-116: 1 / s finite, (1 / s) * 2**16 is not
+        lambda b: b[:4].fill_(-0.0),       # -0.0 (kept by unsigned codes below: stored as +0.0)
     ]
     for k, blk in enumerate(x.split(block)):
         if k % 2 == 1:
             special[(k // 2) % len(special)](blk)
-    return x if signed else x.abs()
+    return x if signed else torch.where(x == 0, x, x.abs())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -195,6 +197,37 @@ def test_the_step_kernel_with_coded_states_equals_the_decode_step_encode_passes(
     monkeypatch.setattr(native_coded, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
     passes = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
     assert native_codes.COUNTS.encoded == 2 * total
+    _same_runs(fused, passes)
+
+
+@pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
+@pytest.mark.parametrize("state_dtype, extra", [
+    (None, {}),
+    ({"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}, {"state_block": 32,
+                                                                   "state_scale_dtype": torch.float32}),
+])
+def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dtype, extra):
+    """Blocks whose scales are 0, subnormal, about 2**-116 (the reciprocal is finite, times 2**16 it
+    is not) or NaN, and a NaN gradient: the kernel's fast and slow block paths give the passes' bits."""
+    def run():
+        params, opt = _adamw_run("native", 1, "stochastic", state_dtype, "kahan", ((100003,), (300, 7)), **extra)
+        for p in params:
+            for name, v in opt.state[p].items():
+                if name.endswith("_scale"):
+                    for k, value in enumerate((0.0, 1e-39, 1e-34, math.nan)):
+                        v[k::7] = value
+            g = torch.Generator().manual_seed(7)
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            p.grad.view(-1)[2000] = math.nan
+        for _ in range(2):
+            opt.step()
+        return params, opt
+    native_codes.COUNTS.encoded = 0
+    fused = run()
+    assert native_codes.COUNTS.encoded == 0
+    monkeypatch.setattr(native_coded, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    passes = run()
+    assert native_codes.COUNTS.encoded > 0
     _same_runs(fused, passes)
 
 

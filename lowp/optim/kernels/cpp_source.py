@@ -189,10 +189,11 @@ def variant_source(spec_name: str, variant: Variant) -> str:
              _function("rule", variant.program, variant.numbers, True)]
     if variant.reduction is not None:
         parts.append(_function("reduction", variant.reduction, variant.numbers, False))
-    parts.append('#include "step.h"')
     if variant.coded is not None:
         kinds = [*variant.coded.kinds, -1]
         parts += [f"#define LOWP_CODE_KINDS {{{', '.join(map(str, kinds))}}}",
-                  f"#define LOWP_CODE_SCALE {variant.coded.scale}", f"#define LOWP_CODE_BLOCK {variant.coded.block}",
-                  '#include "coded_step.h"']
+                  f"#define LOWP_CODE_SCALE {variant.coded.scale}", f"#define LOWP_CODE_BLOCK {variant.coded.block}"]
+    parts.append('#include "step.h"')
+    if variant.coded is not None:
+        parts.append('#include "coded_step.h"')
     return "\n".join(parts) + "\n"

@@ -4,10 +4,10 @@
 
 The generic coded step decodes a batch of pieces into fp32 buffers, runs the kernel on them and
 encodes them back: three passes over memory and, per batch, a few C++ calls and their Python
-around them. Here one kernel call per dtype signature does it all: each work unit of the kernel
-decodes its coded states into buffers of its thread, steps them, and encodes them back while
-they are in the core's cache (one pass over the codes, as over a plain state). The result is the
-generic step's, bit for bit (the module docstring of :mod:`lowp.optim.coded`).
+around them. Here one kernel call per dtype signature does it all: the kernel decodes the codes
+into registers next to the optimizer's rule, keeps the new values of each block in L1 until the
+block's scale is known, and encodes them (one pass over the codes, as over a plain state). The
+result is the generic step's, bit for bit (the module docstring of :mod:`lowp.optim.coded`).
 
 A slice takes this path when the native kernel would admit it with its coded states left out
 (:func:`~lowp.optim.kernels.kernel.fusable`), its codes and scales are CPU kernel memory of the

@@ -1,36 +1,217 @@
 // lowp fused optimizer step, part 3: a variant whose states include block-scaled codes
-// (LOWP_CODE_KINDS; lowp/optim/kernels/native_coded.py). Included after step.h. Per work unit
-// the coded states are decoded into fp32 buffers of the thread (codes.h), the unit runs as step.h
-// runs it on fp32 states, and the buffers are encoded back, rounded as the group's state_rounding
-// says (LOWP_SR) with the random bits of the state's own stream. A unit holds whole blocks (UNIT is
-// a multiple of every block size), and every block is encoded from its own values with the bits
-// of its own elements, so the result is that of lowp/optim/coded.py's decode / step / encode
-// passes bit for bit, while the fp32 states never leave the core's cache.
+// (LOWP_CODE_KINDS, defined before step.h; lowp/optim/kernels/native_coded.py). Included after
+// step.h. The codes are decoded and encoded in registers, next to the rule, in groups of
+// CODED_GROUP (256) elements (whole blocks of every size):
+//
+//   pass 1, per 16 elements: load weight, gradient, plain states and the codes of the coded states;
+//           decode them (q * s, squared for unsigned codes); the rule; store the plain states; keep
+//           the coded states' new values t (for unsigned codes their square roots: the rule's own
+//           sqrt of the second moment, which the compiler computes once) in L1, and each block's
+//           peak |t| (an integer max on the bit patterns);
+//   pass 2, per block: its scales and reciprocals from the peaks (codes.h's BlockScale), then per 16
+//           elements step.h's write-back and the codes of t with the random bits of the state's own
+//           stream (the Rng of step.h, as for 16-bit states); a block where every coded state takes
+//           its fixed path (the common case) runs code without the general path's checks.
+//
+// Every block is encoded from its own values with the bits of its own elements, so the result is
+// that of lowp/optim/coded.py's decode / step / encode passes bit for bit. The decoded states use
+// step.h's (even, odd) lanes: 16 one-byte codes are one 16-byte load whose 16-bit halves split
+// into the two vectors with shifts (4-bit codes: 8 bytes, low and high nibbles). The last group
+// of a tensor (fewer than CODED_GROUP elements) runs on zero-padded local copies, its padding
+// lanes masked out of the block peaks.
 #pragma once
-#include <vector>
-
 #include "codes.h"
 
-constexpr int CODE_KINDS[NSTATES + 1] = LOWP_CODE_KINDS;  // per state: its CodeKind, -1 for a plain state
 constexpr int CODE_SCALE = LOWP_CODE_SCALE;
 constexpr int64_t CODE_BLOCK = LOWP_CODE_BLOCK;
-static_assert(CODE_BLOCK >= 8 && CODE_BLOCK <= MAX_BLOCK && UNIT % CODE_BLOCK == 0, "a unit holds whole blocks");
+constexpr int64_t CODED_GROUP = MAX_BLOCK;           // elements per group: whole blocks of every size
+constexpr int SUBS = CODED_GROUP / 16;               // 16-element steps per group
+constexpr int BLOCK_SUBS = CODE_BLOCK / 16;          // 16-element steps per block
+static_assert(CODE_BLOCK % 16 == 0 && CODE_BLOCK <= MAX_BLOCK && UNIT % CODED_GROUP == 0,
+              "a group holds whole blocks, a unit whole groups");
 static_assert(!REDUCTION, "a per-tensor reduction would read the codes as states");
 constexpr bool coded_states_are_fp32() {
   for (int j = 0; j < NSTATES; j++)
-    if (CODE_KINDS[j] >= 0 && ST[j] != F32) return false;
+    if (coded_state(j) && ST[j] != F32) return false;
   return true;
 }
 static_assert(coded_states_are_fp32(), "the rule sees a coded state as fp32");
+constexpr bool plain_states_draw() {
+  for (int j = 0; j < NSTATES; j++)
+    if (!coded_state(j) && used_stream(STATE_STREAM + j)) return true;
+  return false;
+}
 
-// ``p`` moved on to element ``start`` (the coded states' pointers are left null: buffers replace them).
-static Pointers shifted(const Pointers &p, int64_t start) {
+// The codes q (before the scale) of the 16 elements from ``i`` (a multiple of 16) as (even, odd)
+// fp32 lanes.
+template <int KIND> static inline void load_code_pairs(const void *codes, int64_t i, const Grid &g, vf &even, vf &odd) {
+  const uint8_t *p = (const uint8_t *)codes;
+  if constexpr (KIND == CODE_UINT4) {
+    const vu x = (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i / 2)));  // lane l: byte l
+    even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 15u));
+    odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 4));
+  } else {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(p + i));
+    const vu x = (vu)_mm256_cvtepu16_epi32(bytes);  // lane l: byte 2l | byte 2l+1 << 8
+    if constexpr (KIND == CODE_INT8) {
+      const vi sx = (vi)_mm256_cvtepi16_epi32(bytes);  // the same, sign-extended from the odd byte
+      even = (vf)_mm256_cvtepi32_ps((__m256i)((sx << 24) >> 24));
+      odd = (vf)_mm256_cvtepi32_ps((__m256i)(sx >> 8));
+    } else if constexpr (KIND == CODE_UINT8) {
+      even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 0xFFu));
+      odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 8));
+    } else {
+      even = (vf)_mm256_i32gather_ps(g.table, (__m256i)(x & 0xFFu), 4);
+      odd = (vf)_mm256_i32gather_ps(g.table, (__m256i)(x >> 8), 4);
+    }
+  }
+}
+
+// Store the codes (codes.h's code_lanes) of the even and odd elements of the 16 from ``i``.
+template <int KIND> static inline void store_code_pairs(void *codes, int64_t i, vi even, vi odd) {
+  uint8_t *p = (uint8_t *)codes;
+  if constexpr (KIND == CODE_UINT4) {
+    // byte l = code 2l | code (2l + 1) << 4: the low byte of each 32-bit lane, gathered
+    const __m256i b = _mm256_shuffle_epi8((__m256i)(even | (odd << 4)),
+                                          _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storel_epi64((__m128i *)(p + i / 2),
+                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
+  } else {
+    // 16-bit lanes e0-3 o0-3 | e4-7 o4-7 (codes fit without saturating), their low bytes
+    // interleaved within each half, the halves' low 8 bytes joined
+    const __m256i w = _mm256_packs_epi32((__m256i)even, (__m256i)odd);
+    const __m256i b = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                              0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storeu_si128((__m128i *)(p + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
+  }
+}
+
+// The lanes of 16 elements from group element ``e`` that are inside the tensor's ``count`` (MASKED).
+static inline void valid_lanes(int64_t e, int64_t count, vi valid[2]) {
+  const vi even = {0, 2, 4, 6, 8, 10, 12, 14};
+  for (int h = 0; h < 2; h++) valid[h] = even + (int)(e + h) < (int)count;
+}
+
+// One group: ``subs`` steps of 16 elements (whole blocks) from element ``i`` of the memory at
+// ``p`` (coded states: their codes), whose first block is scale ``block0`` of ``scales[J]`` and
+// whose first element has global index ``index``. MASKED: only the first ``count`` elements are
+// the tensor's (the tail's local copies).
+template <bool MASKED>
+static inline void coded_group(const Pointers &p, int64_t i, void *const *scales, int64_t block0, uint64_t index,
+                               int subs, int64_t count, TensorStreams &streams, const rule_uniform &r,
+                               const vf &factor, const Grid *grid, vi &stalled) {
+  vf u[SUBS][2];
+  vf t[NSTATES + 1][SUBS][2];
+  vu peak[NSTATES + 1][SUBS / BLOCK_SUBS];
+  vf scale[NSTATES + 1];
+  vi valid[2];
+  for (int k = 0; k < subs; k++) {
+    const int64_t e = i + 16 * k;
+    if constexpr (MASKED) valid_lanes(16 * k, count, valid);
+    vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
+    load<GT>(p.g, e, g[0], g[1]);
+    g[0] *= factor;
+    g[1] *= factor;
+    load_weight(p, e, w);
+    for_states([&](auto j) {
+      constexpr int J = decltype(j)::value;
+      if constexpr (coded_state(J)) {
+        if (k % BLOCK_SUBS == 0) scale[J] = bc(scale_at<CODE_SCALE>(scales[J], block0 + k / BLOCK_SUBS));
+        load_code_pairs<CODE_KINDS[J]>(p.s[J], e, grid[J], s[0][J], s[1][J]);
+        for (int h = 0; h < 2; h++) {
+          s[h][J] *= scale[J];
+          if constexpr (unsigned_kind(CODE_KINDS[J])) s[h][J] *= s[h][J];
+        }
+      } else {
+        load<ST[J]>(p.s[J], e, s[0][J], s[1][J]);
+      }
+    });
+    for (int h = 0; h < 2; h++) u[k][h] = rule(r, w[h], g[h], s[h], out[h]);
+    Rng rng;
+    if constexpr (plain_states_draw()) rng = streams.at(index + 16 * k);
+    for_states([&](auto j) {
+      constexpr int J = decltype(j)::value;
+      if constexpr (coded_state(J)) {
+        vu &most = peak[J][k / BLOCK_SUBS];
+        if (k % BLOCK_SUBS == 0) most = vu{};
+        for (int h = 0; h < 2; h++) {
+          vf v = unsigned_kind(CODE_KINDS[J]) ? sqrt_(out[h][J]) : out[h][J];
+          if constexpr (MASKED) v = select(valid[h], v, bc(0.0f));
+          t[J][k][h] = v;
+          most = peak_of(most, v);
+        }
+      } else {
+        store<ST[J]>(p.s[J], e, state_value<J>(out[0][J], rng, 0), state_value<J>(out[1][J], rng, 1));
+      }
+    });
+  }
+  for (int b = 0; b < subs / BLOCK_SUBS; b++) {
+    BlockScale bs[NSTATES + 1];
+    bool fixed = true;  // every coded state's block takes its fixed path
+    for_states([&](auto j) {
+      constexpr int J = decltype(j)::value;
+      if constexpr (coded_state(J)) {
+        bs[J] = block_scale<CODE_SCALE>(scales[J], block0 + b, max_lane(peak[J][b]), grid[J]);
+        fixed &= bs[J].fixed && (CODE_KINDS[J] != CODE_FP8 || SR);
+      }
+    });
+    auto run = [&](auto all_fixed) {
+      constexpr bool ALL_FIXED = decltype(all_fixed)::value;
+      for (int k = b * BLOCK_SUBS; k < (b + 1) * BLOCK_SUBS; k++) {
+        const int64_t e = i + 16 * k;
+        const Rng rng = streams.at(index + 16 * k);
+        if constexpr (MASKED) valid_lanes(16 * k, count, valid);
+        write_back_block(p, e, rng, u[k], MASKED ? valid : ALL_VALID, stalled);
+        for_states([&](auto j) {
+          constexpr int J = decltype(j)::value;
+          if constexpr (coded_state(J)) {
+            constexpr int KIND = CODE_KINDS[J];
+            constexpr bool FIXED = ALL_FIXED && (KIND != CODE_FP8 || SR);
+            vi c[2];
+            for (int h = 0; h < 2; h++)
+              c[h] = code_lanes<KIND, SR, FIXED>(t[J][k][h], bs[J], grid[J],
+                                                 SR ? rng.template bits<STATE_STREAM + J>(h) : vu{});
+            store_code_pairs<KIND>(p.s[J], e, c[0], c[1]);
+          }
+        });
+      }
+    };
+    if (fixed) run(std::true_type{});
+    else run(std::false_type{});
+  }
+}
+
+// Bytes of ``count`` elements of role ``role`` (coded states: their codes).
+static inline int64_t role_bytes(int role, int64_t count) {
+  if (role >= 3 && coded_state(role - 3)) return CODE_KINDS[role - 3] == CODE_UINT4 ? (count + 1) / 2 : count;
+  return count * itemsize(role_type(role));
+}
+
+// The last ``count`` (< CODED_GROUP) elements of a tensor, from element ``i``: through zero-padded
+// local copies (every read in bounds), the written ones copied back. A 4-bit state with an odd count
+// keeps its unused high nibble 0, as _pack4 pads.
+static void coded_tail(const Pointers &p, int64_t i, int64_t count, void *const *scales, uint64_t base,
+                       TensorStreams &streams, const rule_uniform &r, const vf &factor, const Grid *grid, vi &stalled) {
+  alignas(32) unsigned char local[ROLES][CODED_GROUP * 4] = {};
   Pointers q;
-  q.w = (char *)p.w + start * itemsize(role_type(0));
-  q.g = (char *)p.g + start * itemsize(role_type(1));
-  q.b = p.b ? (char *)p.b + start * itemsize(role_type(2)) : nullptr;
-  for (int j = 0; j < NSTATES; j++) q.s[j] = CODE_KINDS[j] >= 0 ? nullptr : (char *)p.s[j] + start * itemsize(ST[j]);
-  return q;
+  void **dst[ROLES];
+  void *orig[ROLES];
+  dst[0] = &q.w, dst[1] = &q.g, dst[2] = &q.b;
+  orig[0] = p.w, orig[1] = p.g, orig[2] = p.b;
+  for (int j = 0; j < NSTATES; j++) dst[3 + j] = &q.s[j], orig[3 + j] = p.s[j];
+  for (int role = 0; role < ROLES; role++) {
+    *dst[role] = local[role];
+    if (orig[role])
+      memcpy(local[role], (char *)orig[role] + role_bytes(role, i), role_bytes(role, count));
+  }
+  const int subs = (int)((count + CODE_BLOCK - 1) / CODE_BLOCK * BLOCK_SUBS);
+  coded_group<true>(q, 0, scales, i / CODE_BLOCK, base + i, subs, count, streams, r, factor, grid, stalled);
+  for (int role = 0; role < ROLES; role++) {
+    if (!orig[role] || role == 1) continue;
+    if (role >= 3 && CODE_KINDS[role - 3] == CODE_UINT4 && count % 2) local[role][count / 2] &= 0x0F;
+    memcpy((char *)orig[role] + role_bytes(role, i), local[role], role_bytes(role, count));
+  }
 }
 
 // As lowp_step, where ``ptrs[(3 + k) * tensors + j]`` are the codes of a coded state k, plus
@@ -49,30 +230,15 @@ extern "C" int64_t lowp_coded_step(int64_t tensors, void *const *ptrs, const int
                       tables[k]);
   int64_t total = 0;
 #pragma omp parallel num_threads(thread_count(threads, t.units())) reduction(+ : total)
-  {
-    std::vector<float> buffers((size_t)UNIT * NSTATES);
-    total += work_units(&t, [&](int64_t tensor, const Pointers &p, int64_t start, int64_t end, uint64_t base,
-                                TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
-      Pointers q = shifted(p, start);
-      for_states([&](auto j) {
-        constexpr int J = decltype(j)::value;
-        if constexpr (CODE_KINDS[J] >= 0) {
-          q.s[J] = buffers.data() + J * UNIT;
-          decode_span<CODE_KINDS[J], CODE_SCALE>(p.s[J], scales[J * tensors + tensor], start, end, CODE_BLOCK,
-                                                 grid[J], (float *)q.s[J]);
-        }
-      });
-      step_unit(q, 0, end - start, base + start, streams, r, factor, stalled);
-      for_states([&](auto j) {
-        constexpr int J = decltype(j)::value;
-        if constexpr (CODE_KINDS[J] >= 0) {
-          const uint32_t key = keys[tensor * STREAMS + STATE_STREAM + J];
-          encode_span<CODE_KINDS[J], CODE_SCALE, SR>((const float *)q.s[J], start, end, p.s[J],
-                                                     scales[J * tensors + tensor], CODE_BLOCK, grid[J],
-                                                     [&](int64_t i) { return CountedNoise{base + (uint64_t)i, key}; });
-        }
-      });
-    });
-  }
+  total += work_units(&t, [&](int64_t tensor, const Pointers &p, int64_t start, int64_t end, uint64_t base,
+                              TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
+    void *own[NSTATES + 1] = {};
+    for (int j = 0; j < NSTATES; j++) own[j] = scales[j * tensors + tensor];
+    int64_t i = start;
+    for (; i + CODED_GROUP <= end; i += CODED_GROUP)
+      coded_group<false>(p, i, own, i / CODE_BLOCK, base + i, SUBS, CODED_GROUP, streams, r, factor, grid.data(),
+                         stalled);
+    if (i < end) coded_tail(p, i, end - i, own, base, streams, r, factor, grid.data(), stalled);
+  });
   return total;
 }

@@ -1,21 +1,28 @@
 // lowp block-scaled codes (lowp/optim/codes.py) in C++: encode and decode one block of B <= 256
 // elements, bit for bit as the torch definition does it. Included by codes.cpp (the codec's
-// multi-tensor entry points).
+// multi-tensor entry points) and coded_step.h (the step that codes its states in registers).
 //
 // The grid's numbers (Q, m, emin, signed) come from the Python Code at run time; what changes the
 // loads and stores is a template parameter: the storage KIND (int8, uint8, two uint4 per byte,
 // fp8) and the scale dtype S (the numbering of vector.h's Dtype: fp32, bf16, fp16).
 //
 //   encode:  t = x or sqrt(x); s = up(max|t| / Q) (NaN when the block holds a NaN or an infinity);
-//            y = t / s (0 where not finite); a = |y|; spacing = max(2^e(a), 2^emin) * 2^-m;
-//            c = a / spacing; q = min(max(R(c) * spacing, L), Q) with y's sign, L = 0 (signed codes)
-//            or 1 (unsigned codes never hold 0)
+//            k = 1 / s (once per block); y = t * k (t / s where k is not finite; 0 where y is not
+//            finite); a = |y|; spacing = max(2^e(a), 2^emin) * 2^-m; c = a / spacing;
+//            q = min(max(R(c) * spacing, L), Q), with y's sign for signed codes, L = 0 (signed
+//            codes) or 1 (unsigned codes never hold 0)
 //   decode:  y = q * s, squared for unsigned codes
 //
 // c = a / spacing is exact (a power-of-two scaling of a value below 2^(m+1)), so multiplying by
 // the reciprocal of the spacing (a power of two, built from its exponent bits) gives the same
-// bits as torch's division. The other divisions (max / Q, t / s) are true fp32 divisions, as in
-// torch.
+// bits as torch's division. Stochastic rounding in fixed point: with F = floor(c * 2^16) (exact
+// scaling, F < 2^25), floor(c) + [floor(frac(c) * 2^16) + r >= 2^16] = (F + r) >> 16, the
+// definition's two floors and compare in one integer add and shift. Integer codes (emin = m,
+// Q < 2^(m+1)) have spacing 1 for every |y| <= Q(1 + 2^-22), so c = a; a block whose scale is
+// positive and whose k * 2^16 is finite (no NaN, infinity or zero in sight) takes F = floor(|t| *
+// (k * 2^16)) directly: k * 2^16 is exact, so |t| * (k * 2^16) = fl(|t| * k) * 2^16 (a result
+// below 2^-126 gives F = 0 both ways). fp8 codes round stochastically in the bits of such a block
+// (code_lanes).
 #pragma once
 #include <float.h>
 #include <math.h>
@@ -30,20 +37,33 @@ constexpr int MAX_BLOCK = 256;
 // The grid of one code (lowp.optim.codes.Code), broadcast once per call.
 struct Grid {
   bool is_signed;
+  float q;
   vf top, least, min_binade, inv_mantissa, sub_scale;
-  vu normal_shift, normal_bias;
+  vi top_code, least_code;  // Q and L as integers (integer codes)
+  vf sub_fixed;              // fp8 subnormals: 2^(m - emin + 16), c * 2^16 of the fixed path
+  vu normal_shift, normal_bias, top_byte, fixed_shift;
   const float *table;  // fp8: the fp32 value of every byte (torch's own cast), for decoding
 
-  Grid(int signed_, float q, int m, int emin, const float *lut) : is_signed(signed_ != 0), table(lut) {
+  Grid(int signed_, float top_, int m, int emin, const float *lut) : is_signed(signed_ != 0), q(top_), table(lut) {
     top = bc(q);
     least = bc(is_signed ? 0.0f : 1.0f);
+    top_code = (vi)bcu((uint32_t)q);
+    least_code = (vi)bcu(is_signed ? 0u : 1u);
     min_binade = bc(ldexpf(1.0f, emin));
     inv_mantissa = bc(ldexpf(1.0f, -m));
     sub_scale = bc(ldexpf(1.0f, m - emin));                 // fp8 subnormals: q / 2^(emin - m)
     normal_shift = bcu((uint32_t)(23 - m));                 // fp8 normals: fp32 bits >> (23 - m)
     normal_bias = bcu((uint32_t)((127 - (1 - emin)) << m));  // minus the exponent bias difference
+    sub_fixed = bc(ldexpf(1.0f, m - emin + 16));
+    fixed_shift = bcu((uint32_t)(7 - m));                   // fp8 normals: c * 2^16 = fp32 bits >> (7 - m)
+    uint32_t top_bits;
+    memcpy(&top_bits, &q, 4);
+    top_byte = bcu((top_bits >> (23 - m)) - ((127 - (1 - emin)) << m));  // fp8: the byte of Q
   }
 };
+
+// Unsigned codes (the square roots of nonnegative states) by their storage kind.
+constexpr bool unsigned_kind(int kind) { return kind == CODE_UINT8 || kind == CODE_UINT4; }
 
 // ---- block scales ------------------------------------------------------------------------------
 template <int S> static inline float scale_at(const void *scales, int64_t b) {
@@ -117,7 +137,94 @@ struct DrawnNoise {
   }
 };
 
-// ---- 8 codes at a time -------------------------------------------------------------------------
+// ---- the scale of a block and the codes of 8 of its values -------------------------------------
+static inline uint32_t max_lane(vu v) {
+  uint32_t most = 0;
+  for (int l = 0; l < 8; l++) most = v[l] > most ? v[l] : most;
+  return most;
+}
+
+// |t| as bits, whose unsigned maximum over a block is the bits of max |t| (NaN and infinity above
+// every finite value): the block's peak, one integer max per 8 values.
+static inline vu peak_of(vu peak, vf t) { return (vu)_mm256_max_epu32((__m256i)peak, (__m256i)((vu)t & 0x7FFFFFFFu)); }
+
+// One block's stored scale s, its reciprocal k (y = t * k, or t / s where k is not finite), and
+// k * 2^16 for the fixed-point shortcut of integer codes (``fixed``: s > 0 and k * 2^16 finite).
+struct BlockScale {
+  vf s, k, k16;
+  bool divide, fixed;
+};
+
+// The scale of block ``b`` from the bits of its peak |t| (>= 0x7F800000: a NaN or an infinity),
+// stored rounded up to S.
+template <int S> static inline BlockScale block_scale(void *scales, int64_t b, uint32_t peak_bits, const Grid &g) {
+  float peak;
+  memcpy(&peak, &peak_bits, 4);
+  const float s = store_scale<S>(scales, b, peak_bits >= 0x7F800000u ? __builtin_nanf("") : peak / g.q);
+  const float k = 1.0f / s, k16 = k * 65536.0f;
+  return BlockScale{bc(s), bc(k), bc(k16), !(fabsf(k) <= FLT_MAX), s > 0.0f && k16 <= FLT_MAX};
+}
+
+// The codes of 8 values t of a block (any lane order; ``noise``: their 16 random bits when SR) as
+// int32 lanes: the signed code of int8, the code of uint8 / uint4 (1..Q), the byte of fp8.
+// FIXED: the block's ``fixed`` holds (integer codes, and fp8 codes rounded stochastically).
+template <int KIND, bool SR, bool FIXED>
+static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) {
+  const vf abs_mask = (vf)bcu(0x7FFFFFFFu);
+  // y = t * k (integer codes' fixed path: t itself, k * 2^16 comes below); finite in a fixed block
+  const vf y = FIXED ? (KIND == CODE_FP8 ? t * b.k : t) : [&] {
+    const vf v = b.divide ? t / b.s : t * b.k;
+    return select((vi)((vf)((vu)v & (vu)abs_mask) <= bc(FLT_MAX)), v, bc(0.0f));  // 0 / 0, x / 0, NaN blocks
+  }();
+  // |y|; the fixed path of unsigned codes skips it: there t >= 0 or -0, whose code is the same
+  const vf a = FIXED && unsigned_kind(KIND) ? y : (vf)((vu)y & (vu)abs_mask);
+  if constexpr (KIND != CODE_FP8) {
+    vi m;
+    if constexpr (SR) {
+      const vf scaled = FIXED ? a * b.k16 : a * bc(65536.0f);  // c * 2^16
+      m = (vi)(((vu)_mm256_cvttps_epi32((__m256)scaled) + noise) >> 16);
+    } else {
+      const vf c = FIXED ? a * b.k : a;
+      m = (vi)_mm256_cvttps_epi32(_mm256_round_ps((__m256)c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    m = (vi)_mm256_min_epi32((__m256i)m, (__m256i)g.top_code);
+    if constexpr (unsigned_kind(KIND)) return (vi)_mm256_max_epi32((__m256i)m, (__m256i)g.least_code);
+    else return (vi)_mm256_sign_epi32((__m256i)m, (__m256i)y);  // y's sign; -0 and +0 give 0
+  } else {
+    if constexpr (FIXED) {
+      // Stochastic rounding in the bits. For a normal a = 2^e (1 + f 2^-23): F = floor(c 2^16) = 2^(m+16)
+      // + f >> (7 - m), so (F + r) >> 16 = 2^m + ((f >> (7 - m)) + r) >> 16, and the byte of q =
+      // ((F + r) >> 16) * 2^(e-m) is (e + bias) << m plus that minus 2^m (a carry out of the
+      // mantissa moves q to the next binade, as the byte's own carry does): ((bits(a) >> (7 - m)) +
+      // r) >> 16 minus the exponent bias difference. A subnormal a's byte is (F + r) >> 16.
+      static_assert(SR, "the fixed path of fp8 codes rounds stochastically");
+      const vu normal = ((((vu)a >> g.fixed_shift) + noise) >> 16) - g.normal_bias;
+      const vu subnormal = ((vu)_mm256_cvttps_epi32((__m256)(a * g.sub_fixed)) + noise) >> 16;
+      const vu byte = (vu)_mm256_min_epi32((__m256i)((a < g.min_binade) ? subnormal : normal),
+                                           (__m256i)g.top_byte);
+      return (vi)(byte | (((vu)y >> 24) & 0x80u));
+    }
+    const vf binade = (vf)((vu)a & 0x7F800000u);
+    const vf spacing = select((vi)(binade > g.min_binade), binade, g.min_binade) * g.inv_mantissa;
+    vi m;
+    if constexpr (SR) {
+      const vf scaled = a * (vf)(bcu(270u << 23) - (vu)spacing);  // a / spacing * 2^16, exactly
+      m = (vi)(((vu)_mm256_cvttps_epi32((__m256)scaled) + noise) >> 16);
+    } else {
+      const vf c = a * (vf)(bcu(254u << 23) - (vu)spacing);  // a / spacing, exactly
+      m = (vi)_mm256_cvttps_epi32(_mm256_round_ps((__m256)c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    vf q = (vf)_mm256_cvtepi32_ps((__m256i)m) * spacing;
+    q = select((vi)(q < g.least), g.least, q);
+    q = select((vi)(q > g.top), g.top, q);
+    const vu bits = (vu)q;  // q >= 0
+    const vu normal = (bits >> g.normal_shift) - g.normal_bias;
+    const vu subnormal = (vu)_mm256_cvttps_epi32((__m256)(q * g.sub_scale));
+    return (vi)(((q < g.min_binade) ? subnormal : normal) | (((vu)y >> 24) & 0x80u));
+  }
+}
+
+// ---- 8 codes at a time, in memory order ----------------------------------------------------------
 // Codes of elements j .. j + 7 of a block whose first code is ``codes`` (4-bit codes: j is even,
 // so the 8 codes are the 4 bytes from j / 2).
 template <int KIND> static inline vf load_codes(const void *codes, int64_t j, const Grid &g) {
@@ -137,22 +244,19 @@ template <int KIND> static inline vf load_codes(const void *codes, int64_t j, co
   }
 }
 
-// Store the codes of the grid values ``q`` (sign included) of elements j .. j + 7.
-template <int KIND> static inline void store_codes(void *codes, int64_t j, vf q, const Grid &g) {
+// The 8 lanes of ``v`` (code_lanes) as bytes: the low 8 bits of each.
+static inline __m128i low_bytes(vi v) {
+  const __m256i b = _mm256_and_si256((__m256i)v, _mm256_set1_epi32(0xFF));
+  const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+  return _mm_packus_epi16(_mm_packus_epi32(lo, hi), lo);  // 8 bytes in the low half
+}
+
+// Store the codes ``v`` (code_lanes) of elements j .. j + 7.
+template <int KIND> static inline void store_codes(void *codes, int64_t j, vi v) {
   uint8_t *p = (uint8_t *)codes;
-  __m256i v;
-  if constexpr (KIND == CODE_FP8) {
-    const vu bits = (vu)q & 0x7FFFFFFFu;
-    const vf mag = (vf)bits;
-    const vu normal = (bits >> g.normal_shift) - g.normal_bias;
-    const vu subnormal = (vu)_mm256_cvttps_epi32((__m256)(mag * g.sub_scale));
-    v = (__m256i)(((mag < g.min_binade) ? subnormal : normal) | (((vu)q >> 24) & 0x80u));
-  } else {
-    v = _mm256_cvttps_epi32((__m256)q);  // integers on the grid: exact (-0 gives 0)
-  }
   if constexpr (KIND == CODE_UINT4) {
     // byte k = code 2k | code (2k + 1) << 4, in the low byte of 64-bit lane k
-    __m256i pairs = _mm256_or_si256(v, _mm256_srli_epi64(v, 28));
+    __m256i pairs = _mm256_or_si256((__m256i)v, _mm256_srli_epi64((__m256i)v, 28));
     __m256i picked = _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                                  -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                                  -1, -1, -1, -1));
@@ -161,14 +265,22 @@ template <int KIND> static inline void store_codes(void *codes, int64_t j, vf q,
     memcpy(p + j / 2, &a, 2);
     memcpy(p + j / 2 + 2, &b, 2);
   } else {
-    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-    __m128i bytes = KIND == CODE_INT8 ? _mm_packs_epi16(_mm_packs_epi32(lo, hi), lo)
-                                      : _mm_packus_epi16(_mm_packus_epi32(lo, hi), lo);
-    _mm_storel_epi64((__m128i *)(p + j), bytes);
+    _mm_storel_epi64((__m128i *)(p + j), low_bytes(v));
   }
 }
 
 // ---- one block ---------------------------------------------------------------------------------
+// The codes of the ``n`` values t (a multiple of 8) of a block whose scale is ``bs``.
+template <int KIND, bool SR, bool FIXED, typename Noise>
+static inline void encode_values(const float *t, int64_t n, void *codes, const BlockScale &bs, const Grid &g,
+                                 Noise &noise) {
+  for (int64_t j = 0; j < n; j += 8) {
+    vf v;
+    memcpy(&v, t + j, 32);
+    store_codes<KIND>(codes, j, code_lanes<KIND, SR, FIXED>(v, bs, g, SR ? noise.at(j) : vu{}));
+  }
+}
+
 // Encode ``n`` values (a multiple of 8, at most MAX_BLOCK) from ``x`` into the codes from
 // ``codes`` (byte offset of element 0 of the block) and scale ``b``.
 template <int KIND, int S, bool SR, typename Noise>
@@ -176,51 +288,20 @@ static inline void encode_block(const float *x, int64_t n, void *codes, void *sc
                                 Noise &noise) {
   alignas(32) float roots[MAX_BLOCK];
   const float *t = x;
-  vf peak = {};
-  vi bad = {};
+  vu peak = {};
   for (int64_t j = 0; j < n; j += 8) {
     vf v;
     memcpy(&v, x + j, 32);
-    if (!g.is_signed) {
+    if constexpr (unsigned_kind(KIND)) {
       v = sqrt_(v);
       memcpy(roots + j, &v, 32);
     }
-    const vf a = (vf)((vu)v & 0x7FFFFFFFu);
-    bad |= ~(vi)(a <= bc(FLT_MAX));  // NaN or infinity
-    peak = select((vi)(a > peak), a, peak);
+    peak = peak_of(peak, v);
   }
-  if (!g.is_signed) t = roots;
-  float most = 0.0f;
-  bool spoiled = false;
-  for (int l = 0; l < 8; l++) {
-    most = peak[l] > most ? peak[l] : most;
-    spoiled |= bad[l] != 0;
-  }
-  const float s = store_scale<S>(scales, b, spoiled ? __builtin_nanf("") : most / g.top[0]);
-  const vf vs = bc(s);
-  for (int64_t j = 0; j < n; j += 8) {
-    vf v;
-    memcpy(&v, t + j, 32);
-    vf y = v / vs;
-    y = select((vi)((vf)((vu)y & 0x7FFFFFFFu) <= bc(FLT_MAX)), y, bc(0.0f));  // 0 / 0, x / 0, NaN blocks
-    const vf a = (vf)((vu)y & 0x7FFFFFFFu);
-    const vf binade = (vf)((vu)a & 0x7F800000u);
-    const vf spacing = select((vi)(binade > g.min_binade), binade, g.min_binade) * g.inv_mantissa;
-    const vf c = a * (vf)(bcu(254u << 23) - (vu)spacing);  // a / spacing, exactly
-    vf m;
-    if constexpr (SR) {
-      const vf low = (vf)_mm256_floor_ps((__m256)c);
-      const vf drawn = (vf)_mm256_floor_ps((__m256)((c - low) * bc(65536.0f))) +
-                       (vf)_mm256_cvtepi32_ps((__m256i)noise.at(j));
-      m = low + select((vi)(drawn >= bc(65536.0f)), bc(1.0f), bc(0.0f));
-    } else {
-      m = (vf)_mm256_round_ps((__m256)c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    vf q = m * spacing;
-    q = select((vi)(q < g.least), g.least, q);
-    q = select((vi)(q > g.top), g.top, q);
-    store_codes<KIND>(codes, j, (vf)((vu)q | ((vu)y & 0x80000000u)), g);
-  }
+  if constexpr (unsigned_kind(KIND)) t = roots;
+  const BlockScale bs = block_scale<S>(scales, b, max_lane(peak), g);
+  if (bs.fixed && (KIND != CODE_FP8 || SR)) encode_values<KIND, SR, KIND != CODE_FP8 || SR>(t, n, codes, bs, g, noise);
+  else encode_values<KIND, SR, false>(t, n, codes, bs, g, noise);
 }
 
 // byte offset of element ``i``'s code

@@ -29,11 +29,19 @@ struct Pointers {
 enum StreamId { WEIGHT_STREAM = 0, COMPENSATION_STREAM = 1, STATE_STREAM = 2 };
 constexpr int STREAMS = STATE_STREAM + NSTATES;
 
+// States kept as block-scaled codes (coded_step.h; the variant defines LOWP_CODE_KINDS first).
+#ifdef LOWP_CODE_KINDS
+constexpr int CODE_KINDS[NSTATES + 1] = LOWP_CODE_KINDS;  // per state: its CodeKind (codes.h), -1 for a plain state
+constexpr bool coded_state(int j) { return CODE_KINDS[j] >= 0; }
+#else
+constexpr bool coded_state(int) { return false; }
+#endif
+
 // Which streams a variant draws from (the others' keys are never formed).
 constexpr bool used_stream(int s) {
   if (s == WEIGHT_STREAM) return MODE == STOCHASTIC || MODE == EXACT8;
   if (s == COMPENSATION_STREAM) return MODE == KAHAN && BT != F32;
-  return SR && ST[s - STATE_STREAM] != F32;
+  return SR && (ST[s - STATE_STREAM] != F32 || coded_state(s - STATE_STREAM));
 }
 
 // The random streams of one block of 16 elements: the low 32 bits of the global index of the
