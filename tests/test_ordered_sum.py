@@ -166,7 +166,7 @@ def test_native_sums_are_the_python_ones(monkeypatch):
         assert native_totals != [ordered_sum(t) for t in terms]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_the_same_sum_on_cuda():
     gen = torch.Generator().manual_seed(1)
     terms = torch.randn(2 * UNIT + 77, generator=gen).mul(4).exp()
