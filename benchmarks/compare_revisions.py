@@ -27,6 +27,7 @@ CONFIGS = {
     "native exact": "dict(backend='native', mode='exact')",
     "native stochastic": "dict(backend='native', mode='stochastic')",
     "unfused kahan (fused=False)": "dict(fused=False)",
+    "unfused kahan, states rounded to nearest": "dict(fused=False, state_rounding='nearest')",
 }
 
 _CHILD = """

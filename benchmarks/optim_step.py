@@ -98,6 +98,39 @@ def _ops_per_chunk(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> fl
     return Count.ops / sum(-(-p.numel() // chunk) for p in params)
 
 
+def _op_times(opt: torch.optim.Optimizer, params: list[torch.Tensor], rounds: int = 3
+              ) -> list[tuple[str, float, float]]:
+    """(aten op, calls per chunk, microseconds per chunk) of one step, the slowest first: each op
+    timed inside a ``TorchDispatchMode`` (its kernel and the dispatch below Python), the minimum
+    over ``rounds`` steps per position in the step's op sequence."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Timed(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.log: list[tuple[str, float]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            self.log.append((func.overloadpacket.__name__, time.perf_counter() - t0))
+            return out
+
+    logs = []
+    for _ in range(rounds):
+        with Timed() as timed:
+            opt.step()
+        logs.append(timed.log)
+    chunks = sum(-(-p.numel() // opt.backend.chunk_size) for p in params)
+    totals: dict[str, list[float]] = {}
+    for i, (name, _) in enumerate(logs[0]):
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += min(log[i][1] for log in logs)
+    return sorted(((name, n / chunks, t * 1e6 / chunks) for name, (n, t) in totals.items()),
+                  key=lambda row: -row[2])
+
+
 def main() -> None:
     """Run the benchmark described in the module docstring and print its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -106,6 +139,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--only", default=None, help="comma-separated substrings of configuration names")
+    ap.add_argument("--op-times", action="store_true",
+                    help="also print the unfused rows' time per aten op and chunk (ops of at least 1 us)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -154,6 +189,10 @@ def main() -> None:
             print(f"{name}: {rates[OPTIMI] / rates[name]:.2f}x optimi's foreach Kahan AdamW time per step "
                   f"(project target <= 1.5x), {_ops_per_chunk(opt, params):.0f} aten ops per chunk of "
                   f"{opt.backend.chunk_size} elements")
+        if args.op_times and name in built:
+            params, opt, _ = built[name]
+            rows = [[op, f"{calls:.2f}", f"{us:.1f}"] for op, calls, us in _op_times(opt, params) if us >= 1.0]
+            print(text_table(["aten op", "calls per chunk", "us per chunk"], rows))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The unfused (reference) step's building blocks against their definitions: the bf16 stochastic
 store with and without NaNs, random bits of several streams at once, the zero count, the exact
-mode's split, the scratch buffers, and gradient factors on gradients the step must not touch."""
+mode's split, the scratch buffers, gradient factors on gradients the step must not touch, and the
+finite check."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -156,3 +157,16 @@ def test_gradient_factors_leave_the_gradients_alone(backend, dtype):
         return params
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_finite_flags_sum_first_and_check_what_the_sum_cannot_clear(dtype):
+    """NaNs and infinities (alone, or +inf with -inf) are found; gradients whose sum leaves the
+    dtype's range but whose elements are finite are cleared by the exact check."""
+    from lowp.optim.backends import ForeachBackend
+    big = torch.finfo(dtype).max
+    grads = [torch.ones(1000, dtype=dtype), torch.tensor([1.0, float("nan")], dtype=dtype),
+             torch.tensor([float("inf"), 2.0], dtype=dtype), torch.tensor([float("inf"), -float("inf")], dtype=dtype),
+             torch.full((8,), big, dtype=dtype), torch.tensor([big, -big, big], dtype=dtype),
+             torch.zeros(0, dtype=dtype)]
+    assert ForeachBackend().finite_flags(grads) == [True, False, False, False, True, True, True]
