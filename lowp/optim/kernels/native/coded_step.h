@@ -110,10 +110,7 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
     const int64_t e = i + 16 * k;
     if constexpr (MASKED) valid_lanes(16 * k, count, valid);
     vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
-    load<GT>(p.g, e, g[0], g[1]);
-    g[0] *= factor;
-    g[1] *= factor;
-    load_weight(p, e, w);
+    load_weight_and_grad(p, e, factor, w, g);
     for_states([&](auto j) {
       constexpr int J = decltype(j)::value;
       if constexpr (coded_state(J)) {
@@ -197,9 +194,7 @@ static void coded_tail(const Pointers &p, int64_t i, int64_t count, void *const 
   Pointers q;
   void **dst[ROLES];
   void *orig[ROLES];
-  dst[0] = &q.w, dst[1] = &q.g, dst[2] = &q.b;
-  orig[0] = p.w, orig[1] = p.g, orig[2] = p.b;
-  for (int j = 0; j < NSTATES; j++) dst[3 + j] = &q.s[j], orig[3 + j] = p.s[j];
+  role_table(p, q, orig, dst);
   for (int role = 0; role < ROLES; role++) {
     *dst[role] = local[role];
     if (orig[role])

@@ -126,13 +126,18 @@ static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
   }
 }
 
-// Weight, gradient (times ``factor``) and states of 16 elements, as (even, odd) fp32 vectors.
-static inline void load_inputs(const Pointers &p, int64_t i, const vf &factor, vf w[2], vf g[2],
-                               vf s[2][NSTATES + 1]) {
+// Weight and gradient (times ``factor``) of 16 elements, as (even, odd) fp32 vectors.
+static inline void load_weight_and_grad(const Pointers &p, int64_t i, const vf &factor, vf w[2], vf g[2]) {
   load<GT>(p.g, i, g[0], g[1]);
   g[0] *= factor;
   g[1] *= factor;
   load_weight(p, i, w);
+}
+
+// Weight, gradient (times ``factor``) and states of 16 elements, as (even, odd) fp32 vectors.
+static inline void load_inputs(const Pointers &p, int64_t i, const vf &factor, vf w[2], vf g[2],
+                               vf s[2][NSTATES + 1]) {
+  load_weight_and_grad(p, i, factor, w, g);
   for_states([&](auto j) {
     constexpr int J = decltype(j)::value;
     load<ST[J]>(p.s[J], i, s[0][J], s[1][J]);
@@ -260,6 +265,13 @@ static int role_type(int role) {
   return ST[role - 3];
 }
 
+// Per role (weight, gradient, buffer, states): ``p``'s pointer and the field of ``q`` that holds it.
+static inline void role_table(const Pointers &p, Pointers &q, void *orig[ROLES], void **dst[ROLES]) {
+  dst[0] = &q.w, dst[1] = &q.g, dst[2] = &q.b;
+  orig[0] = p.w, orig[1] = p.g, orig[2] = p.b;
+  for (int j = 0; j < NSTATES; j++) dst[3 + j] = &q.s[j], orig[3 + j] = p.s[j];
+}
+
 // The last ``count`` (< 16) elements of a tensor: copied into zero-padded local blocks, run
 // through ``fn(local pointers, valid lanes)``, and (WRITE) the written ones copied back.
 template <bool WRITE, typename Fn> static void tail(const Pointers &p, int64_t i, int64_t count, Fn fn) {
@@ -267,9 +279,7 @@ template <bool WRITE, typename Fn> static void tail(const Pointers &p, int64_t i
   Pointers q;
   void **dst[ROLES];
   void *orig[ROLES];
-  dst[0] = &q.w, dst[1] = &q.g, dst[2] = &q.b;
-  orig[0] = p.w, orig[1] = p.g, orig[2] = p.b;
-  for (int j = 0; j < NSTATES; j++) dst[3 + j] = &q.s[j], orig[3 + j] = p.s[j];
+  role_table(p, q, orig, dst);
   for (int r = 0; r < ROLES; r++) {
     *dst[r] = local[r];
     if (orig[r]) memcpy(local[r], (char *)orig[r] + i * itemsize(role_type(r)), count * itemsize(role_type(r)));
