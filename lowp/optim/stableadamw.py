@@ -32,12 +32,14 @@ __all__ = ["StableAdamW", "stableadamw_update", "STABLEADAMW"]
 def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                        exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float],
                        eps: float, weight_decay: float) -> list[torch.Tensor]:
-    """Functional StableAdamW on fp32 lists of whole tensors: updates the moments, returns ``u``.
+    """Functional StableAdamW on fp32 (or fp64) lists of whole tensors: updates the moments,
+    returns ``u``.
 
     A tensor's ``RMS**2`` is the sum of its fp32 terms ``g**2 / max(v_hat, eps**2)`` in
     :func:`~lowp.optim.ordered_sum.ordered_sum`'s order (the native kernel's) over its element
     count, and ``lr_t`` comes from that sum by :func:`stable_tensor_numbers`, as in the kernel, so
-    every backend takes the same ``lr_t``."""
+    every backend takes the same ``lr_t``. fp64 tensors (of fp64 parameters, which no kernel
+    runs) take the mean and ``RMS`` in fp64."""
     beta1, beta2 = betas
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -47,8 +49,11 @@ def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], e
     updates = []
     for w, g, m, v in zip(weights, grads, exp_avgs, exp_avg_sqs):
         v_hat = v / bias_correction2
-        total = ordered_sum((g * g).div_(v_hat.clamp(min=eps * eps)))
-        t = stable_tensor_numbers(numbers, total, g.numel())
+        terms = (g * g).div_(v_hat.clamp(min=eps * eps))
+        if terms.dtype == torch.float64:
+            t = _lr_numbers(numbers, float(terms.mean().sqrt()) if terms.numel() else 0.0)
+        else:
+            t = stable_tensor_numbers(numbers, ordered_sum(terms), g.numel())
         u = m.div(sqrt_rn(v_hat).add_(eps)).mul_(t["step_size"])
         if weight_decay:
             u.add_(w, alpha=t["decay"])
@@ -70,7 +75,11 @@ def stable_tensor_numbers(numbers: Numbers, total: float, numel: int) -> Numbers
     :func:`~lowp.optim.ordered_sum.ordered_sum`'s order) over ``numel`` elements:
     ``RMS = fp32(sqrt(fp32(total / numel)))``, the rest in float64. The reference and the native
     kernel both take their per-tensor numbers from here."""
-    rms = fp32(math.sqrt(fp32(total / numel))) if numel else 0.0
+    return _lr_numbers(numbers, fp32(math.sqrt(fp32(total / numel))) if numel else 0.0)
+
+
+def _lr_numbers(numbers: Numbers, rms: float) -> Numbers:
+    """The step's ``step_size`` and ``decay`` from ``lr_t = lr / max(1, rms)``."""
     lr_t = numbers["lr"] / max(1.0, rms)
     return {"step_size": -lr_t / numbers["bias_correction1"], "decay": -lr_t * numbers["weight_decay"]}
 
