@@ -171,8 +171,10 @@ class LowpOptimizer(torch.optim.Optimizer):
             and other dtypes raise ``ValueError``. Block-scaled codes (:mod:`lowp.optim.codes`):
             ``torch.int8``, ``torch.float8_e4m3fn`` and ``torch.float8_e5m2`` for any state,
             ``torch.uint8`` and ``torch.uint4`` (stored as square roots) for the states the
-            optimizer's spec declares nonnegative (Adam's ``exp_avg_sq``); elementwise
-            optimizers with plain (non-DTensor) parameters only, else ``ValueError``.
+            optimizer's spec declares nonnegative (Adam's ``exp_avg_sq``); elementwise states
+            only, else ``ValueError``. DTensor parameters keep the codes of whole blocks sharded
+            like themselves, replicated where their shards split blocks
+            (:func:`lowp.optim.sharding.coded_placements`).
         state_block (group): elements per scale of block-scaled states: 32, 64 (default), 128 or
             256.
         state_scale_dtype (group): the dtype of the block scales: ``torch.bfloat16`` (default:
@@ -465,6 +467,12 @@ class LowpOptimizer(torch.optim.Optimizer):
         if "step" not in state:
             state["step"] = 0
         coded = {c.name: c.code for c in self.coded_states(group, p)}
+        if sharding.is_dtensor(p) and any(n not in state for n in coded) and p.numel() >= REPLICATED_WARN_NUMEL \
+                and sharding.coded_placements(p, group["state_block"]) != tuple(p.placements):
+            warnings.warn(f"lowp: the shards of a parameter of shape {tuple(p.shape)} ({tuple(p.placements)}) "
+                          f"split blocks of {group['state_block']} elements, so its block-scaled states are "
+                          f"replicated on every rank and it is stepped whole (an all-gather per step); a "
+                          f"smaller state_block, or a group with 16-bit states, avoids it", stacklevel=4)
         for name in self.state_names(group, p):   # DTensor parameters: sharded like p
             if name in state:
                 continue
@@ -473,12 +481,6 @@ class LowpOptimizer(torch.optim.Optimizer):
                 state[name] = sharding.new_state(p, self.state_shape(name, p), self._state_dtype(group, name, p))
                 continue
             (codes, scales), placements = self._coded_layout(group, p, code)
-            if sharding.is_dtensor(p) and placements != tuple(p.placements) and p.numel() >= REPLICATED_WARN_NUMEL \
-                    and name == next(iter(coded)):
-                warnings.warn(f"lowp: the shards of a parameter of shape {tuple(p.shape)} ({tuple(p.placements)}) "
-                              f"split blocks of {group['state_block']} elements, so its block-scaled states are "
-                              f"replicated on every rank and it is stepped whole (an all-gather per step); a "
-                              f"smaller state_block, or a group with 16-bit states, avoids it", stacklevel=4)
             for key, shape, dtype in ((name, codes, code.storage), (scale_name(name), scales,
                                                                       group["state_scale_dtype"])):
                 state[key] = (torch.zeros(shape, dtype=dtype, device=p.device) if placements is None
@@ -641,6 +643,7 @@ class LowpOptimizer(torch.optim.Optimizer):
 
         jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
         scales: dict[tuple, list[dict[str, torch.Tensor]]] = defaultdict(list)
+        coded: dict[tuple, list[CodedState]] = {}   # per job: the same for its parameters (same group and dtype)
         gathered: list[sharding.Gathered] = []
         for (group, p, mode, param_id), grad, ok in zip(todo, grads, finite):
             if not ok:
@@ -648,7 +651,8 @@ class LowpOptimizer(torch.optim.Optimizer):
             state = self.init_state(group, p, mode)
             state["step"] += 1
             names = self.state_names(group, p)
-            coded_names = [c.name for c in self.coded_states(group, p)]
+            p_coded = self.coded_states(group, p)
+            coded_names = [c.name for c in p_coded]
             # codes of blocks split between ranks are replicated: those parameters step whole
             local_blocks = not coded_names or not sharding.is_dtensor(p) \
                 or sharding.coded_placements(p, group["state_block"]) == tuple(p.placements)
@@ -659,15 +663,15 @@ class LowpOptimizer(torch.optim.Optimizer):
                 gathered.append(full)
             key = (id(group), mode.name, state["step"], p.dtype, p.device, names, weight)
             jobs[key].append(piece)
+            coded[key] = p_coded
             scales[key].append({n: sharding.local(state[scale_name(n)]).view(-1) for n in coded_names})
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
         for key, slices in jobs.items():
             gid, mode_name, step, _, _, _, weight = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed, self.diagnostics_enabled)
-            coded = self.coded_states(group, slices[0].param)
-            if coded:
-                stalled = run_coded(self.backend, self, ctx, slices, scales[key], coded, self.elementwise)
+            if coded[key]:
+                stalled = run_coded(self.backend, self, ctx, slices, scales[key], coded[key], self.elementwise)
             else:
                 stalled = self.backend.run(self, ctx, slices)
             self._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
@@ -829,8 +833,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         """A private copy of a saved tensor on ``p``'s device; a floating-point state is cast only
         when the group's ``state_dtype`` names a dtype for it."""
         for c in self.coded_states(group, p):   # codes and scales (a coded state saved as floats is encoded later)
-            (codes, scales), placements = self._coded_layout(group, p, c.code)
             if name == scale_name(c.name) or (name == c.name and value.dtype not in (*STATE_DTYPES, torch.float64)):
+                (codes, scales), placements = self._coded_layout(group, p, c.code)
                 return self._placed(value, p, codes if name == c.name else scales, placements, name)
         spec = group["state_dtype"]
         wanted = spec.get(name) if isinstance(spec, Mapping) else spec

@@ -291,8 +291,8 @@ class Gathered:
             pairs.append((self.buffer, self.piece.buffer))
         for t, full in pairs:   # replicated states (Adafactor's factors, codes of split blocks) are whole
             if is_dtensor(t) and tuple(t.placements) == tuple(self.param.placements):   # sharded like the parameter
-                full = keep_local(full.reshape(t.shape), t)
-            local(t).copy_(full.reshape(local(t).shape))
+                full = keep_local(full, t)
+            local(t).copy_(full)
 
 
 def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], buffer: torch.Tensor | None,
