@@ -4,6 +4,8 @@ sizes, zero, NaN and infinite blocks, values at the top code, subnormal scales, 
 rounding; the coded step with and without it; odd inputs refused before any C++ call."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import subprocess
@@ -271,6 +273,10 @@ def _bad_calls():
         ("noise", lambda: enc(x, code, 32, codes, scales, native_codes.CountedBits((1 << 63) - 50, 1))),
         ("block", lambda: enc(x, code, 48, codes, scales, None)),
         ("code", lambda: enc(x, "int8", 32, codes, scales, None)),
+        # a Code that is not one of CODES: a bf16 "fp8" table would hold 128 entries, not 256
+        ("code: expected one of lowp.optim.codes.CODES",
+         lambda: native_codes.decode(torch.zeros(100, dtype=torch.bfloat16), scales,
+                                     dataclasses.replace(CODES[torch.float8_e4m3fn], storage=torch.bfloat16), 32, 100)),
         ("jobs", lambda: enc(x, code, 32, x[:25].view(torch.int8), scales, None)),
         ("out", lambda: native_codes.decode(codes, scales, code, 32, 100, torch.empty(100, dtype=torch.float64))),
         ("out", lambda: native_codes.decode(codes, scales, code, 32, 100, torch.empty(200)[::2])),

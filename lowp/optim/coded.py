@@ -5,9 +5,11 @@ each parameter into pieces of whole blocks, decodes the coded states of a batch 
 fp32, runs the backend on the batch (its kernel stores fp32 states exactly), then encodes them
 back, rounding with the state's own random stream (``Stream.STATE + j`` for the ``j``-th state,
 the stream a 16-bit state would round with; the backend draws nothing from it for an fp32
-state). A piece and a batch hold at most the backend's ``chunk_size`` elements (rounded down to
-whole blocks of the largest size), so the decoded fp32 copies of one batch are the only extra
-memory, as for the backend's own fp32 working copies.
+state). A piece holds at most ``chunk`` elements (the backend's ``chunk_size`` rounded down to
+whole blocks of the largest size, at least one such block; a non-contiguous parameter is one
+piece), and a batch is run as soon as it holds ``chunk`` elements or more (so less than twice
+that), so the decoded fp32 copies of one batch are the only extra memory, as for the backend's
+own fp32 working copies.
 
 The pieces of a parameter do not change the result (every block is encoded from its own values
 with the random bits of its own elements), so the step is the same on every backend, for any

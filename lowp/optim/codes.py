@@ -47,8 +47,10 @@ to nearest, a state whose change per step is below half a code step never moves:
 ``beta2 = 0.999`` a second moment decays by 0.1% per step, far below an 8-bit step, so it
 stops decaying; stochastic rounding keeps it unbiased (``E[R(a)] = a``).
 
-The functions here are the definition: every backend reads and writes coded states through
-them (the step decodes a chunk into fp32, runs the backend's kernel, encodes the chunk back).
+The functions here are the definition, and the path for devices and layouts the native codec
+does not take: the native codec (:mod:`lowp.optim.kernels.native_codes`) and the native step's
+in-kernel decode and encode give the same bits, and every backend steps decoded states
+(:mod:`lowp.optim.coded`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Building and loading the CPU kernels for ``backend="native"``: the fused optimizer step (a
 translation unit generated per variant by :mod:`~lowp.optim.kernels.cpp_source` around
-``native/vector.h`` and ``native/step.h``), ``native/finite.cpp`` (the non-finite gradient check)
+``native/simd.h``, ``vector.h`` and ``step.h``, plus ``codes.h`` and ``coded_step.h`` for
+block-scaled states), ``native/finite.cpp`` (the non-finite gradient check)
 and ``native/codes.cpp`` (the codec of block-scaled states, :mod:`~lowp.optim.kernels.native_codes`).
 
 Nothing is compiled when lowp is installed: the first step of a variant (optimizer rule and

@@ -17,12 +17,11 @@ the states); anything else takes the generic step.
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import Sequence
 
 import torch
 
-from lowp.optim.codes import SCALE_DTYPES, Code
+from lowp.optim.codes import SCALE_DTYPES, Code, codes_shape, scales_shape
 from lowp.optim.kernels.checks import Span, check_kernel_args, kernel_memory, overlapping
 from lowp.optim.kernels.cpp_source import CodedLayout, Variant, variant_source
 from lowp.optim.kernels.kernel import fusable, grad_factor, slice_keys
@@ -57,7 +56,7 @@ def _codes_fit(s: ParamSlice, scales: dict[str, torch.Tensor], codes: dict[str, 
             return False
         if not (kernel_memory(t, (code.storage,)) and kernel_memory(sc, SCALE_DTYPES)):
             return False
-        if t.numel() != ((n + 1) // 2 if code.bits == 4 else n) or sc.numel() != math.ceil(n / block):
+        if t.numel() != codes_shape(code, torch.Size([n]))[0] or sc.numel() != scales_shape(n, block)[0]:
             return False
     return True
 
@@ -107,6 +106,7 @@ def _launch(spec: OptimizerSpec, ctx: StepContext, members: list[CodedSlice], co
     weight, grad, buffer, *states = slice_dtypes(slices[0])
     assert weight is not None and grad is not None
     dtypes = tuple(torch.float32 if name in codes else dtype for name, dtype in zip(names, states) if dtype is not None)
+    assert len(dtypes) == len(names), "every state of an admitted slice is a tensor"
     layout = CodedLayout(tuple(code_kind(codes[name]) if name in codes else -1 for name in names),
                          scale_code(scale_dtype), block)
     variant = Variant(spec.program(ctx.group), None, ctx.mode.name, weight, grad, buffer,
@@ -137,7 +137,7 @@ def _launch(spec: OptimizerSpec, ctx: StepContext, members: list[CodedSlice], co
     tables = (ctypes.c_void_p * len(names))(*(t.data_ptr() if t is not None else None for t in fp8))
     keys = [k for s in slices for k in slice_keys(ctx, s)]
     h = (ctypes.c_double * (1 + len(variant.numbers)))(grad_factor(ctx), *spec.pick(variant.numbers, numbers))
-    tensor_numbers = (ctypes.c_double * 1)()
+    tensor_numbers = (ctypes.c_double * max(1, n * len(variant.program.tensor_numbers)))()   # read by a rule only
     offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in slices))
     return coded_step_function(variant_source(spec.name, variant))(
         n, table, (ctypes.c_int64 * n)(*(s.numel for s in slices)), offsets, h, tensor_numbers,

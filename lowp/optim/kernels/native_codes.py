@@ -23,7 +23,7 @@ from typing import Sequence, Union
 
 import torch
 
-from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, Code, scales_shape
+from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, Code, codes_shape, scales_shape
 from lowp.optim.kernels.checks import Span, kernel_memory, overlapping
 from lowp.optim.kernels.native_build import decode_function, encode_function, native_available
 
@@ -147,15 +147,16 @@ def _check(name: str, t: object, dtypes: Sequence[torch.dtype], numel: int, span
 
 
 def _check_block(code: object, block: object) -> None:
-    if not isinstance(code, Code):
-        raise ValueError(f"code: expected a lowp.optim.codes.Code, got {code!r}")
+    if not isinstance(code, Code) or code not in CODES.values():   # a custom Code's fp8 table would be short
+        raise ValueError(f"code: expected one of lowp.optim.codes.CODES ({', '.join(c.name for c in CODES.values())}), "
+                         f"got {code!r}")
     if block not in BLOCK_SIZES:
         raise ValueError(f"block: expected one of {BLOCK_SIZES}, got {block!r}")
 
 
 def _check_codes(where: str, codes: torch.Tensor, scales: object, code: Code, block: int, n: int,
                  spans: list[Span], written: bool) -> None:
-    _check(f"{where}codes", codes, (code.storage,), (n + 1) // 2 if code.bits == 4 else n, spans, written)
+    _check(f"{where}codes", codes, (code.storage,), codes_shape(code, torch.Size([n]))[0], spans, written)
     _check(f"{where}scales", scales, SCALE_DTYPES, scales_shape(n, block)[0], spans, written)
 
 

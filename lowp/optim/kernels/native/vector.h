@@ -1,5 +1,6 @@
 // lowp fused optimizer step for x86-64 CPUs with AVX2 + FMA + F16C (backend="native"), part 1:
-// the variant's constants, fp32 vectors of 16 elements, loads, stores, roundings and random bits.
+// the variant's constants, loads and stores of 16 elements as fp32 vectors, and roundings (the
+// vector types and the random bits are simd.h's).
 //
 // A variant is one generated translation unit (lowp/optim/kernels/cpp_source.py): the LOWP_*
 // macros (write-back mode, every tensor's dtype, state count and roundings, counts of numbers),
