@@ -314,7 +314,7 @@ static inline void decode_block(const void *codes, int64_t n, const void *scales
   const vf s = bc(scale_at<S>(scales, b));
   for (int64_t j = 0; j < n; j += 8) {
     vf y = load_codes<KIND>(codes, j, g) * s;
-    if (!g.is_signed) y = y * y;
+    if constexpr (unsigned_kind(KIND)) y = y * y;
     memcpy(out + j, &y, 32);
   }
 }

@@ -359,6 +359,7 @@ static int thread_count(int threads, int64_t units) {
   return n < 1 ? 1 : n;
 }
 
+#ifndef LOWP_CODE_KINDS   // a coded variant's entry point is coded_step.h's lowp_coded_step
 // ``ptrs[role * tensors + j]``: role 0 weight, 1 gradient, 2 buffer (or null), 3 + k state k;
 // ``offset[j]``: global element index of tensor j's element 0 (its elements are a contiguous range
 // of the parameter); ``h``: the gradient factor, then the spec's numbers; ``tensor_numbers[j * T +
@@ -376,6 +377,7 @@ extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *
   total += work(&t);
   return total;
 }
+#endif
 
 #if LOWP_REDUCTION
 // The per-tensor pre-pass: ``sums[j]`` = the sum over tensor j of the spec's reduction term. Lanes
