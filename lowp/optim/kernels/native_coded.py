@@ -24,7 +24,7 @@ import torch
 from lowp.optim.codes import SCALE_DTYPES, Code, codes_shape, scales_shape
 from lowp.optim.kernels.checks import Span, check_kernel_args, kernel_memory, overlapping
 from lowp.optim.kernels.cpp_source import CodedLayout, Variant, variant_source
-from lowp.optim.kernels.kernel import fusable, grad_factor, slice_keys
+from lowp.optim.kernels.kernel import fusable, grad_factor, slice_keys, stream_count
 from lowp.optim.kernels.native import NativeKernel, slice_dtypes
 from lowp.optim.kernels.native_build import coded_step_function
 from lowp.optim.kernels.native_codes import code_kind, fp8_table, grid_numbers, scale_code
@@ -136,6 +136,8 @@ def _launch(spec: OptimizerSpec, ctx: StepContext, members: list[CodedSlice], co
            for name in names]
     tables = (ctypes.c_void_p * len(names))(*(t.data_ptr() if t is not None else None for t in fp8))
     keys = [k for s in slices for k in slice_keys(ctx, s)]
+    if len(keys) != n * stream_count(len(names)):
+        raise RuntimeError(f"kernel call: {len(keys)} stream keys for {n} tensors")
     h = (ctypes.c_double * (1 + len(variant.numbers)))(grad_factor(ctx), *spec.pick(variant.numbers, numbers))
     tensor_numbers = (ctypes.c_double * max(1, n * len(variant.program.tensor_numbers)))()   # read by a rule only
     offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in slices))
