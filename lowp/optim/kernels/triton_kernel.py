@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -26,7 +27,7 @@ from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["TritonKernel", "triton_available", "BLOCK"]
+__all__ = ["TritonKernel", "triton_available", "BLOCK", "LaunchTables", "launch_tables"]
 
 #: Elements per Triton program.
 BLOCK = 1024
@@ -109,26 +110,52 @@ class TritonKernel(Kernel):
         device = slices[0].param.device
         names = list(slices[0].states)
         grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in slices]
-        sizes = [s.numel for s in slices]
-        keys = torch.tensor([k for s in slices for k in slice_keys(ctx, s)], dtype=torch.int64, device=device)
-        blocks = [(i, start) for i, n in enumerate(sizes) for start in range(0, n, BLOCK)]
-
-        def table(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        def ptrs(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return table([t.data_ptr() for t in tensors])
-
         params = [s.param for s in slices]
         buffers = [s.buffer if s.buffer is not None else s.param for s in slices]
         states = [[s.states[name] for s in slices] for name in names]
+        tables = launch_tables(device, [params, grads, buffers, *states], [s.numel for s in slices],
+                               [s.index.first() for s in slices], [k for s in slices for k in slice_keys(ctx, s)])
         stochastic = ctx.group["state_rounding"] == "stochastic"
         stalled = torch.zeros(1, dtype=torch.int64, device=device)
-        kernel[(len(blocks),)](
-            ptrs(params), ptrs(grads), ptrs(buffers), *(ptrs(st) for st in states), table(sizes),
-            table([s.index.first() for s in slices]), table([b[0] for b in blocks]), table([b[1] for b in blocks]),
-            h, keys, stalled, P_T=tl_dtype(params[0].dtype), G_T=tl_dtype(grads[0].dtype),
+        kernel[(tables.blocks,)](
+            *tables.pointers, tables.sizes, tables.offsets, tables.block_tensor, tables.block_start,
+            h, tables.keys, stalled, P_T=tl_dtype(params[0].dtype), G_T=tl_dtype(grads[0].dtype),
             B_T=tl_dtype(buffers[0].dtype), **{f"S{j}_T": tl_dtype(st[0].dtype) for j, st in enumerate(states)},
             **{f"SR{j}": stochastic and st[0].dtype == torch.bfloat16 for j, st in enumerate(states)},
             MODE=ctx.mode.name, COUNT=ctx.count, BLOCK=BLOCK)
         return stalled[0] if ctx.count else None
+
+
+@dataclass(frozen=True)
+class LaunchTables:
+    """The int64 tables of one launch (views into one device buffer). ``pointers``: one table of
+    data pointers per role (weight, gradient, buffer, each state); ``sizes``, ``offsets`` (global
+    index of each tensor's first element) and ``keys`` (stream keys) per tensor; ``block_tensor``
+    and ``block_start`` map each of the ``blocks`` programs to its tensor and first element."""
+
+    pointers: tuple[torch.Tensor, ...]
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+    keys: torch.Tensor
+    block_tensor: torch.Tensor
+    block_start: torch.Tensor
+    blocks: int
+
+
+def launch_tables(device: torch.device, roles: list[list[torch.Tensor]], sizes: list[int], offsets: list[int],
+                  keys: list[int]) -> LaunchTables:
+    """The tables of one launch, sent in one host-to-device copy; the block map is built on the
+    device (a host loop over blocks cost more than the step itself on a GPU: 250,000 blocks for
+    256M elements)."""
+    n = len(sizes)
+    counts = [-(-size // BLOCK) for size in sizes]
+    packed = [t.data_ptr() for tensors in roles for t in tensors] + sizes + offsets + counts + keys
+    table = torch.tensor(packed, dtype=torch.int64, device=device)
+    pointers = tuple(table[i * n:(i + 1) * n] for i in range(len(roles)))
+    at = len(roles) * n
+    sizes_t, offsets_t, counts_t = table[at:at + n], table[at + n:at + 2 * n], table[at + 2 * n:at + 3 * n]
+    blocks = sum(counts)
+    block_tensor = torch.repeat_interleave(torch.arange(n, device=device), counts_t, output_size=blocks)
+    first_block = torch.cumsum(counts_t, 0) - counts_t
+    block_start = (torch.arange(blocks, device=device) - first_block[block_tensor]) * BLOCK
+    return LaunchTables(pointers, sizes_t, offsets_t, table[at + 3 * n:], block_tensor, block_start, blocks)
