@@ -94,7 +94,7 @@ def _ops_per_chunk(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> fl
 
     with Count():
         opt.step()
-    chunk = opt.backend.chunk_size
+    chunk = opt.backend.chunk_for(params[0].device)
     return Count.ops / sum(-(-p.numel() // chunk) for p in params)
 
 
@@ -121,7 +121,7 @@ def _op_times(opt: torch.optim.Optimizer, params: list[torch.Tensor], rounds: in
         with Timed() as timed:
             opt.step()
         logs.append(timed.log)
-    chunks = sum(-(-p.numel() // opt.backend.chunk_size) for p in params)
+    chunks = sum(-(-p.numel() // opt.backend.chunk_for(p.device)) for p in params)
     totals: dict[str, list[float]] = {}
     for i, (name, _) in enumerate(logs[0]):
         entry = totals.setdefault(name, [0, 0.0])
@@ -188,7 +188,7 @@ def main() -> None:
             params, opt, _ = built[name]
             print(f"{name}: {rates[OPTIMI] / rates[name]:.2f}x optimi's foreach Kahan AdamW time per step "
                   f"(project target <= 1.5x), {_ops_per_chunk(opt, params):.0f} aten ops per chunk of "
-                  f"{opt.backend.chunk_size} elements")
+                  f"{opt.backend.chunk_for(params[0].device)} elements")
         if args.op_times and name in built:
             params, opt, _ = built[name]
             rows = [[op, f"{calls:.2f}", f"{us:.1f}"] for op, calls, us in _op_times(opt, params) if us >= 1.0]

@@ -381,3 +381,36 @@ def test_a_checkpoint_without_scales_is_refused_before_anything_changes():
 
 if __name__ == "__main__":
     _triton_case()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("states", [{"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                                    {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.float8_e4m3fn},
+                                    {"exp_avg": torch.int8, "exp_avg_sq": torch.uint4}],  # type: ignore[attr-defined]
+                         ids=["int8-uint8", "e4m3", "int8-uint4"])
+def test_coded_states_on_gpu_match_the_cpu_definition(states):
+    """An AdamW run with block-scaled states on CUDA (the default backend there) ends with the
+    weights, codes and scales of the same run on the CPU, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(n, generator=gen).bfloat16() for n in (5000, 37, 1 << 20)]
+    grads = [[torch.randn(p.shape, generator=gen).bfloat16() for p in start] for _ in range(3)]
+
+    def run(device):
+        params = [p.to(device) for p in start]
+        opt = lo.AdamW(params, lr=1e-2, weight_decay=0.1, seed=1, state_dtype=states)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.to(device)
+            opt.step()
+        return params, opt
+
+    gpu, gpu_opt = run("cuda")
+    cpu, cpu_opt = run("cpu")
+    for p, q in zip(gpu, cpu):
+        assert torch.equal(p.cpu(), q)
+        for key, value in cpu_opt.state[q].items():
+            if isinstance(value, torch.Tensor):
+                got = gpu_opt.state[p][key].cpu()
+                assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                                   value.view(torch.uint8) if value.element_size() == 1 else value), key

@@ -37,7 +37,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 import torch
 
 from lowp.optim import preflight, sharding
-from lowp.optim.backends import DEFAULT_CHUNK_SIZE, Backend, backend_for, get_backend
+from lowp.optim.backends import Backend, backend_for, get_backend
 from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, Code, code_for, encode, scale_name, stored_shapes
 from lowp.optim.coded import CodedState, run_coded
 from lowp.optim.migrate import to_lowp_layout
@@ -199,8 +199,9 @@ class LowpOptimizer(torch.optim.Optimizer):
             overriding ``foreach`` and ``fused``; default ``None`` (chosen by
             :func:`~lowp.optim.backends.backend_for`). An unknown name, or a name together with
             ``fused=True``, raises ``ValueError``.
-        chunk_size: the most elements one batch or chunk holds (default ``2**17``), which bounds
-            the fp32 temporaries of a step (:mod:`lowp.optim.backends`); a positive int.
+        chunk_size: the most elements one batch or chunk holds, which bounds the fp32
+            temporaries of a step (:mod:`lowp.optim.backends`); a positive int, or ``None``
+            (default: ``2**18`` on the CPU, ``2**22`` on a GPU).
         seed: the seed of the stochastic-rounding streams, an int in ``[0, 2**64)`` (default:
             ``torch.initial_seed()``): element ``i`` of parameter ``param_id`` (its position
             over all groups) draws ``random16(i, stream_key(seed, step, param_id, stream))``
@@ -243,7 +244,7 @@ class LowpOptimizer(torch.optim.Optimizer):
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
                  state_block: int = 64, state_scale_dtype: torch.dtype = torch.bfloat16,
                  state_rounding: str = "stochastic", maximize: bool = False, nonfinite: str = "skip_param",
-                 foreach: bool | None = None, backend: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 foreach: bool | None = None, backend: str | None = None, chunk_size: int | None = None,
                  seed: int | None = None, diagnostics: bool = True, fused: bool | None = None,
                  kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False) -> None:
         if nonfinite not in NONFINITE_POLICIES:
@@ -935,7 +936,7 @@ class TwoMomentOptimizer(LowpOptimizer):
         nonfinite: ``"skip_param"`` (default), ``"skip_step"`` or ``"off"``.
         foreach: ``False`` runs unfused steps with the eager backend (default ``None``: foreach).
         backend: a backend by name (default ``None``: chosen from ``fused`` and ``foreach``).
-        chunk_size: the most elements per batch or chunk (default ``2**17``).
+        chunk_size: the most elements per batch or chunk (default ``None``: by device).
         seed: the stochastic-rounding seed (default ``torch.initial_seed()``).
         diagnostics: count elements whose stored weight did not move (default ``True``).
         fused: ``None`` (default) fused when worth it, ``True`` required, ``False`` never.

@@ -159,7 +159,8 @@ def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, 
     the stalled count (``None`` when ``ctx.count`` is false)."""
     block = ctx.group["state_block"]
     whole_blocks = max(BLOCK_SIZES)
-    chunk = max(whole_blocks, backend.chunk_size - backend.chunk_size % whole_blocks)
+    size = backend.chunk_for(slices[0].param.device) if slices else 1
+    chunk = max(whole_blocks, size - size % whole_blocks)
     counts: list[torch.Tensor] = []
     batch: list[_Piece] = []
     held = 0

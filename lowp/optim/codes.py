@@ -200,7 +200,9 @@ def encode(x: torch.Tensor, code: Code, block: int, codes: torch.Tensor, scales:
     t = flat if code.signed else sqrt_rn(flat)
     rows = _blocks(t, block)
     peak = rows.abs().amax(dim=1)
-    scale = _round_up(torch.where(peak.isfinite(), peak / code.top, math.nan), scales.dtype)
+    # a tensor divisor: CUDA divides by a Python number as a product with its rounded reciprocal
+    top = torch.full_like(peak, code.top)
+    scale = _round_up(torch.where(peak.isfinite(), peak / top, math.nan), scales.dtype)
     scales.copy_(scale)
     s = scale.float()[:, None]
     k = 1.0 / s                                    # the reciprocal, rounded once per block

@@ -5,10 +5,17 @@ written to a private temporary folder (Triton compiles from source files) and im
 
 Needs CUDA tensors, or CPU tensors with the Triton interpreter (``TRITON_INTERPRET=1`` set before
 triton is imported), which is how the tests check it on machines without a GPU.
+
+The kernels are compiled with ``enable_fp_fusion=False``: Triton would otherwise contract a
+product and a sum into one fused multiply-add wherever it can, which rounds once where the
+definition (ATen's CPU kernels, :mod:`lowp.optim.rule`) rounds twice; the rule's own ``fma``
+operations are explicit ``tl.fma`` calls and stay fused. So a step on the GPU is bit-identical to
+the ``foreach`` reference on the CPU.
 """
 from __future__ import annotations
 
 import atexit
+from dataclasses import dataclass
 import functools
 import hashlib
 import importlib.util
@@ -16,7 +23,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -116,14 +122,14 @@ class TritonKernel(Kernel):
         tables = launch_tables(device, [params, grads, buffers, *states], [s.numel for s in slices],
                                [s.index.first() for s in slices], [k for s in slices for k in slice_keys(ctx, s)])
         stochastic = ctx.group["state_rounding"] == "stochastic"
-        stalled = torch.zeros(1, dtype=torch.int64, device=device)
+        stalled = torch.empty(tables.blocks if ctx.count else 1, dtype=torch.int32, device=device)
         kernel[(tables.blocks,)](
             *tables.pointers, tables.sizes, tables.offsets, tables.block_tensor, tables.block_start,
             h, tables.keys, stalled, P_T=tl_dtype(params[0].dtype), G_T=tl_dtype(grads[0].dtype),
             B_T=tl_dtype(buffers[0].dtype), **{f"S{j}_T": tl_dtype(st[0].dtype) for j, st in enumerate(states)},
             **{f"SR{j}": stochastic and st[0].dtype == torch.bfloat16 for j, st in enumerate(states)},
-            MODE=ctx.mode.name, COUNT=ctx.count, BLOCK=BLOCK)
-        return stalled[0] if ctx.count else None
+            MODE=ctx.mode.name, COUNT=ctx.count, BLOCK=BLOCK, enable_fp_fusion=False)
+        return stalled.sum(dtype=torch.int64) if ctx.count else None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ One launch updates many parameters: each program handles ``BLOCK`` elements of o
 through per-launch tables (data pointers of each role, sizes, the global index of each tensor's
 first element, the stream keys of each tensor, and a block list mapping program ids to
 (tensor, start)), so small tensors do not pay a launch each. ``H`` holds the gradient factor,
-then the rule's numbers.
+then the rule's numbers; ``STALLED`` receives each program's count of weights that did not
+move (summed on the host side by torch: no atomics on one address).
 """
 from __future__ import annotations
 
@@ -141,6 +142,6 @@ def kernel_source(program: Program) -> str:
         "        stalled = ((new.to(tl.float32) == w) & mask).to(tl.int32)",
         "    tl.store(p_ptr, new, mask=mask)",
         "    if COUNT:",
-        "        tl.atomic_add(STALLED, tl.sum(stalled, axis=0).to(tl.int64))",
+        "        tl.store(STALLED + pid, tl.sum(stalled, axis=0))",
     ]
     return "\n".join(lines) + "\n"
