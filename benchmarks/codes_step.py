@@ -1,8 +1,9 @@
 """AdamW steps with block-scaled 8-bit, fp8 and 4-bit states against the same step with bf16
 states (the named baseline, measured in the same run), on the native backend, plus the native
-codec alone (decode + encode, ns per element).
+codec alone (decode + encode, ns per element); with ``--device cuda``, on the Triton backend.
 
     python benchmarks/codes_step.py --sizes 8M,32M --threads 1,2 [--rounds 3]
+    python benchmarks/codes_step.py --device cuda --sizes 64M,256M
 
 bf16 weights, Kahan write-back (AdamW's default for them), states rounded stochastically (the
 default), blocks of 64 with bf16 scales (the defaults).
@@ -28,28 +29,35 @@ CONFIGS: dict[str, dict[str, torch.dtype] | None] = {
 }
 
 
-def step_seconds(numel: int, rounds: int, chunk_size: int | None) -> dict[str, float]:
+def step_seconds(numel: int, rounds: int, chunk_size: int | None, device: torch.device) -> dict[str, float]:
     """Per configuration, the fastest of ``rounds`` AdamW steps over one bf16 parameter of
     ``numel`` elements; the configurations take turns, so a change of the machine's load touches
     them all alike."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     steps = {}
     for name, state_dtype in CONFIGS.items():
-        p = torch.nn.Parameter(torch.randn(numel, generator=gen).bfloat16())
-        p.grad = torch.randn(numel, generator=gen).bfloat16()
+        p = torch.nn.Parameter(torch.randn(numel, generator=gen, device=device).bfloat16())
+        p.grad = torch.randn(numel, generator=gen, device=device).bfloat16()
         extra: dict = {} if state_dtype is None else {"state_dtype": state_dtype}
         if chunk_size is not None:
             extra["chunk_size"] = chunk_size
-        opt = lo.AdamW([p], lr=1e-3, backend="native", **extra)
+        opt = lo.AdamW([p], lr=1e-3, backend="triton" if device.type == "cuda" else "native", **extra)
         opt.step()
         steps[name] = opt.step
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(rounds):
         for name, step in steps.items():
+            _sync(device)
             start = time.perf_counter()
             step()
+            _sync(device)
             best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def codec_ns(numel: int, code_dtype: torch.dtype, rounds: int) -> tuple[float, float]:
@@ -81,7 +89,20 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="CPU thread counts, e.g. 1,2")
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per configuration (the best counts)")
     parser.add_argument("--chunk-size", type=int, default=None, help="the backend's chunk_size (default: lowp's)")
+    parser.add_argument("--device", default="cpu", help="cpu (native backend) or cuda (Triton backend)")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, AdamW, bf16 weights, Triton backend; "
+              "ratio = step time / bf16-state step time")
+        print()
+        print("| params | " + " | ".join(CONFIGS) + " |")
+        print("|---|" + "---|" * len(CONFIGS))
+        for size in args.sizes.split(","):
+            times = step_seconds(parse_size(size), args.rounds, args.chunk_size, device)
+            base = times["bf16 states"]
+            print(f"| {size} | " + " | ".join(f"{t * 1e3:.2f} ms ({t / base:.2f}x)" for t in times.values()) + " |")
+        return
     if not native_codes.available():
         raise SystemExit("codes_step: the native backend does not build here (x86-64 with AVX2 and g++ needed)")
     print(f"torch {torch.__version__}, AdamW, bf16 weights, native backend; ratio = step time / bf16-state step time")
@@ -92,7 +113,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for size in args.sizes.split(","):
             numel = parse_size(size)
-            times = step_seconds(numel, args.rounds, args.chunk_size)
+            times = step_seconds(numel, args.rounds, args.chunk_size, device)
             base = times["bf16 states"]
             cells = [f"{t * 1e3:.1f} ms ({t / base:.2f}x)" for t in times.values()]
             print(f"| {size} | {threads} | " + " | ".join(cells) + " |")

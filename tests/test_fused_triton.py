@@ -24,7 +24,7 @@ def _interpret(case: str) -> None:
     assert "OK" in done.stdout
 
 
-@pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8"])
+@pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8", "coded-stochastic", "coded-nearest"])
 def test_triton_stochastic_rounding_bit_identical_to_reference(case):
     """The ``index`` cases also check that the shared helpers fail when the fusing predicate
     refuses every slice (:func:`_assert_helpers_fail_when_refused`; no kernel runs there)."""
@@ -108,7 +108,62 @@ def _main(case: str) -> None:
         _assert_helpers_fail_when_refused(mode)
         print("OK")
         return
+    if name == "coded":
+        _coded(mode)
+        assert launches, "the Triton kernel did not run"
+        print("OK")
+        return
     raise ValueError(f"unknown case {case!r}")
+
+
+#: block-scaled states of every code, some states left plain
+CODED = [{"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+         {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.float8_e4m3fn},
+         {"exp_avg": torch.float8_e5m2, "exp_avg_sq": torch.uint4},  # type: ignore[attr-defined]
+         {"exp_avg": torch.int8}]
+
+
+def _coded(rounding: str) -> None:
+    """AdamW with block-scaled states through the Triton kernel (decode and encode inside it)
+    against the ``foreach`` reference: weights, codes and scales bit for bit, every element fused.
+    Odd sizes leave a short last block and half a byte of 4-bit codes."""
+    from lowp.optim.codes import CODES, decode
+    import lowp.optim as lo
+
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(n, generator=gen).bfloat16() for n in (3000, 37, 1027)]
+    # the last tensor's gradients are so small that its blocks' reciprocal scales overflow: they divide
+    grads = [[(torch.randn(p.shape, generator=gen) * (1e-36 if i == 2 else 1.0)).bfloat16() for i, p in enumerate(start)]
+             for _ in range(3)]
+    extra = {} if rounding == "stochastic" else {"state_block": 32, "state_scale_dtype": torch.float16}
+
+    def run(backend, states):
+        params = [p.clone() for p in start]
+        opt = lo.AdamW(params, lr=1e-2, weight_decay=0.1, backend=backend, seed=1, state_dtype=states,
+                       state_rounding=rounding, **extra)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt
+
+    def bits(t):
+        return t.view(torch.uint8) if t.element_size() == 1 else t
+
+    if not extra:  # bf16 scales hold the tiny ones (fp16's smallest is 2**-24)
+        tiny = list(run("foreach", CODED[0])[1].state.values())
+        scales = [v["exp_avg_scale"].float() for v in tiny]
+        assert not torch.isfinite(1.0 / scales[2]).all() and torch.isfinite(1.0 / scales[0]).all()  # the divide path
+        assert decode(tiny[2]["exp_avg"], scales[2], CODES[torch.int8], 64, 1027).abs().max() > 0
+    for states in CODED:
+        fused, opt = run("triton", states)
+        assert opt.backend.fused_elements == 3 * sum(p.numel() for p in start), states
+        reference, ref_opt = run("foreach", states)
+        for p, q in zip(fused, reference):
+            assert torch.equal(p, q), states
+            for key, value in ref_opt.state[q].items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(bits(opt.state[p][key]), bits(value)), (states, key)
 
 
 if __name__ == "__main__":

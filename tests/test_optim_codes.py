@@ -390,11 +390,13 @@ if __name__ == "__main__":
                                     {"exp_avg": torch.int8, "exp_avg_sq": torch.uint4}],  # type: ignore[attr-defined]
                          ids=["int8-uint8", "e4m3", "int8-uint4"])
 def test_coded_states_on_gpu_match_the_cpu_definition(states):
-    """An AdamW run with block-scaled states on CUDA (the default backend there) ends with the
-    weights, codes and scales of the same run on the CPU, bit for bit."""
+    """An AdamW run with block-scaled states on CUDA (the Triton kernel, the default there) ends
+    with the weights, codes and scales of the same run on the CPU, bit for bit."""
     gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(n, generator=gen).bfloat16() for n in (5000, 37, 1 << 20)]
-    grads = [[torch.randn(p.shape, generator=gen).bfloat16() for p in start] for _ in range(3)]
+    start = [torch.randn(n, generator=gen).bfloat16() for n in (5000, 37, 1 << 20, 1027)]
+    # the last tensor's gradients are tiny: subnormal states and scales, blocks that divide
+    grads = [[(torch.randn(p.shape, generator=gen) * (1e-36 if i == 3 else 1.0)).bfloat16() for i, p in enumerate(start)]
+             for _ in range(3)]
 
     def run(device):
         params = [p.to(device) for p in start]
@@ -406,6 +408,7 @@ def test_coded_states_on_gpu_match_the_cpu_definition(states):
         return params, opt
 
     gpu, gpu_opt = run("cuda")
+    assert gpu_opt.backend.fused_elements == 3 * sum(p.numel() for p in start)  # decoded inside the Triton kernel
     cpu, cpu_opt = run("cpu")
     for p, q in zip(gpu, cpu):
         assert torch.equal(p.cpu(), q)

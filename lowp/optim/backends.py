@@ -27,7 +27,7 @@ import torch
 
 from lowp.optim.kernels import CompiledKernel, Kernel, NativeKernel, TritonKernel, compiler_available, \
     native_available, triton_available
-from lowp.optim.kernels import native_coded
+from lowp.optim.kernels import coded_slices, native_coded
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import partition
 from lowp.optim.codes import Code
@@ -260,10 +260,16 @@ class FusedBackend(Backend):
         return _total(counts)
 
     def run_coded(self, optimizer, ctx, items, codes, block):
-        """The native kernel decodes and encodes block-scaled states inside its step
-        (:mod:`lowp.optim.kernels.native_coded`) for the slices it admits."""
+        """The native and Triton kernels decode and encode block-scaled states inside their step
+        (:mod:`lowp.optim.kernels.native_coded`, :mod:`lowp.optim.kernels.coded_slices`) for the
+        slices they admit."""
         spec = optimizer.kernel_spec()
-        if not isinstance(self.kernel, NativeKernel) or spec is None or not optimizer.elementwise:
+        if spec is None or not optimizer.elementwise:
+            return None, list(items)
+        if isinstance(self.kernel, TritonKernel):
+            taken, rest = coded_slices.admitted(self.kernel, spec, ctx, items, codes, block)
+            return (self.kernel.run_coded(spec, ctx, taken, codes, block) if taken else None), rest
+        if not isinstance(self.kernel, NativeKernel):
             return None, list(items)
         taken, rest = native_coded.admitted(self.kernel, spec, ctx, items, codes, block)
         if not taken:

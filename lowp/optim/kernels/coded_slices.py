@@ -1,0 +1,73 @@
+"""Which slices with block-scaled states (:mod:`lowp.optim.codes`) a kernel may step with the
+decode and encode inside it: the admission shared by the kernels that do (the native C++ kernel
+on the CPU, the Triton kernel on CUDA).
+
+A slice is admitted when the kernel would admit it with its coded states left out
+(:func:`~lowp.optim.kernels.kernel.fusable`), its codes and scales are kernel memory
+(:func:`~lowp.optim.kernels.checks.kernel_memory`) of the expected dtypes and sizes on the
+weight's device, with one scale dtype, and the optimizer has no per-tensor reduction (whose
+pre-pass reads the states); no two admitted tensors that a step writes may overlap.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lowp.optim.codes import SCALE_DTYPES, Code, codes_shape, scales_shape
+from lowp.optim.kernels.checks import Span, kernel_memory, overlapping
+from lowp.optim.kernels.kernel import Kernel, fusable
+from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.spec import OptimizerSpec
+
+__all__ = ["CodedSlice", "admitted"]
+
+#: a slice with the block scales of its coded states, by state name
+CodedSlice = tuple[ParamSlice, dict[str, torch.Tensor]]
+
+
+def _without(s: ParamSlice, codes: dict[str, Code]) -> ParamSlice:
+    """``s`` without its coded states (what the kernel's admission checks)."""
+    return ParamSlice(s.param, s.grad, {k: v for k, v in s.states.items() if k not in codes}, s.buffer, s.param_id,
+                      s.index)
+
+
+def _codes_fit(s: ParamSlice, scales: dict[str, torch.Tensor], codes: dict[str, Code], block: int) -> bool:
+    """Whether the codes and scales of ``s`` are kernel memory of the right dtypes and sizes on
+    the weight's device, with one scale dtype."""
+    n = s.numel
+    if len({scales[name].dtype for name in codes if name in scales}) != 1:
+        return False
+    for name, code in codes.items():
+        t, sc = s.states.get(name), scales.get(name)
+        if t is None or sc is None or t.device != s.param.device or sc.device != s.param.device:
+            return False
+        if not (kernel_memory(t, (code.storage,)) and kernel_memory(sc, SCALE_DTYPES)):
+            return False
+        if t.numel() != codes_shape(code, torch.Size([n]))[0] or sc.numel() != scales_shape(n, block)[0]:
+            return False
+    return True
+
+
+def admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, items: Sequence[CodedSlice],
+             codes: dict[str, Code], block: int) -> tuple[list[CodedSlice], list[CodedSlice]]:
+    """``(the slices ``kernel`` takes with their codes, the others)``; none when the kernel has no
+    form of the spec, the spec a per-tensor reduction, or when written memory overlaps
+    (``codes``: the coded states by name)."""
+    if not kernel.supports(spec) or spec.tensor_numbers is not None:
+        return [], list(items)
+    expected = tuple(spec.states(ctx.group))
+    spans: list[Span] = []
+    taken: list[CodedSlice] = []
+    rest: list[CodedSlice] = []
+    for s, scales in items:
+        # fusable first: its checks raise for inputs no backend can run, before anything is written
+        ok = (fusable(ctx, _without(s, codes), kernel.min_numel, kernel.fp16_stochastic, kernel.device_types(), spans)
+              and tuple(s.states) == expected and _codes_fit(s, scales, codes, block))
+        if ok:
+            for t in (*(s.states[name] for name in codes), *(scales[name] for name in codes)):
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), True))
+        (taken if ok else rest).append((s, scales))
+    if taken and overlapping(spans):
+        return [], list(items)
+    return taken, rest
