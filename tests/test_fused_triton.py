@@ -24,7 +24,8 @@ def _interpret(case: str) -> None:
     assert "OK" in done.stdout
 
 
-@pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8", "coded-stochastic", "coded-nearest"])
+@pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8", "coded-stochastic",
+                                  "coded-nearest"])
 def test_triton_stochastic_rounding_bit_identical_to_reference(case):
     """The ``index`` cases also check that the shared helpers fail when the fusing predicate
     refuses every slice (:func:`_assert_helpers_fail_when_refused`; no kernel runs there)."""
@@ -133,8 +134,8 @@ def _coded(rounding: str) -> None:
     gen = torch.Generator().manual_seed(0)
     start = [torch.randn(n, generator=gen).bfloat16() for n in (3000, 37, 1027)]
     # the last tensor's gradients are so small that its blocks' reciprocal scales overflow: they divide
-    grads = [[(torch.randn(p.shape, generator=gen) * (1e-36 if i == 2 else 1.0)).bfloat16() for i, p in enumerate(start)]
-             for _ in range(3)]
+    grads = [[(torch.randn(p.shape, generator=gen) * (1e-36 if i == 2 else 1.0)).bfloat16()
+              for i, p in enumerate(start)] for _ in range(3)]
     extra = {} if rounding == "stochastic" else {"state_block": 32, "state_scale_dtype": torch.float16}
 
     def run(backend, states):

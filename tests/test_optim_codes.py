@@ -395,8 +395,8 @@ def test_coded_states_on_gpu_match_the_cpu_definition(states):
     gen = torch.Generator().manual_seed(0)
     start = [torch.randn(n, generator=gen).bfloat16() for n in (5000, 37, 1 << 20, 1027)]
     # the last tensor's gradients are tiny: subnormal states and scales, blocks that divide
-    grads = [[(torch.randn(p.shape, generator=gen) * (1e-36 if i == 3 else 1.0)).bfloat16() for i, p in enumerate(start)]
-             for _ in range(3)]
+    grads = [[(torch.randn(p.shape, generator=gen) * (1e-36 if i == 3 else 1.0)).bfloat16()
+              for i, p in enumerate(start)] for _ in range(3)]
 
     def run(device):
         params = [p.to(device) for p in start]

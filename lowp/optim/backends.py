@@ -282,7 +282,7 @@ class FusedBackend(Backend):
         return self.fallback.run(optimizer, ctx, slices)
 
 
-def _fused(kernel: Callable[[], Kernel], name: str, fallback: Callable[[int], Backend] | None = None
+def _fused(kernel: Callable[[], Kernel], name: str, fallback: Callable[[int | None], Backend] | None = None
            ) -> Callable[..., Backend]:
     def make(chunk_size: int | None = None) -> Backend:
         inner = fallback(chunk_size) if fallback else ForeachBackend(chunk_size)

@@ -36,12 +36,14 @@ from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["TritonKernel", "triton_available", "BLOCK", "LaunchTables", "launch_tables"]
+__all__ = ["TritonKernel", "triton_available", "BLOCK", "NUM_WARPS", "CODED_BLOCK", "CODED_WARPS", "LaunchTables",
+           "launch_tables"]
 
-#: Elements per Triton program, and its warps: on an H100 an AdamW step over 256M elements took
-#: 3.0 ms at (512, 4), 4.0 ms at (1024, 4), 3.3 ms at (1024, 8) and 3.8 ms at (256, 2) (bf16 states).
-BLOCK = 512
-NUM_WARPS = 4
+#: Elements per Triton program and its warps, without and with block-scaled states: on an H100 an
+#: AdamW step over 256M elements with bf16 states took 2.5 ms at (512, 4), 3.1 ms at (1024, 8) and
+#: 2.6 ms at (256, 2); with int8/uint8 states 5.8, 6.5 and 3.8 ms (torch 2.11, Triton 3.6).
+BLOCK, NUM_WARPS = 512, 4
+CODED_BLOCK, CODED_WARPS = 256, 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +140,9 @@ class TritonKernel(Kernel):
         buffers = [s.buffer if s.buffer is not None else s.param for s in slices]
         states = [[s.states[name] for s in slices] for name in names]
         scales = [[sc[name] for _, sc in items] for name in names if name in coded]
-        tables = launch_tables(device, [params, grads, buffers, *states, *scales], [s.numel for s in slices],
+        block_size, warps = (CODED_BLOCK, CODED_WARPS) if scales else (BLOCK, NUM_WARPS)
+        tables = launch_tables(device, block_size, [params, grads, buffers, *states, *scales],
+                               [s.numel for s in slices],
                                [s.index.first() for s in slices], [k for s in slices for k in slice_keys(ctx, s)])
         stochastic = ctx.group["state_rounding"] == "stochastic"
         stalled = torch.empty(tables.blocks if ctx.count else 1, dtype=torch.int32, device=device)
@@ -151,7 +155,7 @@ class TritonKernel(Kernel):
                for j, (name, st) in enumerate(zip(names, states))},
             **{f"SR{j}": stochastic and (name in coded or st[0].dtype == torch.bfloat16)
                for j, (name, st) in enumerate(zip(names, states))},
-            **codes, MODE=ctx.mode.name, COUNT=ctx.count, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+            **codes, MODE=ctx.mode.name, COUNT=ctx.count, BLOCK=block_size, num_warps=warps, enable_fp_fusion=False)
         return stalled.sum(dtype=torch.int64) if ctx.count else None
 
 
@@ -171,13 +175,14 @@ class LaunchTables:
     blocks: int
 
 
-def launch_tables(device: torch.device, roles: list[list[torch.Tensor]], sizes: list[int], offsets: list[int],
-                  keys: list[int]) -> LaunchTables:
-    """The tables of one launch, sent in one host-to-device copy; the block map is built on the
+def launch_tables(device: torch.device, block: int, roles: list[list[torch.Tensor]], sizes: list[int],
+                  offsets: list[int], keys: list[int]) -> LaunchTables:
+    """The tables of one launch of programs of ``block`` elements, sent in one host-to-device
+    copy; the block map is built on the
     device (a host loop over blocks cost more than the step itself on a GPU: 250,000 blocks for
     256M elements)."""
     n = len(sizes)
-    counts = [-(-size // BLOCK) for size in sizes]
+    counts = [-(-size // block) for size in sizes]
     packed = [t.data_ptr() for tensors in roles for t in tensors] + sizes + offsets + counts + keys
     table = torch.tensor(packed, dtype=torch.int64, device=device)
     pointers = tuple(table[i * n:(i + 1) * n] for i in range(len(roles)))
@@ -186,5 +191,5 @@ def launch_tables(device: torch.device, roles: list[list[torch.Tensor]], sizes: 
     blocks = sum(counts)
     block_tensor = torch.repeat_interleave(torch.arange(n, device=device), counts_t, output_size=blocks)
     first_block = torch.cumsum(counts_t, 0) - counts_t
-    block_start = (torch.arange(blocks, device=device) - first_block[block_tensor]) * BLOCK
+    block_start = (torch.arange(blocks, device=device) - first_block[block_tensor]) * block
     return LaunchTables(pointers, sizes_t, offsets_t, table[at + 3 * n:], block_tensor, block_start, blocks)

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tl_dtype", "widen", "random16", "stochastic_bf16", "round_to", "store_state", "maximum", "sign", "decode_code",
-           "encode_code"]
+__all__ = ["tl_dtype", "widen", "random16", "stochastic_bf16", "round_to", "store_state", "maximum", "sign",
+           "decode_code", "encode_code"]
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.int16: tl.int16,
        torch.int8: tl.int8, torch.uint8: tl.uint8}
 
