@@ -161,10 +161,18 @@ class TritonKernel(Kernel):
 
 @dataclass(frozen=True)
 class LaunchTables:
-    """The int64 tables of one launch (views into one device buffer). ``pointers``: one table of
-    data pointers per role (weight, gradient, buffer, each state); ``sizes``, ``offsets`` (global
-    index of each tensor's first element) and ``keys`` (stream keys) per tensor; ``block_tensor``
-    and ``block_start`` map each of the ``blocks`` programs to its tensor and first element."""
+    """The int64 tables of one launch (views into one device buffer).
+
+    Args:
+        pointers: one table of data pointers per role (weight, gradient, buffer, each state, the
+            scales of each coded state), a pointer per tensor.
+        sizes: the element count of each tensor.
+        offsets: the global index of each tensor's first element.
+        keys: the stream keys of each tensor, concatenated.
+        block_tensor: the tensor of each program.
+        block_start: the first element (in its tensor) of each program.
+        blocks: the number of programs.
+    """
 
     pointers: tuple[torch.Tensor, ...]
     sizes: torch.Tensor
