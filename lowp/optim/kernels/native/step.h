@@ -283,14 +283,17 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
                              const rule_uniform &r, const vf &factor, vi &stalled) {
   const vi *valid = ALL_VALID;
   int64_t i = start;
-  // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
-  // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
+  // Two passes per group of GROUP elements (their updates and Rngs wait in L1): each pass has a
+  // shorter dependency chain than the whole step, so the core overlaps more blocks (measured faster).
   for (; i + GROUP <= end; i += GROUP) {
     vf u[GROUP / 16][2];
+    Rng rng[GROUP / 16];
+    for (int64_t j = 0; j < GROUP; j += 16) {
+      rng[j / 16] = streams.at(base + i + j);
+      update_block(p, i + j, r, factor, rng[j / 16], u[j / 16]);
+    }
     for (int64_t j = 0; j < GROUP; j += 16)
-      update_block(p, i + j, r, factor, streams.at(base + i + j), u[j / 16]);
-    for (int64_t j = 0; j < GROUP; j += 16)
-      write_back_block(p, i + j, streams.at(base + i + j), u[j / 16], valid, stalled);
+      write_back_block(p, i + j, rng[j / 16], u[j / 16], valid, stalled);
   }
   for (; i + 16 <= end; i += 16) {
     vf u[2];
