@@ -52,6 +52,14 @@ struct Rng {
   vu lo[2];
   vu key[2][STREAMS];
   template <int S> inline vu bits(int h) const { return random16(lo[h] ^ key[h][S]); }
+  // The Rng of the block ``d`` elements on, when no element in between crosses a multiple of 2^32
+  // (the same keys: TensorStreams::at of that block, without its checks).
+  inline Rng ahead(uint32_t d) const {
+    Rng r = *this;
+    r.lo[0] += d;
+    r.lo[1] += d;
+    return r;
+  }
 };
 
 // The streams of one tensor: its keys (stream_key per stream), folded with the high half of the
@@ -283,17 +291,17 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
                              const rule_uniform &r, const vf &factor, vi &stalled) {
   const vi *valid = ALL_VALID;
   int64_t i = start;
-  // Two passes per group of GROUP elements (their updates and Rngs wait in L1): each pass has a
-  // shorter dependency chain than the whole step, so the core overlaps more blocks (measured faster).
+  // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
+  // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
   for (; i + GROUP <= end; i += GROUP) {
     vf u[GROUP / 16][2];
-    Rng rng[GROUP / 16];
-    for (int64_t j = 0; j < GROUP; j += 16) {
-      rng[j / 16] = streams.at(base + i + j);
-      update_block(p, i + j, r, factor, rng[j / 16], u[j / 16]);
-    }
-    for (int64_t j = 0; j < GROUP; j += 16)
-      write_back_block(p, i + j, rng[j / 16], u[j / 16], valid, stalled);
+    // One TensorStreams::at per group for both passes, unless the group crosses a multiple of 2^32.
+    const uint64_t first = base + i;
+    const bool one_half = (uint32_t)first <= 0xFFFFFFFFu - (GROUP - 1);
+    const Rng rng = streams.at(first);
+    auto block_rng = [&](int64_t j) { return one_half ? rng.ahead((uint32_t)j) : streams.at(first + j); };
+    for (int64_t j = 0; j < GROUP; j += 16) update_block(p, i + j, r, factor, block_rng(j), u[j / 16]);
+    for (int64_t j = 0; j < GROUP; j += 16) write_back_block(p, i + j, block_rng(j), u[j / 16], valid, stalled);
   }
   for (; i + 16 <= end; i += 16) {
     vf u[2];
