@@ -139,6 +139,18 @@ def test_elements_across_two_to_the_32_equal_the_reference(mode):
     assert not all(torch.equal(x, y) for x, y in zip(native, run_at_index("native", mode, ElementIndex())))
 
 
+@pytest.mark.parametrize("below", [256, 255, 241, 16])
+def test_groups_that_end_at_or_cross_two_to_the_32_equal_the_reference(below):
+    """The step draws one set of stream keys per group of 256 elements unless the group crosses a
+    multiple of 2**32: groups that end exactly at 2**32 - 1 (``below`` = 256) or one element past it
+    (255), and blocks of 16 that do (241: the last block of the first group straddles; 16: the first
+    block ends at it) give the reference's bits."""
+    index = ElementIndex(offset=(1 << 32) - below)
+    native = run_at_index("native", "stochastic", index, n=600)
+    for x, y in zip(native, run_at_index("foreach", "stochastic", index, n=600)):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_stochastic_rounding_of_specials_equals_the_reference(dtype):
     """Overflow to infinity, infinities, signed zeros, subnormals and NaNs with any payload: the

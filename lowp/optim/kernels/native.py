@@ -11,17 +11,19 @@ takes two calls: the sums, then the step with the per-tensor numbers the spec ma
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
 from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
 from lowp.optim.kernels.cpp_source import DTYPE_CODES, Variant, variant_source
 from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, slice_keys, stream_count
-from lowp.optim.kernels.native_build import finite_function, native_available, step_function, sums_function
+from lowp.optim.kernels.native_build import (coded_step_function, finite_function, native_available, step_function,
+                                             sums_function)
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["NativeKernel", "slice_dtypes", "variant_for"]
+__all__ = ["NativeKernel", "call_step", "slice_dtypes", "variant_for"]
 
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
 
@@ -103,29 +105,54 @@ class NativeKernel(Kernel):
         """One kernel call (two with a reduction) over ``members`` (slices of one variant, each a
         contiguous range of its parameter) with their stream keys (:func:`slice_keys` of each,
         concatenated); returns the stalled count."""
-        names = list(variant.program.state_names)
-        check_kernel_args(members, names, variant.dtypes)
-        if len(keys) != len(members) * stream_count(len(names)):
-            raise RuntimeError(f"kernel call: {len(keys)} stream keys for {len(members)} tensors")
-        source = variant_source(spec.name, variant)
-        n = len(members)
-        grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in members]
-        roles = 3 + len(names)
-        table = (ctypes.c_void_p * (roles * n))()
-        for j, (s, g) in enumerate(zip(members, grads)):
-            for role, t in enumerate([s.param, g, s.buffer, *(s.states[k] for k in names)]):
-                table[role * n + j] = t.data_ptr() if t is not None else None
-        numel = (ctypes.c_int64 * n)(*(s.numel for s in members))
-        h = (ctypes.c_double * (1 + len(variant.numbers)))(factor, *spec.pick(variant.numbers, numbers))
-        per_tensor = variant.program.tensor_numbers
-        tensor_numbers = (ctypes.c_double * max(1, n * len(per_tensor)))()
-        if spec.tensor_numbers is not None:
-            sums = (ctypes.c_double * n)()
-            sums_function(source)(n, table, numel, h, sums, torch.get_num_threads())
-            for j, s in enumerate(members):
-                made = spec.tensor_numbers(numbers, sums[j], s.numel)
-                for k, name in enumerate(per_tensor):
-                    tensor_numbers[j * len(per_tensor) + k] = made[name]
-        offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in members))
-        return step_function(source)(n, table, numel, offsets, h, tensor_numbers,
-                                     (ctypes.c_uint32 * len(keys))(*keys), torch.get_num_threads())
+        check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
+        return call_step(spec, variant, members, numbers, keys, factor)
+
+
+def call_step(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
+              keys: list[int], factor: float, coded: tuple[Any, ...] = ()) -> int:
+    """One step call over ``members``: ``lowp_step``, or ``lowp_coded_step`` for a variant with coded states.
+
+    The caller has checked the tensors (:func:`check_kernel_args`); returns the stalled count.
+    With ``n`` members of ``S`` states, the arguments are (``native/step.h``):
+
+    - ``n``;
+    - ``ptrs[role * n + j]``: member j's weight (role 0), gradient (1; a contiguous copy if it is
+      not contiguous), mode buffer or null (2), state k (3 + k; a coded state: its codes);
+    - ``numel[j]``, and ``offset[j]``: the global index of member j's element 0 in its parameter;
+    - ``h``: ``factor`` (the gradient's), then the variant's numbers (:meth:`OptimizerSpec.pick`);
+    - ``tensor_numbers[j * T + k]``: per-tensor number k of member j, made by the spec from the
+      sums of a first call (``lowp_sums``) when it has a per-tensor reduction (else zeros);
+    - ``keys[j * stream_count(S) + s]``: the stream keys (``RuntimeError`` for another count);
+    - ``coded``: a coded variant's arguments (scales, grids, fp8 tables; ``native/coded_step.h``);
+    - the thread count, ``torch.get_num_threads()``.
+    """
+    names = variant.program.state_names
+    n = len(members)
+    if len(keys) != n * stream_count(len(names)):
+        raise RuntimeError(f"kernel call: {len(keys)} stream keys for {n} tensors")
+    if (variant.coded is None) == bool(coded) or (coded and spec.tensor_numbers is not None):
+        raise RuntimeError("kernel call: a variant with coded states takes their arguments, and no per-tensor "
+                           "reduction (whose pre-pass reads the states); others take neither")
+    source = variant_source(spec.name, variant)
+    grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in members]  # alive until the call
+    roles = 3 + len(names)
+    table = (ctypes.c_void_p * (roles * n))()
+    for j, (s, g) in enumerate(zip(members, grads)):
+        for role, t in enumerate([s.param, g, s.buffer, *(s.states[k] for k in names)]):
+            table[role * n + j] = t.data_ptr() if t is not None else None
+    numel = (ctypes.c_int64 * n)(*(s.numel for s in members))
+    h = (ctypes.c_double * (1 + len(variant.numbers)))(factor, *spec.pick(variant.numbers, numbers))
+    per_tensor = variant.program.tensor_numbers
+    tensor_numbers = (ctypes.c_double * max(1, n * len(per_tensor)))()
+    if spec.tensor_numbers is not None:
+        sums = (ctypes.c_double * n)()
+        sums_function(source)(n, table, numel, h, sums, torch.get_num_threads())
+        for j, s in enumerate(members):
+            made = spec.tensor_numbers(numbers, sums[j], s.numel)
+            for k, name in enumerate(per_tensor):
+                tensor_numbers[j * len(per_tensor) + k] = made[name]
+    offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in members))
+    entry = coded_step_function(source) if coded else step_function(source)
+    return entry(n, table, numel, offsets, h, tensor_numbers, (ctypes.c_uint32 * len(keys))(*keys), *coded,
+                 torch.get_num_threads())

@@ -23,10 +23,9 @@ import torch
 
 from lowp.optim.codes import SCALE_DTYPES, Code, codes_shape, scales_shape
 from lowp.optim.kernels.checks import Span, check_kernel_args, kernel_memory, overlapping
-from lowp.optim.kernels.cpp_source import CodedLayout, Variant, variant_source
-from lowp.optim.kernels.kernel import fusable, grad_factor, slice_keys, stream_count
-from lowp.optim.kernels.native import NativeKernel, slice_dtypes
-from lowp.optim.kernels.native_build import coded_step_function
+from lowp.optim.kernels.cpp_source import CodedLayout, Variant
+from lowp.optim.kernels.kernel import fusable, grad_factor, slice_keys
+from lowp.optim.kernels.native import NativeKernel, call_step, slice_dtypes
 from lowp.optim.kernels.native_codes import code_kind, fp8_table, grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
@@ -120,13 +119,8 @@ def _launch(spec: OptimizerSpec, ctx: StepContext, members: list[CodedSlice], co
             raise RuntimeError("kernel call: the codes or scales of a coded state are not CPU kernel memory of "
                                "their dtypes and sizes; the admission should have sent them elsewhere")
     n = len(members)
-    grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in slices]
-    roles = 3 + len(names)
-    table = (ctypes.c_void_p * (roles * n))()
     scale_table = (ctypes.c_void_p * (len(names) * n))()
-    for j, ((s, scales), g) in enumerate(zip(members, grads)):
-        for role, t in enumerate([s.param, g, s.buffer, *(s.states[k] for k in names)]):
-            table[role * n + j] = t.data_ptr() if t is not None else None
+    for j, (_, scales) in enumerate(members):
         for k, name in enumerate(names):
             scale_table[k * n + j] = scales[name].data_ptr() if name in codes else None
     grids = (ctypes.c_double * (4 * len(names)))(*(x for name in names
@@ -135,12 +129,5 @@ def _launch(spec: OptimizerSpec, ctx: StepContext, members: list[CodedSlice], co
     fp8 = [fp8_table(codes[name].storage) if name in codes and codes[name].storage.is_floating_point else None
            for name in names]
     tables = (ctypes.c_void_p * len(names))(*(t.data_ptr() if t is not None else None for t in fp8))
-    keys = [k for s in slices for k in slice_keys(ctx, s)]
-    if len(keys) != n * stream_count(len(names)):
-        raise RuntimeError(f"kernel call: {len(keys)} stream keys for {n} tensors")
-    h = (ctypes.c_double * (1 + len(variant.numbers)))(grad_factor(ctx), *spec.pick(variant.numbers, numbers))
-    tensor_numbers = (ctypes.c_double * max(1, n * len(variant.program.tensor_numbers)))()   # read by a rule only
-    offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in slices))
-    return coded_step_function(variant_source(spec.name, variant))(
-        n, table, (ctypes.c_int64 * n)(*(s.numel for s in slices)), offsets, h, tensor_numbers,
-        (ctypes.c_uint32 * len(keys))(*keys), scale_table, grids, tables, torch.get_num_threads())
+    return call_step(spec, variant, slices, numbers, [k for s in slices for k in slice_keys(ctx, s)], grad_factor(ctx),
+                     (scale_table, grids, tables))

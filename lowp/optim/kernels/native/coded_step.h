@@ -215,18 +215,13 @@ static void coded_tail(const Pointers &p, int64_t i, int64_t count, void *const 
 extern "C" int64_t lowp_coded_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
                                    const double *h, const double *tensor_numbers, const uint32_t *keys,
                                    void *const *scales, const double *grids, const float *const *tables, int threads) {
-  Task t(tensors, ptrs, numel, h);
-  t.offset = offset;
-  t.keys = keys;
-  t.tensor_numbers = tensor_numbers;
+  Task t(tensors, ptrs, numel, h, offset, tensor_numbers, keys);
   std::vector<Grid> grid;
   for (int k = 0; k < NSTATES; k++)
     grid.emplace_back((int)grids[4 * k], (float)grids[4 * k + 1], (int)grids[4 * k + 2], (int)grids[4 * k + 3],
                       tables[k]);
-  int64_t total = 0;
-#pragma omp parallel num_threads(thread_count(threads, t.units())) reduction(+ : total)
-  total += work_units(&t, [&](int64_t tensor, const Pointers &p, int64_t start, int64_t end, uint64_t base,
-                              TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
+  return run_units(t, threads, [&](int64_t tensor, const Pointers &p, int64_t start, int64_t end, uint64_t base,
+                                   TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
     void *own[NSTATES + 1] = {};
     for (int j = 0; j < NSTATES; j++) own[j] = scales[j * tensors + tensor];
     int64_t i = start;
@@ -235,5 +230,4 @@ extern "C" int64_t lowp_coded_step(int64_t tensors, void *const *ptrs, const int
                          stalled);
     if (i < end) coded_tail(p, i, end - i, own, base, streams, r, factor, grid.data(), stalled);
   });
-  return total;
 }

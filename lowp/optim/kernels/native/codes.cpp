@@ -2,58 +2,30 @@
 // (backend="native" and every CPU step with coded states; lowp/optim/kernels/native_codes.py
 // checks every tensor before it calls here).
 //
-// Tensors are cut into units of whole blocks that the threads take from an atomic counter, as in
-// step.h; codes.h's spans do the rest.
-#include <atomic>
-#include <vector>
-
+// Tensors are cut into units of whole blocks that the threads take from an atomic counter
+// (parallel.h); codes.h's spans do the rest.
 #include "codes.h"
+#include "parallel.h"
 
 static constexpr int64_t UNIT = 1 << 14;  // elements per work unit (a multiple of every block size)
-
-struct Units {
-  int64_t tensors;
-  const int64_t *numel;
-  std::vector<int64_t> first;  // [tensor + 1] cumulative unit counts
-  std::atomic<int64_t> next{0};
-
-  Units(int64_t count, const int64_t *sizes) : tensors(count), numel(sizes) {
-    first.assign(tensors + 1, 0);
-    for (int64_t k = 0; k < tensors; k++) first[k + 1] = first[k] + (numel[k] + UNIT - 1) / UNIT;
-  }
-  // The next unit's tensor and element range [start, end); false when none is left.
-  bool take(int64_t &tensor, int64_t &start, int64_t &end) {
-    const int64_t unit = next.fetch_add(1);
-    if (unit >= first[tensors]) return false;
-    while (first[tensor + 1] <= unit) tensor++;
-    start = (unit - first[tensor]) * UNIT;
-    end = start + UNIT < numel[tensor] ? start + UNIT : numel[tensor];
-    return true;
-  }
-};
-
-static int thread_count(int threads, int64_t units) {
-  int n = threads < 1 ? 1 : (threads > units ? (int)units : threads);
-  return n < 1 ? 1 : n;
-}
 
 // ptrs[role * tensors + k]: 0 the fp32 values, 1 the codes, 2 the scales, 3 the drawn random bits
 // (int32) or null; first[k]: global index of element 0 (random bits drawn here); keys[k]: stream key.
 template <int KIND, int S, bool SR, bool DRAWN>
 static void encode_all(int64_t tensors, void *const *ptrs, const int64_t *numel, const uint64_t *first,
                        const uint32_t *keys, int64_t block, const Grid &g, int threads) {
-  Units units(tensors, numel);
-#pragma omp parallel num_threads(thread_count(threads, units.first[tensors]))
+  Units<UNIT> units(tensors, numel);
+#pragma omp parallel num_threads(thread_count(threads, units.count()))
   {
-    int64_t k = 0, start, end;
-    while (units.take(k, start, end)) {
-      const float *x = (const float *)ptrs[k] + start;
+    for (Unit u; units.take(u);) {
+      const int64_t k = u.tensor;
+      const float *x = (const float *)ptrs[k] + u.start;
       const int32_t *drawn = (const int32_t *)ptrs[3 * tensors + k];
       const uint64_t base = SR && !DRAWN ? first[k] : 0;
       const uint32_t key = SR && !DRAWN ? keys[k] : 0;
-      encode_span<KIND, S, SR>(x, start, end, ptrs[tensors + k], ptrs[2 * tensors + k], block, g, [&](int64_t i) {
+      encode_span<KIND, S, SR>(x, u.start, u.end, ptrs[tensors + k], ptrs[2 * tensors + k], block, g, [&](int64_t i) {
         if constexpr (DRAWN) return DrawnNoise{drawn + i};
-        else return CountedNoise{base + (uint64_t)i, key};
+        else return CountedNoise{base + (uint64_t)i, key, {}};
       });
     }
   }
@@ -63,13 +35,11 @@ static void encode_all(int64_t tensors, void *const *ptrs, const int64_t *numel,
 template <int KIND, int S>
 static void decode_all(int64_t tensors, void *const *ptrs, const int64_t *numel, int64_t block, const Grid &g,
                        int threads) {
-  Units units(tensors, numel);
-#pragma omp parallel num_threads(thread_count(threads, units.first[tensors]))
-  {
-    int64_t k = 0, start, end;
-    while (units.take(k, start, end))
-      decode_span<KIND, S>(ptrs[k], ptrs[tensors + k], start, end, block, g, (float *)ptrs[2 * tensors + k] + start);
-  }
+  Units<UNIT> units(tensors, numel);
+#pragma omp parallel num_threads(thread_count(threads, units.count()))
+  for (Unit u; units.take(u);)
+    decode_span<KIND, S>(ptrs[u.tensor], ptrs[tensors + u.tensor], u.start, u.end, block, g,
+                         (float *)ptrs[2 * tensors + u.tensor] + u.start);
 }
 
 // a power of two from 8 to MAX_BLOCK (so a unit holds whole blocks)

@@ -101,22 +101,16 @@ template <int S> static inline float store_scale(void *scales, int64_t b, float 
 struct CountedNoise {
   uint64_t first;
   uint32_t key;
-  uint64_t hi = ~0ull;
-  uint32_t k0 = 0, k1 = 0;
+  FoldedKeys<1> folded;
 
   // the bits of elements j .. j + 7
   inline vu at(int64_t j) {
     const uint64_t g = first + (uint64_t)j;
-    if ((g >> 32) != hi) {
-      hi = g >> 32;
-      k0 = key ^ scalar_hash32((uint32_t)hi);
-      k1 = key ^ scalar_hash32((uint32_t)(hi + 1));
-    }
+    folded.fold(&key, g);
     const uint32_t lo = (uint32_t)g;
     const vu lanes = (vu){0, 1, 2, 3, 4, 5, 6, 7} + lo;
-    if (__builtin_expect(lo <= 0xFFFFFFF8u, 1)) return random16(lanes ^ bcu(k0));
-    const vu wrapped = (vu)(lanes < bcu(lo));  // lanes past a multiple of 2^32
-    return random16(lanes ^ (bcu(k0) ^ (wrapped & bcu(k0 ^ k1))));
+    if (__builtin_expect(lo <= 0xFFFFFFF8u, 1)) return random16(lanes ^ bcu(folded.k0[0]));
+    return random16(lanes ^ folded.wrapped(0, lanes, lo));
   }
   // the noise of a block of ``n`` elements padded to a multiple of 8 (the bits are computed: no read)
   inline CountedNoise &padded(int64_t, int32_t *) { return *this; }

@@ -9,6 +9,8 @@
 #include <atomic>
 #include <vector>
 
+#include "parallel.h"
+
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
 static constexpr int64_t UNIT = 1 << 16;
 
@@ -31,26 +33,17 @@ template <typename T> static bool any_all_ones(const T *x, int64_t n, T mask) {
 // flags[t] = 1 when tensor t is all finite, else 0
 extern "C" void lowp_finite(int64_t tensors, void *const *ptrs, const int64_t *numel, const int32_t *dtypes,
                             uint8_t *flags, int threads) {
-  std::vector<int64_t> first(tensors + 1, 0);
-  for (int64_t t = 0; t < tensors; t++) first[t + 1] = first[t] + (numel[t] + UNIT - 1) / UNIT;
+  Units<UNIT> units(tensors, numel);
   std::vector<std::atomic<uint8_t>> bad(tensors);
   for (auto &b : bad) b.store(0);
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    int64_t t = 0;
-    for (int64_t unit; (unit = next.fetch_add(1)) < first[tensors];) {
-      while (first[t + 1] <= unit) t++;
-      if (bad[t].load(std::memory_order_relaxed)) continue;
-      int64_t start = (unit - first[t]) * UNIT, n = numel[t] - start < UNIT ? numel[t] - start : UNIT;
-      bool found = dtypes[t] == F32 ? any_all_ones<uint32_t>((const uint32_t *)ptrs[t] + start, n, 0x7F800000u)
-                                    : any_all_ones<uint16_t>((const uint16_t *)ptrs[t] + start, n,
-                                                             dtypes[t] == BF16 ? 0x7F80 : 0x7C00);
-      if (found) bad[t].store(1, std::memory_order_relaxed);
-    }
-  };
-  int n = threads < 1 ? 1 : threads;
-  if (n > first[tensors]) n = first[tensors] > 0 ? (int)first[tensors] : 1;
-#pragma omp parallel num_threads(n)  // on torch's OpenMP pool (see step.cpp)
-  work();
+#pragma omp parallel num_threads(thread_count(threads, units.count()))  // on torch's OpenMP pool (see step.h)
+  for (Unit u; units.take(u);) {
+    const int64_t t = u.tensor, n = u.end - u.start;
+    if (bad[t].load(std::memory_order_relaxed)) continue;
+    bool found = dtypes[t] == F32 ? any_all_ones<uint32_t>((const uint32_t *)ptrs[t] + u.start, n, 0x7F800000u)
+                                  : any_all_ones<uint16_t>((const uint16_t *)ptrs[t] + u.start, n,
+                                                           dtypes[t] == BF16 ? 0x7F80 : 0x7C00);
+    if (found) bad[t].store(1, std::memory_order_relaxed);
+  }
   for (int64_t t = 0; t < tensors; t++) flags[t] = !bad[t].load();
 }

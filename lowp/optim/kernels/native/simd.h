@@ -17,8 +17,8 @@ static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
 
 // ---- counter-based random bits (lowp/optim/randomness.py) ---------------------------------------
 // random16(i, key) = hash32(lo32(i) ^ key ^ hash32(hi32(i))) >> 16. The key with the high half
-// folded in is computed per block on the host side of the vectors (scalar_hash32); hash32's last
-// xor-shift leaves the top 16 bits alone, so random16 skips it.
+// folded in is computed per block on the host side of the vectors (scalar_hash32, FoldedKeys);
+// hash32's last xor-shift leaves the top 16 bits alone, so random16 skips it.
 static inline uint32_t scalar_hash32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -35,3 +35,28 @@ static inline vu random16(vu x) {
   return x >> 16;
 }
 
+
+// The keys of N random streams folded with the high half of an element index, cached for the
+// high half ``hi`` of the last block seen: k0[s] = key[s] ^ hash32(hi) and, for the lanes of a
+// block that cross into the next multiple of 2^32, k1[s] = key[s] ^ hash32(hi + 1). The step
+// (step.h, the streams of a tensor, 16 elements as even and odd lanes) and the codec (codes.h, one
+// stream, 8 consecutive elements) lay the lanes out differently; the keys are these.
+template <int N> struct FoldedKeys {
+  uint64_t hi = ~0ull;
+  uint32_t k0[N] = {}, k1[N] = {};
+
+  // Fold ``keys`` (N stream keys) for a block whose element 0 has index ``first``, unless done.
+  inline void fold(const uint32_t *keys, uint64_t first) {
+    if ((first >> 32) == hi) return;
+    hi = first >> 32;
+    for (int s = 0; s < N; s++) {
+      k0[s] = keys[s] ^ scalar_hash32((uint32_t)hi);
+      k1[s] = keys[s] ^ scalar_hash32((uint32_t)(hi + 1));
+    }
+  }
+  // Stream s's key per lane for the low index halves ``lanes`` of a block whose element 0 has low
+  // half ``lo``: k1 in the lanes past a multiple of 2^32 (those below ``lo``), else k0.
+  inline vu wrapped(int s, vu lanes, uint32_t lo) const {
+    return bcu(k0[s]) ^ ((vu)(lanes < bcu(lo)) & bcu(k0[s] ^ k1[s]));
+  }
+};

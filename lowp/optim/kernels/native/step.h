@@ -3,14 +3,15 @@
 // (lowp/optim/kernels/cpp_source.py).
 //
 // Driver: tensors are cut into work units of UNIT elements that torch's OpenMP threads take from
-// an atomic counter; within a unit, groups of GROUP elements go through two passes (update_block,
+// an atomic counter (parallel.h); within a unit, groups of GROUP elements go through two passes (update_block,
 // then write_back_block). A spec with a per-tensor reduction has a second entry point,
 // lowp_sums, which the host calls first; it turns the sums into per-tensor numbers (read by the
 // rule as `t[j]`). Measurements behind these choices: docs/fused.md.
 #pragma once
-#include <atomic>
 #include <utility>
 #include <vector>
+
+#include "parallel.h"
 
 // Run `f(std::integral_constant<int, J>{})` for every state J (J is a compile-time constant, so
 // each state's dtype picks its own load and store).
@@ -51,25 +52,25 @@ struct Rng {
   vu lo[2];
   vu key[2][STREAMS];
   template <int S> inline vu bits(int h) const { return random16(lo[h] ^ key[h][S]); }
+  // The Rng of the block ``d`` elements on, when no element in between crosses a multiple of 2^32
+  // (the same keys: TensorStreams::at of that block, without its checks).
+  inline Rng ahead(uint32_t d) const {
+    Rng r = *this;
+    r.lo[0] += d;
+    r.lo[1] += d;
+    return r;
+  }
 };
 
-// The streams of one tensor: its keys (stream_key per stream) and, cached for the current high
-// 32 bits ``hi`` of the index, the folded keys for ``hi`` and ``hi + 1``.
+// The streams of one tensor: its keys (stream_key per stream), folded with the high half of the
+// current block's index (simd.h's FoldedKeys).
 struct TensorStreams {
   const uint32_t *keys;
-  uint64_t hi = ~0ull;
-  uint32_t k0[STREAMS] = {}, k1[STREAMS] = {};
+  FoldedKeys<STREAMS> folded;
 
   // The Rng of the block whose element 0 has global index ``first``.
   inline Rng at(uint64_t first) {
-    if ((first >> 32) != hi) {
-      hi = first >> 32;
-      for (int s = 0; s < STREAMS; s++)
-        if (used_stream(s)) {
-          k0[s] = keys[s] ^ scalar_hash32((uint32_t)hi);
-          k1[s] = keys[s] ^ scalar_hash32((uint32_t)(hi + 1));
-        }
-    }
+    folded.fold(keys, first);
     const uint32_t lo = (uint32_t)first;
     const vu even = {0, 2, 4, 6, 8, 10, 12, 14};
     Rng r;
@@ -78,14 +79,12 @@ struct TensorStreams {
     if (__builtin_expect(lo <= 0xFFFFFFF0u, 1)) {  // the block stays below the next multiple of 2^32
       for (int h = 0; h < 2; h++)
         for (int s = 0; s < STREAMS; s++)
-          if (used_stream(s)) r.key[h][s] = bcu(k0[s]);
+          if (used_stream(s)) r.key[h][s] = bcu(folded.k0[s]);
       return r;
     }
-    for (int h = 0; h < 2; h++) {
-      const vu wrapped = (vu)(r.lo[h] < bcu(lo));  // lanes past a multiple of 2^32
+    for (int h = 0; h < 2; h++)
       for (int s = 0; s < STREAMS; s++)
-        if (used_stream(s)) r.key[h][s] = bcu(k0[s]) ^ (wrapped & bcu(k0[s] ^ k1[s]));
-    }
+        if (used_stream(s)) r.key[h][s] = folded.wrapped(s, r.lo[h], lo);
     return r;
   }
 };
@@ -223,38 +222,30 @@ static constexpr int ROLES = 3 + NSTATES;  // weight, gradient, buffer, states
 
 static int itemsize(int dt) { return dt == F32 ? 4 : dt == I8 ? 1 : 2; }
 
+// One call: the tensors' pointers, sizes and numbers (the arguments of lowp_step) and their units.
 struct Task {
-  int64_t tensors;
+  Units<UNIT> units;
   void *const *ptrs;              // [role][tensor]
-  const int64_t *numel;           // [tensor]
   const int64_t *offset;          // [tensor] global index of element 0 (random streams)
-  const uint32_t *keys;           // [tensor][stream] stream keys
   const double *tensor_numbers;   // [tensor][TENSOR_NUMBERS]
-  std::vector<int64_t> first_unit;  // [tensor + 1] cumulative unit counts
+  const uint32_t *keys;           // [tensor][stream] stream keys
   Numbers n;
   float factor;
-  std::atomic<int64_t> next{0};
 
-  Task(int64_t count, void *const *p, const int64_t *sizes, const double *h) : tensors(count), ptrs(p), numel(sizes) {
-    first_unit.assign(tensors + 1, 0);
-    for (int64_t j = 0; j < tensors; j++) first_unit[j + 1] = first_unit[j] + (numel[j] + UNIT - 1) / UNIT;
+  Task(int64_t count, void *const *p, const int64_t *sizes, const double *h, const int64_t *offsets = nullptr,
+       const double *per_tensor = nullptr, const uint32_t *stream_keys = nullptr)
+      : units(count, sizes), ptrs(p), offset(offsets), tensor_numbers(per_tensor), keys(stream_keys) {
     factor = (float)h[0];
     n.set(h + 1);
   }
-  int64_t units() const { return first_unit[tensors]; }
   Pointers at(int64_t tensor) const {
+    const int64_t tensors = units.tensors;
     Pointers p;
     p.w = ptrs[0 * tensors + tensor];
     p.g = ptrs[1 * tensors + tensor];
     p.b = ptrs[2 * tensors + tensor];
     for (int j = 0; j < NSTATES; j++) p.s[j] = ptrs[(3 + j) * tensors + tensor];
     return p;
-  }
-  // The element range [start, end) of ``unit`` in its tensor (``tensor`` moves forward to it).
-  void range(int64_t unit, int64_t &tensor, int64_t &start, int64_t &end) const {
-    while (first_unit[tensor + 1] <= unit) tensor++;
-    start = (unit - first_unit[tensor]) * UNIT;
-    end = start + UNIT < numel[tensor] ? start + UNIT : numel[tensor];
   }
 };
 
@@ -304,10 +295,13 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
   // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
   for (; i + GROUP <= end; i += GROUP) {
     vf u[GROUP / 16][2];
-    for (int64_t j = 0; j < GROUP; j += 16)
-      update_block(p, i + j, r, factor, streams.at(base + i + j), u[j / 16]);
-    for (int64_t j = 0; j < GROUP; j += 16)
-      write_back_block(p, i + j, streams.at(base + i + j), u[j / 16], valid, stalled);
+    // One TensorStreams::at per group for both passes, unless the group crosses a multiple of 2^32.
+    const uint64_t first = base + i;
+    const bool one_half = (uint32_t)first <= 0xFFFFFFFFu - (GROUP - 1);
+    const Rng rng = streams.at(first);
+    auto block_rng = [&](int64_t j) { return one_half ? rng.ahead((uint32_t)j) : streams.at(first + j); };
+    for (int64_t j = 0; j < GROUP; j += 16) update_block(p, i + j, r, factor, block_rng(j), u[j / 16]);
+    for (int64_t j = 0; j < GROUP; j += 16) write_back_block(p, i + j, block_rng(j), u[j / 16], valid, stalled);
   }
   for (; i + 16 <= end; i += 16) {
     vf u[2];
@@ -327,36 +321,34 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
 // The units of ``t`` taken from its counter until none is left, each through ``unit(tensor, p,
 // start, end, base, streams, r, factor, stalled)`` (step_unit's arguments after the tensor's
 // index); returns the stalled count.
-template <typename Unit> static int64_t work_units(Task *t, Unit &&unit) {
+template <typename F> static int64_t work_units(Task *t, F &&unit) {
   const vf factor = bc(t->factor);
-  int64_t total = 0, tensor = 0;
+  int64_t total = 0;
   const Numbers n = t->n;
   vf tn[TENSOR_NUMBERS + 1];
-  for (int64_t index; (index = t->next.fetch_add(1)) < t->units();) {
-    int64_t start, end;
-    t->range(index, tensor, start, end);
+  for (Unit u; t->units.take(u);) {
+    const int64_t tensor = u.tensor;
     const Pointers p = t->at(tensor);
     for (int j = 0; j < TENSOR_NUMBERS; j++) tn[j] = bc((float)t->tensor_numbers[tensor * TENSOR_NUMBERS + j]);
     rule_uniform r;  // the rule's values that are the same for every element: once per unit
     rule_prepare(n, tn, r);
     vi stalled = {};
     TensorStreams streams{t->keys + tensor * STREAMS};
-    unit(tensor, p, start, end, (uint64_t)t->offset[tensor], streams, r, factor, stalled);
+    unit(tensor, p, u.start, u.end, (uint64_t)t->offset[tensor], streams, r, factor, stalled);
     for (int l = 0; l < 8; l++) total -= stalled[l];
   }
   return total;
 }
 
-static int64_t work(Task *t) {
-  return work_units(t, [](int64_t, const Pointers &p, int64_t start, int64_t end, uint64_t base,
-                          TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
-    step_unit(p, start, end, base, streams, r, factor, stalled);
-  });
-}
-
-static int thread_count(int threads, int64_t units) {
-  int n = threads < 1 ? 1 : (threads > units ? (int)units : threads);
-  return n < 1 ? 1 : n;
+// The whole step of ``t`` on ``threads`` OpenMP threads, each unit through ``unit`` (work_units);
+// returns the stalled count. OpenMP, so that the work runs on torch's own thread pool (the libgomp
+// torch loaded): a pool of our own would compete with torch's workers, which spin for a while
+// after each parallel op.
+template <typename F> static int64_t run_units(Task &t, int threads, F &&unit) {
+  int64_t total = 0;
+#pragma omp parallel num_threads(thread_count(threads, t.units.count())) reduction(+ : total)
+  total += work_units(&t, unit);
+  return total;
 }
 
 #ifndef LOWP_CODE_KINDS   // a coded variant's entry point is coded_step.h's lowp_coded_step
@@ -366,16 +358,11 @@ static int thread_count(int threads, int64_t units) {
 // k]``: per-tensor number k of tensor j; ``keys[j * STREAMS + s]``: stream_key of stream s of tensor j.
 extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
                              const double *h, const double *tensor_numbers, const uint32_t *keys, int threads) {
-  Task t(tensors, ptrs, numel, h);
-  t.offset = offset;
-  t.keys = keys;
-  t.tensor_numbers = tensor_numbers;
-  int64_t total = 0;
-  // OpenMP, so that the work runs on torch's own thread pool (the libgomp torch loaded): a pool of
-  // our own would compete with torch's workers, which spin for a while after each parallel op.
-#pragma omp parallel num_threads(thread_count(threads, t.units())) reduction(+ : total)
-  total += work(&t);
-  return total;
+  Task t(tensors, ptrs, numel, h, offset, tensor_numbers, keys);
+  return run_units(t, threads, [](int64_t, const Pointers &p, int64_t start, int64_t end, uint64_t base,
+                                  TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
+    step_unit(p, start, end, base, streams, r, factor, stalled);
+  });
 }
 #endif
 
@@ -397,28 +384,25 @@ static inline double reduction_block(const Pointers &p, int64_t i, const reducti
 extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *numel, const double *h, double *sums,
                           int threads) {
   Task t(tensors, ptrs, numel, h);
-  std::vector<double> partial(t.units(), 0.0);
-#pragma omp parallel num_threads(thread_count(threads, t.units()))
+  std::vector<double> partial(t.units.count(), 0.0);
+#pragma omp parallel num_threads(thread_count(threads, t.units.count()))
   {
     const vf factor = bc(t.factor);
     reduction_uniform r;
     reduction_prepare(t.n, nullptr, r);
-    int64_t tensor = 0;
-    for (int64_t unit; (unit = t.next.fetch_add(1)) < t.units();) {
-      int64_t start, end;
-      t.range(unit, tensor, start, end);
-      const Pointers p = t.at(tensor);
+    for (Unit u; t.units.take(u);) {
+      const Pointers p = t.at(u.tensor);
       double sum = 0;
-      int64_t i = start;
-      for (; i + 16 <= end; i += 16) sum += reduction_block(p, i, r, factor, ALL_VALID);
-      if (i < end)
-        tail<false>(p, i, end - i, [&](const Pointers &q, const vi *valid) { sum += reduction_block(q, 0, r, factor, valid); });
-      partial[unit] = sum;
+      int64_t i = u.start;
+      for (; i + 16 <= u.end; i += 16) sum += reduction_block(p, i, r, factor, ALL_VALID);
+      if (i < u.end)
+        tail<false>(p, i, u.end - i, [&](const Pointers &q, const vi *valid) { sum += reduction_block(q, 0, r, factor, valid); });
+      partial[u.index] = sum;
     }
   }
   for (int64_t j = 0; j < tensors; j++) {
     double sum = 0;
-    for (int64_t unit = t.first_unit[j]; unit < t.first_unit[j + 1]; unit++) sum += partial[unit];
+    for (int64_t unit = t.units.first[j]; unit < t.units.first[j + 1]; unit++) sum += partial[unit];
     sums[j] = sum;
   }
 }
