@@ -18,7 +18,7 @@ import torch
 import lowp.optim as lo
 from lowp.optim import coded
 from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, codes_shape, decode, encode, scales_shape
-from lowp.optim.kernels import native_coded, native_codes
+from lowp.optim.kernels import coded_slices, native_codes
 from lowp.optim.randomness import random16
 
 pytestmark = pytest.mark.skipif(not native_codes.available(), reason="needs the native kernel (x86-64 with g++)")
@@ -196,7 +196,7 @@ def test_the_step_kernel_with_coded_states_equals_the_decode_step_encode_passes(
     total = 3 * sum(math.prod(s) for s in SHAPES)
     assert native_codes.COUNTS.encoded == 0
     assert (fused[1].backend.fused_elements, fused[1].backend.reference_elements) == (total, 0)
-    monkeypatch.setattr(native_coded, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
     passes = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
     assert native_codes.COUNTS.encoded == 2 * total
     _same_runs(fused, passes)
@@ -227,7 +227,7 @@ def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dt
     native_codes.COUNTS.encoded = 0
     fused = run()
     assert native_codes.COUNTS.encoded == 0
-    monkeypatch.setattr(native_coded, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
     passes = run()
     assert native_codes.COUNTS.encoded > 0
     _same_runs(fused, passes)

@@ -27,7 +27,7 @@ import torch
 
 from lowp.optim.kernels import CompiledKernel, Kernel, NativeKernel, TritonKernel, compiler_available, \
     native_available, triton_available
-from lowp.optim.kernels import coded_slices, native_coded
+from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import partition
 from lowp.optim.codes import Code
@@ -119,8 +119,8 @@ class Backend(ABC):
                 flags[i] = ok
         return flags
 
-    def run_coded(self, optimizer: "LowpOptimizer", ctx: StepContext, items: list[native_coded.CodedSlice],
-                  codes: dict[str, Code], block: int) -> tuple[torch.Tensor | None, list[native_coded.CodedSlice]]:
+    def run_coded(self, optimizer: "LowpOptimizer", ctx: StepContext, items: list[coded_slices.CodedSlice],
+                  codes: dict[str, Code], block: int) -> tuple[torch.Tensor | None, list[coded_slices.CodedSlice]]:
         """Step the slices with block-scaled states that a kernel decodes and encodes itself
         (``items``: (slice, block scales by state name); ``codes``: the coded states' codes by
         name). Returns (their stalled count, ``None`` when none was taken; the items left for the
@@ -260,21 +260,14 @@ class FusedBackend(Backend):
         return _total(counts)
 
     def run_coded(self, optimizer, ctx, items, codes, block):
-        """The native and Triton kernels decode and encode block-scaled states inside their step
-        (:mod:`lowp.optim.kernels.native_coded`, :mod:`lowp.optim.kernels.coded_slices`) for the
-        slices they admit."""
+        """A kernel with ``steps_codes`` (native, Triton) decodes and encodes block-scaled states
+        inside its step for the slices :func:`~lowp.optim.kernels.coded_slices.admitted` lets
+        through."""
         spec = optimizer.kernel_spec()
-        if spec is None or not optimizer.elementwise:
+        if spec is None or not optimizer.elementwise or not self.kernel.steps_codes:
             return None, list(items)
-        if isinstance(self.kernel, TritonKernel):
-            taken, rest = coded_slices.admitted(self.kernel, spec, ctx, items, codes, block)
-            return (self.kernel.run_coded(spec, ctx, taken, codes, block) if taken else None), rest
-        if not isinstance(self.kernel, NativeKernel):
-            return None, list(items)
-        taken, rest = native_coded.admitted(self.kernel, spec, ctx, items, codes, block)
-        if not taken:
-            return None, rest
-        return torch.tensor(native_coded.run(self.kernel, spec, ctx, taken, codes, block), dtype=torch.int64), rest
+        taken, rest = coded_slices.admitted(self.kernel, spec, ctx, items, codes, block)
+        return (self.kernel.run_coded(spec, ctx, taken, codes, block) if taken else None), rest
 
     def _fallback(self, optimizer, ctx, slices):
         if not isinstance(self.fallback, FusedBackend):

@@ -19,8 +19,8 @@ On the CPU the decode and encode passes take the native codec
 (:mod:`lowp.optim.kernels.native_codes`: one C++ call per state and batch, the fp32 copies in the
 step's scratch buffers) where it builds, and a backend may run all three inside its kernel
 (:meth:`~lowp.optim.backends.Backend.run_coded`: ``backend="native"`` for the slices
-:mod:`lowp.optim.kernels.native_coded` admits); the torch functions of
-:mod:`lowp.optim.codes` are the definition and the path for everything else.
+:mod:`lowp.optim.kernels.coded_slices` admits, ``backend="triton"`` likewise on CUDA); the
+torch functions of :mod:`lowp.optim.codes` are the definition and the path for everything else.
 """
 from __future__ import annotations
 

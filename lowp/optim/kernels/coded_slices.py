@@ -1,6 +1,12 @@
 """Which slices with block-scaled states (:mod:`lowp.optim.codes`) a kernel may step with the
-decode and encode inside it: the admission shared by the kernels that do (the native C++ kernel
-on the CPU, the Triton kernel on CUDA).
+decode and encode inside it: the admission shared by the kernels that do (``steps_codes``: the
+native C++ kernel on the CPU, the Triton kernel on CUDA).
+
+The generic coded step (:mod:`lowp.optim.coded`) decodes a batch of pieces into fp32 buffers,
+runs the kernel on them and encodes them back: three passes over memory. Such a kernel does it
+in one: it decodes the codes into registers next to the optimizer's rule, keeps the new values of
+each block until the block's scale is known, and encodes them, with the generic step's result
+bit for bit.
 
 A slice is admitted when the kernel would admit it with its coded states left out
 (:func:`~lowp.optim.kernels.kernel.fusable`), its codes and scales are kernel memory
@@ -20,19 +26,19 @@ from lowp.optim.kernels.kernel import Kernel, fusable
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["CodedSlice", "admitted"]
+__all__ = ["CodedSlice", "admitted", "without", "codes_fit"]
 
 #: a slice with the block scales of its coded states, by state name
 CodedSlice = tuple[ParamSlice, dict[str, torch.Tensor]]
 
 
-def _without(s: ParamSlice, codes: dict[str, Code]) -> ParamSlice:
+def without(s: ParamSlice, codes: dict[str, Code]) -> ParamSlice:
     """``s`` without its coded states (what the kernel's admission checks)."""
     return ParamSlice(s.param, s.grad, {k: v for k, v in s.states.items() if k not in codes}, s.buffer, s.param_id,
                       s.index)
 
 
-def _codes_fit(s: ParamSlice, scales: dict[str, torch.Tensor], codes: dict[str, Code], block: int) -> bool:
+def codes_fit(s: ParamSlice, scales: dict[str, torch.Tensor], codes: dict[str, Code], block: int) -> bool:
     """Whether the codes and scales of ``s`` are kernel memory of the right dtypes and sizes on
     the weight's device, with one scale dtype."""
     n = s.numel
@@ -62,8 +68,8 @@ def admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, items: Seque
     rest: list[CodedSlice] = []
     for s, scales in items:
         # fusable first: its checks raise for inputs no backend can run, before anything is written
-        ok = (fusable(ctx, _without(s, codes), kernel.min_numel, kernel.fp16_stochastic, kernel.device_types(), spans)
-              and tuple(s.states) == expected and _codes_fit(s, scales, codes, block))
+        ok = (fusable(ctx, without(s, codes), kernel.min_numel, kernel.fp16_stochastic, kernel.device_types(), spans)
+              and tuple(s.states) == expected and codes_fit(s, scales, codes, block))
         if ok:
             for t in (*(s.states[name] for name in codes), *(scales[name] for name in codes)):
                 spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), True))

@@ -8,10 +8,11 @@ they updated in ``fused_elements``, so tests and users can see that a kernel rea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, TypeVar
+from typing import Callable, ClassVar, Sequence, TypeVar
 
 import torch
 
+from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES, Span, check_slice
 from lowp.optim.randomness import Stream, stream_keys
 from lowp.optim.rule import Program
@@ -98,6 +99,8 @@ class Kernel(ABC):
     slices and steps; assign 0 to restart)."""
 
     name: ClassVar[str]
+    #: whether :meth:`run_coded` decodes and encodes block-scaled states inside the step
+    steps_codes: ClassVar[bool] = False
     #: the smallest tensor this kernel fuses, whether it rounds fp16 stochastically (:func:`fusable`),
     #: and the device types whose memory it addresses
     min_numel: ClassVar[int] = 2
@@ -128,6 +131,15 @@ class Kernel(ABC):
     @abstractmethod
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """The step over ``slices`` (all admitted); returns the stalled count when ``ctx.count``."""
+
+    def run_coded(self, spec: OptimizerSpec, ctx: StepContext,
+                  items: Sequence[tuple[ParamSlice, dict[str, torch.Tensor]]], codes: dict[str, Code],
+                  block: int) -> torch.Tensor | None:
+        """The step over slices with block-scaled states (each with its block scales by state
+        name; ``codes``: the coded states' codes by name, blocks of ``block``), all admitted by
+        :func:`lowp.optim.kernels.coded_slices.admitted`; for kernels with ``steps_codes``.
+        Returns the stalled count when ``ctx.count``."""
+        raise NotImplementedError(f"the {self.name} kernel does not step block-scaled states")
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
         """Per gradient: finite (``True``/``False``) as this kernel checks it, ``None`` for the

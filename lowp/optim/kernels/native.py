@@ -7,19 +7,28 @@ Results are bit-identical to the ``foreach`` reference in every mode (stochastic
 the counter-based bits of :mod:`lowp.optim.randomness` on every backend); a variant compiles in
 about a second instead of Inductor's 10-40 s. A spec with a per-tensor reduction (StableAdamW)
 takes two calls: the sums, then the step with the per-tensor numbers the spec makes from them.
+
+Block-scaled states are decoded and encoded inside the step (``native/coded_step.h``,
+:meth:`NativeKernel.run_coded`) for the slices :func:`~lowp.optim.kernels.coded_slices.admitted`
+lets through: in groups of 256 elements (whole blocks of every size), each block's new values
+kept in L1 until its scale is known.
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Sequence
 from typing import Any
 
 import torch
 
+from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
-from lowp.optim.kernels.cpp_source import DTYPE_CODES, Variant, variant_source
+from lowp.optim.kernels.coded_slices import CodedSlice, codes_fit, without
+from lowp.optim.kernels.cpp_source import DTYPE_CODES, CodedLayout, Variant, variant_source
 from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, slice_keys, stream_count
 from lowp.optim.kernels.native_build import (coded_step_function, finite_function, native_available, step_function,
                                              sums_function)
+from lowp.optim.kernels.native_codes import code_kind, fp8_table, grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
@@ -46,6 +55,7 @@ class NativeKernel(Kernel):
     """Fused steps through the generated C++ kernel; see the module docstring."""
 
     name = "native"
+    steps_codes = True
     min_numel = 1
     fp16_stochastic = True
     devices = ("cpu",)
@@ -107,6 +117,58 @@ class NativeKernel(Kernel):
         concatenated); returns the stalled count."""
         check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
         return call_step(spec, variant, members, numbers, keys, factor)
+
+    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, items: Sequence[CodedSlice], codes: dict[str, Code],
+                  block: int) -> torch.Tensor | None:
+        """The step over ``items`` (slices with the block scales of their states named in
+        ``codes``, all :func:`~lowp.optim.kernels.coded_slices.admitted`): one kernel call per
+        dtype signature, the scale dtype included; returns the stalled count."""
+        numbers = spec.numbers(ctx.group, ctx.step)
+        stalled = 0
+        groups: dict[tuple, list[CodedSlice]] = {}
+        for s, scales in items:
+            groups.setdefault((*slice_dtypes(s), scales[next(iter(codes))].dtype), []).append((s, scales))
+        for signature, members in groups.items():
+            stalled += self.launch_coded(spec, ctx, members, codes, block, numbers, signature[-1])
+        self.fused_elements += sum(s.numel for s, _ in items)
+        return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
+
+    @staticmethod
+    def launch_coded(spec: OptimizerSpec, ctx: StepContext, members: list[CodedSlice], codes: dict[str, Code],
+                     block: int, numbers: dict[str, float], scale_dtype: torch.dtype) -> int:
+        """One kernel call over ``members`` with coded states (their scales of ``scale_dtype``):
+        the plain states' arguments checked as :meth:`launch` does, the codes and scales by
+        :func:`~lowp.optim.kernels.coded_slices.codes_fit`; returns the stalled count."""
+        slices = [s for s, _ in members]
+        names = list(spec.states(ctx.group))
+        weight, grad, buffer, *states = slice_dtypes(slices[0])
+        assert weight is not None and grad is not None
+        dtypes = tuple(torch.float32 if name in codes else dtype for name, dtype in zip(names, states)
+                       if dtype is not None)
+        assert len(dtypes) == len(names), "every state of an admitted slice is a tensor"
+        layout = CodedLayout(tuple(code_kind(codes[name]) if name in codes else -1 for name in names),
+                             scale_code(scale_dtype), block)
+        variant = Variant(spec.program(ctx.group), None, ctx.mode.name, weight, grad, buffer,
+                          dtypes, ctx.group["state_rounding"] == "stochastic", ctx.count, layout)
+        check_kernel_args([without(s, codes) for s in slices], [name for name in names if name not in codes],
+                          (weight, grad, buffer, *(d for name, d in zip(names, dtypes) if name not in codes)))
+        for s, scales in members:
+            if not (s.param.is_cpu and codes_fit(s, scales, codes, block)):
+                raise RuntimeError("kernel call: the codes or scales of a coded state are not CPU kernel memory of "
+                                   "their dtypes and sizes; the admission should have sent them elsewhere")
+        n = len(members)
+        scale_table = (ctypes.c_void_p * (len(names) * n))()
+        for j, (_, scales) in enumerate(members):
+            for k, name in enumerate(names):
+                scale_table[k * n + j] = scales[name].data_ptr() if name in codes else None
+        grids = (ctypes.c_double * (4 * len(names)))(*(x for name in names
+                                                        for x in (grid_numbers(codes[name]) if name in codes
+                                                                  else (0.0, 0.0, 0.0, 0.0))))
+        fp8 = [fp8_table(codes[name].storage) if name in codes and codes[name].storage.is_floating_point else None
+               for name in names]
+        tables = (ctypes.c_void_p * len(names))(*(t.data_ptr() if t is not None else None for t in fp8))
+        return call_step(spec, variant, slices, numbers, [k for s in slices for k in slice_keys(ctx, s)],
+                         grad_factor(ctx), (scale_table, grids, tables))
 
 
 def call_step(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],

@@ -92,6 +92,7 @@ class TritonKernel(Kernel):
     """Fused steps through generated Triton kernels; see the module docstring."""
 
     name = "triton"
+    steps_codes = True
 
     def device_types(self) -> tuple[str, ...]:
         """CUDA memory, and CPU memory under the interpreter."""
