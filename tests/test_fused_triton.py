@@ -3,6 +3,7 @@ element indices cross 2**32 (through the interpreter, ``TRITON_INTERPRET=1``, wh
 before triton is imported, hence a subprocess), and a real GPU by the ``gpu``-marked test."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -127,7 +128,8 @@ CODED = [{"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
 def _coded(rounding: str) -> None:
     """AdamW with block-scaled states through the Triton kernel (decode and encode inside it)
     against the ``foreach`` reference: weights, codes and scales bit for bit, every element fused.
-    Odd sizes leave a short last block and half a byte of 4-bit codes."""
+    Odd sizes leave a short last block and half a byte of 4-bit codes; two more runs put block
+    scales of 0, 1e-39, 1e-34 and NaN and a NaN gradient in the second step."""
     from lowp.optim.codes import CODES, decode
     import lowp.optim as lo
 
@@ -138,33 +140,52 @@ def _coded(rounding: str) -> None:
               for i, p in enumerate(start)] for _ in range(3)]
     extra = {} if rounding == "stochastic" else {"state_block": 32, "state_scale_dtype": torch.float16}
 
-    def run(backend, states):
+    def run(backend, states, odd=False):
+        """``odd``: after the first step, block scales of 0, 1e-39, 1e-34 (its reciprocal is finite,
+        times 2**16 it is not) and NaN, and a NaN gradient in the second step."""
         params = [p.clone() for p in start]
         opt = lo.AdamW(params, lr=1e-2, weight_decay=0.1, backend=backend, seed=1, state_dtype=states,
                        state_rounding=rounding, **extra)
-        for step_grads in grads:
+        for step, step_grads in enumerate(grads):
             for p, g in zip(params, step_grads):
                 p.grad = g.clone()
+            if odd and step == 1:
+                params[0].grad[2000] = math.nan
+                for p in params:
+                    for name, v in opt.state[p].items():
+                        if name.endswith("_scale"):
+                            for k, value in enumerate((0.0, 1e-39, 1e-34, math.nan)):
+                                v.view(-1)[k::7] = value
             opt.step()
         return params, opt
 
-    def bits(t):
-        return t.view(torch.uint8) if t.element_size() == 1 else t
+    def same(a, b):
+        """Bit for bit, except that a NaN (from a block with a NaN scale) matches any NaN: the
+        reference's Kahan write-back stores it as 0xFFFF, the kernels (the native one too) as the
+        canonical 0x7FC0."""
+        as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[b.element_size()]
+        if b.element_size() == 1 or not b.is_floating_point():   # codes and integers: their bits
+            return torch.equal(a.view(as_bits), b.view(as_bits))
+        nan = b.isnan()
+        return torch.equal(a.isnan(), nan) and torch.equal(a.view(as_bits)[~nan], b.view(as_bits)[~nan])
 
     if not extra:  # bf16 scales hold the tiny ones (fp16's smallest is 2**-24)
         tiny = list(run("foreach", CODED[0])[1].state.values())
         scales = [v["exp_avg_scale"].float() for v in tiny]
         assert not torch.isfinite(1.0 / scales[2]).all() and torch.isfinite(1.0 / scales[0]).all()  # the divide path
         assert decode(tiny[2]["exp_avg"], scales[2], CODES[torch.int8], 64, 1027).abs().max() > 0
-    for states in CODED:
-        fused, opt = run("triton", states)
-        assert opt.backend.fused_elements == 3 * sum(p.numel() for p in start), states
-        reference, ref_opt = run("foreach", states)
+    for states, odd in [(states, False) for states in CODED] + [(CODED[1], True), (CODED[2], True)]:
+        fused, opt = run("triton", states, odd)
+        steps = 3 - odd * (3000 / sum(p.numel() for p in start))   # the NaN gradient skips a parameter once
+        assert opt.backend.fused_elements == round(steps * sum(p.numel() for p in start)), states
+        assert opt.backend.reference_elements == 0
+        reference, ref_opt = run("foreach", states, odd)
+        assert any(q.isnan().any() for q in reference) == odd
         for p, q in zip(fused, reference):
-            assert torch.equal(p, q), states
+            assert same(p, q), states
             for key, value in ref_opt.state[q].items():
                 if isinstance(value, torch.Tensor):
-                    assert torch.equal(bits(opt.state[p][key]), bits(value)), (states, key)
+                    assert same(opt.state[p][key], value), (states, key)
 
 
 if __name__ == "__main__":
