@@ -8,7 +8,7 @@ they updated in ``fused_elements``, so tests and users can see that a kernel rea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Sequence, TypeVar
+from typing import Callable, ClassVar, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -79,9 +79,10 @@ def slice_keys(ctx: StepContext, s: ParamSlice) -> list[int]:
     return stream_keys(ctx.seed, ctx.step, s.param_id, stream_count(len(s.states)))
 
 
-def by_signature(slices: list[ParamSlice], signature: Callable[[ParamSlice], tuple]) -> dict[tuple, list[ParamSlice]]:
-    """The slices grouped by ``signature`` (one kernel launch each), in their order."""
-    groups: dict[tuple, list[ParamSlice]] = {}
+def by_signature(slices: Iterable[T], signature: Callable[[T], tuple]) -> dict[tuple, list[T]]:
+    """The slices (or slices with their block scales) grouped by ``signature`` (one kernel launch
+    each), in their order."""
+    groups: dict[tuple, list[T]] = {}
     for s in slices:
         groups.setdefault(signature(s), []).append(s)
     return groups

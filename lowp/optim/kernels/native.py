@@ -16,8 +16,7 @@ kept in L1 until its scale is known.
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -125,9 +124,8 @@ class NativeKernel(Kernel):
         dtype signature, the scale dtype included; returns the stalled count."""
         numbers = spec.numbers(ctx.group, ctx.step)
         stalled = 0
-        groups: dict[tuple, list[CodedSlice]] = {}
-        for s, scales in items:
-            groups.setdefault((*slice_dtypes(s), scales[next(iter(codes))].dtype), []).append((s, scales))
+        scale_of = next(iter(codes))
+        groups = by_signature(items, lambda item: (*slice_dtypes(item[0]), item[1][scale_of].dtype))
         for signature, members in groups.items():
             stalled += self.launch_coded(spec, ctx, members, codes, block, numbers, signature[-1])
         self.fused_elements += sum(s.numel for s, _ in items)

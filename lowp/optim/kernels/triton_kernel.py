@@ -15,13 +15,13 @@ the ``foreach`` reference on the CPU.
 from __future__ import annotations
 
 import atexit
-from dataclasses import dataclass
 import functools
 import hashlib
 import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Sequence
@@ -30,7 +30,7 @@ import torch
 
 from lowp.optim.codes import Code
 from lowp.optim.kernels.coded_slices import CodedSlice
-from lowp.optim.kernels.kernel import Kernel, slice_keys, step_numbers
+from lowp.optim.kernels.kernel import Kernel, by_signature, slice_keys, step_numbers
 from lowp.optim.kernels.triton_source import kernel_source
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
@@ -119,9 +119,7 @@ class TritonKernel(Kernel):
         kernel = _module(program, tuple(codes.get(name) for name in program.state_names)).step_kernel
         h = step_numbers(spec, program, ctx, items[0][0].param.device)
         counts = []
-        groups: dict[tuple, list[CodedSlice]] = {}
-        for s, scales in items:
-            groups.setdefault((*_dtypes(s), *(t.dtype for t in scales.values())), []).append((s, scales))
+        groups = by_signature(items, lambda item: (*_dtypes(item[0]), *(t.dtype for t in item[1].values())))
         for members in groups.values():
             counts.append(self.launch(kernel, tl_dtype, ctx, members, h, list(codes), block))
         self.fused_elements += sum(s.numel for s, _ in items)
@@ -187,9 +185,8 @@ class LaunchTables:
 def launch_tables(device: torch.device, block: int, roles: list[list[torch.Tensor]], sizes: list[int],
                   offsets: list[int], keys: list[int]) -> LaunchTables:
     """The tables of one launch of programs of ``block`` elements, sent in one host-to-device
-    copy; the block map is built on the
-    device (a host loop over blocks cost more than the step itself on a GPU: 250,000 blocks for
-    256M elements)."""
+    copy; the block map is built on the device (a host loop over blocks cost more than the step
+    itself on a GPU: 250,000 blocks for 256M elements)."""
     n = len(sizes)
     counts = [-(-size // block) for size in sizes]
     packed = [t.data_ptr() for tensors in roles for t in tensors] + sizes + offsets + counts + keys
