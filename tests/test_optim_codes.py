@@ -417,3 +417,17 @@ def test_coded_states_on_gpu_match_the_cpu_definition(states):
                 got = gpu_opt.state[p][key].cpu()
                 assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
                                    value.view(torch.uint8) if value.element_size() == 1 else value), key
+
+
+def test_layout_helpers_name_bad_arguments():
+    """A block outside BLOCK_SIZES, or a plain tensor where a DTensor parameter is expected, is a
+    clear error, not a ZeroDivisionError, a negative shape or an AttributeError."""
+    from lowp.optim import sharding
+    from lowp.optim.codes import stored_shapes
+    for block in (0, -64, 48):
+        with pytest.raises(ValueError, match="block"):
+            stored_shapes(CODES[torch.int8], (4, 64), block)
+    with pytest.raises(TypeError, match="DTensor"):
+        sharding.coded_placements(torch.zeros(4, 64), 64)
+    with pytest.raises(TypeError, match="DTensor"):
+        sharding.new_tensor(torch.zeros(4, 64), (4, 64), torch.int8, ())

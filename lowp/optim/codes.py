@@ -143,7 +143,10 @@ def stored_shapes(code: Code, shape: Sequence[int], block: int) -> tuple[torch.S
     (shape[-1] // block,)``. Then a box of the state that takes whole rows, or whole-block ranges
     of the last dimension, has its codes and scales in the same box of theirs; that is how a
     parameter sharded along any dimension keeps whole blocks per shard
-    (:func:`lowp.optim.sharding.coded_placements`). Otherwise both are flat."""
+    (:func:`lowp.optim.sharding.coded_placements`). Otherwise both are flat. ``block`` must be one
+    of :data:`BLOCK_SIZES` (``ValueError``)."""
+    if block not in BLOCK_SIZES:
+        raise ValueError(f"block: expected one of {BLOCK_SIZES}, got {block!r}")
     shape = torch.Size(shape)
     if len(shape) == 0 or shape[-1] % block:
         return codes_shape(code, shape), scales_shape(math.prod(shape), block)

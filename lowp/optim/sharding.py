@@ -87,9 +87,11 @@ def new_state(p: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.T
 def new_tensor(p: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, placements: Sequence[Placement]
                ) -> DTensor:
     """A zero DTensor of global ``shape`` and ``dtype`` on the mesh and device of the DTensor
-    ``p``, placed by ``placements``."""
+    ``p``, placed by ``placements`` (``TypeError`` when ``p`` is not a DTensor)."""
     from torch.distributed.tensor import DTensor
-    mesh = cast("DTensor", p).device_mesh
+    if not is_dtensor(p):
+        raise TypeError(f"p: expected a DTensor parameter, got {type(p).__name__}")
+    mesh = p.device_mesh
     local_shape, _ = _box_of(shape, mesh, placements)
     return DTensor.from_local(torch.zeros(local_shape, dtype=dtype, device=local(p).device), mesh,
                               placements, run_check=False, shape=torch.Size(shape), stride=_strides(shape))
@@ -104,8 +106,11 @@ def coded_placements(p: DTensor, block: int) -> tuple[Placement, ...]:
 
     The boxes consist of whole blocks when the last dimension holds whole blocks and is split over
     at most one mesh dimension, into chunks of whole blocks (``ceil(n / ranks) % block == 0``); an
-    unsplit last dimension means whole rows per rank. A replicated ``p`` keeps its placements."""
+    unsplit last dimension means whole rows per rank. A replicated ``p`` keeps its placements.
+    A ``p`` that is not a DTensor is a ``TypeError``."""
     from torch.distributed.tensor import Shard
+    if not is_dtensor(p):
+        raise TypeError(f"p: expected a DTensor parameter, got {type(p).__name__}")
     shape = tuple(p.shape)
     if not any(isinstance(pl, Shard) for pl in p.placements):
         return tuple(p.placements)

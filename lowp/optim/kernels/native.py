@@ -31,7 +31,7 @@ from lowp.optim.kernels.native_codes import code_kind, fp8_table, grid_numbers, 
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["NativeKernel", "call_step", "slice_dtypes", "variant_for"]
+__all__ = ["NativeKernel", "slice_dtypes", "variant_for"]
 
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
 
@@ -115,7 +115,7 @@ class NativeKernel(Kernel):
         contiguous range of its parameter) with their stream keys (:func:`slice_keys` of each,
         concatenated); returns the stalled count."""
         check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-        return call_step(spec, variant, members, numbers, keys, factor)
+        return _call_step(spec, variant, members, numbers, keys, factor)
 
     def run_coded(self, spec: OptimizerSpec, ctx: StepContext, items: Sequence[CodedSlice], codes: dict[str, Code],
                   block: int) -> torch.Tensor | None:
@@ -151,9 +151,11 @@ class NativeKernel(Kernel):
         check_kernel_args([without(s, codes) for s in slices], [name for name in names if name not in codes],
                           (weight, grad, buffer, *(d for name, d in zip(names, dtypes) if name not in codes)))
         for s, scales in members:
-            if not (s.param.is_cpu and codes_fit(s, scales, codes, block)):
+            if not (s.param.is_cpu and codes_fit(s, scales, codes, block)
+                    and all(scales[name].dtype == scale_dtype for name in codes)):
                 raise RuntimeError("kernel call: the codes or scales of a coded state are not CPU kernel memory of "
-                                   "their dtypes and sizes; the admission should have sent them elsewhere")
+                                   "their dtypes and sizes (scales of the call's dtype); the admission should have "
+                                   "sent them elsewhere")
         n = len(members)
         scale_table = (ctypes.c_void_p * (len(names) * n))()
         for j, (_, scales) in enumerate(members):
@@ -165,11 +167,11 @@ class NativeKernel(Kernel):
         fp8 = [fp8_table(codes[name].storage) if name in codes and codes[name].storage.is_floating_point else None
                for name in names]
         tables = (ctypes.c_void_p * len(names))(*(t.data_ptr() if t is not None else None for t in fp8))
-        return call_step(spec, variant, slices, numbers, [k for s in slices for k in slice_keys(ctx, s)],
+        return _call_step(spec, variant, slices, numbers, [k for s in slices for k in slice_keys(ctx, s)],
                          grad_factor(ctx), (scale_table, grids, tables))
 
 
-def call_step(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
+def _call_step(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
               keys: list[int], factor: float, coded: tuple[Any, ...] = ()) -> int:
     """One step call over ``members``: ``lowp_step``, or ``lowp_coded_step`` for a variant with coded states.
 

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from lowp.optim.codes import Code
-from lowp.optim.kernels.coded_slices import CodedSlice
+from lowp.optim.kernels.coded_slices import CodedSlice, codes_fit
 from lowp.optim.kernels.kernel import Kernel, by_signature, slice_keys, step_numbers
 from lowp.optim.kernels.triton_source import kernel_source
 from lowp.optim.rule import Program
@@ -115,6 +115,11 @@ class TritonKernel(Kernel):
         states in registers. Returns the stalled count."""
         from lowp.optim.kernels.triton_ops import tl_dtype  # imports triton
 
+        for s, scales in items:
+            if codes and not (s.param.device.type in self.device_types() and codes_fit(s, scales, codes, block)):
+                raise RuntimeError("kernel call: the codes or scales of a coded state are not kernel memory of "
+                                   "their dtypes and sizes on the weight's device; the admission should have sent "
+                                   "them elsewhere")
         program = spec.program(ctx.group)
         kernel = _module(program, tuple(codes.get(name) for name in program.state_names)).step_kernel
         h = step_numbers(spec, program, ctx, items[0][0].param.device)
