@@ -57,6 +57,8 @@ NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
 #: What a state may be stored in (float64 states are refused: the fused kernels and the mixed
 #: fp32/fp64 foreach pipeline cannot run them).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the float dtypes a loaded state may arrive in (cast to the state's dtype, or encoded, on load)
+_LOADABLE_FLOATS = (*STATE_DTYPES, torch.float64)
 #: A sharded parameter of at least this many elements whose block-scaled states must be replicated
 #: (its shards split blocks) gets a warning: it costs its whole state on every rank.
 REPLICATED_WARN_NUMEL = 1 << 16
@@ -834,12 +836,12 @@ class LowpOptimizer(torch.optim.Optimizer):
         """A private copy of a saved tensor on ``p``'s device; a floating-point state is cast only
         when the group's ``state_dtype`` names a dtype for it."""
         for c in self.coded_states(group, p):   # codes and scales (a coded state saved as floats is encoded later)
-            if name == scale_name(c.name) or (name == c.name and value.dtype not in (*STATE_DTYPES, torch.float64)):
+            if name == scale_name(c.name) or (name == c.name and value.dtype not in _LOADABLE_FLOATS):
                 (codes, scales), placements = self._coded_layout(group, p, c.code)
                 return self._placed(value, p, codes if name == c.name else scales, placements, name)
         spec = group["state_dtype"]
         wanted = spec.get(name) if isinstance(spec, Mapping) else spec
-        cast = (wanted is not None and code_for(wanted) is None and value.dtype in (*STATE_DTYPES, torch.float64)
+        cast = (wanted is not None and code_for(wanted) is None and value.dtype in _LOADABLE_FLOATS
                 and name in self.state_names(group, p))
         dtype = wanted if cast else value.dtype
         if sharding.is_dtensor(p) or sharding.is_dtensor(value):   # laid out (sharded) like p
@@ -867,7 +869,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         A sharded state is gathered and encoded whole (a collective: every rank loads)."""
         for c in self.coded_states(group, p):
             value = loaded.get(c.name)
-            if not isinstance(value, torch.Tensor) or value.dtype not in (*STATE_DTYPES, torch.float64) \
+            if not isinstance(value, torch.Tensor) or value.dtype not in _LOADABLE_FLOATS \
                     or scale_name(c.name) in loaded:
                 continue
             if value.shape != p.shape:

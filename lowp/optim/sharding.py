@@ -170,7 +170,7 @@ def box_index(shape: tuple[int, ...], offset: tuple[int, ...], gshape: tuple[int
     ``block = L_d * S_d`` elements every ``stride = S_{d-1}``, which needs the dimensions strictly
     between the first one and ``d`` to be whole.
     """
-    strides = [math.prod(gshape[i + 1:]) for i in range(len(gshape))]
+    strides = _strides(gshape)
     start = sum(o * s for o, s in zip(offset, strides))
     partial = [i for i, (n, g) in enumerate(zip(shape, gshape)) if n < g]
     if math.prod(shape) == 0 or not partial:
@@ -223,7 +223,7 @@ def place(value: torch.Tensor, p: torch.Tensor, shape: Sequence[int], placements
         return _wrap(local(value).clone(), value)
     full = gather(value).to(device=local(p).device).reshape(shape)
     local_shape, offset = _box_of(shape, mesh, placements)
-    piece = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))].clone()
+    piece = _cut(full, local_shape, offset).clone()
     return DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=_strides(shape))
 
 
@@ -253,6 +253,11 @@ def _wire(t: DTensor) -> DTensor:
 def keep_local(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     """This rank's box of the full tensor ``full``, for the DTensor ``like`` (a view)."""
     shape, offset = box(like)
+    return _cut(full, shape, offset)
+
+
+def _cut(full: torch.Tensor, shape: Sequence[int], offset: Sequence[int]) -> torch.Tensor:
+    """The box of ``shape`` at ``offset`` of ``full`` (a view)."""
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
