@@ -17,9 +17,11 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim import coded
-from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, codes_shape, decode, encode, scales_shape
+from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, codes_shape, decode, encode, scale_name, scales_shape
 from lowp.optim.kernels import coded_slices, native_codes
-from lowp.optim.randomness import random16
+from lowp.optim.randomness import ElementIndex, random16
+from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.writeback import MODES
 
 pytestmark = pytest.mark.skipif(not native_codes.available(), reason="needs the native kernel (x86-64 with g++)")
 
@@ -152,12 +154,25 @@ def _adamw_run(backend: str, steps: int = 3, rounding: str = "stochastic", state
 
 def _states(run) -> list[torch.Tensor]:
     params, opt = run
-    return [*params, *(_bits(v) for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor))]
+    return [*(p.detach() for p in params),
+            *(v for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor))]
 
 
 def _same_runs(a, b) -> None:
-    for x, y in zip(_states(a), _states(b)):
-        assert torch.equal(x, y)
+    _same_tensors(_states(a), _states(b))
+
+
+def _same_tensors(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
+    """Bit for bit, except that a NaN matches any NaN (the kernels keep a NaN's payload where they
+    need no guard against it, the torch roundings make it 0x7FC0)."""
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        bx, by = _bits(x), _bits(y)
+        if x.is_floating_point():
+            nan = x.float().isnan()
+            assert torch.equal(nan, y.float().isnan())
+            bx, by = bx[~nan], by[~nan]
+        assert torch.equal(bx, by)
 
 
 WIDE = {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}
@@ -204,33 +219,82 @@ def test_the_step_kernel_with_coded_states_equals_the_decode_step_encode_passes(
 
 @pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
 @pytest.mark.parametrize("state_dtype, extra", [
-    (None, {}),
+    (None, {}),   # int8 / uint8 codes with bf16 scales: the variant whose roundings skip the NaN guard
+    (None, {"state_scale_dtype": torch.float16}),
     ({"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}, {"state_block": 32,
                                                                    "state_scale_dtype": torch.float32}),
 ])
 def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dtype, extra):
     """Blocks whose scales are 0, subnormal, about 2**-116 (the reciprocal is finite, times 2**16 it
-    is not) or NaN, and a NaN gradient: the kernel's fast and slow block paths give the passes' bits."""
+    is not), NaN, or the NaN with every payload bit set (an fp32 or fp16 one widens with low bits
+    that a rounding without its NaN guard would carry into the sign), and a NaN gradient let into
+    the kernel (``nonfinite="off"``): the kernel's fast and slow block paths give the passes' bits,
+    and the blocks with finite scales move."""
     def run():
-        params, opt = _adamw_run("native", 1, "stochastic", state_dtype, "kahan", ((100003,), (300, 7)), **extra)
+        params, opt = _adamw_run("native", 1, "stochastic", state_dtype, "kahan", ((100003,), (300, 7)),
+                                 nonfinite="off", **extra)
         for p in params:
             for name, v in opt.state[p].items():
                 if name.endswith("_scale"):
                     for k, value in enumerate((0.0, 1e-39, 1e-34, math.nan)):
                         v[k::7] = value
+                    v.view(torch.int32 if v.dtype == torch.float32 else torch.int16)[4::7] = \
+                        0x7FFFFFFF if v.dtype == torch.float32 else 0x7FFF
             g = torch.Generator().manual_seed(7)
             p.grad = torch.randn(p.shape, generator=g).bfloat16()
-            p.grad.view(-1)[2000] = math.nan
+        params[0].grad.view(-1)[2000] = math.nan
+        before = [p.detach().clone() for p in params]
+        steps = []
         for _ in range(2):
             opt.step()
-        return params, opt
+            steps.append([t.clone() for t in _states((params, opt))])
+        assert all((p != b).sum() > p.numel() // 4 for p, b in zip(params, before))
+        assert params[0].isnan().any()
+        return steps
     native_codes.COUNTS.encoded = 0
     fused = run()
     assert native_codes.COUNTS.encoded == 0
     monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
     passes = run()
     assert native_codes.COUNTS.encoded > 0
-    _same_runs(fused, passes)
+    for a, b in zip(fused, passes):   # after each step
+        _same_tensors(a, b)
+
+
+def _coded_run_at_index(backend: str, index: ElementIndex, n: int = 600) -> list[torch.Tensor]:
+    """Two AdamW steps (bf16 weights, int8 / uint8 states, Kahan) on one slice whose elements have
+    global indices ``index``, through ``lowp.optim.coded.run_coded`` directly (an optimizer's own
+    step gives whole tensors index 0): the weight and every state tensor afterwards."""
+    gen = torch.Generator().manual_seed(7)
+    p = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+    opt = lo.AdamW([p], lr=1e-2, weight_decay=0.1, backend=backend, seed=3,
+                   state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    group, mode = opt.param_groups[0], MODES["kahan"]
+    state = opt.init_state(group, p, mode)
+    states = opt.coded_states(group, p)
+    for step in (1, 2):
+        state["step"] = step
+        s = ParamSlice(p, torch.randn(n, generator=gen).bfloat16(), {k: state[k] for k in opt.state_names(group, p)},
+                       state[mode.buffer_name], param_id=0, index=index)
+        coded.run_coded(opt.backend, opt, StepContext(group, mode, step, seed=opt.seed), [s],
+                        [{c.name: state[scale_name(c.name)] for c in states}], states, True)
+    return [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]
+
+
+@pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
+@pytest.mark.parametrize("below", [256, 255, 241, 16])
+def test_coded_groups_that_end_at_or_cross_two_to_the_32_equal_the_passes(below):
+    """The coded step draws one set of stream keys per group of 256 elements unless the group
+    crosses a multiple of 2**32 (as the plain step): groups that end exactly at 2**32 - 1, one
+    element past it, and 16-element blocks that straddle it give the passes' bits, which differ
+    from those at index 0."""
+    index = ElementIndex(offset=(1 << 32) - below)
+    native_codes.COUNTS.encoded = 0
+    kernel = _coded_run_at_index("native", index)
+    assert native_codes.COUNTS.encoded == 0
+    _same_tensors(kernel, _coded_run_at_index("foreach", index))
+    assert native_codes.COUNTS.encoded > 0
+    assert not all(torch.equal(x, y) for x, y in zip(kernel, _coded_run_at_index("native", ElementIndex())))
 
 
 @pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")

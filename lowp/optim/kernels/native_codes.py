@@ -115,7 +115,7 @@ def code_kind(code: Code) -> int:
 
 
 def scale_code(dtype: torch.dtype) -> int:
-    """The ``ScaleType`` of ``native/codes.h`` of a scale dtype."""
+    """The ``ScaleType`` of ``native/simd.h`` of a scale dtype."""
     return _SCALES[dtype]
 
 

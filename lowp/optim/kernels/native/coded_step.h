@@ -1,5 +1,5 @@
 // lowp fused optimizer step, part 3: a variant whose states include block-scaled codes
-// (LOWP_CODE_KINDS, defined before step.h; NativeKernel.run_coded in lowp/optim/kernels/native.py). Included after
+// (LOWP_CODE_KINDS, read by vector.h; NativeKernel.run_coded in lowp/optim/kernels/native.py). Included after
 // step.h. The codes are decoded and encoded in registers, next to the rule, in groups of
 // CODED_GROUP (256) elements (whole blocks of every size):
 //
@@ -8,10 +8,12 @@
 //           the coded states' new values t (for unsigned codes their square roots: the rule's own
 //           sqrt of the second moment, which the compiler computes once) in L1, and each block's
 //           peak |t| (an integer max on the bit patterns);
-//   pass 2, per block: its scales and reciprocals from the peaks (codes.h's BlockScale), then per 16
-//           elements step.h's write-back and the codes of t with the random bits of the state's own
-//           stream (the Rng of step.h, as for 16-bit states); a block where every coded state takes
-//           its fixed path (the common case) runs code without the general path's checks.
+//   pass 2: the scales and reciprocals of all the group's blocks of a state at once, from the peaks
+//           (codes.h's block_scales: one vector division for up to 8 blocks instead of a scalar
+//           chain per block); then per block, per 16 elements, step.h's write-back and the codes of
+//           t with the random bits of the state's own stream (the Rng of step.h, as for 16-bit
+//           states; one key fold per group, GroupRng); a block where every coded state takes its
+//           fixed path (the common case) runs code without the general path's checks.
 //
 // Every block is encoded from its own values with the bits of its own elements, so the result is
 // that of lowp/optim/coded.py's decode / step / encode passes bit for bit. The decoded states use
@@ -22,13 +24,13 @@
 #pragma once
 #include "codes.h"
 
-constexpr int CODE_SCALE = LOWP_CODE_SCALE;
 constexpr int64_t CODE_BLOCK = LOWP_CODE_BLOCK;
 constexpr int64_t CODED_GROUP = MAX_BLOCK;           // elements per group: whole blocks of every size
 constexpr int SUBS = CODED_GROUP / 16;               // 16-element steps per group
 constexpr int BLOCK_SUBS = CODE_BLOCK / 16;          // 16-element steps per block
 static_assert(CODE_BLOCK % 16 == 0 && CODE_BLOCK <= MAX_BLOCK && UNIT % CODED_GROUP == 0,
               "a group holds whole blocks, a unit whole groups");
+static_assert(CODED_GROUP / CODE_BLOCK <= 8, "a group's scales are computed in one vector");
 static_assert(!REDUCTION, "a per-tensor reduction would read the codes as states");
 constexpr bool coded_states_are_fp32() {
   for (int j = 0; j < NSTATES; j++)
@@ -103,9 +105,10 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
                                const vf &factor, const Grid *grid, vi &stalled) {
   vf u[SUBS][2];
   vf t[NSTATES + 1][SUBS][2];
-  vu peak[NSTATES + 1][SUBS / BLOCK_SUBS];
+  vu peak[NSTATES + 1][8] = {};  // per block (lane_maxima's 8 vectors)
   vf scale[NSTATES + 1];
   vi valid[2];
+  GroupRng rngs(streams, index, 16 * subs);  // for both passes
   for (int k = 0; k < subs; k++) {
     const int64_t e = i + 16 * k;
     if constexpr (MASKED) valid_lanes(16 * k, count, valid);
@@ -126,12 +129,11 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
     });
     for (int h = 0; h < 2; h++) u[k][h] = rule(r, w[h], g[h], s[h], out[h]);
     Rng rng;
-    if constexpr (plain_states_draw()) rng = streams.at(index + 16 * k);
+    if constexpr (plain_states_draw()) rng = rngs.at(16 * k);
     for_states([&](auto j) {
       constexpr int J = decltype(j)::value;
       if constexpr (coded_state(J)) {
         vu &most = peak[J][k / BLOCK_SUBS];
-        if (k % BLOCK_SUBS == 0) most = vu{};
         for (int h = 0; h < 2; h++) {
           vf v = unsigned_kind(CODE_KINDS[J]) ? sqrt_(out[h][J]) : out[h][J];
           if constexpr (MASKED) v = select(valid[h], v, bc(0.0f));
@@ -143,13 +145,20 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
       }
     });
   }
-  for (int b = 0; b < subs / BLOCK_SUBS; b++) {
+  const int blocks = subs / BLOCK_SUBS;
+  BlockScales group_scales[NSTATES + 1];
+  for_states([&](auto j) {
+    constexpr int J = decltype(j)::value;
+    if constexpr (coded_state(J))
+      group_scales[J] = block_scales<CODE_SCALE>(scales[J], block0, blocks, lane_maxima(peak[J]), grid[J]);
+  });
+  for (int b = 0; b < blocks; b++) {
     BlockScale bs[NSTATES + 1];
     bool fixed = true;  // every coded state's block takes its fixed path
     for_states([&](auto j) {
       constexpr int J = decltype(j)::value;
       if constexpr (coded_state(J)) {
-        bs[J] = block_scale<CODE_SCALE>(scales[J], block0 + b, max_lane(peak[J][b]), grid[J]);
+        bs[J] = group_scales[J][b];
         fixed &= bs[J].fixed && (CODE_KINDS[J] != CODE_FP8 || SR);
       }
     });
@@ -157,7 +166,7 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
       constexpr bool ALL_FIXED = decltype(all_fixed)::value;
       for (int k = b * BLOCK_SUBS; k < (b + 1) * BLOCK_SUBS; k++) {
         const int64_t e = i + 16 * k;
-        const Rng rng = streams.at(index + 16 * k);
+        const Rng rng = rngs.at(16 * k);
         if constexpr (MASKED) valid_lanes(16 * k, count, valid);
         write_back_block(p, e, rng, u[k], MASKED ? valid : ALL_VALID, stalled);
         for_states([&](auto j) {

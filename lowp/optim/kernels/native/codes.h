@@ -31,7 +31,6 @@
 #include "simd.h"
 
 enum CodeKind { CODE_INT8 = 0, CODE_UINT8 = 1, CODE_UINT4 = 2, CODE_FP8 = 3 };
-enum ScaleType { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
 constexpr int MAX_BLOCK = 256;
 
 // The grid of one code (lowp.optim.codes.Code), broadcast once per call.
@@ -79,22 +78,6 @@ template <int S> static inline float scale_at(const void *scales, int64_t b) {
   }
 }
 
-// ``s`` (>= 0 or NaN) rounded up to S, stored as scale ``b``; returns the stored value as fp32.
-template <int S> static inline float store_scale(void *scales, int64_t b, float s) {
-  if constexpr (S == SCALE_F32) {
-    ((float *)scales)[b] = s;
-  } else if constexpr (S == SCALE_BF16) {
-    uint32_t bits;
-    memcpy(&bits, &s, 4);
-    ((uint16_t *)scales)[b] = s != s ? (uint16_t)0x7FC0 : (uint16_t)((bits + 0xFFFFu) >> 16);
-  } else {
-    uint16_t h = (uint16_t)_cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    if (_cvtsh_ss(h) < s) h++;  // positive values: the next one up has bits + 1
-    ((uint16_t *)scales)[b] = h;
-  }
-  return scale_at<S>(scales, b);
-}
-
 // ---- random bits of the elements of a block ------------------------------------------------------
 // Stochastic rounding draws random16(i, key) for global element index i = first + j (the element's
 // index in its whole parameter: lowp.optim.randomness), or reads bits the caller drew.
@@ -131,16 +114,24 @@ struct DrawnNoise {
   }
 };
 
-// ---- the scale of a block and the codes of 8 of its values -------------------------------------
-static inline uint32_t max_lane(vu v) {
-  uint32_t most = 0;
-  for (int l = 0; l < 8; l++) most = v[l] > most ? v[l] : most;
-  return most;
-}
-
+// ---- the scales of up to 8 blocks, and the codes of 8 values of a block -------------------------
 // |t| as bits, whose unsigned maximum over a block is the bits of max |t| (NaN and infinity above
 // every finite value): the block's peak, one integer max per 8 values.
 static inline vu peak_of(vu peak, vf t) { return (vu)_mm256_max_epu32((__m256i)peak, (__m256i)((vu)t & 0x7FFFFFFFu)); }
+
+// Lane b: the largest lane of v[b] (unsigned), for 8 vectors at once: a tree of shuffles as
+// _mm256_hadd_ps sums 8 vectors, with max in place of the sum.
+static inline vu lane_maxima(const vu v[8]) {
+  // lanes a0|a1, a2|a3, b0|b1, b2|b3 of each 128-bit half (| is max)
+  auto pairs = [](vu a, vu b) {
+    return (vu)_mm256_max_epu32((__m256i)_mm256_shuffle_ps((__m256)a, (__m256)b, 0x88),
+                                (__m256i)_mm256_shuffle_ps((__m256)a, (__m256)b, 0xDD));
+  };
+  const vu low = pairs(pairs(v[0], v[1]), pairs(v[2], v[3]));   // half h, lane j: half h of v[j]
+  const vu high = pairs(pairs(v[4], v[5]), pairs(v[6], v[7]));  // the same for v[4 + j]
+  return (vu)_mm256_max_epu32(_mm256_permute2x128_si256((__m256i)low, (__m256i)high, 0x20),
+                              _mm256_permute2x128_si256((__m256i)low, (__m256i)high, 0x31));
+}
 
 // One block's stored scale s, its reciprocal k (y = t * k, or t / s where k is not finite), and
 // k * 2^16 for the fixed-point shortcut of integer codes (``fixed``: s > 0 and k * 2^16 finite).
@@ -149,14 +140,43 @@ struct BlockScale {
   bool divide, fixed;
 };
 
-// The scale of block ``b`` from the bits of its peak |t| (>= 0x7F800000: a NaN or an infinity),
-// stored rounded up to S.
-template <int S> static inline BlockScale block_scale(void *scales, int64_t b, uint32_t peak_bits, const Grid &g) {
-  float peak;
-  memcpy(&peak, &peak_bits, 4);
-  const float s = store_scale<S>(scales, b, peak_bits >= 0x7F800000u ? __builtin_nanf("") : peak / g.q);
-  const float k = 1.0f / s, k16 = k * 65536.0f;
-  return BlockScale{bc(s), bc(k), bc(k16), !(fabsf(k) <= FLT_MAX), s > 0.0f && k16 <= FLT_MAX};
+// The BlockScales of up to 8 consecutive blocks, lane b for block b (``divide``, ``fixed``: bit b).
+struct BlockScales {
+  vf s, k, k16;
+  int divide, fixed;
+  inline BlockScale operator[](int b) const {
+    return BlockScale{bc(s[b]), bc(k[b]), bc(k16[b]), ((divide >> b) & 1) != 0, ((fixed >> b) & 1) != 0};
+  }
+};
+
+// The scales of the ``n`` (<= 8) blocks from ``b0`` on, from the bits of their peaks |t| (lane b:
+// block b0 + b; >= 0x7F800000: a NaN or an infinity, whose scale is NaN): s = peak / Q rounded up
+// to S and stored, k = 1 / s, all lanes at once (IEEE division and rounding per lane, so the same
+// bits as one block at a time).
+template <int S> static inline BlockScales block_scales(void *scales, int64_t b0, int n, vu peaks, const Grid &g) {
+  const vf raw = select((vi)peaks >= (vi)bcu(0x7F800000u), bc(__builtin_nanf("")), (vf)peaks / g.top);
+  vf s = raw;
+  if constexpr (S == SCALE_F32) {
+    memcpy((float *)scales + b0, &s, sizeof(float) * n);
+  } else {
+    vu bits;  // the stored 16-bit patterns
+    if constexpr (S == SCALE_BF16) {
+      bits = (vu)select(raw != raw, (vf)bcu(0x7FC0u), (vf)(((vu)raw + 0xFFFFu) >> 16));
+    } else {
+      const __m128i nearest = _mm256_cvtps_ph((__m256)raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      // positive values: the next one up has bits + 1
+      bits = (vu)_mm256_cvtepu16_epi32(nearest) + ((vu)((vf)_mm256_cvtph_ps(nearest) < raw) & 1u);
+    }
+    alignas(16) uint16_t stored[8];
+    _mm_store_si128((__m128i *)stored, _mm_packus_epi32(_mm256_castsi256_si128((__m256i)bits),
+                                                        _mm256_extracti128_si256((__m256i)bits, 1)));
+    memcpy((uint16_t *)scales + b0, stored, sizeof(uint16_t) * n);
+    s = S == SCALE_BF16 ? (vf)(bits << 16) : (vf)_mm256_cvtph_ps(_mm_load_si128((const __m128i *)stored));
+  }
+  const vf k = bc(1.0f) / s, k16 = k * bc(65536.0f);
+  const vi finite_k = (vf)((vu)k & 0x7FFFFFFFu) <= bc(FLT_MAX);
+  const vi fixed = (s > bc(0.0f)) & (k16 <= bc(FLT_MAX));
+  return BlockScales{s, k, k16, _mm256_movemask_ps((__m256)~finite_k), _mm256_movemask_ps((__m256)fixed)};
 }
 
 // The codes of 8 values t of a block (any lane order; ``noise``: their 16 random bits when SR) as
@@ -293,7 +313,8 @@ static inline void encode_block(const float *x, int64_t n, void *codes, void *sc
     peak = peak_of(peak, v);
   }
   if constexpr (unsigned_kind(KIND)) t = roots;
-  const BlockScale bs = block_scale<S>(scales, b, max_lane(peak), g);
+  const vu peaks[8] = {peak};
+  const BlockScale bs = block_scales<S>(scales, b, 1, lane_maxima(peaks), g)[0];
   if (bs.fixed && (KIND != CODE_FP8 || SR)) encode_values<KIND, SR, KIND != CODE_FP8 || SR>(t, n, codes, bs, g, noise);
   else encode_values<KIND, SR, false>(t, n, codes, bs, g, noise);
 }

@@ -30,14 +30,6 @@ struct Pointers {
 enum StreamId { WEIGHT_STREAM = 0, COMPENSATION_STREAM = 1, STATE_STREAM = 2 };
 constexpr int STREAMS = STATE_STREAM + NSTATES;
 
-// States kept as block-scaled codes (coded_step.h; the variant defines LOWP_CODE_KINDS first).
-#ifdef LOWP_CODE_KINDS
-constexpr int CODE_KINDS[NSTATES + 1] = LOWP_CODE_KINDS;  // per state: its CodeKind (codes.h), -1 for a plain state
-constexpr bool coded_state(int j) { return CODE_KINDS[j] >= 0; }
-#else
-constexpr bool coded_state(int) { return false; }
-#endif
-
 // Which streams a variant draws from (the others' keys are never formed).
 constexpr bool used_stream(int s) {
   if (s == WEIGHT_STREAM) return MODE == STOCHASTIC || MODE == EXACT8;
@@ -87,6 +79,20 @@ struct TensorStreams {
         if (used_stream(s)) r.key[h][s] = folded.wrapped(s, r.lo[h], lo);
     return r;
   }
+};
+
+// The Rngs of the 16-element blocks of a group of ``span`` elements whose element 0 has global
+// index ``first``: one TensorStreams::at for the whole group, then Rng::ahead, unless the group
+// crosses a multiple of 2^32.
+struct GroupRng {
+  TensorStreams &streams;
+  uint64_t first;
+  bool one_half;
+  Rng rng0;
+  GroupRng(TensorStreams &s, uint64_t first_, int64_t span)
+      : streams(s), first(first_), one_half((uint32_t)first_ <= 0xFFFFFFFFu - (uint32_t)(span - 1)), rng0(s.at(first_)) {}
+  // the Rng of the block from group element ``j``
+  inline Rng at(int64_t j) { return one_half ? rng0.ahead((uint32_t)j) : streams.at(first + j); }
 };
 
 // ``x`` rounded stochastically to DT with 16 random bits (a plain fp32 value stays itself).
@@ -295,13 +301,9 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
   // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
   for (; i + GROUP <= end; i += GROUP) {
     vf u[GROUP / 16][2];
-    // One TensorStreams::at per group for both passes, unless the group crosses a multiple of 2^32.
-    const uint64_t first = base + i;
-    const bool one_half = (uint32_t)first <= 0xFFFFFFFFu - (GROUP - 1);
-    const Rng rng = streams.at(first);
-    auto block_rng = [&](int64_t j) { return one_half ? rng.ahead((uint32_t)j) : streams.at(first + j); };
-    for (int64_t j = 0; j < GROUP; j += 16) update_block(p, i + j, r, factor, block_rng(j), u[j / 16]);
-    for (int64_t j = 0; j < GROUP; j += 16) write_back_block(p, i + j, block_rng(j), u[j / 16], valid, stalled);
+    GroupRng rng(streams, base + i, GROUP);  // for both passes
+    for (int64_t j = 0; j < GROUP; j += 16) update_block(p, i + j, r, factor, rng.at(j), u[j / 16]);
+    for (int64_t j = 0; j < GROUP; j += 16) write_back_block(p, i + j, rng.at(j), u[j / 16], valid, stalled);
   }
   for (; i + 16 <= end; i += 16) {
     vf u[2];

@@ -81,14 +81,28 @@ template <int DT> static inline void load(const void *base, int64_t i, vf &lo, v
 
 // NaN guard of the bf16 roundings below. Adding up to 0xFFFF to the bit pattern can carry a NaN
 // into the sign bit (0x7FFFFFFF + 0x8000 is -0.0) only when its low 16 bits are not all zero.
+// States kept as block-scaled codes (coded_step.h): per state its CodeKind (codes.h), -1 for a
+// plain state; CODE_SCALE: the dtype of their block scales (simd.h's ScaleType).
+#ifdef LOWP_CODE_KINDS
+constexpr int CODE_KINDS[NSTATES + 1] = LOWP_CODE_KINDS;
+constexpr int CODE_SCALE = LOWP_CODE_SCALE;
+constexpr bool coded_state(int j) { return CODE_KINDS[j] >= 0; }
+#else
+constexpr int CODE_SCALE = SCALE_BF16;  // read by nothing: no state is coded
+constexpr bool coded_state(int) { return false; }
+#endif
+
 // Every NaN of a variant whose floating-point inputs are all bf16 has zero low bits: loaded bf16
 // values do, the hardware's default NaN (0xFFC00000) does, and arithmetic passes a NaN operand's
-// payload on. So only variants reading fp32 or fp16 tensors pay for the guard (a compare and a
-// blend per rounding). The exact modes' weights carry a remainder in their low bits, which a
-// NaN weight passes on to the states (through weight decay), so they pay too.
+// payload on. A coded state decodes to q * s (squared for unsigned codes), whose NaNs are its
+// block scale's or, for fp8 codes, the code's own (torch widens every fp8 NaN to a pattern with
+// zero low bits), so bf16 block scales count as bf16 inputs. Only variants reading fp32 or fp16
+// tensors (or scales) pay for the guard (a compare and a blend per rounding). The exact modes'
+// weights carry a remainder in their low bits, which a NaN weight passes on to the states
+// (through weight decay), so they pay too.
 constexpr bool all_states_bf16() {
   for (int j = 0; j < NSTATES; j++)
-    if (ST[j] != BF16) return false;
+    if (coded_state(j) ? CODE_SCALE != SCALE_BF16 : ST[j] != BF16) return false;
   return true;
 }
 constexpr bool NAN_GUARD = WT != BF16 || GT != BF16 || (MODE == KAHAN && BT != BF16) || MODE == EXACT ||
