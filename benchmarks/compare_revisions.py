@@ -26,6 +26,12 @@ CONFIGS = {
     "native kahan, states rounded to nearest": "dict(backend='native', state_rounding='nearest')",
     "native exact": "dict(backend='native', mode='exact')",
     "native stochastic": "dict(backend='native', mode='stochastic')",
+    "native kahan, int8 / uint8 states": "dict(backend='native', state_dtype=dict(exp_avg=torch.int8, "
+                                         "exp_avg_sq=torch.uint8))",
+    "native kahan, int8 / uint4 states": "dict(backend='native', state_dtype=dict(exp_avg=torch.int8, "
+                                         "exp_avg_sq=torch.uint4))",
+    "native kahan, e4m3 states": "dict(backend='native', state_dtype=dict(exp_avg=torch.float8_e4m3fn, "
+                                 "exp_avg_sq=torch.float8_e4m3fn))",
     "unfused kahan (fused=False)": "dict(fused=False)",
     "unfused kahan, states rounded to nearest": "dict(fused=False, state_rounding='nearest')",
 }
