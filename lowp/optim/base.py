@@ -677,12 +677,9 @@ class LowpOptimizer(torch.optim.Optimizer):
             state["step"] += 1
             names = self.state_names(group, p)
             coded_names = [c.name for c in p_coded]
-            # codes of blocks split between ranks are replicated: those parameters step whole
-            local_blocks = not coded_names or not sharding.is_dtensor(p) \
-                or sharding.coded_placements(p, group["state_block"]) == tuple(p.placements)
             piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
                                                       state.get(mode.buffer_name) if mode.buffer_name else None,
-                                                      param_id, self.elementwise and local_blocks)
+                                                      param_id, self.elementwise)
             if full is not None:
                 gathered.append(full)
             key = (id(group), mode.name, state["step"], p.dtype, p.device, names, weight)
