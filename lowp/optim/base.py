@@ -898,8 +898,11 @@ class LowpOptimizer(torch.optim.Optimizer):
             block_scales = torch.empty(scales_at, dtype=group["state_scale_dtype"], device=p.device)
             encode(sharding.gather(value).float(), c.code, group["state_block"], codes.view(-1),
                    block_scales.view(-1), None)
-            loaded[c.name] = self._placed(codes, p, codes_at, placements, c.name)
-            loaded[scale_name(c.name)] = self._placed(block_scales, p, scales_at, placements, scale_name(c.name))
+            if placements is None:   # fresh tensors of their own, as a plain parameter keeps them
+                loaded[c.name], loaded[scale_name(c.name)] = codes, block_scales
+            else:   # each rank keeps its box, or the whole state where it is replicated
+                loaded[c.name] = sharding.place(codes, p, codes_at, placements)
+                loaded[scale_name(c.name)] = sharding.place(block_scales, p, scales_at, placements)
 
 
 #: Batches of fewer elements take fresh temporaries: the heap serves them without page faults,
