@@ -186,6 +186,13 @@ def _break_mode(opt, params):
     opt.param_groups[1]["mode"] = "exact"
 
 
+def _break_state_code(opt, params):
+    """A parameter without states yet (no gradient so far) in a group whose ``state_dtype``, changed
+    after construction, asks for a code its state cannot hold (unsigned for Adam's first moment)."""
+    del opt.state[params[2]]
+    opt.param_groups[1]["state_dtype"] = {"exp_avg": torch.uint8}
+
+
 BREAKERS = [
     (_break_betas, ValueError, r"betas\[0\]"),
     (_break_maximize, ValueError, "maximize"),
@@ -197,6 +204,7 @@ BREAKERS = [
     (_break_buffer, ValueError, r"state\[2\]\['compensation'\]"),
     (_break_step, ValueError, r"state\[2\]\['step'\]"),
     (_break_mode, TypeError, "mode"),
+    (_break_state_code, ValueError, r"state_dtype\['exp_avg'\]: uint8 codes hold nonnegative states only"),
 ]
 
 

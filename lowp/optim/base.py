@@ -32,7 +32,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -132,6 +132,20 @@ def _check_codes_options(group: Mapping[str, Any]) -> None:
     if group["state_scale_dtype"] not in SCALE_DTYPES:
         raise ValueError(f"state_scale_dtype: expected one of {', '.join(map(str, SCALE_DTYPES))}, "
                          f"got {group['state_scale_dtype']!r}")
+
+
+class _Checked(NamedTuple):
+    """A parameter the step will update, checked by :meth:`LowpOptimizer._checked_param`."""
+
+    #: its parameter group
+    group: dict[str, Any]
+    param: torch.Tensor
+    #: its write-back mode
+    mode: WriteBack
+    #: its position over all groups (which picks its random streams)
+    param_id: int
+    #: :meth:`LowpOptimizer.coded_states` of the parameter in its group, computed once per step
+    coded: list[CodedState]
 
 
 def warn_if_swapped(eps: Any, weight_decay: Any) -> None:
@@ -424,18 +438,22 @@ class LowpOptimizer(torch.optim.Optimizer):
             out.append(CodedState(name, j, code))
         return out
 
-    def check_state(self, group: dict[str, Any], p: torch.Tensor, state: Mapping[str, Any], where: str) -> None:
+    def check_state(self, group: dict[str, Any], p: torch.Tensor, state: Mapping[str, Any], where: str,
+                    coded_states: list[CodedState] | None = None) -> None:
         """Raise naming ``where[key]`` unless every entry the step reads is usable: ``step`` a
         count, each present state of the right shape, dtype and device, each present buffer of
         the weight's shape (``compensation``: the weight's dtype or fp32; ``remainder``: int16;
         ``remainder8``: int8).
-        Missing states and buffers are fine: the step creates them."""
+        Missing states and buffers are fine: the step creates them. ``coded_states``: ``p``'s
+        :meth:`coded_states` in ``group`` when the caller has them (``None``: computed here)."""
         if not state:
             return
         step = state.get("step")
         if type(step) is not int or step < 0:
             raise ValueError(f"{where}['step']: expected a step count (an int >= 0), got {step!r}")
-        coded = {c.name: c.code for c in self.coded_states(group, p)}
+        if coded_states is None:
+            coded_states = self.coded_states(group, p)
+        coded = {c.name: c.code for c in coded_states}
         for name in self.state_names(group, p):
             if name not in state:
                 continue
@@ -463,13 +481,18 @@ class LowpOptimizer(torch.optim.Optimizer):
         if "remainder8" in state:
             preflight.check_tensor(state["remainder8"], where, p.shape, (torch.int8,), p.device, "remainder8")
 
-    def init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack) -> dict[str, Any]:
+    def init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack,
+                   coded_states: list[CodedState] | None = None) -> dict[str, Any]:
         """The state of ``p`` with everything a step in ``mode`` needs: ``step`` and the
-        optimizer's states (zeros when missing) and the mode's buffer (:func:`ensure_buffer`)."""
+        optimizer's states (zeros when missing) and the mode's buffer (:func:`ensure_buffer`).
+        ``coded_states``: ``p``'s :meth:`coded_states` in ``group`` when the caller has them
+        (``None``: computed here)."""
         state = self.state[p]
         if "step" not in state:
             state["step"] = 0
-        coded = {c.name: c.code for c in self.coded_states(group, p)}
+        if coded_states is None:
+            coded_states = self.coded_states(group, p)
+        coded = {c.name: c.code for c in coded_states}
         if sharding.is_dtensor(p) and any(n not in state for n in coded) and p.numel() >= REPLICATED_WARN_NUMEL \
                 and sharding.coded_placements(p, group["state_block"]) != tuple(p.placements):
             warnings.warn(f"lowp: the shards of a parameter of shape {tuple(p.shape)} ({tuple(p.placements)}) "
@@ -511,22 +534,22 @@ class LowpOptimizer(torch.optim.Optimizer):
             return [True] * len(grads)
         return sharding.agree(self.backend.finite_flags(grads), params)
 
-    def _checked_param(self, group: dict[str, Any], p: torch.Tensor,
-                       index: int) -> tuple[dict[str, Any], torch.Tensor, WriteBack, int]:
-        """Check one parameter with a gradient (layout, gradient, mode, states and buffers) and
-        return (group, parameter, mode, ``index``), ``index`` being its position over all groups."""
+    def _checked_param(self, group: dict[str, Any], p: torch.Tensor, index: int) -> _Checked:
+        """Check one parameter with a gradient (layout, gradient, mode, coded states, states and
+        buffers); ``index`` is its position over all groups."""
         where = f"params[{index}]"
         preflight.check_param(p, where)
         preflight.check_grad(p, p.grad, where)
         mode = resolve_mode(group["mode"], p)
-        self.check_state(group, p, self.state.get(p, {}), f"state[{index}]")
-        return group, p, mode, index
+        coded = self.coded_states(group, p)
+        self.check_state(group, p, self.state.get(p, {}), f"state[{index}]", coded)
+        return _Checked(group, p, mode, index, coded)
 
-    def _prepare(self) -> list[tuple[dict[str, Any], torch.Tensor, WriteBack, int]]:
+    def _prepare(self) -> list[_Checked]:
         """Check everything the step will read or write, before anything changes: every group's
         hyper-parameters, and for each parameter with a gradient its layout, its mode, the
-        gradient (shape, dtype, device) and its states and buffers. Returns (group, parameter,
-        mode, position in the flat parameter list) for each parameter to step."""
+        gradient (shape, dtype, device), its coded states and its states and buffers. Returns the
+        checked parameters to step."""
         todo = []
         index = -1
         for group in self.param_groups:
@@ -556,8 +579,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where}: expected a parameter of this optimizer, got another tensor")
         return found
 
-    def _prepare_subset(self, params: Sequence[torch.Tensor]) -> list[tuple[dict[str, Any], torch.Tensor, WriteBack,
-                                                                             int]]:
+    def _prepare_subset(self, params: Sequence[torch.Tensor]) -> list[_Checked]:
         """:meth:`_prepare` for ``params`` only: the hyper-parameters of the groups holding them
         and each of them that has a gradient, in the order given."""
         positions = [self._position(p, f"params[{i}]") for i, p in enumerate(params)]
@@ -628,13 +650,13 @@ class LowpOptimizer(torch.optim.Optimizer):
         return self._run(self._prepare_subset(params), grad_scale, checked=False, new_step=new_step,
                          force_check=grad_scale is not None)
 
-    def _run(self, todo: list[tuple[dict[str, Any], torch.Tensor, WriteBack, int]], inv_scale: float | None,
-             checked: bool, new_step: bool, force_check: bool = False) -> bool:
+    def _run(self, todo: list[_Checked], inv_scale: float | None, checked: bool, new_step: bool,
+             force_check: bool = False) -> bool:
         """Step the checked ``todo`` (:meth:`_prepare`): the non-finite policy (skipped when the
         gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
         ``nonfinite="off"``), state creation, step counts, the backend run per job and the
         stalled counts for :meth:`diagnostics`. Returns whether every checked gradient was finite."""
-        params = [p for _, p, _, _ in todo]
+        params = [t.param for t in todo]
         grads = [sharding.local_grad(p) for p in params]
         finite = [True] * len(todo) if checked else self._finite_flags(grads, params, force_check)
         if not all(finite) and self.nonfinite == "skip_step":
@@ -648,20 +670,16 @@ class LowpOptimizer(torch.optim.Optimizer):
         scales: dict[tuple, list[dict[str, torch.Tensor]]] = defaultdict(list)
         coded: dict[tuple, list[CodedState]] = {}   # per job: the same for its parameters (same group and dtype)
         gathered: list[sharding.Gathered] = []
-        for (group, p, mode, param_id), grad, ok in zip(todo, grads, finite):
+        for (group, p, mode, param_id, p_coded), grad, ok in zip(todo, grads, finite):
             if not ok:
                 continue
-            state = self.init_state(group, p, mode)
+            state = self.init_state(group, p, mode, p_coded)
             state["step"] += 1
             names = self.state_names(group, p)
-            p_coded = self.coded_states(group, p)
             coded_names = [c.name for c in p_coded]
-            # codes of blocks split between ranks are replicated: those parameters step whole
-            local_blocks = not coded_names or not sharding.is_dtensor(p) \
-                or sharding.coded_placements(p, group["state_block"]) == tuple(p.placements)
             piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
                                                       state.get(mode.buffer_name) if mode.buffer_name else None,
-                                                      param_id, self.elementwise and local_blocks)
+                                                      param_id, self.elementwise)
             if full is not None:
                 gathered.append(full)
             key = (id(group), mode.name, state["step"], p.dtype, p.device, names, weight)
@@ -880,8 +898,11 @@ class LowpOptimizer(torch.optim.Optimizer):
             block_scales = torch.empty(scales_at, dtype=group["state_scale_dtype"], device=p.device)
             encode(sharding.gather(value).float(), c.code, group["state_block"], codes.view(-1),
                    block_scales.view(-1), None)
-            loaded[c.name] = self._placed(codes, p, codes_at, placements, c.name)
-            loaded[scale_name(c.name)] = self._placed(block_scales, p, scales_at, placements, scale_name(c.name))
+            if placements is None:   # fresh tensors of their own, as a plain parameter keeps them
+                loaded[c.name], loaded[scale_name(c.name)] = codes, block_scales
+            else:   # each rank keeps its box, or the whole state where it is replicated
+                loaded[c.name] = sharding.place(codes, p, codes_at, placements)
+                loaded[scale_name(c.name)] = sharding.place(block_scales, p, scales_at, placements)
 
 
 #: Batches of fewer elements take fresh temporaries: the heap serves them without page faults,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Sequence, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -300,9 +300,15 @@ class Gathered:
             assert self.piece.buffer is not None, "make_slice gathers the buffer with the parameter"
             pairs.append((self.buffer, self.piece.buffer))
         for t, full in pairs:   # replicated states (Adafactor's factors, codes of split blocks) are whole
-            if is_dtensor(t) and tuple(t.placements) == tuple(self.param.placements):   # sharded like the parameter
+            if _placed_like(t, self.param):
                 full = keep_local(full, t)
             local(t).copy_(full)
+
+
+def _placed_like(t: torch.Tensor, p: DTensor) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a DTensor placed like the DTensor ``p`` (so its local box is ``p``'s when
+    it has ``p``'s shape)."""
+    return is_dtensor(t) and tuple(t.placements) == tuple(p.placements)
 
 
 def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], buffer: torch.Tensor | None,
@@ -311,14 +317,16 @@ def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tens
     its weight in the diagnostics' sums and, for a gathered step, what to write back.
 
     - plain ``p``: the tensors themselves, weight 0 (counted on this rank only);
-    - DTensor ``p``, elementwise optimizer: the local shards with their :class:`ElementIndex`,
-      weight ``1 / replicas`` (each element counted once over the ranks);
-    - DTensor ``p``, per-tensor optimizer: all-gathered full copies, weight ``1 / world size``
-      (every rank computes the whole tensor).
+    - DTensor ``p``, elementwise optimizer, every DTensor state placed like ``p``: the local
+      shards with their :class:`ElementIndex`, weight ``1 / replicas`` (each element counted once
+      over the ranks);
+    - DTensor ``p``, per-tensor optimizer, or a state placed otherwise (the replicated codes of
+      blocks that ``p``'s shards split, :func:`coded_placements`): all-gathered full copies,
+      weight ``1 / world size`` (every rank computes the whole tensor).
     """
     if not is_dtensor(p):
         return ParamSlice(p, grad, states, buffer, param_id), 0.0, None
-    if elementwise:
+    if elementwise and all(_placed_like(t, p) for t in states.values() if is_dtensor(t)):
         piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
                            None if buffer is None else local(buffer), param_id, element_index(p))
         return piece, 1.0 / replicas(p), None

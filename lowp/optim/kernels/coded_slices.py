@@ -22,7 +22,7 @@ import torch
 
 from lowp.optim.codes import SCALE_DTYPES, Code, codes_shape, scales_shape
 from lowp.optim.kernels.checks import Span, kernel_memory, overlapping
-from lowp.optim.kernels.kernel import Kernel, fusable
+from lowp.optim.kernels.kernel import Kernel, fusable, partition
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
@@ -64,16 +64,18 @@ def admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, items: Seque
         return [], list(items)
     expected = tuple(spec.states(ctx.group))
     spans: list[Span] = []
-    taken: list[CodedSlice] = []
-    rest: list[CodedSlice] = []
-    for s, scales in items:
+
+    def admit(item: CodedSlice) -> bool:
+        s, scales = item
         # fusable first: its checks raise for inputs no backend can run, before anything is written
         ok = (fusable(ctx, without(s, codes), kernel.min_numel, kernel.fp16_stochastic, kernel.device_types(), spans)
               and tuple(s.states) == expected and codes_fit(s, scales, codes, block))
         if ok:
             for t in (*(s.states[name] for name in codes), *(scales[name] for name in codes)):
                 spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), True))
-        (taken if ok else rest).append((s, scales))
+        return ok
+
+    taken, rest = partition(list(items), admit)
     if taken and overlapping(spans):
         return [], list(items)
     return taken, rest
