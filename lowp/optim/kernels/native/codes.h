@@ -35,15 +35,14 @@ constexpr int MAX_BLOCK = 256;
 
 // The grid of one code (lowp.optim.codes.Code), broadcast once per call.
 struct Grid {
-  bool is_signed;
-  float q;
-  vf top, least, min_binade, inv_mantissa, sub_scale;
+  vf top, least;             // Q, and L: 0 for signed codes, 1 for unsigned ones (which never hold 0)
+  vf min_binade, inv_mantissa, sub_scale;
   vi top_code, least_code;  // Q and L as integers (integer codes)
   vf sub_fixed;              // fp8 subnormals: 2^(m - emin + 16), c * 2^16 of the fixed path
   vu normal_shift, normal_bias, top_byte, fixed_shift;
   const float *table;  // fp8: the fp32 value of every byte (torch's own cast), for decoding
 
-  Grid(int signed_, float top_, int m, int emin, const float *lut) : is_signed(signed_ != 0), q(top_), table(lut) {
+  Grid(int is_signed, float q, int m, int emin, const float *lut) : table(lut) {
     top = bc(q);
     least = bc(is_signed ? 0.0f : 1.0f);
     top_code = (vi)bcu((uint32_t)q);
