@@ -30,13 +30,20 @@ static inline uint32_t scalar_hash32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-static inline vu random16(vu x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
+// hash32's first step, x ^ (x >> 16), is linear over xor: mix(lo ^ key) = mix(lo) ^ mix(key). A
+// caller hashing one index under several keys mixes the index once and each key once.
+static inline vu mix16(vu x) { return x ^ (x >> 16); }
+static inline uint32_t mix16(uint32_t x) { return x ^ (x >> 16); }
+
+// random16 of x whose first step is done: mixed = mix16(x).
+static inline vu random16_mixed(vu mixed) {
+  vu x = mixed * 0x7FEB352Du;
   x ^= x >> 15;
   x *= 0x846CA68Bu;
   return x >> 16;
 }
+
+static inline vu random16(vu x) { return random16_mixed(mix16(x)); }
 
 
 // The keys of N random streams folded with the high half of an element index, cached for the

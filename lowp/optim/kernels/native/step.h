@@ -39,11 +39,12 @@ constexpr bool used_stream(int s) {
 
 // The random streams of one block of 16 elements: the low 32 bits of the global index of the
 // even and odd lanes, and per stream the key with the high 32 bits folded in (per lane: a block
-// may straddle a multiple of 2^32).
+// may straddle a multiple of 2^32), kept mixed (simd.h's mix16: the streams of a block share the
+// mixing of the index).
 struct Rng {
   vu lo[2];
-  vu key[2][STREAMS];
-  template <int S> inline vu bits(int h) const { return random16(lo[h] ^ key[h][S]); }
+  vu key[2][STREAMS];  // mix16 of the folded keys
+  template <int S> inline vu bits(int h) const { return random16_mixed(mix16(lo[h]) ^ key[h][S]); }
   // The Rng of the block ``d`` elements on, when no element in between crosses a multiple of 2^32
   // (the same keys: TensorStreams::at of that block, without its checks).
   inline Rng ahead(uint32_t d) const {
@@ -71,12 +72,12 @@ struct TensorStreams {
     if (__builtin_expect(lo <= 0xFFFFFFF0u, 1)) {  // the block stays below the next multiple of 2^32
       for (int h = 0; h < 2; h++)
         for (int s = 0; s < STREAMS; s++)
-          if (used_stream(s)) r.key[h][s] = bcu(folded.k0[s]);
+          if (used_stream(s)) r.key[h][s] = bcu(mix16(folded.k0[s]));
       return r;
     }
     for (int h = 0; h < 2; h++)
       for (int s = 0; s < STREAMS; s++)
-        if (used_stream(s)) r.key[h][s] = folded.wrapped(s, r.lo[h], lo);
+        if (used_stream(s)) r.key[h][s] = mix16(folded.wrapped(s, r.lo[h], lo));
     return r;
   }
 };
