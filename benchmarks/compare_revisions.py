@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: configuration name -> keyword arguments of lowp.optim.AdamW
+#: configuration name -> keyword arguments of lowp.optim.AdamW (the coded-state ones need a base
+#: revision that has coded states; ``--only`` picks configurations)
 CONFIGS = {
     "native kahan (defaults)": "dict(backend='native')",
     "native kahan, no diagnostics/finite check": "dict(backend='native', diagnostics=False, nonfinite='off')",

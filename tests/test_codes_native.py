@@ -228,8 +228,11 @@ def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dt
     """Blocks whose scales are 0, subnormal, about 2**-116 (the reciprocal is finite, times 2**16 it
     is not), NaN, or the NaN with every payload bit set (an fp32 or fp16 one widens with low bits
     that a rounding without its NaN guard would carry into the sign), and a NaN gradient let into
-    the kernel (``nonfinite="off"``): the kernel's fast and slow block paths give the passes' bits,
-    and the blocks with finite scales move."""
+    the kernel (``nonfinite="off"``). The gradients of the first three kinds of blocks are 0, about
+    1e-38 and about 1e-33, so their new states encode to such scales again (the kernel's slow block
+    paths, not only its decoding). The kernel gives the passes' bits, and the other blocks move."""
+    block = extra.get("state_block", 64)
+
     def run():
         params, opt = _adamw_run("native", 1, "stochastic", state_dtype, "kahan", ((100003,), (300, 7)),
                                  nonfinite="off", **extra)
@@ -241,7 +244,10 @@ def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dt
                     v.view(torch.int32 if v.dtype == torch.float32 else torch.int16)[4::7] = \
                         0x7FFFFFFF if v.dtype == torch.float32 else 0x7FFF
             g = torch.Generator().manual_seed(7)
-            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            grad = torch.randn(p.shape, generator=g)
+            kind = (torch.arange(p.numel()) // block % 7).view(p.shape)
+            p.grad = torch.where(kind == 0, 0.0, torch.where(kind == 1, grad * 1e-38,
+                                                             torch.where(kind == 2, grad * 1e-33, grad))).bfloat16()
         params[0].grad.view(-1)[2000] = math.nan
         before = [p.detach().clone() for p in params]
         steps = []
@@ -250,6 +256,11 @@ def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dt
             steps.append([t.clone() for t in _states((params, opt))])
         assert all((p != b).sum() > p.numel() // 4 for p, b in zip(params, before))
         assert params[0].isnan().any()
+        scales = [v for p in params for name, v in opt.state[p].items() if name.endswith("_scale")]
+        assert all((s == 0).any() for s in scales)   # zero blocks, encoded by the division path
+        if scales[0].dtype != torch.float16:          # fp16 rounds a subnormal fp32 scale up to 2**-24
+            first = [opt.state[p]["exp_avg_scale"].float() for p in params]   # (the squares of 1e-38 are 0)
+            assert all(((s > 0) & (s < 1.1754944e-38)).any() for s in first)
         return steps
     native_codes.COUNTS.encoded = 0
     fused = run()
@@ -282,12 +293,13 @@ def _coded_run_at_index(backend: str, index: ElementIndex, n: int = 600) -> list
 
 
 @pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
-@pytest.mark.parametrize("below", [256, 255, 241, 16])
+@pytest.mark.parametrize("below", [256, 255, 241, 16, 552])
 def test_coded_groups_that_end_at_or_cross_two_to_the_32_equal_the_passes(below):
     """The coded step draws one set of stream keys per group of 256 elements unless the group
     crosses a multiple of 2**32 (as the plain step): groups that end exactly at 2**32 - 1, one
-    element past it, and 16-element blocks that straddle it give the passes' bits, which differ
-    from those at index 0."""
+    element past it, 16-element blocks that straddle it, and the short last group of the slice
+    crossing it in its third block (552) give the passes' bits, which differ from those at
+    index 0."""
     index = ElementIndex(offset=(1 << 32) - below)
     native_codes.COUNTS.encoded = 0
     kernel = _coded_run_at_index("native", index)

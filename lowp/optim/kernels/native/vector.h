@@ -79,8 +79,6 @@ template <int DT> static inline void load(const void *base, int64_t i, vf &lo, v
   }
 }
 
-// NaN guard of the bf16 roundings below. Adding up to 0xFFFF to the bit pattern can carry a NaN
-// into the sign bit (0x7FFFFFFF + 0x8000 is -0.0) only when its low 16 bits are not all zero.
 // States kept as block-scaled codes (coded_step.h): per state its CodeKind (codes.h), -1 for a
 // plain state; CODE_SCALE: the dtype of their block scales (simd.h's ScaleType).
 #ifdef LOWP_CODE_KINDS
@@ -88,10 +86,12 @@ constexpr int CODE_KINDS[NSTATES + 1] = LOWP_CODE_KINDS;
 constexpr int CODE_SCALE = LOWP_CODE_SCALE;
 constexpr bool coded_state(int j) { return CODE_KINDS[j] >= 0; }
 #else
-constexpr int CODE_SCALE = SCALE_BF16;  // read by nothing: no state is coded
+constexpr int CODE_SCALE = SCALE_BF16;  // no state is coded: all_states_bf16 never asks
 constexpr bool coded_state(int) { return false; }
 #endif
 
+// NaN guard of the bf16 roundings below. Adding up to 0xFFFF to the bit pattern can carry a NaN
+// into the sign bit (0x7FFFFFFF + 0x8000 is -0.0) only when its low 16 bits are not all zero.
 // Every NaN of a variant whose floating-point inputs are all bf16 has zero low bits: loaded bf16
 // values do, the hardware's default NaN (0xFFC00000) does, and arithmetic passes a NaN operand's
 // payload on. A coded state decodes to q * s (squared for unsigned codes), whose NaNs are its
