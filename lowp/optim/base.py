@@ -38,7 +38,7 @@ import torch
 
 from lowp.optim import preflight, sharding
 from lowp.optim.backends import Backend, backend_for, get_backend
-from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, Code, code_for, encode, scale_name, stored_shapes
+from lowp.optim.codes import CODES, SCALE_DTYPES, Code, check_block, code_for, encode, scale_name, stored_shapes
 from lowp.optim.coded import CodedState, run_coded
 from lowp.optim.migrate import to_lowp_layout
 from lowp.optim.preflight import check_flag, check_seed
@@ -126,9 +126,7 @@ def _check_state_dtype(value: Any) -> None:
 
 
 def _check_codes_options(group: Mapping[str, Any]) -> None:
-    if group["state_block"] not in BLOCK_SIZES or type(group["state_block"]) is not int:
-        raise ValueError(f"state_block: expected one of {', '.join(map(str, BLOCK_SIZES))}, "
-                         f"got {group['state_block']!r}")
+    check_block(group["state_block"], "state_block")
     if group["state_scale_dtype"] not in SCALE_DTYPES:
         raise ValueError(f"state_scale_dtype: expected one of {', '.join(map(str, SCALE_DTYPES))}, "
                          f"got {group['state_scale_dtype']!r}")

@@ -62,7 +62,7 @@ import torch
 
 from lowp.arith import sqrt_rn
 
-__all__ = ["Code", "CODES", "code_for", "SCALE_DTYPES", "BLOCK_SIZES", "codes_shape", "scales_shape",
+__all__ = ["Code", "CODES", "code_for", "SCALE_DTYPES", "BLOCK_SIZES", "check_block", "codes_shape", "scales_shape",
            "stored_shapes", "encode", "decode", "scale_name"]
 
 #: The dtypes a block scale may be stored in.
@@ -129,6 +129,12 @@ def codes_shape(code: Code, shape: torch.Size) -> torch.Size:
     return shape if code.bits == 8 else torch.Size([(math.prod(shape) + 1) // 2])
 
 
+def check_block(block: object, where: str = "block") -> None:
+    """Raise ``ValueError`` naming ``where`` unless ``block`` is one of :data:`BLOCK_SIZES` (an int)."""
+    if type(block) is not int or block not in BLOCK_SIZES:
+        raise ValueError(f"{where}: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block!r}")
+
+
 def scales_shape(numel: int, block: int) -> torch.Size:
     """The shape of the scales of ``numel`` elements in blocks of ``block``."""
     return torch.Size([(numel + block - 1) // block])
@@ -145,8 +151,7 @@ def stored_shapes(code: Code, shape: Sequence[int], block: int) -> tuple[torch.S
     parameter sharded along any dimension keeps whole blocks per shard
     (:func:`lowp.optim.sharding.coded_placements`). Otherwise both are flat. ``block`` must be one
     of :data:`BLOCK_SIZES` (``ValueError``)."""
-    if block not in BLOCK_SIZES:
-        raise ValueError(f"block: expected one of {BLOCK_SIZES}, got {block!r}")
+    check_block(block)
     shape = torch.Size(shape)
     if len(shape) == 0 or shape[-1] % block:
         return codes_shape(code, shape), scales_shape(math.prod(shape), block)

@@ -31,7 +31,7 @@ class CodedLayout:
 
     Args:
         kinds: per state, its ``CodeKind`` of ``native/codes.h``, or -1 for a plain state.
-        scale: the scale dtype's code (``ScaleType`` of ``native/codes.h``).
+        scale: the scale dtype's code (``ScaleType`` of ``native/simd.h``).
         block: elements per block.
     """
 

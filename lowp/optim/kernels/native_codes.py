@@ -23,7 +23,7 @@ from typing import Sequence, Union
 
 import torch
 
-from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, Code, codes_shape, scales_shape
+from lowp.optim.codes import CODES, SCALE_DTYPES, Code, check_block, codes_shape, scales_shape
 from lowp.optim.kernels.checks import Span, kernel_memory, overlapping
 from lowp.optim.kernels.native_build import decode_function, encode_function, native_available
 
@@ -150,8 +150,7 @@ def _check_block(code: object, block: object) -> None:
     if not isinstance(code, Code) or code not in CODES.values():   # a custom Code's fp8 table would be short
         raise ValueError(f"code: expected one of lowp.optim.codes.CODES ({', '.join(c.name for c in CODES.values())}), "
                          f"got {code!r}")
-    if block not in BLOCK_SIZES:
-        raise ValueError(f"block: expected one of {BLOCK_SIZES}, got {block!r}")
+    check_block(block)
 
 
 def _check_codes(where: str, codes: torch.Tensor, scales: object, code: Code, block: int, n: int,
