@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import lowp.optim as lo
+from fused_helpers import same_bits_or_nan
 from lowp.optim import coded
 from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, codes_shape, decode, encode, scale_name, scales_shape
 from lowp.optim.kernels import coded_slices, native_codes
@@ -163,16 +164,9 @@ def _same_runs(a, b) -> None:
 
 
 def _same_tensors(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
-    """Bit for bit, except that a NaN matches any NaN (the kernels keep a NaN's payload where they
-    need no guard against it, the torch roundings make it 0x7FC0)."""
     assert len(xs) == len(ys)
     for x, y in zip(xs, ys):
-        bx, by = _bits(x), _bits(y)
-        if x.is_floating_point():
-            nan = x.float().isnan()
-            assert torch.equal(nan, y.float().isnan())
-            bx, by = bx[~nan], by[~nan]
-        assert torch.equal(bx, by)
+        assert same_bits_or_nan(x, y)
 
 
 WIDE = {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}
@@ -307,6 +301,42 @@ def test_coded_groups_that_end_at_or_cross_two_to_the_32_equal_the_passes(below)
     _same_tensors(kernel, _coded_run_at_index("foreach", index))
     assert native_codes.COUNTS.encoded > 0
     assert not all(torch.equal(x, y) for x, y in zip(kernel, _coded_run_at_index("native", ElementIndex())))
+
+
+def test_the_kernels_last_check_refuses_codes_and_scales_that_do_not_fit():
+    """coded_slices.check_coded_args, which both kernels run before reading codes and scales: scales
+    of two dtypes in one call, a scale tensor one block short, or memory on a device the kernel
+    does not address raise, and a direct native launch with them changes nothing."""
+    gen = torch.Generator().manual_seed(7)
+    p = (torch.randn(640, generator=gen) * 0.1).bfloat16()
+    opt = lo.AdamW([p], lr=1e-2, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    group, mode = opt.param_groups[0], MODES["kahan"]
+    state = opt.init_state(group, p, mode)
+    states = opt.coded_states(group, p)
+    codes = {c.name: c.code for c in states}
+
+    def item(**scales):
+        s = ParamSlice(p, torch.randn(640, generator=gen).bfloat16(), {k: state[k] for k in opt.state_names(group, p)},
+                       state[mode.buffer_name], param_id=0, index=ElementIndex())
+        return s, {c.name: scales.get(c.name, state[scale_name(c.name)]) for c in states}
+
+    coded_slices.check_coded_args(("cpu",), [item()], codes, 64)
+    bad = [[item(exp_avg=state["exp_avg_scale"].float())],                # two scale dtypes in one call
+           [item(), item(exp_avg_sq=state["exp_avg_sq_scale"].float())],  # two scale dtypes over the items
+           [item(exp_avg=state["exp_avg_scale"][:-1])]]                   # one block short
+    for items in bad:
+        with pytest.raises(RuntimeError, match="the codes or scales of a coded state"):
+            coded_slices.check_coded_args(("cpu",), items, codes, 64)
+    with pytest.raises(RuntimeError, match="the codes or scales of a coded state"):
+        coded_slices.check_coded_args(("cuda",), [item()], codes, 64)
+    if lo.backends.native_available():
+        before = [p.clone(), *(v.clone() for v in state.values() if isinstance(v, torch.Tensor))]
+        kernel = lo.backends.get_backend("native").kernel
+        with pytest.raises(RuntimeError, match="the codes or scales of a coded state"):
+            kernel.launch_coded(opt.spec, StepContext(group, mode, 1, seed=opt.seed), bad[0], codes, 64,
+                                opt.spec.numbers(group, 1))
+        after = [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]
+        assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
 @pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")

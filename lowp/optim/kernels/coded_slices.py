@@ -26,7 +26,7 @@ from lowp.optim.kernels.kernel import Kernel, fusable, partition
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["CodedSlice", "admitted", "without", "codes_fit"]
+__all__ = ["CodedSlice", "admitted", "without", "codes_fit", "check_coded_args"]
 
 #: a slice with the block scales of its coded states, by state name
 CodedSlice = tuple[ParamSlice, dict[str, torch.Tensor]]
@@ -53,6 +53,21 @@ def codes_fit(s: ParamSlice, scales: dict[str, torch.Tensor], codes: dict[str, C
         if t.numel() != codes_shape(code, torch.Size([n]))[0] or sc.numel() != scales_shape(n, block)[0]:
             return False
     return True
+
+
+def check_coded_args(devices: tuple[str, ...], items: Sequence[CodedSlice], codes: dict[str, Code],
+                     block: int) -> None:
+    """Raise ``RuntimeError`` unless every item's codes and scales fit (:func:`codes_fit`) on one of
+    the device types ``devices``, with one scale dtype over all ``items``: a kernel's last check
+    before it reads them (:func:`admitted` should have sent anything else elsewhere). Nothing to
+    check without ``codes``."""
+    if not codes:
+        return
+    if len({scales[name].dtype for _, scales in items for name in codes if name in scales}) != 1 or not all(
+            s.param.device.type in devices and codes_fit(s, scales, codes, block) for s, scales in items):
+        raise RuntimeError("kernel call: the codes or scales of a coded state are not kernel memory of their dtypes "
+                           "and sizes on the weight's device, with one scale dtype per call; the admission should "
+                           "have sent them elsewhere")
 
 
 def admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, items: Sequence[CodedSlice],

@@ -22,7 +22,7 @@ import torch
 
 from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
-from lowp.optim.kernels.coded_slices import CodedSlice, codes_fit, without
+from lowp.optim.kernels.coded_slices import CodedSlice, check_coded_args, without
 from lowp.optim.kernels.cpp_source import DTYPE_CODES, CodedLayout, Variant, variant_source
 from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, slice_keys, stream_count
 from lowp.optim.kernels.native_build import (coded_step_function, finite_function, native_available, step_function,
@@ -42,12 +42,15 @@ def slice_dtypes(s: ParamSlice) -> tuple[torch.dtype | None, ...]:
             *(t.dtype for t in s.states.values()))
 
 
-def variant_for(spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> Variant:
-    """The compiled variant for one step context and the dtypes of a slice (:func:`slice_dtypes`)."""
+def variant_for(spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...],
+                coded: CodedLayout | None = None) -> Variant:
+    """The compiled variant for one step context and the dtypes of a slice (:func:`slice_dtypes`;
+    a coded state's as fp32, the dtype the rule sees it in, with its ``coded`` layout)."""
     weight, grad, buffer, *states = dtypes
     assert weight is not None and grad is not None
     return Variant(spec.program(ctx.group), spec.reduction(ctx.group), ctx.mode.name, weight, grad, buffer,
-                   tuple(s for s in states if s is not None), ctx.group["state_rounding"] == "stochastic", ctx.count)
+                   tuple(s for s in states if s is not None), ctx.group["state_rounding"] == "stochastic", ctx.count,
+                   coded)
 
 
 class NativeKernel(Kernel):
@@ -126,36 +129,30 @@ class NativeKernel(Kernel):
         stalled = 0
         scale_of = next(iter(codes))
         groups = by_signature(items, lambda item: (*slice_dtypes(item[0]), item[1][scale_of].dtype))
-        for signature, members in groups.items():
-            stalled += self.launch_coded(spec, ctx, members, codes, block, numbers, signature[-1])
+        for members in groups.values():
+            stalled += self.launch_coded(spec, ctx, members, codes, block, numbers)
         self.fused_elements += sum(s.numel for s, _ in items)
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     @staticmethod
     def launch_coded(spec: OptimizerSpec, ctx: StepContext, members: list[CodedSlice], codes: dict[str, Code],
-                     block: int, numbers: dict[str, float], scale_dtype: torch.dtype) -> int:
-        """One kernel call over ``members`` with coded states (their scales of ``scale_dtype``):
-        the plain states' arguments checked as :meth:`launch` does, the codes and scales by
-        :func:`~lowp.optim.kernels.coded_slices.codes_fit`; returns the stalled count."""
+                     block: int, numbers: dict[str, float]) -> int:
+        """One kernel call over ``members`` with coded states (their scales of one dtype): the plain
+        states' arguments checked as :meth:`launch` does, the codes and scales by
+        :func:`~lowp.optim.kernels.coded_slices.check_coded_args`; returns the stalled count."""
         slices = [s for s, _ in members]
         names = list(spec.states(ctx.group))
         weight, grad, buffer, *states = slice_dtypes(slices[0])
-        assert weight is not None and grad is not None
         dtypes = tuple(torch.float32 if name in codes else dtype for name, dtype in zip(names, states)
                        if dtype is not None)
         assert len(dtypes) == len(names), "every state of an admitted slice is a tensor"
-        layout = CodedLayout(tuple(code_kind(codes[name]) if name in codes else -1 for name in names),
-                             scale_code(scale_dtype), block)
-        variant = Variant(spec.program(ctx.group), None, ctx.mode.name, weight, grad, buffer,
-                          dtypes, ctx.group["state_rounding"] == "stochastic", ctx.count, layout)
         check_kernel_args([without(s, codes) for s in slices], [name for name in names if name not in codes],
                           (weight, grad, buffer, *(d for name, d in zip(names, dtypes) if name not in codes)))
-        for s, scales in members:
-            if not (s.param.is_cpu and codes_fit(s, scales, codes, block)
-                    and all(scales[name].dtype == scale_dtype for name in codes)):
-                raise RuntimeError("kernel call: the codes or scales of a coded state are not CPU kernel memory of "
-                                   "their dtypes and sizes (scales of the call's dtype); the admission should have "
-                                   "sent them elsewhere")
+        check_coded_args(NativeKernel.devices, members, codes, block)
+        scale_dtype = members[0][1][next(iter(codes))].dtype
+        layout = CodedLayout(tuple(code_kind(codes[name]) if name in codes else -1 for name in names),
+                             scale_code(scale_dtype), block)
+        variant = variant_for(spec, ctx, (weight, grad, buffer, *dtypes), layout)
         n = len(members)
         scale_table = (ctypes.c_void_p * (len(names) * n))()
         for j, (_, scales) in enumerate(members):

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from lowp.optim.codes import Code
-from lowp.optim.kernels.coded_slices import CodedSlice, codes_fit
+from lowp.optim.kernels.coded_slices import CodedSlice, check_coded_args
 from lowp.optim.kernels.kernel import Kernel, by_signature, slice_keys, step_numbers
 from lowp.optim.kernels.triton_source import kernel_source
 from lowp.optim.rule import Program
@@ -115,16 +115,13 @@ class TritonKernel(Kernel):
         states in registers. Returns the stalled count."""
         from lowp.optim.kernels.triton_ops import tl_dtype  # imports triton
 
-        for s, scales in items:
-            if codes and not (s.param.device.type in self.device_types() and codes_fit(s, scales, codes, block)):
-                raise RuntimeError("kernel call: the codes or scales of a coded state are not kernel memory of "
-                                   "their dtypes and sizes on the weight's device; the admission should have sent "
-                                   "them elsewhere")
+        groups = by_signature(items, lambda item: (*_dtypes(item[0]), *(t.dtype for t in item[1].values())))
+        for members in groups.values():   # every launch's memory checked before the first
+            check_coded_args(self.device_types(), members, codes, block)
         program = spec.program(ctx.group)
         kernel = _module(program, tuple(codes.get(name) for name in program.state_names)).step_kernel
         h = step_numbers(spec, program, ctx, items[0][0].param.device)
         counts = []
-        groups = by_signature(items, lambda item: (*_dtypes(item[0]), *(t.dtype for t in item[1].values())))
         for members in groups.values():
             counts.append(self.launch(kernel, tl_dtype, ctx, members, h, list(codes), block))
         self.fused_elements += sum(s.numel for s, _ in items)
