@@ -130,6 +130,7 @@ def _coded(rounding: str) -> None:
     against the ``foreach`` reference: weights, codes and scales bit for bit, every element fused.
     Odd sizes leave a short last block and half a byte of 4-bit codes; two more runs put block
     scales of 0, 1e-39, 1e-34 and NaN and a NaN gradient in the second step."""
+    from fused_helpers import same_bits_or_nan
     from lowp.optim.codes import CODES, decode
     import lowp.optim as lo
 
@@ -159,16 +160,6 @@ def _coded(rounding: str) -> None:
             opt.step()
         return params, opt
 
-    def same(a, b):
-        """Bit for bit, except that a NaN (from a block with a NaN scale) matches any NaN: the
-        reference's Kahan write-back stores it as 0xFFFF, the kernels (the native one too) as the
-        canonical 0x7FC0."""
-        as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[b.element_size()]
-        if b.element_size() == 1 or not b.is_floating_point():   # codes and integers: their bits
-            return torch.equal(a.view(as_bits), b.view(as_bits))
-        nan = b.isnan()
-        return torch.equal(a.isnan(), nan) and torch.equal(a.view(as_bits)[~nan], b.view(as_bits)[~nan])
-
     if not extra:  # bf16 scales hold the tiny ones (fp16's smallest is 2**-24)
         tiny = list(run("foreach", CODED[0])[1].state.values())
         scales = [v["exp_avg_scale"].float() for v in tiny]
@@ -182,10 +173,10 @@ def _coded(rounding: str) -> None:
         reference, ref_opt = run("foreach", states, odd)
         assert any(q.isnan().any() for q in reference) == odd
         for p, q in zip(fused, reference):
-            assert same(p, q), states
+            assert same_bits_or_nan(p, q), states
             for key, value in ref_opt.state[q].items():
                 if isinstance(value, torch.Tensor):
-                    assert same(opt.state[p][key], value), (states, key)
+                    assert same_bits_or_nan(opt.state[p][key], value), (states, key)
 
 
 if __name__ == "__main__":
