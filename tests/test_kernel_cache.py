@@ -1,7 +1,8 @@
 """The native kernel cache (lowp/optim/kernels/native_build.py) loads only what lowp built for
 this user: a private folder, trusted files, a SHA-256 sidecar checked before every load, rebuilds
 instead of crashes, a private temporary folder when the cache is not usable, one build per
-variant when processes race, and no temporary files left by interrupted builds.
+variant when processes race, no temporary files left by interrupted builds, and a precompiled
+prelude of system headers that is verified before use and never changes a library.
 
 Compiling a variant costs about a second of CPU and a fresh interpreter several, so most cases
 build the small non-finite check (``finite.cpp``) in this process, copying a build made once for
@@ -53,6 +54,7 @@ def in_process(monkeypatch, cache: Path) -> None:
     monkeypatch.setenv("LOWP_CACHE_DIR", str(cache))
     monkeypatch.setattr(native_build, "_LOADED", {})
     monkeypatch.setattr(native_build, "_FALLBACK", [])
+    monkeypatch.setattr(native_build, "_PRELUDES", {})
 
 
 def in_cache(cache: Path, name: str) -> Path:
@@ -65,8 +67,15 @@ def sidecar(library: Path) -> Path:
 
 
 def entries(cache: Path) -> list[Path]:
-    """The libraries and sidecars under ``cache`` (lock files aside)."""
-    return sorted(p for p in (cache / "kernels").iterdir() if not p.name.endswith(".lock"))
+    """The libraries and sidecars under ``cache`` (lock files and the prelude aside)."""
+    return sorted(p for p in (cache / "kernels").iterdir()
+                  if not p.name.endswith(".lock") and not p.name.startswith("prelude-"))
+
+
+def prelude(cache: Path) -> Path:
+    """The precompiled prelude header under ``cache`` (the only one)."""
+    [pch] = (cache / "kernels").glob("prelude-*.h.gch")
+    return pch
 
 
 def verified(library: Path) -> bool:
@@ -233,3 +242,82 @@ def test_concurrent_builds_of_one_variant_and_stale_temporary_files(tmp_path):
     libraries = [p for p in entries(cache) if p.suffix == ".so"]
     assert len(libraries) == 1 and verified(libraries[0])
     assert sorted(p.name for p in kernels.iterdir() if p.name.endswith(".tmp")) == [alive.name]
+
+
+GCC = "Free Software Foundation" in subprocess.run([native_build._compiler() or "g++", "--version"],
+                                                  capture_output=True, text=True).stdout
+
+
+def record_compiles(monkeypatch, folder: Path) -> list[list[str]]:
+    """Wrap the compiler runs of this process: each one's arguments, whose last is the input; a
+    generated input (a temporary file, which the build deletes) is copied into ``folder`` and
+    named by the copy."""
+    calls: list[list[str]] = []
+    original = native_build._compile_into
+
+    def recording(target, name, arguments):
+        kept = list(arguments)
+        if kept[-1].endswith(".tmp"):
+            kept[-1] = str(folder / f"input{len(calls)}.cpp")
+            shutil.copy(arguments[-1], kept[-1])
+        calls.append(kept)
+        return original(target, name, arguments)
+
+    monkeypatch.setattr(native_build, "_compile_into", recording)
+    return calls
+
+
+@pytest.mark.skipif(not GCC, reason="the prelude is precompiled for GCC only (other compilers parse the headers)")
+def test_variants_read_the_system_headers_from_the_verified_precompiled_prelude(built, tmp_path, monkeypatch):
+    """The cache keeps the prelude and its precompiled form (private, with a matching sidecar);
+    a variant's build includes it, GCC takes the precompiled form (``-H`` marks it with ``!``),
+    and the library is byte for byte the one built without it (from the same input file: its
+    name is in the library)."""
+    pch = prelude(built)
+    assert verified(pch) and not pch.stat().st_mode & 0o077 and not sidecar(pch).stat().st_mode & 0o077
+    cache = copy_cache(built, tmp_path / "cache")
+    for p in entries(cache):
+        if p.name.startswith("step-"):
+            p.unlink()
+    in_process(monkeypatch, cache)
+    calls = record_compiles(monkeypatch, tmp_path)
+    assert cache_warnings(sgd_step) == 0
+    [arguments] = calls  # the SGD variant, and nothing else (the prelude was there)
+    header = arguments[arguments.index("-include") + 1]
+    assert Path(header + ".gch") == prelude(cache)
+    compiler = native_build._compiler()
+    used = subprocess.run([compiler, "-H", *arguments, "-o", str(tmp_path / "with.so")], capture_output=True,
+                          text=True)
+    assert used.returncode == 0 and f"! {header}.gch" in used.stderr.splitlines(), used.stderr[:2000]
+    plain = [a for k, a in enumerate(arguments) if a != "-include" and (k == 0 or arguments[k - 1] != "-include")]
+    subprocess.run([compiler, *plain, "-o", str(tmp_path / "without.so")], check=True)
+    assert (tmp_path / "with.so").read_bytes() == (tmp_path / "without.so").read_bytes()
+
+
+@pytest.mark.skipif(not GCC, reason="the prelude is precompiled for GCC only (other compilers parse the headers)")
+@pytest.mark.parametrize("damage", ["one byte changed", "truncated, with a matching digest"])
+def test_a_damaged_prelude_is_never_used(built, tmp_path, monkeypatch, damage):
+    """A precompiled prelude whose digest does not match is rebuilt before a variant reads it; one
+    that matches its digest but does not load (truncated: GCC stops with a fatal error) is
+    deleted and the variant built without it. Either way the step is right."""
+    cache = copy_cache(built, tmp_path / "cache")
+    for p in entries(cache):
+        if p.name.startswith("step-"):
+            p.unlink()
+    pch = prelude(cache)
+    data = pch.read_bytes()
+    damaged = data[:-1] + bytes([data[-1] ^ 1]) if damage == "one byte changed" else data[:len(data) // 2]
+    pch.write_bytes(damaged)
+    if damage != "one byte changed":
+        sidecar(pch).write_text(hashlib.sha256(damaged).hexdigest() + "\n")
+    in_process(monkeypatch, cache)
+    calls = record_compiles(monkeypatch, tmp_path)
+    assert cache_warnings(sgd_step) == 0
+    [library] = [p for p in entries(cache) if p.name.startswith("step-") and p.suffix == ".so"]
+    assert verified(library)
+    if damage == "one byte changed":  # rebuilt, then used
+        assert [c[-1].endswith(".h") for c in calls] == [True, False] and "-include" in calls[1]
+        assert verified(pch) and pch.read_bytes() != damaged
+    else:  # tried, deleted, built without
+        assert ["-include" in c for c in calls] == [True, False]
+        assert not pch.exists() and not sidecar(pch).exists()
