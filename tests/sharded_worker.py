@@ -462,7 +462,7 @@ def reduce_scatter_checks(rank: int, world_size: int) -> dict[str, Any]:
     FP32ReduceScatter()(nearest, tiny, group, dist.ReduceOp.SUM)
     out["nearest_tiny"] = nearest
     try:
-        FP32ReduceScatter()(torch.empty(RS_NUMEL), x, group, dist.ReduceOp.PREMUL_SUM(0.5))
+        FP32ReduceScatter()(torch.empty(RS_NUMEL), x, group, dist._make_nccl_premul_sum(0.5))
     except ValueError as exc:
         out["premul_error"] = str(exc)
     # FSDP2 integration: fp32 parameters, bf16 compute, fp32 reduce through the custom comm; the

@@ -14,9 +14,9 @@ import lowp.optim as lo
 from lowp.optim import backends, kernels
 from lowp.optim.kernels.compiled import CHUNK
 from lowp.optim.kernels.kernel import stream_count
-from lowp.optim.kernels.step import _stream_bits, chunk_keys, stochastic_bf16
+from lowp.optim.kernels.step import _stream_bits, chunk_keys, nearest, stochastic_bf16
 from lowp.optim.randomness import ElementIndex, Stream, stream_keys
-from fused_helpers import SHAPES, assert_fused, assert_same_run, run_at_index, train
+from fused_helpers import SHAPES, assert_fused, assert_same_run, run_at_index, same_bits_or_nan, train
 
 FP32_STATES = dict(state_dtype=torch.float32)
 ADAMW = dict(lr=1e-2, weight_decay=0.1, **FP32_STATES)
@@ -99,6 +99,33 @@ def test_vector_bitcasts_exact_and_scoped():
     assert torch.equal(got[1], want[1])
     assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     assert CppVecOverrides.__dict__["to_dtype_bitcast"] is original
+
+
+def test_nearest_bf16_survives_inductor_dropping_round_trips():
+    """Inductor drops ``x.to(bf16).float()`` when it does not emulate precision casts (always on
+    CPU before torch 2.13): here with the option off, the cast's round trip is lost while
+    ``nearest`` keeps every bit of torch's cast (ties, subnormals, overflow to inf) but a NaN's
+    (torch's vectorized cast gives 0xFFFF, its scalar one and ``nearest`` 0x7FC0)."""
+    def cast(w, v):
+        return (w + v).to(torch.bfloat16).float() - w
+
+    def integer(w, v):
+        rounded, value = nearest(w + v, torch.bfloat16)
+        return value - w, rounded
+
+    ties = torch.tensor([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 3.3895e38, -3.3895e38, 1e-40,
+                         -1e-40, float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (4096,), dtype=torch.int32)
+    w = torch.cat([ties, bits.view(torch.float32), torch.randn(4096)])
+    v = torch.cat([torch.zeros(len(ties)), torch.zeros(4096), torch.randn(4096) * 1e-3])
+    options = {"emulate_precision_casts": False}
+    dropped = torch.compile(cast, fullgraph=True, dynamic=False, options=options)(w, v)
+    assert not torch.equal(dropped.nan_to_num(), cast(w, v).nan_to_num())  # the pitfall is real here
+    got, rounded = torch.compile(integer, fullgraph=True, dynamic=False, options=options)(w, v)
+    assert same_bits_or_nan(rounded, (w + v).to(torch.bfloat16))
+    assert same_bits_or_nan(got, cast(w, v))
+    assert torch.equal(rounded[w.isnan()].view(torch.int16), torch.full((int(w.isnan().sum()),), 0x7FC0,
+                                                                         dtype=torch.int16))
 
 
 def test_fallbacks_match_reference_without_compiling():

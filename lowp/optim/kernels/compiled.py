@@ -71,8 +71,9 @@ def _function(program: Program, mode: str, stochastic: tuple[bool, ...], count: 
         variant.__code__ = variant.__code__.replace()
         # cpp.dynamic_threads: with dynamic shapes Inductor sizes its OpenMP split from the
         # first call's size and runs serially when that was small; this keeps a parallel loop.
-        # emulate_precision_casts keeps the bf16 rounding of ``(w + v).to(bf16).float()`` that
-        # Inductor otherwise elides; Kahan's ``theta' - theta`` needs it.
+        # emulate_precision_casts keeps the roundings of ``x.to(dtype).float()`` that Inductor
+        # otherwise elides (from torch 2.13 on CPU; the bf16 weight's rounding, which Kahan's
+        # ``theta' - theta`` needs, is written in integers anyway: step.nearest).
         _FUNCTIONS[key] = torch.compile(variant, dynamic=dynamic, fullgraph=True,
                                         options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
     return _FUNCTIONS[key]

@@ -14,11 +14,13 @@ __all__ = ["vector_bitcasts"]
 
 
 def _vector_bitcast(x: Any, dtype: torch.dtype, src_dtype: torch.dtype) -> Any:
-    """Inductor CPU vector code for ``x.view(dtype)`` between equally wide dtypes: one
-    ``c10::bit_cast`` of the whole vector (a register reinterpretation). Inductor itself scalarizes
-    every bitcast (store, 16 scalar copies, load), which cost about 30% of a fused AdamW step with
-    stochastically rounded bf16 states (measured, docs/fused.md)."""
-    from torch._inductor.codegen.cpp import DTYPE_TO_CPP, CppVecKernel
+    """Inductor CPU vector code for ``x.view(dtype)`` between equally wide dtypes: a copy of the
+    whole vector's bytes into a vector of the target type (a register reinterpretation once
+    compiled). Inductor itself scalarizes every bitcast (store, 16 scalar copies, load), which cost
+    about 30% of a fused AdamW step with stochastically rounded bf16 states (measured,
+    docs/fused.md). Not ``c10::bit_cast``: it asks for a trivially constructible target, which
+    the AVX-512 vectors of torch 2.11 are not (their build failed)."""
+    from torch._inductor.codegen.cpp import CppVecKernel
     from torch._inductor.virtualized import V
 
     kernel = V.kernel
@@ -28,9 +30,15 @@ def _vector_bitcast(x: Any, dtype: torch.dtype, src_dtype: torch.dtype) -> Any:
         assert _SCALARIZED_BITCAST is not None  # set while the patch is active
         return _SCALARIZED_BITCAST(x, dtype, src_dtype)
     n = kernel._get_num_vectors(source)
-    target = f"at::vec::Vectorized<{DTYPE_TO_CPP[dtype]}>" if n == 1 else \
+    target = _vector_type(dtype, n)
+    return f"[]({_vector_type(source, n)} v) {{ {target} r; __builtin_memcpy(&r, &v, sizeof(r)); return r; }}({x})"
+
+
+def _vector_type(dtype: torch.dtype, n: int) -> str:
+    """The C++ type of Inductor's CPU vector of ``n`` registers of ``dtype``."""
+    from torch._inductor.codegen.cpp import DTYPE_TO_CPP
+    return f"at::vec::Vectorized<{DTYPE_TO_CPP[dtype]}>" if n == 1 else \
         f"at::vec::VectorizedN<{DTYPE_TO_CPP[dtype]},{n}>"
-    return f"c10::bit_cast<{target}>({x})"
 
 
 _SCALARIZED_BITCAST: Callable[..., Any] | None = None

@@ -28,11 +28,12 @@ from lowp.optim.randomness import Stream, as_int32, fold_key, hash32
 from lowp.optim.rule import Program
 from lowp.optim.storage import stochastic_bf16_patterns
 
-__all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16"]
+__all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16", "nearest"]
 
 _HALF = 1 << 15
 _QUIET = 0x00400000   # the quiet bit of an fp32 NaN
 _CLEAR_LOW8 = ~0xFF
+_BF16_NAN = 0x7FC0    # the bf16 pattern of a NaN after torch's scalar fp32 -> bf16 cast
 _BIAS = 1 << 31
 
 
@@ -64,6 +65,26 @@ def stochastic_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return stochastic_bf16_patterns(x, noise).to(torch.int16).view(torch.bfloat16)
 
 
+def nearest(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x.to(dtype), x.to(dtype).float())``: fp32 ``x`` rounded to the nearest ``dtype`` value
+    (ties to even), and that value read back as fp32.
+
+    Inductor's CPU code generator before torch 2.13 drops the round trip ``.to(bf16).float()``
+    even under ``emulate_precision_casts`` (measured on 2.11: Kahan's ``theta' - theta`` became
+    ``v`` and the compensation the rounding error of ``v``), so bf16 rounds in integers on the
+    bit pattern: the top half plus one where the low half exceeds half an ulp, or equals it and
+    the top half is odd; a NaN gives ``0x7FC0`` (torch's scalar cast; its vectorized CPU cast
+    gives ``0xFFFF``). No intermediate leaves int32's range."""
+    if dtype != torch.bfloat16:
+        rounded = x.to(dtype)
+        return rounded, rounded.float()
+    bits = x.view(torch.int32)
+    top, low = bits >> 16, bits & 0xFFFF
+    up = (low > _HALF) | ((low == _HALF) & ((top & 1) == 1))
+    patterns = torch.where(x.isnan(), _BF16_NAN, top + up.to(torch.int32))
+    return patterns.to(torch.int16).view(torch.bfloat16), (patterns << 16).view(torch.float32)
+
+
 def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], count: bool,
                p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, states: list[torch.Tensor],
                h: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
@@ -92,8 +113,8 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
     if mode == "kahan":
         assert buf is not None
         v = buf.float() + u
-        new = (w + v).to(p.dtype)
-        change = new.float() - w
+        new, new_value = nearest(w + v, p.dtype)
+        change = new_value - w
         buf.copy_(stochastic_bf16(v - change, _stream_bits(j, before, keys, Stream.COMPENSATION)))
         stalled = (change == 0).sum(dtype=torch.int32) if count else None
     elif mode == "exact":
@@ -114,8 +135,11 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
         new = hi.to(torch.int16).view(torch.bfloat16)
         stalled = (b2 == w.view(torch.int32)).sum(dtype=torch.int32) if count else None
     else:
-        new = (stochastic_bf16(w + u, _stream_bits(j, before, keys, Stream.WEIGHT)) if mode == "stochastic"
-               else (w + u).to(p.dtype))
-        stalled = (new.float() == w).sum(dtype=torch.int32) if count else None
+        if mode == "stochastic":
+            new = stochastic_bf16(w + u, _stream_bits(j, before, keys, Stream.WEIGHT))
+            new_value = new.float()
+        else:
+            new, new_value = nearest(w + u, p.dtype)
+        stalled = (new_value == w).sum(dtype=torch.int32) if count else None
     p.copy_(new)
     return stalled
