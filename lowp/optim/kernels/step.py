@@ -28,12 +28,12 @@ from lowp.optim.randomness import Stream, as_int32, fold_key, hash32
 from lowp.optim.rule import Program
 from lowp.optim.storage import stochastic_bf16_patterns
 
-__all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16", "nearest"]
+__all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16", "nearest", "bf16_of"]
 
 _HALF = 1 << 15
 _QUIET = 0x00400000   # the quiet bit of an fp32 NaN
 _CLEAR_LOW8 = ~0xFF
-_BF16_NAN = 0x7FC0    # the bf16 pattern of a NaN after torch's scalar fp32 -> bf16 cast
+_BF16_NAN = 0x7FC0    # a bf16 NaN pattern (torch's scalar fp32 -> bf16 cast gives it)
 _BIAS = 1 << 31
 
 
@@ -58,11 +58,20 @@ def _stream_bits(j: torch.Tensor, before: torch.Tensor, keys: torch.Tensor, stre
     return random16(x ^ torch.where(before, keys[2 + 2 * stream], keys[3 + 2 * stream]))
 
 
+def bf16_of(patterns: torch.Tensor) -> torch.Tensor:
+    """The bf16 tensor of int32 ``patterns`` (bf16 bit patterns, sign-extended): the fp32 value
+    ``patterns << 16`` cast to bf16, which is exact, except that torch's cast rewrites a NaN
+    (0x7FC0, or 0xFFFF in its vectorized CPU code). Not ``.to(torch.int16).view(torch.bfloat16)``:
+    Inductor vectorizes a CPU loop only when every dtype in it is one it vectorizes, and int16 is
+    not (torch 2.11-2.13), so one int16 made the whole step a scalar loop (25 ns per element)."""
+    return (patterns << 16).view(torch.float32).to(torch.bfloat16)
+
+
 def stochastic_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """``SR_bf16(x)`` with 16 random bits ``noise`` per element, as the bf16 tensor of the
-    patterns :func:`~lowp.optim.storage.stochastic_bf16_patterns` defines (a cast would
-    canonicalize NaNs)."""
-    return stochastic_bf16_patterns(x, noise).to(torch.int16).view(torch.bfloat16)
+    """``SR_bf16(x)`` with 16 random bits ``noise`` per element: the patterns
+    :func:`~lowp.optim.storage.stochastic_bf16_patterns` defines, as bf16 (:func:`bf16_of`: a NaN
+    is rewritten)."""
+    return bf16_of(stochastic_bf16_patterns(x, noise))
 
 
 def nearest(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +82,8 @@ def nearest(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     even under ``emulate_precision_casts`` (measured on 2.11: Kahan's ``theta' - theta`` became
     ``v`` and the compensation the rounding error of ``v``), so bf16 rounds in integers on the
     bit pattern: the top half plus one where the low half exceeds half an ulp, or equals it and
-    the top half is odd; a NaN gives ``0x7FC0`` (torch's scalar cast; its vectorized CPU cast
-    gives ``0xFFFF``). No intermediate leaves int32's range."""
+    the top half is odd; a NaN stays a NaN (:func:`bf16_of`). No intermediate leaves int32's
+    range."""
     if dtype != torch.bfloat16:
         rounded = x.to(dtype)
         return rounded, rounded.float()
@@ -82,7 +91,8 @@ def nearest(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     top, low = bits >> 16, bits & 0xFFFF
     up = (low > _HALF) | ((low == _HALF) & ((top & 1) == 1))
     patterns = torch.where(x.isnan(), _BF16_NAN, top + up.to(torch.int32))
-    return patterns.to(torch.int16).view(torch.bfloat16), (patterns << 16).view(torch.float32)
+    value = (patterns << 16).view(torch.float32)
+    return value.to(torch.bfloat16), value
 
 
 def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], count: bool,
@@ -100,7 +110,7 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
     if mode in ("exact", "exact8"):
         assert buf is not None
         low = buf.to(torch.int32) if mode == "exact" else buf.to(torch.int32) << 8
-        w = ((p.view(torch.int16).to(torch.int32) << 16) + low).view(torch.float32)
+        w = (p.float().view(torch.int32) + low).view(torch.float32)  # widening bf16 is exact
     else:
         w = p.float()
     u, new_states = evaluate(program, w, g.float() * h[0], [s.float() for s in states], h[1:])
@@ -122,7 +132,7 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
         bits = (w + u).view(torch.int32)
         hi = (bits + _HALF) >> 16
         buf.copy_((bits - (hi << 16)).to(torch.int16))
-        new = hi.to(torch.int16).view(torch.bfloat16)
+        new = bf16_of(hi)
         stalled = torch.zeros((), dtype=torch.int32, device=p.device) if count else None
     elif mode == "exact8":
         assert buf is not None
@@ -132,7 +142,7 @@ def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], 
         b2 = torch.where(total.isnan(), bits | _QUIET, bits + noise) & _CLEAR_LOW8
         hi = (b2 + _HALF) >> 16
         buf.copy_(((b2 - (hi << 16)) >> 8).to(torch.int8))
-        new = hi.to(torch.int16).view(torch.bfloat16)
+        new = bf16_of(hi)
         stalled = (b2 == w.view(torch.int32)).sum(dtype=torch.int32) if count else None
     else:
         if mode == "stochastic":
