@@ -321,3 +321,15 @@ def test_a_damaged_prelude_is_never_used(built, tmp_path, monkeypatch, damage):
     else:  # tried, deleted, built without
         assert ["-include" in c for c in calls] == [True, False]
         assert not pch.exists() and not sidecar(pch).exists()
+
+
+@pytest.mark.skipif(not GCC, reason="the prelude is precompiled for GCC only (other compilers parse the headers)")
+def test_a_variant_that_does_not_compile_keeps_the_prelude(built, tmp_path, monkeypatch):
+    """A source that fails with and without the prelude raises the compiler's error, and the
+    prelude (not at fault) stays."""
+    cache = copy_cache(built, tmp_path / "cache")
+    pch = prelude(cache)
+    in_process(monkeypatch, cache)
+    with pytest.raises(RuntimeError, match="compiling step failed"):
+        native_build._library("step", "#error not a kernel\n")
+    assert verified(pch)

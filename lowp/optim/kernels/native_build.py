@@ -261,8 +261,8 @@ def _compile_into(target: Path, name: str, arguments: list[str]) -> None:
 def _compile(source: str | None, name: str, target: Path) -> None:
     """Compile ``source`` (generated text; ``None``: ``native/<name>.cpp``) into ``target``
     (:func:`_compile_into`). A generated variant built in the cache reads the system headers from
-    the precompiled prelude (:func:`_prelude`); should that build fail, the prelude is discarded
-    and the variant is built again without it."""
+    the precompiled prelude (:func:`_prelude`); should that build fail, the variant is built again
+    without it, and the prelude is discarded when that succeeds."""
     text = None
     try:
         if source is None:
@@ -277,8 +277,10 @@ def _compile(source: str | None, name: str, target: Path) -> None:
                 _compile_into(target, name, ["-include", str(prelude), *arguments])
                 return
             except RuntimeError:
-                _discard_prelude(prelude)
+                pass
         _compile_into(target, name, arguments)
+        if prelude is not None:  # the variant builds without the prelude but not with it
+            _discard_prelude(prelude)
     finally:
         if text is not None:
             with contextlib.suppress(OSError):
