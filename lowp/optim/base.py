@@ -69,15 +69,6 @@ COMPILE_REASON = ("a lowp optimizer step runs eagerly (its fused kernels and exa
                   "graph-breaks around the step")
 
 
-def _eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compiler.disable`` with :data:`COMPILE_REASON` (the graph break's message; torch
-    before 2.7 takes no reason)."""
-    try:
-        return torch.compiler.disable(fn, reason=COMPILE_REASON)
-    except TypeError:
-        return torch.compiler.disable(fn)
-
-
 def real_value(value: Any, allow_tensor: bool = False) -> float | None:
     """``float(value)`` for a real number (int or float; with ``allow_tensor`` also a one-element
     real tensor), else ``None``.
@@ -597,7 +588,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         return [self._checked_param(self.param_groups[g], p, n) for p, (g, _, n) in zip(params, positions)
                 if p.grad is not None]
 
-    @_eager_only
+    @torch.compiler.disable(reason=COMPILE_REASON)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; returns ``closure()``'s loss when a closure is given.
@@ -624,7 +615,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         self._run(self._prepare(), inv_scale, checked=found_inf is not None, new_step=True)
         return loss
 
-    @_eager_only
+    @torch.compiler.disable(reason=COMPILE_REASON)
     @torch.no_grad()
     def step_params(self, params: Sequence[torch.Tensor], grad_scale: float | None = None,
                     new_step: bool = True) -> bool:
