@@ -399,7 +399,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``state_dict``: cases ``(optimizer, mode, single-process state_dict)`` of :func:`state_dict_case`;
     - ``coded``: cases of :func:`coded_case` with the single-process dicts it loads;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
-    - ``errors``: :func:`placement_errors`.
+    - ``errors``: :func:`placement_errors`;
+    - ``gather``: :func:`gather_checks`.
     """
     torch.manual_seed(0)
     folder = Path(spec.get("folder", "."))
@@ -421,6 +422,25 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
     if spec.get("errors"):
         out["errors"] = placement_errors(world_size)
+    if spec.get("gather"):
+        out["gather"] = gather_checks(world_size)
+    return out
+
+
+def gather_checks(world_size: int) -> dict[str, tuple[bool, bool]]:
+    """Per dtype, ``sharding.gather`` of a ``(6, 5)`` tensor split unevenly along dimension 1 (3 + 2
+    columns on 2 ranks): (contiguous, equal to the full tensor bit for bit). int16 travels as bf16
+    bits."""
+    from lowp.optim.sharding import gather
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(30, dtype=torch.int16).reshape(6, 5) * 997
+    out = {}
+    for dtype in (torch.bfloat16, torch.int16):
+        want = full.to(dtype) if dtype == torch.int16 else full.float().bfloat16()
+        got = gather(distribute_tensor(want, mesh, [Shard(1)], src_data_rank=None))
+        out[str(dtype)] = (got.is_contiguous(), torch.equal(got.view(want.dtype), want))
     return out
 
 

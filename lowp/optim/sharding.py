@@ -228,11 +228,13 @@ def place(value: torch.Tensor, p: torch.Tensor, shape: Sequence[int], placements
 
 
 def gather(t: torch.Tensor) -> torch.Tensor:
-    """The full plain tensor of the DTensor ``t`` (a plain ``t`` itself) (an all-gather; a copy).
-    Dtypes that gloo cannot carry travel as bits (:func:`_wire`)."""
+    """The full plain tensor of the DTensor ``t`` (a plain ``t`` itself) (an all-gather; a copy),
+    contiguous: torch 2.11 returns an unevenly sharded ``Shard(d)`` dimension (``d > 0``) as a view
+    of the padded gather, whose rows the fused kernels cannot take. Dtypes that gloo cannot carry
+    travel as bits (:func:`_wire`)."""
     if not is_dtensor(t):
         return t
-    return _wire(t).full_tensor().view(local(t).dtype)
+    return _wire(t).full_tensor().contiguous().view(local(t).dtype)
 
 
 #: dtypes without gloo collectives -> a dtype of the same width that has them (only bits travel)
