@@ -180,4 +180,6 @@ def _coded(rounding: str) -> None:
 
 
 if __name__ == "__main__":
+    import interpreter_fma
+    interpreter_fma.install()  # Triton < 3.9 rounds the interpreter's fma twice
     _main(sys.argv[1])

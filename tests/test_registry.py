@@ -169,4 +169,6 @@ def _interpreted(name: str) -> None:
 
 
 if __name__ == "__main__":
+    import interpreter_fma
+    interpreter_fma.install()  # Triton < 3.9 rounds the interpreter's fma twice
     _interpreted(sys.argv[1])

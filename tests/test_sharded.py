@@ -89,7 +89,8 @@ def two_ranks(first_rank):
     state_dicts = [(name, mode, w.plain_state_dict(name, mode, w.STEPS - 1)) for name, mode in SD_CASES]
     spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact", w.CODED],
             "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
-            "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES, "coded_state_dicts": coded_dicts()}
+            "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES,
+            "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
