@@ -588,8 +588,6 @@ class LowpOptimizer(torch.optim.Optimizer):
         return [self._checked_param(self.param_groups[g], p, n) for p, (g, _, n) in zip(params, positions)
                 if p.grad is not None]
 
-    @torch.compiler.disable(reason=COMPILE_REASON)
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; returns ``closure()``'s loss when a closure is given.
 
@@ -598,6 +596,14 @@ class LowpOptimizer(torch.optim.Optimizer):
         ``torch.compile`` the step is not traced: it runs eagerly (:data:`COMPILE_REASON`).
         While :func:`lowp.optim.release.release_gradients` is active the parameters are stepped
         during the backward pass, and ``step`` only runs the closure."""
+        return self._eager_step(closure)
+
+    # The public methods stay plain and call these disabled ones: torch.compile of a bound method
+    # whose function is disabled calls that function without ``self`` on torch 2.10
+    # (``innermost_fn`` follows the wrapper's ``_torchdynamo_orig_callable`` through the method).
+    @torch.compiler.disable(reason=COMPILE_REASON)
+    @torch.no_grad()
+    def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -615,8 +621,6 @@ class LowpOptimizer(torch.optim.Optimizer):
         self._run(self._prepare(), inv_scale, checked=found_inf is not None, new_step=True)
         return loss
 
-    @torch.compiler.disable(reason=COMPILE_REASON)
-    @torch.no_grad()
     def step_params(self, params: Sequence[torch.Tensor], grad_scale: float | None = None,
                     new_step: bool = True) -> bool:
         """Step ``params`` only, with the bookkeeping of :meth:`step`: everything checked first,
@@ -639,6 +643,11 @@ class LowpOptimizer(torch.optim.Optimizer):
             ``True`` when every checked gradient was finite (with ``nonfinite="off"`` and no
             ``grad_scale`` nothing is checked).
         """
+        return self._eager_step_params(params, grad_scale, new_step)
+
+    @torch.compiler.disable(reason=COMPILE_REASON)
+    @torch.no_grad()
+    def _eager_step_params(self, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool) -> bool:
         if grad_scale is not None:
             v = real_value(grad_scale)
             if v is None or not math.isfinite(v) or v <= 0:
