@@ -55,7 +55,8 @@ def bf16(shape, gen, scale=0.1) -> torch.Tensor:
 
 
 def set_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
-    """``p.grad = g`` whatever ``g``'s dtype or shape (torch's setter refuses other ones)."""
+    """``p.grad = g`` whatever ``g``'s dtype or shape (torch's setter refuses other ones; from
+    torch 2.10 on a parameter whose ``grad_dtype`` is ``None`` takes any dtype)."""
     if hasattr(p, "grad_dtype"):
         p.grad_dtype = None
     try:

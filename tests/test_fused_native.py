@@ -23,6 +23,7 @@ from lowp.optim.slices import StepContext
 from lowp.optim.writeback import MODES
 from lowp.optim.randomness import ElementIndex
 from lowp.ulp import ulp
+from safety_cases import set_grad
 from fused_helpers import (SHAPES, assert_fused, assert_same_run, make_params, run_at_index,
                            train)
 
@@ -75,9 +76,7 @@ def test_fp32_gradients_of_bf16_weights_and_grad_scaler_factor():
         for t in range(3):
             gen = torch.Generator().manual_seed(t)
             for p in ps:
-                if hasattr(p, "grad_dtype"):  # torch >= 2.13 checks the gradient's dtype unless told not to
-                    p.grad_dtype = None
-                p.grad = torch.randn(p.shape, generator=gen) * 1024  # fp32 gradients
+                set_grad(p, torch.randn(p.shape, generator=gen) * 1024)  # fp32 gradients
             opt.step()
         runs.append((ps, opt))
     assert_same_run(*runs)
@@ -301,13 +300,11 @@ def test_unchecked_nan_and_inf_propagate_like_the_reference(grad_dtype, state_dt
                        state_rounding="nearest")
         for t in range(3):
             for p in params:
-                if hasattr(p, "grad_dtype"):
-                    p.grad_dtype = None
                 g = torch.randn(p.shape, generator=gen).to(grad_dtype)
                 g[5 + t] = float("inf")
                 g.view(torch.int32 if grad_dtype == torch.float32 else torch.int16)[20 + t] = \
                     0x7FFFFFFF if grad_dtype == torch.float32 else 0x7FFF  # NaN, all payload bits set
-                p.grad = g
+                set_grad(p, g)
             opt.step()
         if backend == "native":
             assert_fused(opt, 3 * (64 + 1000))
@@ -414,10 +411,8 @@ def _stochastic_weights(x: torch.Tensor, dtype: torch.dtype, backend: str, seed:
     """SR(x) to ``dtype`` through ``backend``: SGD with lr 1 from a zero weight adds exactly
     ``-g = x`` (a NaN gradient passes through the product and the sum with its payload)."""
     w = torch.zeros(x.numel(), dtype=dtype)
-    if hasattr(w, "grad_dtype"):
-        w.grad_dtype = None
     opt = lo.SGD([w], lr=1.0, mode="stochastic", backend=backend, seed=seed, nonfinite="off")
-    w.grad = -x.float()
+    set_grad(w, -x.float())
     opt.step()
     if backend == "native":
         assert_fused(opt, x.numel())
