@@ -323,8 +323,9 @@ def _dcp_model(world_size: int, mp: str | None = None, coded: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (world_size,))
     model = mlp(torch.float32 if mp else torch.bfloat16, coded)
-    policy = MixedPrecisionPolicy() if mp is None else MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if mp == "fp32" else torch.bfloat16)
+    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": None}
+    policy = MixedPrecisionPolicy() if mp is None else MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                             reduce_dtype=reduce_dtype[mp])
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -498,6 +499,7 @@ def reduce_scatter_checks(rank: int, world_size: int) -> dict[str, Any]:
     out["fsdp_calls"] = comm.calls
     out["advice_fp32"] = advice_before
     out["advice_bf16_reduce"] = advise_fsdp(_dcp_model(world_size, "bf16"))
+    out["advice_fp32_params_reduce_none"] = advise_fsdp(_dcp_model(world_size, "none"))
     out["advice_pure_bf16"] = advise_fsdp(_dcp_model(world_size))
     pure = _dcp_model(world_size)
     set_fp32_reduce_scatter(pure)

@@ -1,9 +1,12 @@
 """The advisor's predictions against the simulator, and its warnings for risky set-ups."""
+import functools
+
 import pytest
 import torch
 
 from lowp.cli import main
-from lowp.distributed.advisor import BucketStats, advise, advise_buckets, check_reduce_dtype
+from lowp.distributed.advisor import (FSDP_REDUCES_IN_PARAM_DTYPE, BucketStats, advise, advise_buckets,
+                                      check_reduce_dtype, fsdp_reduce_dtype)
 from lowp.threads import single_thread
 from lowp.distributed.simulator import GaussianGrads, ReduceConfig, measure_error
 
@@ -56,10 +59,26 @@ def test_advise_buckets_covers_every_recorded_bucket():
     assert advice[0].ok and not advice[1].ok
 
 
-def test_reduce_dtype_fallback_is_flagged():
-    assert "param_dtype" in check_reduce_dtype(None, torch.bfloat16)[0]
-    assert check_reduce_dtype(torch.float32, torch.bfloat16) == []
-    assert check_reduce_dtype(None, torch.float32) == []
+@pytest.mark.parametrize("legacy", [True, False])
+def test_reduce_dtype_fallback_is_flagged(legacy):
+    """torch < 2.15 (legacy) falls back to param_dtype, later torch to the parameter's grad_dtype."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    # (requested, compute dtype, grad dtype) -> reduced in, before 2.15 and from 2.15
+    table = {(None, bf16, fp32): (bf16, fp32), (None, bf16, bf16): (bf16, bf16), (None, fp32, fp32): (fp32, fp32),
+             (None, bf16, None): (bf16, bf16), (None, fp16, fp32): (fp16, fp32), (fp32, bf16, bf16): (fp32, fp32),
+             (bf16, fp32, fp32): (bf16, bf16)}
+    for (requested, compute, grad), expected in table.items():
+        assert fsdp_reduce_dtype(requested, compute, grad, falls_back_to_param_dtype=legacy) == expected[not legacy]
+    check = functools.partial(check_reduce_dtype, falls_back_to_param_dtype=legacy)
+    assert bool(check(None, bf16)) == legacy                      # fp32 parameters, param_dtype=bf16
+    assert "reduced in torch.bfloat16" in check(None, None, bf16)[0]  # bf16 parameters: bf16 either way
+    assert "16 bits at every hop" in check(bf16, bf16)[0]
+    assert check(fp32, bf16) == [] and check(None, fp32) == [] and check(fp32, None, bf16) == []
+
+
+def test_reduce_dtype_fallback_follows_this_torch():
+    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    assert FSDP_REDUCES_IN_PARAM_DTYPE == (release < (2, 15))
 
 
 def test_advisor_rejects_bad_input():

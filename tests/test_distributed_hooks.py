@@ -72,8 +72,10 @@ def _worker(rank, world_size):
 
 
 def _fsdp_grads(rank, world_size):
-    """FSDP2 ``fully_shard`` with bf16 params: every rank's local bf16 grads (all-gathered) and the
-    reduced grad shards for ``reduce_dtype`` None (falls back to bf16) and float32."""
+    """FSDP2 ``fully_shard``, computing in bf16: every rank's local bf16 grads (all-gathered) and
+    the reduced grad shards of fp32 parameters with ``param_dtype=bf16`` under ``reduce_dtype``
+    None and float32 (keys ``"None"``, ``"torch.float32"``) and of bf16 parameters under None
+    (``"bf16 params"``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -86,12 +88,14 @@ def _fsdp_grads(rank, world_size):
     dist.all_gather(gathered, local)
     out = {"local": torch.stack(gathered)}
     mesh = init_device_mesh("cpu", (world_size,))
-    for reduce_dtype in (None, torch.float32):
-        model = _model()
-        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                     reduce_dtype=reduce_dtype))
-        torch.nn.functional.mse_loss(model(x).float(), y).backward()
-        out[str(reduce_dtype)] = [p.grad.full_tensor().float().reshape(-1) for p in model.parameters()]
+    for key, dtype, policy in (("None", torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+                               ("torch.float32", torch.float32,
+                                MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+                               ("bf16 params", torch.bfloat16, MixedPrecisionPolicy())):
+        model = _model().to(dtype)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+        out[key] = [p.grad.full_tensor().float().reshape(-1) for p in model.parameters()]
     return out
 
 
@@ -177,22 +181,32 @@ def test_hook_stats_describe_the_gradients(group_results):
 
 
 @pytest.mark.timeout(240)
-def test_fsdp2_reduce_dtype_none_reduces_in_bf16_and_float32_fixes_it(group_results):
-    from lowp.distributed.advisor import check_reduce_dtype
+def test_fsdp2_reduce_dtype_none_falls_back_as_the_advisor_says_and_float32_fixes_it(group_results):
+    """reduce_dtype=None reduces 16-bit parameters' gradients in bf16 on every torch, and fp32
+    parameters computed in bf16 in bf16 before torch 2.15 (in fp32 from 2.15); float32 matches the
+    exact mean; the advisor's check says so for this torch."""
+    from lowp.distributed.advisor import FSDP_REDUCES_IN_PARAM_DTYPE, check_reduce_dtype
     from lowp.rounding import quantize
 
     R, results = group_results
     fsdp = results[0]["fsdp"]
     exact = fsdp["local"].double().mean(0)
-    silent = torch.cat(fsdp["None"]).double()
-    fixed = torch.cat(fsdp["torch.float32"]).double()
-    assert torch.equal(quantize(silent, "bf16"), silent)              # the None policy's grads are bf16 values
-    err_silent, err_fixed = (silent - exact).abs(), (fixed - exact).abs()
     scale = fsdp["local"].double().abs().mean(0)
+    grads = {key: torch.cat(fsdp[key]).double() for key in ("None", "torch.float32", "bf16 params")}
+    fixed = grads["torch.float32"]
+    err_fixed = (fixed - exact).abs()
     assert (err_fixed <= R * 2.0**-24 * scale + 2.0**-24 * exact.abs() + 1e-12).all()
-    assert (err_silent <= R * 2.0**-8 * scale + 1e-12).all()
-    assert float(err_silent.max()) > 100 * float(err_fixed.max())
-    assert check_reduce_dtype(None, torch.bfloat16) and not check_reduce_dtype(torch.float32, torch.bfloat16)
+    in_bf16 = [grads["bf16 params"]] + ([grads["None"]] if FSDP_REDUCES_IN_PARAM_DTYPE else [])
+    for silent in in_bf16:
+        assert torch.equal(quantize(silent, "bf16"), silent)          # reduced in bf16: bf16 values
+        err_silent = (silent - exact).abs()
+        assert (err_silent <= R * 2.0**-8 * scale + 1e-12).all()
+        assert float(err_silent.max()) > 100 * float(err_fixed.max())
+    if not FSDP_REDUCES_IN_PARAM_DTYPE:
+        assert torch.equal(grads["None"], fixed)                      # fp32 parameters: reduced in fp32
+    assert bool(check_reduce_dtype(None, torch.bfloat16)) == FSDP_REDUCES_IN_PARAM_DTYPE
+    assert check_reduce_dtype(None, None, torch.bfloat16)
+    assert not check_reduce_dtype(torch.float32, torch.bfloat16)
 
 
 def _dies(rank, world_size):

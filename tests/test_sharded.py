@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import sharded_worker as w
+from lowp.distributed.advisor import FSDP_REDUCES_IN_PARAM_DTYPE
 from lowp.distributed.launch import run_local_group
 from lowp.optim import sharding
 
@@ -335,6 +336,8 @@ def test_fp32_reduce_scatter_in_fsdp_and_advisor(two_ranks):
         assert got["advice_fp32"] == [] and got["advice_pure_bf16_fixed"] == []
         assert got["advice_bf16_reduce"] and all("reduce_dtype=torch.bfloat16" in m for m in got["advice_bf16_reduce"])
         assert got["advice_pure_bf16"] and all("reduce_dtype is None" in m for m in got["advice_pure_bf16"])
+        # fp32 parameters computed in bf16: reduce_dtype=None reduces in bf16 only before torch 2.15
+        assert bool(got["advice_fp32_params_reduce_none"]) == FSDP_REDUCES_IN_PARAM_DTYPE
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ from lowp.distributed.simulator import AVERAGING, MAX_WORLD_SIZE, ROUNDINGS, che
 from lowp.distributed.stats import BucketStats
 from lowp.formats import get_format
 
-__all__ = ["BucketStats", "Advice", "advise", "advise_buckets", "check_reduce_dtype", "advise_fsdp"]
+__all__ = ["BucketStats", "Advice", "advise", "advise_buckets", "check_reduce_dtype", "fsdp_reduce_dtype",
+           "FSDP_REDUCES_IN_PARAM_DTYPE", "advise_fsdp"]
 
 NOISE_RATIO_WARN = 0.1     # error above 10 % of the sampling noise is worth a look
 BIAS_WARN = 0.01           # 1 % systematic shrinkage of the mean gradient
@@ -80,12 +81,59 @@ def _stagnation_bias(stats: BucketStats, fmt: str, algorithm: str, average: str,
     return result.relative_bias
 
 
-def check_reduce_dtype(requested: torch.dtype | None, param_dtype: torch.dtype | None) -> list[str]:
-    """FSDP's ``reduce_dtype=None`` silently reduces in ``param_dtype`` (bf16 with the usual policy)."""
-    if requested is None and param_dtype in (torch.bfloat16, torch.float16):
-        return [f"reduce_dtype is None, so gradients are reduced in param_dtype={param_dtype}; "
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+#: Whether this torch's FSDP2 falls back to ``param_dtype`` for ``reduce_dtype=None`` (before 2.15);
+#: from 2.15 on it reduces in the parameter's ``grad_dtype`` (its own dtype unless set), so fp32
+#: parameters computed in bf16 are reduced in fp32 (``MixedPrecisionPolicy``'s documentation,
+#: "versionchanged:: 2.15").
+FSDP_REDUCES_IN_PARAM_DTYPE = _torch_release() < (2, 15)
+
+_SIXTEEN_BITS = (torch.bfloat16, torch.float16)
+
+
+def fsdp_reduce_dtype(requested: torch.dtype | None, compute_dtype: torch.dtype, grad_dtype: torch.dtype | None,
+                      *, falls_back_to_param_dtype: bool = FSDP_REDUCES_IN_PARAM_DTYPE) -> torch.dtype:
+    """The dtype in which FSDP2 reduce-scatters a parameter's gradient.
+
+    ``requested``: ``MixedPrecisionPolicy.reduce_dtype``; ``compute_dtype``: the dtype the
+    gradient is computed in (``param_dtype``, or the parameter's own dtype without one);
+    ``grad_dtype``: the parameter's ``grad_dtype`` (its own dtype unless set; ``None``: whatever
+    dtype the gradients come in). An explicit ``reduce_dtype`` wins; without one, torch before 2.15
+    reduces in ``compute_dtype``, torch 2.15 and later in ``grad_dtype`` (``compute_dtype`` where
+    that is ``None``)."""
+    if requested is not None:
+        return requested
+    if falls_back_to_param_dtype or grad_dtype is None:
+        return compute_dtype
+    return grad_dtype
+
+
+def _sixteen_bit_messages(requested: torch.dtype | None, reduced_in: torch.dtype) -> list[str]:
+    if reduced_in not in _SIXTEEN_BITS:
+        return []
+    if requested is None:
+        return [f"reduce_dtype is None, so gradients are reduced in {reduced_in}; "
                 "set MixedPrecisionPolicy(reduce_dtype=torch.float32) or use an fp32-accumulating hook"]
-    return []
+    return [f"reduce_dtype={requested} sums gradients in 16 bits at every hop; "
+            "use reduce_dtype=torch.float32 or lowp.distributed.fsdp.set_fp32_reduce_scatter"]
+
+
+def check_reduce_dtype(requested: torch.dtype | None, param_dtype: torch.dtype | None,
+                       orig_dtype: torch.dtype = torch.float32, *,
+                       falls_back_to_param_dtype: bool = FSDP_REDUCES_IN_PARAM_DTYPE) -> list[str]:
+    """Warnings when FSDP2 would reduce the gradients of parameters of dtype ``orig_dtype``
+    (computed in ``param_dtype``, ``None``: their own dtype) in 16 bits under ``reduce_dtype=
+    requested``: silently with ``None`` (:func:`fsdp_reduce_dtype`: before torch 2.15 ``None``
+    falls back to ``param_dtype``, bf16 with the usual policy; from 2.15 to the parameters' own
+    dtype, so 16-bit parameters still reduce in 16 bits), or explicitly. Empty when the reduction
+    is wider."""
+    compute = param_dtype or orig_dtype
+    reduced_in = fsdp_reduce_dtype(requested, compute, orig_dtype, falls_back_to_param_dtype=falls_back_to_param_dtype)
+    return _sixteen_bit_messages(requested, reduced_in)
 
 
 def _check_stats(stats: BucketStats) -> None:
@@ -161,23 +209,27 @@ def advise_buckets(stats: dict[int, BucketStats], dtype: "str | torch.dtype" = "
 
 
 def advise_fsdp(model: torch.nn.Module) -> list[str]:
-    """Warnings for the gradient reduction of an FSDP2 model (``fully_shard``), one per sharded
-    module whose gradients are reduce-scattered in 16 bits: ``MixedPrecisionPolicy(reduce_dtype=
-    None)`` with a bf16/fp16 ``param_dtype`` or bf16/fp16 parameters, or an explicit 16-bit
-    ``reduce_dtype``, unless the module's reduce-scatter accumulates in fp32
+    """Warnings for the gradient reduction of an FSDP2 model (``fully_shard``), for each sharded
+    module whose gradients are reduce-scattered in 16 bits (:func:`fsdp_reduce_dtype` of each of
+    its parameters: ``MixedPrecisionPolicy(reduce_dtype=None)`` with 16-bit parameters, or before
+    torch 2.15 with a bf16/fp16 ``param_dtype``, or an explicit 16-bit ``reduce_dtype``), unless
+    the module's reduce-scatter accumulates in fp32
     (:class:`lowp.distributed.fsdp.FP32ReduceScatter`). Empty when nothing is to be changed."""
     from lowp.distributed.fsdp import fsdp_modules, param_groups
     warnings = []
     names = {m: n or "<root>" for n, m in model.named_modules()}
     for module in fsdp_modules(model):
+        module_policy = module._get_fsdp_state()._mp_policy
+        messages: list[str] = []
         for group in param_groups(module):
             if getattr(getattr(group, "_reduce_scatter_comm", None), "accumulates_in_fp32", False):
                 continue
-            policy = group.mp_policy
-            param_dtype = policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
-            messages = check_reduce_dtype(policy.reduce_dtype, param_dtype)
-            if policy.reduce_dtype in (torch.bfloat16, torch.float16):
-                messages.append(f"reduce_dtype={policy.reduce_dtype} sums gradients in 16 bits at every hop; "
-                                "use reduce_dtype=torch.float32 or lowp.distributed.fsdp.set_fp32_reduce_scatter")
-            warnings += [f"{names[module]}: {m}" for m in messages]
+            for param in group.fsdp_params:
+                # torch 2.15 resolves a policy per parameter and adds grad_dtype (sharded_grad_dtype)
+                policy = getattr(param, "mp_policy", None) or module_policy
+                own = param.sharded_param.dtype
+                reduced_in = fsdp_reduce_dtype(policy.reduce_dtype, policy.param_dtype or own,
+                                               getattr(param, "sharded_grad_dtype", own))
+                messages += [m for m in _sixteen_bit_messages(policy.reduce_dtype, reduced_in) if m not in messages]
+        warnings += [f"{names[module]}: {m}" for m in messages]
     return warnings

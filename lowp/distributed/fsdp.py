@@ -1,7 +1,9 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) gradient reduce-scatter that sums in fp32.
 
-FSDP2 reduce-scatters the gradients in ``MixedPrecisionPolicy.reduce_dtype`` (the gradient's
-dtype when ``None``): with bf16 that is a bf16 sum, rounded at every hop of the backend's ring.
+FSDP2 reduce-scatters the gradients in ``MixedPrecisionPolicy.reduce_dtype`` (when ``None``,
+``param_dtype`` before torch 2.15 and the parameter's ``grad_dtype`` from 2.15:
+:func:`lowp.distributed.advisor.fsdp_reduce_dtype`): with bf16 that is a bf16 sum, rounded at every
+hop of the backend's ring.
 torch 2.13 exposes a hook for the collective, ``FSDPModule.set_custom_reduce_scatter``, taking an
 object with the ``ReduceScatter`` interface of ``torch.distributed.fsdp._fully_shard._fsdp_api``
 (``allocate`` a buffer, then ``__call__(output_tensor, input_tensor, group, op)``);

@@ -33,7 +33,7 @@ def storage_fits(t: torch.Tensor) -> bool:
     or write past it, or crash)."""
     if t.numel() == 0:
         return True
-    return (t.storage_offset() + extent(t, t.is_contiguous())) * t.element_size() <= t.untyped_storage().nbytes()
+    return bool((t.storage_offset() + extent(t, t.is_contiguous())) * t.element_size() <= t.untyped_storage().nbytes())
 
 
 def _plain_strided(t: torch.Tensor) -> bool:
