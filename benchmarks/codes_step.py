@@ -2,6 +2,13 @@
 states (the named baseline, measured in the same run), on the native backend, plus the native
 codec alone (decode + encode, ns per element); with ``--device cuda``, on the Triton backend.
 
+On the CPU each step is also set against its memory floor: the bytes it must move (every tensor
+it reads, and writes back, once) at the bandwidth of an in-place ``Tensor.add_`` on the same threads and a
+working set of the same size. A step well above its floor is bound by its instructions, and there
+the fewer bytes of coded states do not show; the last column says below what bandwidth (shared
+by the same threads) the bf16-state step's floor alone would take longer than the int8 / uint8
+step measured here, the machines where coded states are the faster ones.
+
     python benchmarks/codes_step.py --sizes 8M,32M --threads 1,2 [--rounds 3]
     python benchmarks/codes_step.py --device cuda --sizes 64M,256M
 
@@ -29,12 +36,14 @@ CONFIGS: dict[str, dict[str, torch.dtype] | None] = {
 }
 
 
-def step_seconds(numel: int, rounds: int, chunk_size: int | None, device: torch.device) -> dict[str, float]:
+def step_seconds(numel: int, rounds: int, chunk_size: int | None,
+                 device: torch.device) -> tuple[dict[str, float], dict[str, int]]:
     """Per configuration, the fastest of ``rounds`` AdamW steps over one bf16 parameter of
-    ``numel`` elements; the configurations take turns, so a change of the machine's load touches
-    them all alike."""
+    ``numel`` elements (the configurations take turns, so a change of the machine's load touches
+    them all alike), and the bytes the step moves (``moved_bytes``)."""
     gen = torch.Generator(device=device).manual_seed(0)
     steps = {}
+    moved = {}
     for name, state_dtype in CONFIGS.items():
         p = torch.nn.Parameter(torch.randn(numel, generator=gen, device=device).bfloat16())
         p.grad = torch.randn(numel, generator=gen, device=device).bfloat16()
@@ -44,6 +53,7 @@ def step_seconds(numel: int, rounds: int, chunk_size: int | None, device: torch.
         opt = lo.AdamW([p], lr=1e-3, backend="triton" if device.type == "cuda" else "native", **extra)
         opt.step()
         steps[name] = opt.step
+        moved[name] = moved_bytes(p, opt.state[p])
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(rounds):
         for name, step in steps.items():
@@ -52,7 +62,29 @@ def step_seconds(numel: int, rounds: int, chunk_size: int | None, device: torch.
             step()
             _sync(device)
             best[name] = min(best[name], time.perf_counter() - start)
-    return best
+    return best, moved
+
+
+def moved_bytes(p: torch.Tensor, state: dict) -> int:
+    """Bytes one step must move at least: the weight and every tensor state (codes, scales,
+    compensation) read and written once, the gradient read once."""
+    assert p.grad is not None
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return 2 * (p.nbytes + sum(t.nbytes for t in tensors)) + p.grad.nbytes
+
+
+def rmw_bandwidth(nbytes: int, rounds: int) -> float:
+    """Bytes per second that an in-place ``add_`` moves (each byte read and written back, as the
+    step does: no write-allocate traffic) over a buffer of ``nbytes / 2`` bytes, on torch's
+    current threads: the fastest of ``rounds`` passes."""
+    buf = torch.zeros(max(nbytes // 2 // 4, 1), dtype=torch.int32)
+    buf.add_(1)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        buf.add_(1)
+        best = min(best, time.perf_counter() - start)
+    return 2 * buf.nbytes / best
 
 
 def _sync(device: torch.device) -> None:
@@ -99,24 +131,29 @@ def main() -> None:
         print("| params | " + " | ".join(CONFIGS) + " |")
         print("|---|" + "---|" * len(CONFIGS))
         for size in args.sizes.split(","):
-            times = step_seconds(parse_size(size), args.rounds, args.chunk_size, device)
+            times, _ = step_seconds(parse_size(size), args.rounds, args.chunk_size, device)
             base = times["bf16 states"]
             print(f"| {size} | " + " | ".join(f"{t * 1e3:.2f} ms ({t / base:.2f}x)" for t in times.values()) + " |")
         return
     if not native_codes.available():
         raise SystemExit("codes_step: the native backend does not build here (x86-64 with AVX2 and g++ needed)")
-    print(f"torch {torch.__version__}, AdamW, bf16 weights, native backend; ratio = step time / bf16-state step time")
+    print(f"torch {torch.__version__}, AdamW, bf16 weights, native backend; ratio = step time / bf16-state step time; "
+          "floor = bytes moved / memory bandwidth")
     print()
-    print("| params | threads | " + " | ".join(CONFIGS) + " |")
-    print("|---|---|" + "---|" * len(CONFIGS))
+    print("| params | threads | memory bandwidth | " + " | ".join(CONFIGS) + " | coded faster below |")
+    print("|---|---|---|" + "---|" * len(CONFIGS) + "---|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for size in args.sizes.split(","):
             numel = parse_size(size)
-            times = step_seconds(numel, args.rounds, args.chunk_size, device)
+            times, moved = step_seconds(numel, args.rounds, args.chunk_size, device)
+            bandwidth = rmw_bandwidth(moved["bf16 states"], args.rounds)
             base = times["bf16 states"]
-            cells = [f"{t * 1e3:.1f} ms ({t / base:.2f}x)" for t in times.values()]
-            print(f"| {size} | {threads} | " + " | ".join(cells) + " |")
+            cells = [f"{t * 1e3:.1f} ms ({t / base:.2f}x; {t * bandwidth / moved[name]:.1f}x floor, "
+                     f"{moved[name] / numel:.2f} B/param)" for name, t in times.items()]
+            crossover = moved["bf16 states"] / times["int8 / uint8"]
+            print(f"| {size} | {threads} | {bandwidth / 1e9:.1f} GB/s | " + " | ".join(cells)
+                  + f" | {crossover / 1e9:.1f} GB/s |")
     print()
     print("| codec alone, 8M elements, 1 thread | decode ns/element | encode ns/element (stochastic) |")
     print("|---|---|---|")
