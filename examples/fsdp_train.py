@@ -4,6 +4,7 @@ with a torch.distributed.checkpoint (DCP) checkpoint half way.
     torchrun --nproc_per_node 2 examples/fsdp_train.py                # train, checkpoint at steps/2
     torchrun --nproc_per_node 2 examples/fsdp_train.py --resume       # resume from the checkpoint
     torchrun --nproc_per_node 2 examples/fsdp_train.py --states 8bit  # int8 / uint8 moments
+    torchrun --nproc_per_node 2 examples/fsdp_train.py --reduce bf16  # FSDP's own bf16 reduce-scatter
 
 Every rank trains on its own batches (data parallel); the weights, the moments and the Kahan
 compensation are sharded over the ranks (``fully_shard``), and the optimizer works on each
@@ -16,6 +17,11 @@ checkpoint), though the gradient's sums are then grouped differently.
 uint4 second moment, one bf16 scale per 64 elements): the codes of the weight matrices are sharded
 with them (their rows hold whole blocks), those of the 64-element vectors, whose 32-element
 shards split a block, are replicated (see docs/distributed.md).
+
+The gradients of bf16 parameters are reduce-scattered in bf16 by FSDP2 (``reduce_dtype=None``
+falls back to their dtype), rounded at every hop. By default the example installs lowp's
+``FP32ReduceScatter`` instead (bf16 on the wire, an fp32 sum, one rounding); ``--reduce bf16``
+keeps FSDP's own. Rank 0 prints what ``advise_fsdp`` says of the set-up before training.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from lowp.demo.data import load_data
+from lowp.distributed.advisor import advise_fsdp
+from lowp.distributed.fsdp import set_fp32_reduce_scatter
 from lowp.demo.model import CharLM
 from lowp.optim import AdamW
 from lowp.optim.convert import cast_model
@@ -51,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=16, help="global batch size (divided over the ranks)")
     ap.add_argument("--mode", default="kahan", choices=["kahan", "exact", "exact8", "stochastic", "nearest"])
     ap.add_argument("--states", default="bf16", choices=sorted(STATES), help="the moments' storage")
+    ap.add_argument("--reduce", default="fp32", choices=["fp32", "bf16"],
+                    help="the gradients' reduce-scatter: lowp's fp32 sum of bf16 values, or FSDP's bf16 one")
     ap.add_argument("--checkpoint", default="lowp-fsdp-checkpoint", help="DCP checkpoint folder")
     ap.add_argument("--resume", action="store_true", help="load the checkpoint and train the second half")
     return ap.parse_args()
@@ -88,6 +98,10 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     data = load_data(max_bytes=200_000)
     model = build(mesh)
+    if args.reduce == "fp32":
+        set_fp32_reduce_scatter(model)
+    if rank == 0:
+        print("\n".join(f"advisor: {w}" for w in advise_fsdp(model)) or "advisor: nothing to change", flush=True)
     opt = AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), mode=args.mode, seed=0,
                 state_dtype=STATES[args.states])
     half = args.steps // 2
