@@ -266,6 +266,37 @@ def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dt
         _same_tensors(a, b)
 
 
+@pytest.mark.skipif(not lo.backends.native_available(), reason="needs the native kernel")
+@pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8], ids=str)
+def test_the_step_kernel_decodes_every_code_byte_as_the_passes_do(monkeypatch, storage):
+    """Every byte as a stored first-moment code, under several scales: fp8 NaN and infinity codes,
+    subnormal fp8 codes and int8's -128 included, which the encoder never writes but a loaded
+    checkpoint may hold. The kernel decodes in registers (fp8 codes through their fp16 patterns),
+    the passes with torch's casts; the step's results agree bit for bit (NaNs at the same places)."""
+    def run():
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter((torch.randn(1024, generator=gen) * 0.1).bfloat16())
+        opt = lo.AdamW([p], lr=1e-2, backend="native", seed=3, state_dtype={"exp_avg": storage,
+                                                                          "exp_avg_sq": torch.uint8})
+        for step in range(2):
+            p.grad = torch.randn(1024, generator=gen).bfloat16()
+            if step == 1:
+                state = opt.state[p]
+                state["exp_avg"].view(torch.uint8).copy_(torch.arange(256, dtype=torch.uint8).repeat(4))
+                state["exp_avg_scale"].copy_(torch.tensor([1.0, 2.0 ** -10, 96.0, 0.375] * 4))
+            opt.step()
+        return [p.detach(), *(v for v in opt.state[p].values() if isinstance(v, torch.Tensor))], opt
+
+    native_codes.COUNTS.encoded = 0
+    fused, opt = run()
+    assert native_codes.COUNTS.encoded == 0 and opt.backend.fused_elements == 2 * 1024   # decoded in the kernel
+    assert fused[0].isnan().any() == (storage != torch.int8)   # the NaN codes reached the weight
+    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    passes, _ = run()
+    assert native_codes.COUNTS.encoded == 2 * 2 * 1024
+    _same_tensors(fused, passes)
+
+
 def _coded_run_at_index(backend: str, index: ElementIndex, n: int = 600) -> list[torch.Tensor]:
     """Two AdamW steps (bf16 weights, int8 / uint8 states, Kahan) on one slice whose elements have
     global indices ``index``, through ``lowp.optim.coded.run_coded`` directly (an optimizer's own

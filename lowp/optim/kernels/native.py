@@ -27,7 +27,7 @@ from lowp.optim.kernels.cpp_source import DTYPE_CODES, CodedLayout, Variant, var
 from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, slice_keys, stream_count
 from lowp.optim.kernels.native_build import (coded_step_function, finite_function, native_available, step_function,
                                              sums_function)
-from lowp.optim.kernels.native_codes import code_kind, fp8_table, grid_numbers, scale_code
+from lowp.optim.kernels.native_codes import code_kind, grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
@@ -161,11 +161,8 @@ class NativeKernel(Kernel):
         grids = (ctypes.c_double * (4 * len(names)))(*(x for name in names
                                                         for x in (grid_numbers(codes[name]) if name in codes
                                                                   else (0.0, 0.0, 0.0, 0.0))))
-        fp8 = [fp8_table(codes[name].storage) if name in codes and codes[name].storage.is_floating_point else None
-               for name in names]
-        tables = (ctypes.c_void_p * len(names))(*(t.data_ptr() if t is not None else None for t in fp8))
         return _call_step(spec, variant, slices, numbers, [k for s in slices for k in slice_keys(ctx, s)],
-                         grad_factor(ctx), (scale_table, grids, tables))
+                         grad_factor(ctx), (scale_table, grids))
 
 
 def _call_step(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
@@ -183,7 +180,7 @@ def _call_step(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice],
     - ``tensor_numbers[j * T + k]``: per-tensor number k of member j, made by the spec from the
       sums of a first call (``lowp_sums``) when it has a per-tensor reduction (else zeros);
     - ``keys[j * stream_count(S) + s]``: the stream keys (``RuntimeError`` for another count);
-    - ``coded``: a coded variant's arguments (scales, grids, fp8 tables; ``native/coded_step.h``);
+    - ``coded``: a coded variant's arguments (scales and grids; ``native/coded_step.h``);
     - the thread count, ``torch.get_num_threads()``.
     """
     names = variant.program.state_names

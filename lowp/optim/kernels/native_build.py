@@ -430,12 +430,11 @@ def step_function(source: str) -> Callable[..., Any]:
 
 def coded_step_function(source: str) -> Callable[..., Any]:
     """``lowp_coded_step(tensors, pointer table, numel, offsets, h, tensor numbers, keys, scales,
-    grids, fp8 tables, threads) -> stalled count`` of a variant with coded states
-    (``native/coded_step.h``)."""
+    grids, threads) -> stalled count`` of a variant with coded states (``native/coded_step.h``)."""
     fn = _library("step", source).lowp_coded_step
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn
 
 
@@ -469,10 +468,10 @@ def encode_function() -> Callable[..., Any]:
 
 @functools.lru_cache(maxsize=None)
 def decode_function() -> Callable[..., Any]:
-    """``lowp_decode(tensors, pointer table, numel, kind, scale dtype, block, grid, fp8 table,
-    threads) -> 0 or -1`` of ``native/codes.cpp``."""
+    """``lowp_decode(tensors, pointer table, numel, kind, scale dtype, block, threads) -> 0 or -1``
+    of ``native/codes.cpp``."""
     fn = _library("codes").lowp_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_int]
     return fn

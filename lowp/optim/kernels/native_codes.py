@@ -17,7 +17,6 @@ the argument, raised before anything is written. :data:`COUNTS` counts the eleme
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -28,9 +27,10 @@ from lowp.optim.kernels.checks import Span, kernel_memory, overlapping
 from lowp.optim.kernels.native_build import decode_function, encode_function, native_available
 
 __all__ = ["CountedBits", "Noise", "Encoding", "Decoding", "CodecCounts", "COUNTS", "available", "code_kind",
-           "scale_code", "grid_numbers", "fp8_table", "encode_many", "decode_many", "encode", "decode"]
+           "scale_code", "grid_numbers", "encode_many", "decode_many", "encode", "decode"]
 
-_KINDS = {torch.int8: 0, torch.uint8: 1}   # storage dtype of 8-bit integer codes; 4-bit: 2, fp8: 3
+#: storage dtype of 8-bit codes -> their kind (4-bit codes: 2)
+_KINDS = {torch.int8: 0, torch.uint8: 1, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _SCALES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -111,7 +111,7 @@ def code_kind(code: Code) -> int:
     """The ``CodeKind`` of ``native/codes.h`` that stores ``code``."""
     if code.bits == 4:
         return 2
-    return 3 if code.storage.is_floating_point else _KINDS[code.storage]
+    return _KINDS[code.storage]
 
 
 def scale_code(dtype: torch.dtype) -> int:
@@ -128,12 +128,6 @@ def _grid(code: Code) -> ctypes.Array:
     return (ctypes.c_double * 4)(*grid_numbers(code))
 
 
-@functools.lru_cache(maxsize=None)
-def fp8_table(storage: torch.dtype) -> torch.Tensor:
-    """The fp32 value of every byte of an fp8 dtype, by torch's own cast."""
-    return torch.arange(256, dtype=torch.uint8).view(storage).float()
-
-
 def _check(name: str, t: object, dtypes: Sequence[torch.dtype], numel: int, spans: list[Span], written: bool) -> None:
     """``ValueError`` unless ``t`` is kernel memory on the CPU of one of ``dtypes`` with ``numel``
     elements; its byte range goes to ``spans``."""
@@ -147,7 +141,7 @@ def _check(name: str, t: object, dtypes: Sequence[torch.dtype], numel: int, span
 
 
 def _check_block(code: object, block: object) -> None:
-    if not isinstance(code, Code) or code not in CODES.values():   # a custom Code's fp8 table would be short
+    if not isinstance(code, Code) or code not in CODES.values():   # the kernels know the kinds of CODES only
         raise ValueError(f"code: expected one of lowp.optim.codes.CODES ({', '.join(c.name for c in CODES.values())}), "
                          f"got {code!r}")
     check_block(block)
@@ -222,7 +216,6 @@ def decode_many(jobs: Sequence[Decoding], code: Code, block: int) -> None:
         _check_codes(f"jobs[{k}].", job.codes, job.scales, code, block, n, spans, False)
     if overlapping(spans):
         raise ValueError("jobs: an output shares memory with another tensor of the call")
-    table_of_values = fp8_table(code.storage) if code.storage.is_floating_point else None
     groups: dict[torch.dtype, list[Decoding]] = {}
     for job in jobs:
         groups.setdefault(job.scales.dtype, []).append(job)
@@ -231,8 +224,7 @@ def decode_many(jobs: Sequence[Decoding], code: Code, block: int) -> None:
         table = _pointers([[j.codes.data_ptr() for j in members], [j.scales.data_ptr() for j in members],
                            [j.out.data_ptr() for j in members]])
         numel = (ctypes.c_int64 * n)(*(j.out.numel() for j in members))
-        done = decode_function()(n, table, numel, code_kind(code), scale_code(scale_dtype), block, _grid(code),
-                                 None if table_of_values is None else table_of_values.data_ptr(),
+        done = decode_function()(n, table, numel, code_kind(code), scale_code(scale_dtype), block,
                                  torch.get_num_threads())
         if done != 0:
             raise RuntimeError(f"the native codec refused code {code.name}, block {block}")

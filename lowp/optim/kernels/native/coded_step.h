@@ -46,7 +46,7 @@ constexpr bool plain_states_draw() {
 
 // The codes q (before the scale) of the 16 elements from ``i`` (a multiple of 16) as (even, odd)
 // fp32 lanes.
-template <int KIND> static inline void load_code_pairs(const void *codes, int64_t i, const Grid &g, vf &even, vf &odd) {
+template <int KIND> static inline void load_code_pairs(const void *codes, int64_t i, vf &even, vf &odd) {
   const uint8_t *p = (const uint8_t *)codes;
   if constexpr (KIND == CODE_UINT4) {
     const vu x = (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i / 2)));  // lane l: byte l
@@ -63,8 +63,8 @@ template <int KIND> static inline void load_code_pairs(const void *codes, int64_
       even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 0xFFu));
       odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 8));
     } else {
-      even = (vf)_mm256_i32gather_ps(g.table, (__m256i)(x & 0xFFu), 4);
-      odd = (vf)_mm256_i32gather_ps(g.table, (__m256i)(x >> 8), 4);
+      even = fp8_values<KIND>(_mm_slli_epi16(bytes, 8));
+      odd = fp8_values<KIND>(bytes);
     }
   }
 }
@@ -100,52 +100,70 @@ static inline void valid_lanes(int64_t e, int64_t count, vi valid[2]) {
 // whose first element has global index ``index``. MASKED: only the first ``count`` elements are
 // the tensor's (the tail's local copies).
 template <bool MASKED>
-static inline void coded_group(const Pointers &p, int64_t i, void *const *scales, int64_t block0, uint64_t index,
+__attribute__((always_inline)) static inline void coded_group(const Pointers &p, int64_t i, void *const *scales, int64_t block0, uint64_t index,
                                int subs, int64_t count, TensorStreams &streams, const rule_uniform &r,
                                const vf &factor, const Grid *grid, vi &stalled) {
   vf u[SUBS][2];
   vf t[NSTATES + 1][SUBS][2];
-  vu peak[NSTATES + 1][8] = {};  // per block (lane_maxima's 8 vectors)
-  vf scale[NSTATES + 1];
+  vu peak[NSTATES + 1][8];  // per block (lane_maxima's 8 vectors; those past the group's blocks are 0)
   vi valid[2];
+  const int blocks = subs / BLOCK_SUBS;
   GroupRng rngs(streams, index, 16 * subs);  // for both passes
-  for (int k = 0; k < subs; k++) {
-    const int64_t e = i + 16 * k;
-    if constexpr (MASKED) valid_lanes(16 * k, count, valid);
-    vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
-    load_weight_and_grad(p, e, factor, w, g);
+  for (int b = 0; b < blocks; b++) {
+    // the block's scales and running peaks, in registers for its BLOCK_SUBS steps
+    vf scale[NSTATES + 1];
+    vu most[NSTATES + 1];
     for_states([&](auto j) {
       constexpr int J = decltype(j)::value;
       if constexpr (coded_state(J)) {
-        if (k % BLOCK_SUBS == 0) scale[J] = bc(scale_at<CODE_SCALE>(scales[J], block0 + k / BLOCK_SUBS));
-        load_code_pairs<CODE_KINDS[J]>(p.s[J], e, grid[J], s[0][J], s[1][J]);
-        for (int h = 0; h < 2; h++) {
-          s[h][J] *= scale[J];
-          if constexpr (unsigned_kind(CODE_KINDS[J])) s[h][J] *= s[h][J];
-        }
-      } else {
-        load<ST[J]>(p.s[J], e, s[0][J], s[1][J]);
+        scale[J] = bc(scale_at<CODE_SCALE>(scales[J], block0 + b));
+        most[J] = vu{};
       }
     });
-    for (int h = 0; h < 2; h++) u[k][h] = rule(r, w[h], g[h], s[h], out[h]);
-    Rng rng;
-    if constexpr (plain_states_draw()) rng = rngs.at(16 * k);
+    for (int k = b * BLOCK_SUBS; k < (b + 1) * BLOCK_SUBS; k++) {
+      const int64_t e = i + 16 * k;
+      if constexpr (MASKED) valid_lanes(16 * k, count, valid);
+      vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
+      load_weight_and_grad(p, e, factor, w, g);
+      for_states([&](auto j) {
+        constexpr int J = decltype(j)::value;
+        if constexpr (coded_state(J)) {
+          load_code_pairs<CODE_KINDS[J]>(p.s[J], e, s[0][J], s[1][J]);
+          for (int h = 0; h < 2; h++) {
+            s[h][J] *= scale[J];
+            if constexpr (unsigned_kind(CODE_KINDS[J])) s[h][J] *= s[h][J];
+          }
+        } else {
+          load<ST[J]>(p.s[J], e, s[0][J], s[1][J]);
+        }
+      });
+      for (int h = 0; h < 2; h++) u[k][h] = rule(r, w[h], g[h], s[h], out[h]);
+      Rng rng;
+      if constexpr (plain_states_draw()) rng = rngs.at(16 * k);
+      for_states([&](auto j) {
+        constexpr int J = decltype(j)::value;
+        if constexpr (coded_state(J)) {
+          for (int h = 0; h < 2; h++) {
+            vf v = unsigned_kind(CODE_KINDS[J]) ? sqrt_(out[h][J]) : out[h][J];
+            if constexpr (MASKED) v = select(valid[h], v, bc(0.0f));
+            t[J][k][h] = v;
+            most[J] = peak_of(most[J], v);
+          }
+        } else {
+          store<ST[J]>(p.s[J], e, state_value<J>(out[0][J], rng, 0), state_value<J>(out[1][J], rng, 1));
+        }
+      });
+    }
     for_states([&](auto j) {
       constexpr int J = decltype(j)::value;
-      if constexpr (coded_state(J)) {
-        vu &most = peak[J][k / BLOCK_SUBS];
-        for (int h = 0; h < 2; h++) {
-          vf v = unsigned_kind(CODE_KINDS[J]) ? sqrt_(out[h][J]) : out[h][J];
-          if constexpr (MASKED) v = select(valid[h], v, bc(0.0f));
-          t[J][k][h] = v;
-          most = peak_of(most, v);
-        }
-      } else {
-        store<ST[J]>(p.s[J], e, state_value<J>(out[0][J], rng, 0), state_value<J>(out[1][J], rng, 1));
-      }
+      if constexpr (coded_state(J)) peak[J][b] = most[J];
     });
   }
-  const int blocks = subs / BLOCK_SUBS;
+  for_states([&](auto j) {
+    constexpr int J = decltype(j)::value;
+    if constexpr (coded_state(J))
+      for (int b = blocks; b < 8; b++) peak[J][b] = vu{};
+  });
   BlockScales group_scales[NSTATES + 1];
   for_states([&](auto j) {
     constexpr int J = decltype(j)::value;
@@ -159,7 +177,7 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
       constexpr int J = decltype(j)::value;
       if constexpr (coded_state(J)) {
         bs[J] = group_scales[J][b];
-        fixed &= bs[J].fixed && (CODE_KINDS[J] != CODE_FP8 || SR);
+        fixed &= bs[J].fixed && (!fp8_kind(CODE_KINDS[J]) || SR);
       }
     });
     auto run = [&](auto all_fixed) {
@@ -173,7 +191,7 @@ static inline void coded_group(const Pointers &p, int64_t i, void *const *scales
           constexpr int J = decltype(j)::value;
           if constexpr (coded_state(J)) {
             constexpr int KIND = CODE_KINDS[J];
-            constexpr bool FIXED = ALL_FIXED && (KIND != CODE_FP8 || SR);
+            constexpr bool FIXED = ALL_FIXED && (!fp8_kind(KIND) || SR);
             vi c[2];
             for (int h = 0; h < 2; h++)
               c[h] = code_lanes<KIND, SR, FIXED>(t[J][k][h], bs[J], grid[J],
@@ -220,15 +238,14 @@ static void coded_tail(const Pointers &p, int64_t i, int64_t count, void *const 
 
 // As lowp_step, where ``ptrs[(3 + k) * tensors + j]`` are the codes of a coded state k, plus
 // ``scales[k * tensors + j]``: their block scales (null for a plain state); ``grids[4 * k ...]``:
-// the code's signed, Q, m and emin; ``tables[k]``: the fp32 values of fp8 codes (or null).
+// the code's signed, Q, m and emin.
 extern "C" int64_t lowp_coded_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
                                    const double *h, const double *tensor_numbers, const uint32_t *keys,
-                                   void *const *scales, const double *grids, const float *const *tables, int threads) {
+                                   void *const *scales, const double *grids, int threads) {
   Task t(tensors, ptrs, numel, h, offset, tensor_numbers, keys);
   std::vector<Grid> grid;
   for (int k = 0; k < NSTATES; k++)
-    grid.emplace_back((int)grids[4 * k], (float)grids[4 * k + 1], (int)grids[4 * k + 2], (int)grids[4 * k + 3],
-                      tables[k]);
+    grid.emplace_back((int)grids[4 * k], (float)grids[4 * k + 1], (int)grids[4 * k + 2], (int)grids[4 * k + 3]);
   return run_units(t, threads, [&](int64_t tensor, const Pointers &p, int64_t start, int64_t end, uint64_t base,
                                    TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
     void *own[NSTATES + 1] = {};

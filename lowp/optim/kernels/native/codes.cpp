@@ -33,12 +33,11 @@ static void encode_all(int64_t tensors, void *const *ptrs, const int64_t *numel,
 
 // ptrs[role * tensors + k]: 0 the codes, 1 the scales, 2 the fp32 output.
 template <int KIND, int S>
-static void decode_all(int64_t tensors, void *const *ptrs, const int64_t *numel, int64_t block, const Grid &g,
-                       int threads) {
+static void decode_all(int64_t tensors, void *const *ptrs, const int64_t *numel, int64_t block, int threads) {
   Units<UNIT> units(tensors, numel);
 #pragma omp parallel num_threads(thread_count(threads, units.count()))
   for (Unit u; units.take(u);)
-    decode_span<KIND, S>(ptrs[u.tensor], ptrs[tensors + u.tensor], u.start, u.end, block, g,
+    decode_span<KIND, S>(ptrs[u.tensor], ptrs[tensors + u.tensor], u.start, u.end, block,
                          (float *)ptrs[2 * tensors + u.tensor] + u.start);
 }
 
@@ -58,19 +57,20 @@ template <typename F> static bool dispatch(int kind, int scale, F &&f) {
     case CODE_INT8: return with_scale(std::integral_constant<int, CODE_INT8>{});
     case CODE_UINT8: return with_scale(std::integral_constant<int, CODE_UINT8>{});
     case CODE_UINT4: return with_scale(std::integral_constant<int, CODE_UINT4>{});
-    case CODE_FP8: return with_scale(std::integral_constant<int, CODE_FP8>{});
+    case CODE_E4M3: return with_scale(std::integral_constant<int, CODE_E4M3>{});
+    case CODE_E5M2: return with_scale(std::integral_constant<int, CODE_E5M2>{});
   }
   return false;
 }
 
-// ``grid``: signed, then Q, m, emin (the Code's numbers); ``table``: fp8 byte values or null;
+// ``grid``: signed, then Q, m, emin (the Code's numbers);
 // ``mode``: 0 nearest, 1 stochastic with bits drawn here from (first, keys), 2 stochastic with
 // the bits of ptrs role 3. Returns 0, or -1 for an unknown kind, scale dtype, mode or block.
 extern "C" int lowp_encode(int64_t tensors, void *const *ptrs, const int64_t *numel, const uint64_t *first,
                            const uint32_t *keys, int kind, int scale, int64_t block, const double *grid, int mode,
                            int threads) {
   if (!block_known(block) || mode < 0 || mode > 2) return -1;
-  const Grid g((int)grid[0], (float)grid[1], (int)grid[2], (int)grid[3], nullptr);
+  const Grid g((int)grid[0], (float)grid[1], (int)grid[2], (int)grid[3]);
   bool known = dispatch(kind, scale, [&](auto k, auto s) {
     constexpr int K = decltype(k)::value, SC = decltype(s)::value;
     if (mode == 0) encode_all<K, SC, false, false>(tensors, ptrs, numel, first, keys, block, g, threads);
@@ -81,11 +81,10 @@ extern "C" int lowp_encode(int64_t tensors, void *const *ptrs, const int64_t *nu
 }
 
 extern "C" int lowp_decode(int64_t tensors, void *const *ptrs, const int64_t *numel, int kind, int scale,
-                           int64_t block, const double *grid, const float *table, int threads) {
-  if (!block_known(block) || (kind == CODE_FP8 && table == nullptr)) return -1;
-  const Grid g((int)grid[0], (float)grid[1], (int)grid[2], (int)grid[3], table);
+                           int64_t block, int threads) {
+  if (!block_known(block)) return -1;
   bool known = dispatch(kind, scale, [&](auto k, auto s) {
-    decode_all<decltype(k)::value, decltype(s)::value>(tensors, ptrs, numel, block, g, threads);
+    decode_all<decltype(k)::value, decltype(s)::value>(tensors, ptrs, numel, block, threads);
   });
   return known ? 0 : -1;
 }

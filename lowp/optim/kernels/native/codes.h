@@ -30,7 +30,8 @@
 
 #include "simd.h"
 
-enum CodeKind { CODE_INT8 = 0, CODE_UINT8 = 1, CODE_UINT4 = 2, CODE_FP8 = 3 };
+enum CodeKind { CODE_INT8 = 0, CODE_UINT8 = 1, CODE_UINT4 = 2, CODE_E4M3 = 3, CODE_E5M2 = 4 };
+constexpr bool fp8_kind(int kind) { return kind == CODE_E4M3 || kind == CODE_E5M2; }
 constexpr int MAX_BLOCK = 256;
 
 // The grid of one code (lowp.optim.codes.Code), broadcast once per call.
@@ -40,9 +41,8 @@ struct Grid {
   vi top_code, least_code;  // Q and L as integers (integer codes)
   vf sub_fixed;              // fp8 subnormals: 2^(m - emin + 16), c * 2^16 of the fixed path
   vu normal_shift, normal_bias, top_byte, fixed_shift;
-  const float *table;  // fp8: the fp32 value of every byte (torch's own cast), for decoding
 
-  Grid(int is_signed, float q, int m, int emin, const float *lut) : table(lut) {
+  Grid(int is_signed, float q, int m, int emin) {
     top = bc(q);
     least = bc(is_signed ? 0.0f : 1.0f);
     top_code = (vi)bcu((uint32_t)q);
@@ -62,6 +62,26 @@ struct Grid {
 
 // Unsigned codes (the square roots of nonnegative states) by their storage kind.
 constexpr bool unsigned_kind(int kind) { return kind == CODE_UINT8 || kind == CODE_UINT4; }
+
+// The fp32 values of 8 fp8 codes, each the high byte of a 16-bit lane of ``x`` (the low bytes are
+// ignored), bit for bit as torch's casts: through the fp16 pattern of each code and the hardware's
+// exact fp16 -> fp32 conversion (F16C; its subnormal inputs are never flushed). An e5m2 code is the
+// top byte of an fp16; the conversion quiets a signalling NaN (0x7D00 -> 0x7FE00000) as torch does.
+// An e4m3fn code s.eeee.mmm is the fp16 s.0eeee.mmm0000000 (an arithmetic shift right by one, the
+// sign copied into the cleared bit 14) times 2^-8, normal and subnormal codes alike; its NaN
+// s.1111.111 is the one code whose bits 7..13 are all ones there, and adding 0x80 to them carries
+// into bit 14, which makes it the fp16 NaN s.11111.1110000000 (fp32 0x7FF00000 | s, torch's NaN).
+template <int KIND> static inline vf fp8_values(__m128i x) {
+  if constexpr (KIND == CODE_E5M2) {
+    return (vf)_mm256_cvtph_ps(_mm_and_si128(x, _mm_set1_epi16((short)0xFF00)));
+  } else {
+    static_assert(KIND == CODE_E4M3, "an fp8 kind");
+    const __m128i h = _mm_and_si128(_mm_srai_epi16(x, 1), _mm_set1_epi16((short)0xBF80));
+    const __m128i nan = _mm_and_si128(_mm_add_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3F80)), _mm_set1_epi16(0x80)),
+                                      _mm_set1_epi16(0x4000));
+    return (vf)_mm256_cvtph_ps(_mm_or_si128(h, nan)) * bc(256.0f);
+  }
+}
 
 // ---- block scales ------------------------------------------------------------------------------
 template <int S> static inline float scale_at(const void *scales, int64_t b) {
@@ -185,13 +205,13 @@ template <int KIND, bool SR, bool FIXED>
 static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) {
   const vf abs_mask = (vf)bcu(0x7FFFFFFFu);
   // y = t * k (integer codes' fixed path: t itself, k * 2^16 comes below); finite in a fixed block
-  const vf y = FIXED ? (KIND == CODE_FP8 ? t * b.k : t) : [&] {
+  const vf y = FIXED ? (fp8_kind(KIND) ? t * b.k : t) : [&] {
     const vf v = b.divide ? t / b.s : t * b.k;
     return select((vi)((vf)((vu)v & (vu)abs_mask) <= bc(FLT_MAX)), v, bc(0.0f));  // 0 / 0, x / 0, NaN blocks
   }();
   // |y|; the fixed path of unsigned codes skips it: there t >= 0 or -0, whose code is the same
   const vf a = FIXED && unsigned_kind(KIND) ? y : (vf)((vu)y & (vu)abs_mask);
-  if constexpr (KIND != CODE_FP8) {
+  if constexpr (!fp8_kind(KIND)) {
     vi m;
     if constexpr (SR) {
       const vf scaled = FIXED ? a * b.k16 : a * bc(65536.0f);  // c * 2^16
@@ -240,7 +260,7 @@ static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) 
 // ---- 8 codes at a time, in memory order ----------------------------------------------------------
 // Codes of elements j .. j + 7 of a block whose first code is ``codes`` (4-bit codes: j is even,
 // so the 8 codes are the 4 bytes from j / 2).
-template <int KIND> static inline vf load_codes(const void *codes, int64_t j, const Grid &g) {
+template <int KIND> static inline vf load_codes(const void *codes, int64_t j) {
   const uint8_t *p = (const uint8_t *)codes;
   if constexpr (KIND == CODE_UINT4) {
     uint32_t w;
@@ -253,7 +273,7 @@ template <int KIND> static inline vf load_codes(const void *codes, int64_t j, co
     __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
     if constexpr (KIND == CODE_INT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     else if constexpr (KIND == CODE_UINT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-    else return (vf)_mm256_i32gather_ps(g.table, _mm256_cvtepu8_epi32(b), 4);
+    else return fp8_values<KIND>(_mm_unpacklo_epi8(_mm_setzero_si128(), b));  // code k: the high byte of lane k
   }
 }
 
@@ -314,7 +334,7 @@ static inline void encode_block(const float *x, int64_t n, void *codes, void *sc
   if constexpr (unsigned_kind(KIND)) t = roots;
   const vu peaks[8] = {peak};
   const BlockScale bs = block_scales<S>(scales, b, 1, lane_maxima(peaks), g)[0];
-  if (bs.fixed && (KIND != CODE_FP8 || SR)) encode_values<KIND, SR, KIND != CODE_FP8 || SR>(t, n, codes, bs, g, noise);
+  if (bs.fixed && (!fp8_kind(KIND) || SR)) encode_values<KIND, SR, !fp8_kind(KIND) || SR>(t, n, codes, bs, g, noise);
   else encode_values<KIND, SR, false>(t, n, codes, bs, g, noise);
 }
 
@@ -323,11 +343,10 @@ template <int KIND> static inline int64_t code_offset(int64_t i) { return KIND =
 
 // Decode ``n`` values (a multiple of 8) of scale ``b`` into ``out``.
 template <int KIND, int S>
-static inline void decode_block(const void *codes, int64_t n, const void *scales, int64_t b, const Grid &g,
-                                float *out) {
+static inline void decode_block(const void *codes, int64_t n, const void *scales, int64_t b, float *out) {
   const vf s = bc(scale_at<S>(scales, b));
   for (int64_t j = 0; j < n; j += 8) {
-    vf y = load_codes<KIND>(codes, j, g) * s;
+    vf y = load_codes<KIND>(codes, j) * s;
     if constexpr (unsigned_kind(KIND)) y = y * y;
     memcpy(out + j, &y, 32);
   }
@@ -365,18 +384,18 @@ static inline void encode_span(const float *values, int64_t start, int64_t end, 
 // Decode elements [start, end) (as encode_span) into ``out`` (element ``start`` first).
 template <int KIND, int S>
 static inline void decode_span(const void *codes, const void *scales, int64_t start, int64_t end, int64_t block,
-                               const Grid &g, float *out) {
+                               float *out) {
   const uint8_t *c = (const uint8_t *)codes;
   for (int64_t i = start; i < end; i += block) {
     const int64_t n = end - i < block ? end - i : block;
     if (n % 8 == 0) {
-      decode_block<KIND, S>(c + code_offset<KIND>(i), n, scales, i / block, g, out + (i - start));
+      decode_block<KIND, S>(c + code_offset<KIND>(i), n, scales, i / block, out + (i - start));
       continue;
     }
     alignas(32) uint8_t local[MAX_BLOCK] = {};
     alignas(32) float y[MAX_BLOCK];
     memcpy(local, c + code_offset<KIND>(i), KIND == CODE_UINT4 ? (n + 1) / 2 : n);
-    decode_block<KIND, S>(local, (n + 7) / 8 * 8, scales, i / block, g, y);
+    decode_block<KIND, S>(local, (n + 7) / 8 * 8, scales, i / block, y);
     memcpy(out + (i - start), y, sizeof(float) * n);
   }
 }
