@@ -37,22 +37,20 @@ constexpr bool used_stream(int s) {
   return SR && (ST[s - STATE_STREAM] != F32 || coded_state(s - STATE_STREAM));
 }
 
+// Per stream the key with the high 32 bits of a block's index folded in (per lane: a block may
+// straddle a multiple of 2^32), kept mixed (simd.h's mix16: the streams of a block share the mixing
+// of the index); [h][s]: the even (h = 0) or odd lanes of stream s.
+struct StreamKeys {
+  vu key[2][STREAMS];
+};
+
 // The random streams of one block of 16 elements: the low 32 bits of the global index of the
-// even and odd lanes, and per stream the key with the high 32 bits folded in (per lane: a block
-// may straddle a multiple of 2^32), kept mixed (simd.h's mix16: the streams of a block share the
-// mixing of the index).
+// even and odd lanes, and the StreamKeys of the block, which many blocks share (an Rng holds them
+// by pointer: copying them with every block cost the step about 5% of its instructions).
 struct Rng {
   vu lo[2];
-  vu key[2][STREAMS];  // mix16 of the folded keys
-  template <int S> inline vu bits(int h) const { return random16_mixed(mix16(lo[h]) ^ key[h][S]); }
-  // The Rng of the block ``d`` elements on, when no element in between crosses a multiple of 2^32
-  // (the same keys: TensorStreams::at of that block, without its checks).
-  inline Rng ahead(uint32_t d) const {
-    Rng r = *this;
-    r.lo[0] += d;
-    r.lo[1] += d;
-    return r;
-  }
+  const StreamKeys *keys;
+  template <int S> inline vu bits(int h) const { return random16_mixed(mix16(lo[h]) ^ keys->key[h][S]); }
 };
 
 // The streams of one tensor: its keys (stream_key per stream), folded with the high half of the
@@ -61,39 +59,43 @@ struct TensorStreams {
   const uint32_t *keys;
   FoldedKeys<STREAMS> folded;
 
-  // The Rng of the block whose element 0 has global index ``first``.
-  inline Rng at(uint64_t first) {
+  // The Rng of the block whose element 0 has global index ``first``, its keys written to ``out``.
+  inline Rng at(uint64_t first, StreamKeys &out) {
     folded.fold(keys, first);
     const uint32_t lo = (uint32_t)first;
     const vu even = {0, 2, 4, 6, 8, 10, 12, 14};
-    Rng r;
-    r.lo[0] = even + lo;
-    r.lo[1] = even + (lo + 1u);
+    const Rng r{{even + lo, even + (lo + 1u)}, &out};
     if (__builtin_expect(lo <= 0xFFFFFFF0u, 1)) {  // the block stays below the next multiple of 2^32
       for (int h = 0; h < 2; h++)
         for (int s = 0; s < STREAMS; s++)
-          if (used_stream(s)) r.key[h][s] = bcu(mix16(folded.k0[s]));
+          if (used_stream(s)) out.key[h][s] = bcu(mix16(folded.k0[s]));
       return r;
     }
     for (int h = 0; h < 2; h++)
       for (int s = 0; s < STREAMS; s++)
-        if (used_stream(s)) r.key[h][s] = mix16(folded.wrapped(s, r.lo[h], lo));
+        if (used_stream(s)) out.key[h][s] = mix16(folded.wrapped(s, r.lo[h], lo));
     return r;
   }
 };
 
 // The Rngs of the 16-element blocks of a group of ``span`` elements whose element 0 has global
-// index ``first``: one TensorStreams::at for the whole group, then Rng::ahead, unless the group
-// crosses a multiple of 2^32.
+// index ``first``: one TensorStreams::at for the whole group, whose keys every block shares, unless
+// the group crosses a multiple of 2^32 (then each block's own, in ``crossing``: an Rng of such a
+// group is valid until the next ``at``).
 struct GroupRng {
   TensorStreams &streams;
   uint64_t first;
   bool one_half;
+  StreamKeys shared, crossing;
   Rng rng0;
   GroupRng(TensorStreams &s, uint64_t first_, int64_t span)
-      : streams(s), first(first_), one_half((uint32_t)first_ <= 0xFFFFFFFFu - (uint32_t)(span - 1)), rng0(s.at(first_)) {}
+      : streams(s), first(first_), one_half((uint32_t)first_ <= 0xFFFFFFFFu - (uint32_t)(span - 1)),
+        rng0(s.at(first_, shared)) {}
   // the Rng of the block from group element ``j``
-  inline Rng at(int64_t j) { return one_half ? rng0.ahead((uint32_t)j) : streams.at(first + j); }
+  inline Rng at(int64_t j) {
+    if (__builtin_expect(one_half, 1)) return Rng{{rng0.lo[0] + (uint32_t)j, rng0.lo[1] + (uint32_t)j}, &shared};
+    return streams.at(first + j, crossing);
+  }
 };
 
 // ``x`` rounded stochastically to DT with 16 random bits (a plain fp32 value stays itself).
@@ -308,14 +310,16 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
   }
   for (; i + 16 <= end; i += 16) {
     vf u[2];
-    const Rng rng = streams.at(base + i);
+    StreamKeys keys;
+    const Rng rng = streams.at(base + i, keys);
     update_block(p, i, r, factor, rng, u);
     write_back_block(p, i, rng, u, valid, stalled);
   }
   if (i < end)
     tail<true>(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
       vf u[2];
-      const Rng rng = streams.at(base + i);
+      StreamKeys keys;
+      const Rng rng = streams.at(base + i, keys);
       update_block(q, 0, r, factor, rng, u);
       write_back_block(q, 0, rng, u, lanes_valid, stalled);
     });
