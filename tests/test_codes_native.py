@@ -105,6 +105,25 @@ def test_every_code_byte_decodes_as_torch_decodes_it(code):
     assert torch.equal(_bits(want), _bits(native_codes.decode(codes, scales, code, 32, numel)))
 
 
+@pytest.mark.parametrize("code", [c for c in ALL_CODES if c.storage.is_floating_point], ids=lambda c: c.name)
+def test_fp8_codes_decode_exactly_with_denormals_flushed(code):
+    """fp8 codes decode through their fp16 patterns, subnormal ones included (every subnormal e4m3fn
+    code is an fp16 subnormal there); F16C converts those exactly whatever MXCSR's flush-to-zero
+    and denormals-are-zero bits say, which ``torch.set_flush_denormal(True)`` sets on this thread
+    (the codec runs one unit here, on the calling thread)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(code.storage)
+    scales = torch.ones(8)
+    want = decode(codes, scales, code, 32, 256)
+    assert (want.abs() < 2.0 ** -6).sum() > 8   # the subnormal codes and zeros
+    if not torch.set_flush_denormal(True):
+        pytest.fail("torch.set_flush_denormal is not supported on this x86-64 CPU")
+    try:
+        got = native_codes.decode(codes, scales, code, 32, 256)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(_bits(want), _bits(got))
+
+
 def test_random_bits_across_a_multiple_of_2_to_the_32():
     """CountedBits draws random16 of the global index, whose high 32 bits change mid-tensor."""
     code = CODES[torch.uint8]
