@@ -2,8 +2,9 @@
 config, no download) trained on CPU with a lowp AdamW handed over through ``optimizers=`` or
 ``optimizer_cls_and_kwargs=``. Trainer's checkpoints hold the whole lowp state (compensation or
 remainder buffers, every state in its own dtype) and ``resume_from_checkpoint`` continues bit for
-bit like the uninterrupted run. Each training runs once per module (``trained``); the tests check
-what it left behind."""
+bit like the uninterrupted run; so does the 5-byte configuration (one-byte remainders, int8 / uint8
+block-scaled moments). Each training runs once per module (``trained``); the tests check what it
+left behind."""
 from __future__ import annotations
 
 import math
@@ -26,7 +27,14 @@ from nested_equal import assert_nested_equal  # noqa: E402
 STEPS, SAVE_AT, BATCH, MAX_GRAD_NORM = 16, 6, 4, 0.5
 #: Resumed bit-identically; "stochastic" included because its random bits come from the
 #: checkpointed generator state (and seed), which Trainer's optimizer.pt carries.
-MODES = ("kahan", "exact", "stochastic")
+MODES = ("kahan", "exact", "stochastic", "exact8-codes")
+#: "exact8-codes": AdamW at about 5 bytes per parameter (lowp memory's recommendation)
+CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+
+
+def _options(mode: str) -> dict:
+    """The optimizer's keyword arguments of a ``MODES`` entry."""
+    return {"mode": "exact8", "state_dtype": CODED} if mode == "exact8-codes" else {"mode": mode}
 
 
 class Sequences(Dataset):
@@ -86,9 +94,9 @@ def _train(out: Path, mode: str, resume: Path | None = None, bf16: bool = False,
     callback = GradNorms()
     if through_cls:
         trainer = Trainer(model=model, args=args, train_dataset=Sequences(), callbacks=[callback],
-                          optimizer_cls_and_kwargs=(AdamW, {"lr": 3e-3, "mode": mode}))
+                          optimizer_cls_and_kwargs=(AdamW, {"lr": 3e-3, **_options(mode)}))
     else:
-        optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, mode=mode)
+        optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, **_options(mode))
         scheduler = get_linear_schedule_with_warmup(optimizer, 2, STEPS)
         trainer = Trainer(model=model, args=args, train_dataset=Sequences(), callbacks=[callback],
                           optimizers=(optimizer, scheduler))
@@ -126,11 +134,16 @@ def test_checkpoint_holds_the_lowp_state(trained, mode):
     params = list(run.model.parameters())
     assert len(saved["state"]) == len(params)
     buffer = {"kahan": ("compensation", torch.bfloat16), "exact": ("remainder", torch.int16),
-              "stochastic": None}[mode]
+              "stochastic": None, "exact8-codes": ("remainder8", torch.int8)}[mode]
     for i, p in enumerate(params):
         entry = saved["state"][i]
         assert int(entry["step"]) == SAVE_AT
-        assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == p.dtype
+        if mode == "exact8-codes":   # codes in their own dtypes, their bf16 block scales beside them
+            assert (entry["exp_avg"].dtype, entry["exp_avg_sq"].dtype) == (torch.int8, torch.uint8)
+            assert entry["exp_avg_scale"].dtype == entry["exp_avg_sq_scale"].dtype == torch.bfloat16
+            assert entry["exp_avg"].count_nonzero() > 0 and entry["exp_avg_sq"].count_nonzero() > 0
+        else:
+            assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == p.dtype
         low = p.dtype == torch.bfloat16
         if low and buffer is not None:
             name, dtype = buffer

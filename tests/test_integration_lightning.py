@@ -3,7 +3,8 @@
 ``ModelCheckpoint`` files hold the whole lowp state, ``fit(ckpt_path=...)`` continues bit for
 bit like the uninterrupted run, and Lightning's ``optimizer.step(closure)`` runs the closure
 (forward and backward) once per step. With fp32 weights, ``"bf16-mixed"`` and a GradScaler
-``"16-mixed"`` plugin work too. Each training runs once per module (``trained``)."""
+``"16-mixed"`` plugin work too, and so does the 5-byte configuration (one-byte remainders, int8 /
+uint8 block-scaled moments). Each training runs once per module (``trained``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +27,14 @@ from nested_equal import assert_nested_equal  # noqa: E402
 
 BATCHES, EPOCHS, RESUME_EPOCH = 6, 4, 1     # 6 steps an epoch; resumed from the end of epoch 1
 STEPS = BATCHES * EPOCHS
-MODES = ("kahan", "exact", "stochastic")
+MODES = ("kahan", "exact", "stochastic", "exact8-codes")
+#: "exact8-codes": AdamW at about 5 bytes per parameter (lowp memory's recommendation)
+CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+
+
+def _options(mode: str) -> dict:
+    """The optimizer's keyword arguments of a ``MODES`` entry."""
+    return {"mode": "exact8", "state_dtype": CODED} if mode == "exact8-codes" else {"mode": mode}
 
 
 def _data() -> DataLoader:
@@ -71,7 +79,7 @@ class Regression(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_kind == "torch":
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return AdamW(self.parameters(), lr=1e-2, mode=self.mode)
+        return AdamW(self.parameters(), lr=1e-2, **_options(self.mode))
 
 
 class LowpBf16(HalfPrecision):
@@ -154,11 +162,16 @@ def test_checkpoint_holds_the_lowp_state(trained, mode):
     saved = torch.load(run.checkpoint(RESUME_EPOCH), weights_only=False)["optimizer_states"][0]
     params = list(run.module.parameters())
     assert len(saved["state"]) == len(params) and {p.dtype for p in params} == {torch.bfloat16}
-    buffer = {"kahan": ("compensation", torch.bfloat16), "exact": ("remainder", torch.int16)}.get(mode)
+    buffer = {"kahan": ("compensation", torch.bfloat16), "exact": ("remainder", torch.int16),
+              "exact8-codes": ("remainder8", torch.int8)}.get(mode)
     for i, p in enumerate(params):
         entry = saved["state"][i]
         assert int(entry["step"]) == (RESUME_EPOCH + 1) * BATCHES
-        assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == torch.bfloat16
+        if mode == "exact8-codes":   # codes in their own dtypes, their bf16 block scales beside them
+            assert (entry["exp_avg"].dtype, entry["exp_avg_sq"].dtype) == (torch.int8, torch.uint8)
+            assert entry["exp_avg_scale"].dtype == entry["exp_avg_sq_scale"].dtype == torch.bfloat16
+        else:
+            assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == torch.bfloat16
         if buffer is None:
             assert not {"compensation", "remainder"} & entry.keys()
         else:

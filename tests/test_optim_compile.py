@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lowp.optim as lo
+from lowp.optim.codes import code_for, scale_name
 from lowp.optim.kernels import native_available
 from lowp.optim.writeback import MODES
 from lowp.threads import single_thread
@@ -70,6 +71,20 @@ def test_compiled_step_is_bit_identical_to_eager_adamw(backend):
 @pytest.mark.parametrize("cls, kw", OPTIMIZERS, ids=[c.__name__ for c, _ in OPTIMIZERS])
 def test_compiled_step_is_bit_identical_to_eager_for_every_optimizer(cls, kw, backend):
     _check(cls, kw, backend, steps=50)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("states", [{"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                                    {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}],  # type: ignore[attr-defined]
+                         ids=["int8-uint8", "e4m3-uint4"])
+def test_compiled_step_is_bit_identical_to_eager_with_block_scaled_states(backend, states):
+    """Codes and their block scales too (every mode, the one-byte remainder of exact8 included)."""
+    kw = dict(lr=1e-4, weight_decay=0.1, state_dtype=states)
+    _check(lo.AdamW, kw, backend, steps=20)
+    p, opt = _run(lo.AdamW, kw, "exact8", backend, True, steps=2)
+    for name, dtype in states.items():   # held as codes (4-bit ones two to a byte) with their scales
+        code = code_for(dtype)
+        assert code is not None and opt.state[p][name].dtype == code.storage and scale_name(name) in opt.state[p]
 
 
 def test_fullgraph_explains_why_the_step_is_not_traced():

@@ -53,12 +53,12 @@ def test_small_fp16_gradients_take_adam_sized_steps_with_the_default_states(cls)
     assert steps[torch.float16] > 5 * steps[torch.float32]
 
 
-def _train(dtype: torch.dtype, scaler: bool, steps: int = 200) -> float:
+def _train(dtype: torch.dtype, scaler: bool, steps: int = 200, state_dtype: object = None) -> float:
     torch.manual_seed(0)
     teacher = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     torch.manual_seed(1)
     model = cast_model(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)), dtype)
-    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, state_dtype=state_dtype)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if scaler else None
     gen = torch.Generator().manual_seed(2)
     for _ in range(steps):
@@ -84,3 +84,32 @@ def test_fp16_mlp_with_defaults_ends_within_half_a_percent_of_fp32(scaler):
     fp32 = _train(torch.float32, False)
     fp16 = _train(torch.float16, scaler)
     assert abs(fp16 / fp32 - 1) < 0.005, (fp16, fp32)
+
+
+CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+
+
+def test_fp16_mlp_with_8bit_states_and_a_gradscaler_ends_within_half_a_percent_of_fp32():
+    """int8 / uint8 block-scaled moments under a GradScaler: the codes see unscaled gradients."""
+    fp32 = _train(torch.float32, False)
+    fp16 = _train(torch.float16, True, state_dtype=CODED)
+    assert abs(fp16 / fp32 - 1) < 0.005, (fp16, fp32)
+
+
+def test_an_overflowed_step_leaves_codes_scales_and_weights_as_they_were():
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 300, dtype=torch.float16))
+    opt = AdamW([p], lr=1e-2, state_dtype=CODED)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for inf in (False, True):
+        before = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+        weights = torch.linspace(-1, 1, 300) * (float("inf") if inf else 1.0)
+        opt.zero_grad()
+        scaler.scale((p.float() * weights).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert torch.equal(p.detach(), before[0])
+    assert before[1].keys() >= {"exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "compensation"}
+    for name, value in before[1].items():
+        assert torch.equal(value, opt.state[p][name]), name
+    assert opt.state[p]["step"] == 1 and opt.skipped_steps == 1
+    assert opt.state[p]["exp_avg"].dtype == torch.int8 and scaler.get_scale() == 2.0 ** 7

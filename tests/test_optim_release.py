@@ -12,6 +12,7 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.base import LowpOptimizer
+from lowp.optim.codes import code_for
 from tests.nested_equal import assert_nested_equal
 
 NATIVE = lo.backends.native_available()
@@ -121,6 +122,24 @@ def test_accumulation_equals_micro_batches_and_one_step(mode):
             assert all((p.grad is None) == stepped for p in released[0].parameters() if p is not released[0].side)
     handle.remove()
     assert_same(plain, released)
+
+
+@pytest.mark.parametrize("backend", ["foreach", *(["native"] if NATIVE else [])])
+@pytest.mark.parametrize("states", [{"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                                    {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}],  # type: ignore[attr-defined]
+                         ids=["int8-uint8", "e4m3-uint4"])
+def test_release_with_block_scaled_states_and_one_byte_remainders(backend, states):
+    """The memory configurations: each parameter's codes, scales and one-byte remainder are
+    stepped in its hook, over 2 micro-batches, as one step would."""
+    plain = make(backend, "exact8", state_dtype=states)
+    train(*plain, steps=3, k=2)
+    released = make(backend, "exact8", state_dtype=states)
+    with lo.release_gradients(released[1], accumulation_steps=2):
+        train(*released, steps=3, k=2)
+    assert_same(plain, released)
+    state = released[1].state[released[0].a]
+    assert state["exp_avg"].dtype == code_for(states["exp_avg"]).storage and "exp_avg_scale" in state
+    assert state["remainder8"].dtype == torch.int8 and state["remainder8"].count_nonzero() > 0
 
 
 def test_checkpoint_round_trip_resumes_bit_identically():
