@@ -258,6 +258,7 @@ def test_refusals_change_nothing():
              ((opt,), {"accumulation_steps": 0}, ValueError, "accumulation_steps"),
              ((opt,), {"accumulation_steps": True}, ValueError, "accumulation_steps"),
              ((opt,), {"scaler": object()}, TypeError, "scaler"),
+             ((opt,), {"local_gradients": 1}, TypeError, "local_gradients"),
              ((make(nonfinite="skip_step")[1],), {}, ValueError, "nonfinite")]
     for args, kw, error, name in cases:
         with pytest.raises(error, match=f"^{name}: "):
@@ -277,6 +278,54 @@ def test_refusals_change_nothing():
             opt.step_params(*args, **kw)
     assert_nested_equal(before, opt.state_dict())
 
+
+
+def _data_parallel_ranks(rank: int, world_size: int, store_file: str) -> dict[str, Any]:
+    """On each rank of a real gloo group: release refused for a DDP model (nothing registered);
+    allowed with ``local_gradients=True`` (equal to the plain step); and a group initialized
+    after the hooks were registered stops the first backward pass before any step."""
+    import torch.distributed as dist
+    out: dict[str, Any] = {}
+    net, opt = make()
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    try:
+        lo.release_gradients(opt)
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    out["nothing_registered"] = opt._released_by is None and not any(
+        p._post_accumulate_grad_hooks for p in ddp.parameters())
+    plain, local = make(), make()
+    train(*plain, steps=2)
+    with lo.release_gradients(local[1], local_gradients=True):
+        train(*local, steps=2)
+    assert_same(plain, local)
+    out["local_equal"] = True
+    dist.destroy_process_group()
+    late = make()
+    handle = lo.release_gradients(late[1])   # no group yet: accepted
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, world_size), rank=rank, world_size=world_size)
+    before = copy.deepcopy(late[0].state_dict())
+    try:
+        loss_of(late[0], 0).backward()
+    except ValueError as exc:
+        out["late"] = str(exc)
+    out["late_unchanged"] = not late[1].state and all(
+        torch.equal(v, before[k]) for k, v in late[0].state_dict().items())
+    handle.remove()
+    return out
+
+
+def test_data_parallel_gradients_are_refused_before_anything_steps(tmp_path):
+    """DDP averages gradients after the hooks would step: without the refusal each rank would
+    step with its own gradient and the replicas would drift apart silently."""
+    from lowp.distributed.launch import run_local_group
+    results = run_local_group(_data_parallel_ranks, 2, str(tmp_path / "store"), timeout_s=30)
+    for rank, out in enumerate(results):
+        assert out["refused"].startswith(f"local_gradients: this process is rank {rank} of 2")
+        assert "DistributedDataParallel" in out["refused"] and out["nothing_registered"]
+        assert out["local_equal"]
+        assert out["late"].startswith(f"local_gradients: this process is rank {rank} of 2")
+        assert out["late_unchanged"]
 
 
 class Checkpointed(Net):

@@ -26,6 +26,15 @@ whose gradient overflowed (its update cannot wait for the other layers' verdict:
 have been stepped already); at the end of the stepping pass the scaler is told whether anything
 overflowed, the record ``scaler.unscale_`` would leave, so ``scaler.step(opt)`` (which then only
 calls the optimizer's ``step``, a no-op here) and ``scaler.update()`` behave as usual.
+
+Data parallelism does not mix with it: DistributedDataParallel (and FSDP1, or a hand-written
+all-reduce) averages the gradients across ranks after autograd has accumulated them, which is
+after the hooks would have stepped with this rank's own gradient, so the ranks' weights would
+drift apart without an error. DDP's buckets also hold every gradient for the all-reduce, so
+there is no gradient memory to save. In a process whose default process group has more than one
+rank, release therefore refuses unless ``local_gradients=True`` says that no data parallelism
+reduces these gradients (tensor or pipeline parallelism alone); the check is repeated when a
+backward pass begins, before anything is stepped, for a group initialized after the hooks.
 """
 from __future__ import annotations
 
@@ -53,14 +62,17 @@ class GradientRelease:
         optimizer: the lowp optimizer whose parameters are stepped during the backward pass.
         accumulation_steps: backward passes per step, a positive int.
         scaler: the :class:`torch.amp.GradScaler` that scales the loss, or ``None``.
+        local_gradients: ``True`` when no data parallelism reduces the gradients after backward;
+            required when torch.distributed's default group has more than one rank.
     """
 
     def __init__(self, optimizer: LowpOptimizer, accumulation_steps: int = 1,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
-        _check(optimizer, accumulation_steps, scaler)
+                 scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False) -> None:
+        _check(optimizer, accumulation_steps, scaler, local_gradients)
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.scaler = scaler
+        self.local_gradients = local_gradients
         #: Backward passes seen (that reached a parameter) since the hooks were registered.
         self.backward_passes = 0
         self._in_backward = False
@@ -100,6 +112,7 @@ class GradientRelease:
         task = torch._C._current_graph_task_id()
         if task < self._task:   # task ids grow: an outer pass goes on after a nested one ended
             raise _nested_error()
+        _check_ranks(self.local_gradients)   # a group initialized after the hooks were registered
         self._task = task
         self._in_backward = True
         self._stepping = (self.backward_passes + 1) % self.accumulation_steps == 0
@@ -150,8 +163,26 @@ def _nested_error() -> RuntimeError:
                         "pass ends. Use use_reentrant=False")
 
 
-def _check(optimizer: Any, accumulation_steps: Any, scaler: Any) -> None:
+def _check_ranks(local_gradients: bool) -> None:
+    """Raise unless this process is alone in torch.distributed's default group or
+    ``local_gradients`` says that nothing reduces its gradients after backward."""
+    if local_gradients or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    world = torch.distributed.get_world_size()
+    if world > 1:
+        raise ValueError(
+            f"local_gradients: this process is rank {torch.distributed.get_rank()} of {world}, and gradient release "
+            "steps each parameter with the gradient autograd accumulated on this rank, before "
+            "DistributedDataParallel, FSDP1 or an all-reduce of your own could average it: under data parallelism "
+            "the ranks' weights would drift apart. (Under DDP release saves no memory either: its buckets hold "
+            "every gradient.) Pass local_gradients=True only when no data parallelism reduces these gradients "
+            "(tensor or pipeline parallelism alone); otherwise step with optimizer.step()")
+
+
+def _check(optimizer: Any, accumulation_steps: Any, scaler: Any, local_gradients: Any) -> None:
     """Raise naming the argument that :class:`GradientRelease` cannot work with."""
+    if type(local_gradients) is not bool:
+        raise TypeError(f"local_gradients: expected a bool, got {type(local_gradients).__name__}")
     if not isinstance(optimizer, LowpOptimizer):
         raise TypeError(f"optimizer: expected a lowp optimizer (lowp.optim.LowpOptimizer), got "
                         f"{type(optimizer).__name__}")
@@ -169,6 +200,7 @@ def _check(optimizer: Any, accumulation_steps: Any, scaler: Any) -> None:
         if sharding.is_dtensor(p):
             raise TypeError(f"params[{i}]: a DTensor; gradient release steps plain tensors only (FSDP2 "
                             f"reduce-scatters its gradients after the hooks would run)")
+    _check_ranks(local_gradients)
 
 
 def _report_overflow(scaler: torch.amp.GradScaler, optimizer: LowpOptimizer, found: bool) -> None:
@@ -184,7 +216,7 @@ def _report_overflow(scaler: torch.amp.GradScaler, optimizer: LowpOptimizer, fou
 
 
 def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
-                      scaler: torch.amp.GradScaler | None = None) -> GradientRelease:
+                      scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False) -> GradientRelease:
     """Step ``optimizer``'s parameters during the backward pass and free each gradient right
     after (module docstring); returns the handle that removes the hooks.
 
@@ -208,8 +240,12 @@ def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
             hooks unscale with its current scale, skip parameters whose gradient overflowed and
             report the overflow to it for ``scaler.update()``. Without it a scaled loss would
             step with scaled gradients.
+        local_gradients: ``True`` when no data parallelism (DistributedDataParallel, FSDP1, an
+            all-reduce of the gradients) reduces the gradients after the backward pass. Required
+            (``ValueError`` otherwise) when torch.distributed's default process group has more
+            than one rank: release would step each rank with its own unaveraged gradient.
 
     Returns:
         The :class:`GradientRelease` handle (``remove()``, context manager).
     """
-    return GradientRelease(optimizer, accumulation_steps, scaler)
+    return GradientRelease(optimizer, accumulation_steps, scaler, local_gradients)
