@@ -42,7 +42,7 @@ from lowp.optim.codes import CODES, SCALE_DTYPES, Code, check_block, code_for, e
 from lowp.optim.coded import CodedState, run_coded
 from lowp.optim.migrate import to_lowp_layout
 from lowp.optim.preflight import check_flag, check_seed
-from lowp.optim.randomness import Stream
+from lowp.optim.randomness import Stream, default_seed
 from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
@@ -217,8 +217,9 @@ class LowpOptimizer(torch.optim.Optimizer):
             temporaries of a step (:mod:`lowp.optim.backends`); a positive int, or ``None``
             (default: ``2**18`` on the CPU, ``2**22`` on a GPU).
         seed: the seed of the stochastic-rounding streams, an int in ``[0, 2**64)`` (default:
-            ``torch.initial_seed()``): element ``i`` of parameter ``param_id`` (its position
-            over all groups) draws ``random16(i, stream_key(seed, step, param_id, stream))``
+            ``torch.initial_seed()``, rank 0's in a process group of several ranks:
+            :func:`~lowp.optim.randomness.default_seed`): element ``i`` of parameter
+            ``param_id`` (its position over all groups) draws ``random16(i, stream_key(seed, step, param_id, stream))``
             (:mod:`lowp.optim.randomness`). Saved in the ``state_dict``.
         diagnostics: ``True`` (default) counts the elements whose stored weight did not move in
             each step (:meth:`diagnostics`); ``False`` saves that count. Must be a bool.
@@ -279,7 +280,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         get_backend(backend or "eager", chunk_size)  # checks backend and chunk_size before any state exists
         self.nonfinite = nonfinite
         self.diagnostics_enabled = diagnostics
-        self.seed = torch.initial_seed() if seed is None else check_seed(seed)
+        if seed is not None:
+            check_seed(seed)
         self.skipped_params = 0
         self.skipped_steps = 0
         # per group: (stalled count, elements, weight) of each job of the last step; weight 0 for
@@ -293,6 +295,9 @@ class LowpOptimizer(torch.optim.Optimizer):
         if backend is None:
             backend = backend_for([p for g in self.param_groups for p in g["params"]], fused, foreach)
         self.backend: Backend = get_backend(backend, chunk_size)
+        # last: under torch.distributed the default is a broadcast, which no rank should enter
+        # and then leave the others waiting by raising
+        self.seed = default_seed() if seed is None else check_seed(seed)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -967,7 +972,8 @@ class TwoMomentOptimizer(LowpOptimizer):
         foreach: ``False`` runs unfused steps with the eager backend (default ``None``: foreach).
         backend: a backend by name (default ``None``: chosen from ``fused`` and ``foreach``).
         chunk_size: the most elements per batch or chunk (default ``None``: by device).
-        seed: the stochastic-rounding seed (default ``torch.initial_seed()``).
+        seed: the stochastic-rounding seed (default ``torch.initial_seed()``; rank 0's under
+            torch.distributed).
         diagnostics: count elements whose stored weight did not move (default ``True``).
         fused: ``None`` (default) fused when worth it, ``True`` required, ``False`` never.
         kahan_sum: optimi's spelling of ``mode`` (default ``None``: not given).

@@ -17,6 +17,10 @@ key, so elements ``i`` and ``i + 2**32`` draw different bits::
 
     random16(i, key) = hash32(lo32(i) ^ key ^ hash32(hi32(i))) >> 16      (hash32(0) = 0)
 
+The default seed is ``torch.initial_seed()``; in a process group of several ranks it is rank 0's
+(:func:`default_seed`), so replicas of a parameter (DistributedDataParallel, replicated DTensor
+placements) draw the same bits even when each rank seeds torch differently.
+
 ``hash32`` is an xor-shift-multiply integer mixer (constants from C. Wellons' "hash prospector",
 2018, a low-bias 32-bit mixer); ``stream_key`` mixes its inputs with SplitMix64's finalizer
 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014).
@@ -32,8 +36,8 @@ import torch
 
 from lowp.optim.scratch import Scratch
 
-__all__ = ["as_int32", "Stream", "stream_key", "stream_keys", "hash32_int", "random16_int", "hash32", "random16",
-           "random16_range", "random16_ranges", "fold_key", "ElementIndex", "RandomStreams"]
+__all__ = ["as_int32", "default_seed", "Stream", "stream_key", "stream_keys", "hash32_int", "random16_int", "hash32",
+           "random16", "random16_range", "random16_ranges", "fold_key", "ElementIndex", "RandomStreams"]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -46,6 +50,25 @@ class Stream:
     WEIGHT = 0
     COMPENSATION = 1
     STATE = 2
+
+
+def default_seed() -> int:
+    """The seed of an optimizer built without one: ``torch.initial_seed()``, but rank 0's when
+    torch.distributed's default process group has more than one rank (one broadcast of a Python
+    int over that group, so every rank must build its lowp optimizers in the same order, as
+    every rank builds its DistributedDataParallel wrapper; give ``seed=`` to avoid it).
+
+    Replicated parameters stay replicas only if every rank rounds them with the same bits: with
+    each rank's own ``torch.initial_seed()`` (scripts often seed torch with ``base + rank`` for
+    dropout or augmentation) the replicas of a DDP model would drift apart, an ulp at a time,
+    without an error."""
+    seed = torch.initial_seed()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box: list[object] = [seed]
+        dist.broadcast_object_list(box, src=0)
+        seed = int(box[0])  # type: ignore[call-overload]
+    return seed
 
 
 def _splitmix64(x: int) -> int:
