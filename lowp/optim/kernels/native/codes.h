@@ -41,6 +41,7 @@ struct Grid {
   vi top_code, least_code;  // Q and L as integers (integer codes)
   vf sub_fixed;              // fp8 subnormals: 2^(m - emin + 16), c * 2^16 of the fixed path
   vu normal_shift, normal_bias, top_byte, fixed_shift;
+  vu fixed_bias, top_fixed;  // fp8's fixed path: normal_bias and top_byte times 2^16
 
   Grid(int is_signed, float q, int m, int emin) {
     top = bc(q);
@@ -57,6 +58,8 @@ struct Grid {
     uint32_t top_bits;
     memcpy(&top_bits, &q, 4);
     top_byte = bcu((top_bits >> (23 - m)) - ((127 - (1 - emin)) << m));  // fp8: the byte of Q
+    fixed_bias = normal_bias << 16;
+    top_fixed = top_byte << 16;
   }
 };
 
@@ -230,12 +233,14 @@ static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) 
       // ((F + r) >> 16) * 2^(e-m) is (e + bias) << m plus that minus 2^m (a carry out of the
       // mantissa moves q to the next binade, as the byte's own carry does): ((bits(a) >> (7 - m)) +
       // r) >> 16 minus the exponent bias difference. A subnormal a's byte is (F + r) >> 16.
+      // Both are (F' + r) >> 16 for one F' (the normal one less the bias times 2^16, still >= 2^19),
+      // so the bits are added once, after the clamp: F' >= top * 2^16 gives top whatever r < 2^16,
+      // and F' < top * 2^16 gives at most top, as clamping the byte would.
       static_assert(SR, "the fixed path of fp8 codes rounds stochastically");
-      const vu normal = ((((vu)a >> g.fixed_shift) + noise) >> 16) - g.normal_bias;
-      const vu subnormal = ((vu)_mm256_cvttps_epi32((__m256)(a * g.sub_fixed)) + noise) >> 16;
-      const vu byte = (vu)_mm256_min_epi32((__m256i)((a < g.min_binade) ? subnormal : normal),
-                                           (__m256i)g.top_byte);
-      return (vi)(byte | (((vu)y >> 24) & 0x80u));
+      const vu normal = ((vu)a >> g.fixed_shift) - g.fixed_bias;
+      const vu subnormal = (vu)_mm256_cvttps_epi32((__m256)(a * g.sub_fixed));
+      const vu fixed = (vu)_mm256_min_epi32((__m256i)((a < g.min_binade) ? subnormal : normal), (__m256i)g.top_fixed);
+      return (vi)(((fixed + noise) >> 16) | (((vu)y >> 24) & 0x80u));
     }
     const vf binade = (vf)((vu)a & 0x7F800000u);
     const vf spacing = select((vi)(binade > g.min_binade), binade, g.min_binade) * g.inv_mantissa;
