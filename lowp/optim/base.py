@@ -280,8 +280,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         get_backend(backend or "eager", chunk_size)  # checks backend and chunk_size before any state exists
         self.nonfinite = nonfinite
         self.diagnostics_enabled = diagnostics
-        if seed is not None:
-            check_seed(seed)
+        seed = None if seed is None else check_seed(seed)
         self.skipped_params = 0
         self.skipped_steps = 0
         # per group: (stalled count, elements, weight) of each job of the last step; weight 0 for
@@ -297,7 +296,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.backend: Backend = get_backend(backend, chunk_size)
         # last: under torch.distributed the default is a broadcast, which no rank should enter
         # and then leave the others waiting by raising
-        self.seed = default_seed() if seed is None else check_seed(seed)
+        self.seed = default_seed() if seed is None else seed
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
