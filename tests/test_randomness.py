@@ -73,4 +73,3 @@ def test_stream_keys_and_random_streams_use_the_same_keys_and_indices():
     contiguous = RandomStreams(9, 4, 2, ElementIndex(offset=(1 << 32) - 10))
     assert torch.equal(contiguous.bits(Stream.WEIGHT, (20,)),
                        random16(torch.arange((1 << 32) - 10, (1 << 32) + 10), stream_key(9, 4, 2, Stream.WEIGHT)))
-

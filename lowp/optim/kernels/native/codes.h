@@ -40,8 +40,8 @@ struct Grid {
   vf min_binade, inv_mantissa, sub_scale;
   vi top_code, least_code;  // Q and L as integers (integer codes)
   vf sub_fixed;              // fp8 subnormals: 2^(m - emin + 16), c * 2^16 of the fixed path
-  vu normal_shift, normal_bias, top_byte, fixed_shift;
-  vu fixed_bias, top_fixed;  // fp8's fixed path: normal_bias and top_byte times 2^16
+  vu normal_shift, normal_bias, fixed_shift;
+  vu fixed_bias, top_fixed;  // fp8's fixed path: normal_bias and the byte of Q, times 2^16
 
   Grid(int is_signed, float q, int m, int emin) {
     top = bc(q);
@@ -52,14 +52,14 @@ struct Grid {
     inv_mantissa = bc(ldexpf(1.0f, -m));
     sub_scale = bc(ldexpf(1.0f, m - emin));                 // fp8 subnormals: q / 2^(emin - m)
     normal_shift = bcu((uint32_t)(23 - m));                 // fp8 normals: fp32 bits >> (23 - m)
-    normal_bias = bcu((uint32_t)((127 - (1 - emin)) << m));  // minus the exponent bias difference
+    const uint32_t bias = (uint32_t)((127 - (1 - emin)) << m);
+    normal_bias = bcu(bias);  // minus the exponent bias difference
     sub_fixed = bc(ldexpf(1.0f, m - emin + 16));
     fixed_shift = bcu((uint32_t)(7 - m));                   // fp8 normals: c * 2^16 = fp32 bits >> (7 - m)
     uint32_t top_bits;
     memcpy(&top_bits, &q, 4);
-    top_byte = bcu((top_bits >> (23 - m)) - ((127 - (1 - emin)) << m));  // fp8: the byte of Q
-    fixed_bias = normal_bias << 16;
-    top_fixed = top_byte << 16;
+    fixed_bias = bcu(bias << 16);
+    top_fixed = bcu(((top_bits >> (23 - m)) - bias) << 16);  // fp8: the byte of Q
   }
 };
 
