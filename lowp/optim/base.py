@@ -219,8 +219,9 @@ class LowpOptimizer(torch.optim.Optimizer):
         seed: the seed of the stochastic-rounding streams, an int in ``[0, 2**64)`` (default:
             ``torch.initial_seed()``, rank 0's in a process group of several ranks:
             :func:`~lowp.optim.randomness.default_seed`): element ``i`` of parameter
-            ``param_id`` (its position over all groups) draws ``random16(i, stream_key(seed, step, param_id, stream))``
-            (:mod:`lowp.optim.randomness`). Saved in the ``state_dict``.
+            ``param_id`` (its position over all groups) draws
+            ``random16(i, stream_key(seed, step, param_id, stream))`` (:mod:`lowp.optim.randomness`).
+            Saved in the ``state_dict``.
         diagnostics: ``True`` (default) counts the elements whose stored weight did not move in
             each step (:meth:`diagnostics`); ``False`` saves that count. Must be a bool.
         fused: ``None`` (default) picks a fused backend when one is available and worth it (large
