@@ -4,20 +4,29 @@ instead of crashes, a private temporary folder when the cache is not usable, one
 variant when processes race, no temporary files left by interrupted builds, and a precompiled
 prelude of system headers that is verified before use and never changes a library.
 
+The path of the cache is checked too: every folder from ``/`` down (symbolic links followed one
+by one) must belong to root or this user and be closed to group and others unless sticky, or the
+cache is not used; and a library is loaded through the very descriptor its bytes were hashed
+from, so replacing the file after the check changes nothing (a foreign library swapped in at that
+moment, and an attacker of another uid swapping folders against fresh loaders, never run).
+
 Compiling a variant costs about a second of CPU and a fresh interpreter several, so most cases
 build the small non-finite check (``finite.cpp``) in this process, copying a build made once for
 the file where they need a valid cache entry; the cases that crashed a process before (a
 truncated library: SIGBUS) or need other processes (an unprivileged user, a race) run in
-subprocesses whose exit status is checked."""
+subprocesses whose exit status is checked; those that only load the check use cache_loader.py,
+which loads ``native_build.py`` without torch."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -333,3 +342,241 @@ def test_a_variant_that_does_not_compile_keeps_the_prelude(built, tmp_path, monk
     with pytest.raises(RuntimeError, match="compiling step failed"):
         native_build._library("step", "#error not a kernel\n")
     assert verified(pch)
+
+
+# ---- the path of the cache, and loading through the verified descriptor ---------------------------
+LOADER = ROOT / "tests" / "cache_loader.py"
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="a folder or process of another user needs root "
+                                                         "(os.chown, or dropping privileges to uid 65534)")
+
+
+def loader(mode: str, *arguments: object, **env: str) -> dict:
+    """``cache_loader.py mode arguments`` in a fresh interpreter (``env`` added to this one's):
+    its ``RESULT``."""
+    result = subprocess.run([sys.executable, str(LOADER), mode, *map(str, arguments)], env=dict(os.environ, **env),
+                            capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+def folder(path: Path, mode: int) -> Path:
+    path.mkdir(mode=0o700)
+    os.chmod(path, mode)
+    return path
+
+
+def test_a_folder_open_to_all_on_the_path_is_refused_and_nothing_is_created_below_it(tmp_path):
+    open_to_all = folder(tmp_path / "open", 0o777)
+    reason = native_build._untrusted_path(open_to_all / "cache" / "kernels")
+    assert reason == f"{open_to_all} is writable by group or others without the sticky bit (mode 0777)"
+    assert not (open_to_all / "cache").exists()
+    assert native_build._cache_problem(open_to_all / "cache" / "kernels") == reason
+    group_writable = folder(tmp_path / "group", 0o770)
+    assert str(group_writable) in native_build._untrusted_path(group_writable / "cache")
+
+
+def test_a_sticky_folder_open_to_all_is_accepted_and_missing_folders_are_made_private(tmp_path):
+    sticky = folder(tmp_path / "sticky", 0o1777)
+    kernels = sticky / "a" / "cache" / "kernels"
+    assert native_build._untrusted_path(kernels) is None
+    assert native_build._cache_problem(kernels) is None
+    for made in (sticky / "a", sticky / "a" / "cache", kernels):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700 and made.stat().st_uid == os.geteuid()
+    assert native_build._untrusted_path(tmp_path / "missing", create=False) == f"{tmp_path / 'missing'} does not exist"
+    assert not (tmp_path / "missing").exists()
+
+
+@ROOT_ONLY
+def test_a_folder_of_another_user_on_the_path_is_refused(tmp_path):
+    theirs = folder(tmp_path / "theirs", 0o755)
+    os.chown(theirs, 65534, 65534)
+    reason = native_build._untrusted_path(theirs / "cache")
+    assert reason == f"{theirs} belongs to uid 65534, neither root nor this user"
+    assert not (theirs / "cache").exists()
+
+
+def test_a_symbolic_link_into_an_untrusted_folder_is_refused(tmp_path):
+    """The link's target is walked from the folder holding the link, like the path itself: a link
+    into a folder open to all is refused, naming that folder (also through ``..`` after the link,
+    which the kernel resolves from the target); a link into a private folder is accepted, and so
+    is a relative one; a loop of links ends with a reason."""
+    open_to_all = folder(tmp_path / "open", 0o777)
+    (open_to_all / "mine").mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(open_to_all / "mine")
+    reason = f"{open_to_all} is writable by group or others without the sticky bit (mode 0777)"
+    assert native_build._untrusted_path(link / "cache") == reason
+    assert native_build._untrusted_path(link) == reason
+    private = folder(tmp_path / "private", 0o700)
+    (private / "sub").mkdir()
+    (private / "sub" / "up").symlink_to("..")
+    assert native_build._untrusted_path(private / "sub" / "up" / "cache") is None and (private / "cache").is_dir()
+    (private / "out").symlink_to("../link")
+    assert native_build._untrusted_path(private / "out" / "cache") == reason
+    (private / "nested").symlink_to(private / "sub" / "up" / "sub")  # a link through a link, into private
+    assert native_build._untrusted_path(private / "nested" / "x") is None and (private / "sub" / "x").is_dir()
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    assert "more than 40 symbolic links" in native_build._untrusted_path(tmp_path / "loop1" / "cache")
+
+
+@ROOT_ONLY
+def test_a_symbolic_link_of_another_user_in_a_sticky_folder_is_refused(tmp_path):
+    """In a sticky folder its owner may replace the link at any time, whatever it points to."""
+    sticky = folder(tmp_path / "sticky", 0o1777)
+    (tmp_path / "private").mkdir(mode=0o700)
+    link = sticky / "link"
+    link.symlink_to(tmp_path / "private")
+    os.lchown(link, 65534, 65534)
+    assert native_build._untrusted_path(link / "cache") == (f"{link} is a symbolic link of uid 65534, "
+                                                            f"neither root nor this user")
+
+
+def test_a_cache_below_a_folder_open_to_all_is_not_used_and_the_warning_names_the_folder(built, tmp_path,
+                                                                                          monkeypatch):
+    """The verified cache below it is neither read nor written: the check is built in the private
+    temporary folder, with one warning naming the folder at fault."""
+    open_to_all = folder(tmp_path / "open", 0o777)
+    cache = copy_cache(built, open_to_all / "cache")
+    before = {p: p.read_bytes() for p in entries(cache)}
+    in_process(monkeypatch, cache)
+    with pytest.warns(RuntimeWarning, match="kernel cache") as caught:
+        finite_check()
+    [message] = [str(w.message) for w in caught if "kernel cache" in str(w.message)]
+    assert f"{open_to_all} is writable by group or others without the sticky bit" in message
+    [private] = native_build._FALLBACK
+    assert any(private.glob("finite-*.so")) and {p: p.read_bytes() for p in entries(cache)} == before
+
+
+def test_an_untrusted_temporary_folder_too_raises_and_native_is_not_available(tmp_path, monkeypatch):
+    """With neither the cache nor the temporary folder usable there is nowhere to build:
+    :func:`_fallback_dir` raises OSError naming both, and ``native_available()`` is False in a
+    new process (no crash, no warning, nothing loaded)."""
+    open_cache = folder(tmp_path / "open", 0o777)
+    open_temporary = folder(tmp_path / "tmp", 0o777)
+    monkeypatch.setattr(native_build, "_FALLBACK", [])
+    monkeypatch.setattr(tempfile, "tempdir", str(open_temporary))
+    with pytest.raises(OSError, match=f"and neither is the temporary folder {open_temporary} "
+                                      f"\\({open_temporary} is writable by group or others"):
+        native_build._fallback_dir(f"{open_cache} is open")
+    assert not native_build._FALLBACK and not list(open_temporary.iterdir())
+    result = loader("available", LOWP_CACHE_DIR=str(open_cache / "cache"), TMPDIR=str(open_temporary))
+    assert result == {"available": False, "warnings": []}
+    assert not list(open_temporary.iterdir()) and not list(open_cache.iterdir())
+
+
+FOREIGN_MARKED = FOREIGN + 'extern "C" int lowp_foreign(void) { return 1; }\n'
+
+
+def foreign_library(tmp_path: Path) -> Path:
+    """The test's foreign library: its constructor writes ``$LOWP_TEST_MARKER``; it exports
+    ``lowp_finite`` (a no-op) and ``lowp_foreign``."""
+    source = tmp_path / "foreign.cpp"
+    source.write_text(FOREIGN_MARKED)
+    subprocess.run(["g++", "-shared", "-fPIC", str(source), "-o", str(tmp_path / "foreign.so")], check=True)
+    return tmp_path / "foreign.so"
+
+
+def test_the_bytes_loaded_are_the_bytes_hashed(built, tmp_path):
+    """Between the verification of the cached check and its ``dlopen``, a new process replaces
+    the file at its path (and the sidecar) by a foreign library whose constructor writes a marker:
+    the verified library is loaded (``lowp_finite`` without ``lowp_foreign``) and the marker never
+    appears. Control: loading the path as it now is runs the foreign constructor."""
+    cache = copy_cache(built, tmp_path / "cache")
+    target = in_cache(cache, "finite")
+    foreign = foreign_library(tmp_path)
+    marker = tmp_path / "marker"
+    result = loader("swap", target, foreign, LOWP_CACHE_DIR=str(cache), LOWP_TEST_MARKER=str(marker))
+    assert result == {"finite": True, "foreign": False, "warnings": [], "swapped": [str(target)]}
+    assert not marker.exists()
+    assert target.read_bytes() == foreign.read_bytes() and verified(target)  # the swap took place
+    control = subprocess.run([sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1])", str(target)],
+                             env=dict(os.environ, LOWP_TEST_MARKER=str(marker)), capture_output=True, text=True)
+    assert control.returncode == 0 and marker.read_text() == "executed"
+
+
+def test_libraries_loaded_through_a_reused_descriptor_number_are_each_itself(tmp_path):
+    """glibc answers a ``dlopen`` of a name it loaded before with the earlier library, and the
+    second load's descriptor gets the number the first one's freed: each library is still loaded
+    under a name of its own (``which()`` answers 1, then 2)."""
+    libraries = []
+    for number in (1, 2):
+        source = tmp_path / f"which{number}.cpp"
+        source.write_text(f'extern "C" int which(void) {{ return {number}; }}\n')
+        library = tmp_path / f"which{number}.so"
+        subprocess.run(["g++", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+        os.chmod(library, 0o700)
+        sidecar(library).write_text(hashlib.sha256(library.read_bytes()).hexdigest() + "\n")
+        libraries.append(library)
+    assert loader("pair", *libraries) == {"which": [1, 2]}
+
+
+def race(built: Path, tmp_path: Path, loaders: int, waves: int) -> None:
+    """An attacker (uid 65534) swaps, by renames inside a folder ``W`` open to all (mode 0777, not
+    sticky), ``W/cache`` between a copy of the verified cache and a decoy holding the foreign
+    library under the check's name (a private root-owned file with a sidecar of its digest: it
+    passes every check of a file), while ``waves`` times ``loaders`` fresh processes load the
+    check with ``LOWP_CACHE_DIR=W/cache``. The marker of the foreign constructor never appears;
+    every loader refuses ``W`` (one warning naming it) and loads the genuine check."""
+    marker = tmp_path / "marker"
+    foreign = foreign_library(tmp_path)
+    base = Path(tempfile.gettempdir())  # the attacker must be able to reach W: tmp_path is private to root
+    if native_build._untrusted_path(base, create=False) is not None or not base.stat().st_mode & 0o001:
+        pytest.skip(f"the attacker (uid 65534) needs a trusted temporary folder it can enter; {base} is not")
+    shared = Path(tempfile.mkdtemp(prefix="lowp-race-", dir=base))
+    attacker = None
+    try:
+        os.chmod(shared, 0o777)
+        genuine = in_cache(shared / "cache", "finite")  # the verified check and its sidecar, nothing else
+        genuine.parent.mkdir(parents=True, mode=0o700)
+        for source in (in_cache(built, "finite"), sidecar(in_cache(built, "finite"))):
+            shutil.copy2(source, genuine.parent / source.name)
+        decoy = shared / "decoy" / "kernels" / genuine.name
+        decoy.parent.mkdir(parents=True, mode=0o700)
+        shutil.copyfile(foreign, decoy)
+        os.chmod(decoy, 0o700)
+        sidecar(decoy).write_text(hashlib.sha256(decoy.read_bytes()).hexdigest() + "\n")
+        attacker = subprocess.Popen([sys.executable, str(LOADER), "attack", str(shared)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+        assert attacker.stdout is not None
+        assert attacker.stdout.readline().split() == ["READY", "65534", "65534"]
+        env = dict(os.environ, LOWP_CACHE_DIR=str(shared / "cache"), LOWP_TEST_MARKER=str(marker))
+        results = []
+        for _ in range(waves):
+            procs = [subprocess.Popen([sys.executable, str(LOADER), "load"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=str(ROOT)) for _ in range(loaders)]
+            for proc in procs:
+                out, err = proc.communicate(timeout=300)
+                assert proc.returncode == 0, err[-3000:]
+                [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
+                results.append(json.loads(line[len("RESULT "):]))
+        attacker.terminate()
+        out, err = attacker.communicate(timeout=60)
+        assert attacker.returncode == 0, err[-3000:]
+        [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        attack = json.loads(line[len("RESULT "):])
+        assert attack["uid"] == 65534 and attack["swaps"] > 0, attack
+        assert not marker.exists()
+        refused = f"{shared} is writable by group or others without the sticky bit (mode 0777)"
+        for result in results:
+            assert result["finite"] and not result["foreign"], result
+            [message] = result["warnings"]
+            assert refused in message, message
+        assert len(results) == loaders * waves
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@ROOT_ONLY
+def test_an_attacker_swapping_folders_never_gets_its_code_run(built, tmp_path):
+    race(built, tmp_path, loaders=2, waves=1)
+
+
+@ROOT_ONLY
+@pytest.mark.slow
+def test_an_attacker_swapping_folders_never_gets_its_code_run_long(built, tmp_path):
+    race(built, tmp_path, loaders=4, waves=8)

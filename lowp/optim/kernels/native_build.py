@@ -17,18 +17,37 @@ FMA and F16C (every x86 server CPU since 2013-2015) and ``g++``/``c++``/``clang+
 or the reference pipeline otherwise.
 
 The cache folder is ``$LOWP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/lowp`` or ``~/.cache/lowp``.
-Loading a library runs its code, so the cache is guarded: the folder and its ``kernels``
-subfolder are created with mode 0700 and used only when this user owns them and group and
-others cannot write them; a library is loaded only when it is a regular file of this user that
-nobody else may write, and its SHA-256 equals the one recorded in a sidecar file
-(``<library>.sha256``) written atomically after the build; the precompiled prelude is used under the
-same rules, and a build that fails with it deletes it and compiles without it. Anything else (a foreign file under
-the expected name, a truncated or corrupted library, a missing sidecar) is rebuilt, never
-loaded. Builds go through uniquely named temporary files and an atomic rename, one process per
-variant at a time (an advisory ``fcntl`` lock; the others wait and load the result), and each
-build deletes the temporary files of builds whose process is gone. When the cache cannot be
-used (read-only, foreign or open to others) the process builds into a private temporary folder
-(``tempfile.mkdtemp``, removed at exit) and warns once.
+Loading a library runs its code, so the cache is guarded against other users of the machine:
+
+- Path: before each load from the cache, every folder from ``/`` down to ``<cache>/kernels`` is
+  checked, symbolic links resolved one component at a time (at most 40 links; a link must belong
+  to root or this user, and the folder holding it is checked like the others): each must be a
+  directory owned by root or by this user that group and others cannot write unless it has the
+  sticky bit (like ``/tmp``). Missing folders are created, with mode 0700. The cache folder and
+  ``kernels`` must moreover belong to this user and be closed to group and others. No other user
+  can then rename, replace or add anything along that path, so what was checked stays so.
+- Library: it is opened once (``O_NOFOLLOW``); through that descriptor it must be a regular file
+  of this user that group and others cannot write, of at most 64 MiB; its bytes are read from the
+  same descriptor and their SHA-256 must equal the one in the sidecar file ``<library>.sha256``
+  (a file under the same rules, written atomically after the build); then it is loaded through
+  that very descriptor (``dlopen("/proc/self/fd/N")``), so the code that runs is the code that was
+  hashed, whatever happens to the path meanwhile. Anything else (a foreign file under the expected
+  name, a truncated or corrupted library, a missing sidecar) is rebuilt, never loaded.
+- Compiler inputs: the precompiled prelude (checked against its sidecar once per process), its
+  header and the generated source are passed to the compiler by path; the path check above is
+  their only guard after that. A build that fails with the prelude deletes it and compiles without.
+- Builds go through uniquely named temporary files and an atomic rename, one process per variant
+  at a time (an advisory ``fcntl`` lock; the others wait and load the result), and each build
+  deletes the temporary files of builds whose process is gone.
+- Fallback: when the cache cannot be used (a folder on its path fails the check, or it is
+  read-only, foreign or open to others) the process builds into a private temporary folder
+  (``tempfile.mkdtemp`` in ``tempfile.gettempdir()``, removed at exit) and warns once, naming the
+  folder at fault. The temporary folder's path is checked the same way; when it fails too,
+  :class:`OSError` is raised (:func:`native_available` is then False).
+
+Not protected against: root and this same user (either may change the files or folders lowp
+trusts, or this process), the compiler found on ``PATH``, the installed lowp sources, and the
+system's dynamic loader and libraries. Linux only (``/proc/self/fd``), like the kernel itself.
 """
 from __future__ import annotations
 
@@ -65,6 +84,8 @@ _NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 _MAX_LIBRARY = 64 << 20
 #: a temporary file of a build older than this (seconds) is stale whatever its process
 _STALE_AFTER_S = 24 * 3600
+#: the most symbolic links followed while checking the path of a folder (Linux's own limit)
+_MAX_LINKS = 40
 
 
 def cache_dir() -> Path:
@@ -116,31 +137,144 @@ def _trusted(st: os.stat_result, kind: int) -> bool:
 
 
 def _private_dir(path: Path) -> str | None:
-    """Create ``path`` (mode 0700) when missing; ``None`` when it is a directory this user owns
-    that nobody else may write, else why not."""
+    """``None`` when ``path`` is a directory this user owns that nobody else may write, else why
+    not (its ancestors are :func:`_untrusted_path`'s business)."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = path.stat()
     except OSError as e:
-        return f"{path} cannot be created ({e.strerror or e})"
+        return f"{path} cannot be read ({e.strerror or e})"
     if not _trusted(st, stat.S_IFDIR):
         return f"{path} is not a directory owned by this user and closed to group and others"
     return None
+
+
+def _untrusted_folder(name: str, st: os.stat_result) -> str | None:
+    """Why the folder ``name`` (``st``: its ``lstat``) cannot be on the path of the cache: not a
+    directory, owned by neither root nor this user, or writable by group or others without the
+    sticky bit; ``None`` when it can."""
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{name} is not a directory"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"{name} belongs to uid {st.st_uid}, neither root nor this user"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return (f"{name} is writable by group or others without the sticky bit "
+                f"(mode {stat.S_IMODE(st.st_mode):04o})")
+    return None
+
+
+def _components(path: str) -> list[str]:
+    return [part for part in path.split("/") if part not in ("", ".")]
+
+
+def _untrusted_path(path: Path, create: bool = True) -> str | None:
+    """Why another user could change what ``path`` names, or ``None`` when no one but root and
+    this user can: walked from ``/``, one component at a time, every folder must pass
+    :func:`_untrusted_folder`; a symbolic link (at most :data:`_MAX_LINKS` in all) must belong to
+    root or this user, and its target is walked the same way from the folder holding it (already
+    checked) or from ``/``. ``..`` goes back to the parent of the folder reached so far.
+
+    Args:
+        path: the folder; relative to the working directory unless absolute.
+        create: create a missing component (mode 0700; then checked like any other) instead of
+            answering that it does not exist.
+    """
+    reason = _untrusted_folder("/", os.lstat("/"))
+    if reason is not None:
+        return reason
+    text = os.fspath(path)
+    if not text.startswith("/"):
+        try:
+            text = os.path.join(os.getcwd(), text)
+        except OSError as e:
+            return f"the working directory of the relative path {path} is gone ({e.strerror or e})"
+    current = "/"
+    pending = _components(text)[::-1]
+    links = 0
+    while pending:
+        name = pending.pop()
+        if name == "..":
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, name)
+        try:
+            try:
+                st = os.lstat(candidate)
+            except FileNotFoundError:
+                if not create:
+                    return f"{candidate} does not exist"
+                with contextlib.suppress(FileExistsError):  # someone else's would fail the check below
+                    os.mkdir(candidate, 0o700)
+                st = os.lstat(candidate)
+            if stat.S_ISLNK(st.st_mode):
+                links += 1
+                if links > _MAX_LINKS:
+                    return f"{path} goes through more than {_MAX_LINKS} symbolic links"
+                if st.st_uid not in (0, os.geteuid()):
+                    return f"{candidate} is a symbolic link of uid {st.st_uid}, neither root nor this user"
+                target = os.readlink(candidate)
+                if target.startswith("/"):
+                    current = "/"
+                pending.extend(_components(target)[::-1])
+                continue
+        except OSError as e:
+            return f"{candidate} cannot be created or read ({e.strerror or e})"
+        reason = _untrusted_folder(candidate, st)
+        if reason is not None:
+            return reason
+        current = candidate
+    return None
+
+
+def _cache_problem(kernels: Path) -> str | None:
+    """Why the cache folder ``kernels`` (``<cache>/kernels``) cannot be used, or ``None``: its path
+    is trusted (:func:`_untrusted_path`, creating what is missing) and it and its parent are
+    private to this user (:func:`_private_dir`)."""
+    return _untrusted_path(kernels) or _private_dir(kernels.parent) or _private_dir(kernels)
 
 
 _FALLBACK: list[Path] = []
 
 
 def _fallback_dir(reason: str) -> Path:
-    """This process's private build folder (``tempfile.mkdtemp``: mode 0700, removed at exit),
-    announced by one warning per process."""
+    """This process's private build folder (``tempfile.mkdtemp`` in ``tempfile.gettempdir()``:
+    mode 0700, removed at exit), announced by one warning per process that gives ``reason``.
+
+    Raises:
+        OSError: the temporary folder's path fails :func:`_untrusted_path` (or the folder cannot
+            be made): no folder is left to build in.
+    """
     if not _FALLBACK:
-        _FALLBACK.append(Path(tempfile.mkdtemp(prefix="lowp-kernels-")))
-        atexit.register(shutil.rmtree, str(_FALLBACK[0]), True)
+        base = tempfile.gettempdir()
+        problem = _untrusted_path(Path(base), create=False)
+        if problem is not None:
+            raise OSError(f"lowp: the native kernel cache is not usable ({reason}) and neither is the temporary "
+                          f"folder {base} ({problem}); set LOWP_CACHE_DIR or TMPDIR to a private folder")
+        folder = Path(tempfile.mkdtemp(prefix="lowp-kernels-", dir=base))
+        atexit.register(shutil.rmtree, str(folder), True)
+        problem = _private_dir(folder)
+        if problem is not None:
+            raise OSError(f"lowp: the private temporary folder is not usable: {problem}")
+        _FALLBACK.append(folder)
         warnings.warn(f"lowp: the native kernel cache is not usable: {reason}; this process builds its kernels "
-                      f"in {_FALLBACK[0]} (set LOWP_CACHE_DIR to a private folder to keep them)",
+                      f"in {folder} (set LOWP_CACHE_DIR to a private folder to keep them)",
                       RuntimeWarning, stacklevel=4)
     return _FALLBACK[0]
+
+
+def _read_fd(fd: int, limit: int) -> bytes | None:
+    """The bytes of the open file ``fd`` (from its start) when it is a regular file this user owns
+    that nobody else may write, of at most ``limit`` bytes, else ``None``."""
+    st = os.fstat(fd)
+    if not _trusted(st, stat.S_IFREG) or st.st_size > limit:
+        return None
+    chunks, offset = [], 0
+    while offset <= limit:
+        chunk = os.pread(fd, min(1 << 20, limit + 1 - offset), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks) if offset <= limit else None
 
 
 def _read_trusted(path: Path, limit: int) -> bytes | None:
@@ -151,11 +285,7 @@ def _read_trusted(path: Path, limit: int) -> bytes | None:
     except OSError:
         return None
     try:
-        st = os.fstat(fd)
-        if not _trusted(st, stat.S_IFREG) or st.st_size > limit:
-            return None
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limit + 1)
+        return _read_fd(fd, limit)
     except OSError:
         return None
     finally:
@@ -166,25 +296,64 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+def _matches_sidecar(path: Path, data: bytes) -> bool:
+    """The sidecar of ``path`` is a trusted file (:func:`_read_trusted`) holding the SHA-256 of ``data``."""
+    recorded = _read_trusted(_sidecar(path), 256)
+    return recorded is not None and recorded.decode("ascii", "replace").strip() == hashlib.sha256(data).hexdigest()
+
+
 def _verified_bytes(path: Path, limit: int) -> bytes | None:
     """The bytes of ``path`` when it and its SHA-256 sidecar are trusted files
     (:func:`_read_trusted`, at most ``limit`` bytes) and the digest matches, else ``None``."""
     data = _read_trusted(path, limit)
-    recorded = _read_trusted(_sidecar(path), 256)
-    if data is None or recorded is None:
-        return None
-    return data if recorded.decode("ascii", "replace").strip() == hashlib.sha256(data).hexdigest() else None
+    return data if data is not None and _matches_sidecar(path, data) else None
+
+
+#: the descriptor numbers this process has loaded a library through (``/proc/self/fd/<number>``)
+_LOAD_NUMBERS: set[int] = set()
+
+
+def _dlopen_fd(fd: int) -> ctypes.CDLL:
+    """Load the library open as ``fd`` through ``/proc/self/fd/<number>``, under a number no
+    earlier library of this process was loaded under: glibc answers a ``dlopen`` of a name it has
+    loaded before with that earlier library, and a closed descriptor's number is soon reused.
+
+    Raises:
+        OSError: the library does not load, or no fresh descriptor number is left.
+    """
+    import fcntl  # POSIX only, like the kernel itself (lowp imports this module everywhere)
+
+    number, duplicate = fd, None
+    if fd in _LOAD_NUMBERS:
+        number = duplicate = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, max(_LOAD_NUMBERS) + 1)
+    _LOAD_NUMBERS.add(number)
+    try:
+        return ctypes.CDLL(f"/proc/self/fd/{number}")
+    finally:
+        if duplicate is not None:
+            os.close(duplicate)
 
 
 def _load_verified(path: Path) -> ctypes.CDLL | None:
-    """Load the library at ``path`` only when its bytes are verified (:func:`_verified_bytes`);
-    ``None`` otherwise (missing, foreign, truncated or corrupted: the caller rebuilds it)."""
-    if _verified_bytes(path, _MAX_LIBRARY) is None:
-        return None
+    """Load the library at ``path`` when it is verified, through one descriptor: opened without
+    following a link, checked (:func:`_read_fd`), its bytes read from it and compared with the
+    sidecar's digest, and then loaded through it (:func:`_dlopen_fd`), so what runs is what was
+    hashed even if the file at ``path`` is replaced meanwhile; the descriptor stays open until
+    ``dlopen`` returns. ``None`` otherwise (missing, foreign, truncated or corrupted: the caller
+    rebuilds it)."""
     try:
-        return ctypes.CDLL(str(path))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        data = _read_fd(fd, _MAX_LIBRARY)
+        if data is None or not _matches_sidecar(path, data):
+            return None
+        return _dlopen_fd(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _temp_name(target: Path) -> Path:
@@ -322,7 +491,11 @@ def _prelude(folder: Path) -> Path | None:
     once per process and built when missing or damaged). ``None`` when the compiler is not GCC or
     the header does not precompile: the variant then parses the headers itself. GCC reads a valid
     precompiled header in place of the text and the library is the same, byte for byte; parsing
-    ``<immintrin.h>`` is about half of a variant's build (0.65 s of 1.8 s, docs/fused.md)."""
+    ``<immintrin.h>`` is about half of a variant's build (0.65 s of 1.8 s, docs/fused.md).
+
+    The compiler reads the header and its precompiled form by path, after this check: only the
+    check of the cache's path (:func:`_untrusted_path`, which :func:`_library` runs before each
+    build) keeps other users from replacing them in between."""
     compiler = _compiler()
     if compiler is None or "Free Software Foundation" not in _compiler_version(compiler):
         return None
@@ -385,13 +558,20 @@ _LOADED: dict[tuple[str, str | None], ctypes.CDLL] = {}
 
 def _library(name: str, source: str | None = None) -> ctypes.CDLL:
     """The library of ``source`` (a generated translation unit; ``None``: ``native/<name>.cpp``):
-    loaded from the cache when a verified copy is there, else compiled into it (or into this
-    process's private folder when the cache is not usable), then kept for the process."""
+    loaded from the cache when its path and folders pass the checks (:func:`_cache_problem`) and a
+    verified copy is there (:func:`_load_verified`), else compiled into it (or into this
+    process's private folder when the cache is not usable), then kept for the process.
+
+    Raises:
+        OSError: neither the cache nor the temporary folder is usable (:func:`_fallback_dir`), or
+            the library just built does not load.
+        RuntimeError: no compiler, or the source does not compile.
+    """
     key = (name, source)
     if key not in _LOADED:
         path = library_path(name, source)
         folder, filename = path.parent, path.name
-        problem = _private_dir(folder.parent) or _private_dir(folder)
+        problem = _cache_problem(folder)
         library = None if problem else _load_verified(folder / filename)
         if library is None and problem is None:
             try:
