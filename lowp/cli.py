@@ -37,7 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``lowp`` command line on ``argv`` (default: ``sys.argv[1:]``); returns the exit
-    status (130 after Ctrl-C; usage errors exit with 2 from argparse)."""
+    status (130 after Ctrl-C; usage errors exit with 2 from argparse; 1 when an output path turned
+    into something other than a regular file between parsing and writing, which is left as it is:
+    :class:`lowp.report.UnsafeOutputError`).
+
+    Args:
+        argv: the arguments after ``lowp``.
+    """
+    from lowp.report import UnsafeOutputError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -48,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nlowp {args.command}: interrupted", file=sys.stderr)
         return 130
+    except UnsafeOutputError as exc:
+        print(f"lowp {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

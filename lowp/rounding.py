@@ -42,7 +42,32 @@ ROUNDING_MODES: tuple[str, ...] = ("nearest_even", "nearest_away", "toward_zero"
 _MODE_ALIASES = {"nearest": "nearest_even", "rne": "nearest_even", "rna": "nearest_away", "rtz": "toward_zero",
                  "truncate": "toward_zero", "ru": "up", "rd": "down", "sr": "stochastic"}
 
-__all__ = ["quantize", "quantize_ste", "ROUNDING_MODES", "RoundingMode", "container_for", "fits_in", "canonical_mode"]
+__all__ = ["quantize", "quantize_ste", "ROUNDING_MODES", "RoundingMode", "container_for", "fits_in", "canonical_mode",
+           "check_float_tensor"]
+
+
+def check_float_tensor(x: object, name: str = "x") -> torch.Tensor:
+    """``x`` if it is a dense floating-point tensor that holds values; otherwise an error naming
+    ``name``: ``TypeError`` for a non-tensor or a non-floating dtype (integer, bool, complex),
+    ``ValueError`` for a sparse or nested layout or a meta tensor (which has a shape but no values).
+
+    Args:
+        x: the argument to check.
+        name: the argument's name, for the message (``"x"``, ``"input"``).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if x.is_nested:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got a nested tensor; pass its components "
+                         f"one at a time")
+    if x.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}; pass {name}.to_dense()")
+    if x.is_meta:
+        raise ValueError(f"{name}: a meta tensor has no values; pass a tensor on a device that holds data "
+                         f"(cpu, cuda, ...)")
+    return x
 
 
 def canonical_mode(mode: str) -> str:
@@ -71,7 +96,9 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
     """Round ``x`` to ``format``; return values of that format in ``x``'s dtype.
 
     Args:
-        x: a floating tensor (fp16/bf16 inputs are rounded through fp32, exactly).
+        x: a dense floating tensor with values (fp16/bf16 inputs are rounded through fp32,
+            exactly): an integer, bool or complex dtype raises ``TypeError``, a sparse or nested
+            layout or a meta tensor ``ValueError`` (:func:`check_float_tensor`).
         format: a :class:`~lowp.formats.FloatFormat`, a name such as ``"fp8_e4m3fn"`` or a dtype.
         mode: one of :data:`ROUNDING_MODES` (aliases: ``nearest``, ``rne``, ``rtz``, ``sr`` ...).
         generator: random source for ``stochastic`` (seed it for reproducible results).
@@ -90,10 +117,7 @@ def quantize(x: torch.Tensor, format: "str | torch.dtype | FloatFormat", mode: s
     """
     fmt = get_format(format)
     mode = canonical_mode(mode)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
+    check_float_tensor(x, "x")
     if rand_bits is not None:
         if mode != "stochastic":
             raise ValueError("rand_bits: only meaningful with mode='stochastic'")

@@ -110,6 +110,15 @@ BAD_INVOCATIONS = [
     (["reduce-sim", "--elements", "0"], "--elements"),
     (["reduce-sim", "--only", "bogus"], "--only"),
     (["reduce-sim", "--out", "{blocked}"], "--out"),
+    (["doctor", "--seed", str(2**64)], "--seed"),
+    (["doctor", "--seed", "1.5"], "--seed"),
+    (["norm-check", "--seed", str(2**64)], "--seed"),
+    (["norm-check", "--seed", "1e20"], "--seed"),
+    (["demo", "--seed", str(2**64 - 1)], "--seed"),
+    (["audit", "--ops", ""], "--ops"),
+    (["audit", "--ops", " , ,"], "--ops"),
+    (["audit", "--ops", "exp,nope"], "--ops"),
+    (["audit", "--kinds", "unary", "--ops", "exp,add"], "--ops"),
 ]
 
 
@@ -203,3 +212,67 @@ def test_available_memory_is_positive_and_at_most_physical():
     from lowp.cli_args import available_memory
 
     assert 0 < available_memory() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ---- --seed: exactly the 64-bit seeds each command can use ----------------------------------------
+
+#: the largest seed per command: torch's generators and lowp's optimizers take [0, 2**64); demo
+#: also seeds its batch generator with seed + 1
+LARGEST_SEED = {"doctor": 2**64 - 1, "norm-check": 2**64 - 1, "demo": 2**64 - 2}
+
+
+def _commands_with_seed() -> list[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sorted(name for name, p in sub.choices.items() if any("--seed" in a.option_strings for a in p._actions))
+
+
+def test_every_command_with_a_seed_is_covered():
+    assert _commands_with_seed() == sorted(LARGEST_SEED)
+
+
+@pytest.mark.parametrize("command", sorted(LARGEST_SEED))
+def test_seed_range_is_parsed_exactly(command, capsys):
+    """The largest seed parses to itself (not rounded through a float); one more, or a negative
+    seed, is a usage error that states the accepted range."""
+    parser = build_parser()
+    top = LARGEST_SEED[command]
+    for seed in (0, 2**53 + 1, 2**63, top):
+        assert parser.parse_args([command, "--seed", str(seed)]).seed == seed
+    for bad in (top + 1, 2**64, -1):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args([command, "--seed", str(bad)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err
+        assert f"argument --seed: expected an integer in [0, 2**64 - {2**64 - top}]" in err
+
+
+def test_largest_seeds_run(tmp_path, capsys):
+    """The boundary seeds reach torch's generators and lowp's optimizer without an error."""
+    assert main(["doctor", "--seed", str(2**64 - 1)]) == 0
+    assert main(["norm-check", "--seed", str(2**64 - 1), "--rows", "4", "--n-long", "2", "--formats", "fp16",
+                 "--methods", "naive"]) == 0
+    assert main(["demo", "--seed", str(2**64 - 2), "--steps", "1", "--modes", "fp32,bf16-stochastic", "--jobs", "1",
+                 "--batch-size", "1", "--max-bytes", "4096", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "demo.csv").exists()
+    capsys.readouterr()
+
+
+def test_seed_2_to_the_63_in_a_subprocess():
+    """The campaign's case: ``--seed 2**63`` and above ran into torch and ended in a traceback."""
+    for seed, code in ((2**63, 0), (2**64, 2)):
+        out = subprocess.run([sys.executable, "-m", "lowp", "doctor", "--seed", str(seed)], capture_output=True,
+                             text=True)
+        assert out.returncode == code and "Traceback" not in out.stderr, out.stderr
+
+
+# ---- --ops ------------------------------------------------------------------------------------------
+
+def test_audit_ops_must_name_an_op(capsys):
+    for value in ("", " ", ",,"):
+        with pytest.raises(SystemExit) as exc:
+            main(["audit", "--ops", value])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2
+        assert err.strip().splitlines()[-1] == (f"lowp audit: error: argument --ops: expected comma-separated op "
+                                                f"names (leave --ops out to audit every op), got {value!r}")

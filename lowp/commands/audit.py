@@ -19,6 +19,8 @@ KINDS = ("unary", "binary", "reductions")
 BYTES_PER_PAIR = 96
 BYTES_PER_REDUCTION_ELEMENT = 256
 MAX_THREADS = 1024
+#: the files written into --out
+OUTPUT_FILES = ("audit.csv", "audit.json", "audit.md")
 
 
 def _csv_list(text: str) -> list[str]:
@@ -79,12 +81,22 @@ def run(args: argparse.Namespace) -> int:
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         usage_error("audit", "--kinds", f"unknown {bad or '(none given)'}; expected some of {', '.join(KINDS)}")
-    ops = _csv_list(args.ops) if args.ops else None
+    ops = None if args.ops is None else _csv_list(args.ops)
     if ops is not None:
-        known = set(UNARY_OPS) | set(BINARY_OPS) | set(REDUCTIONS)
+        names: dict[str, list[str]] = {"unary": list(UNARY_OPS), "binary": list(BINARY_OPS),
+                                       "reductions": list(REDUCTIONS)}
+        known = {o for table in names.values() for o in table}
+        chosen = {o for k in kinds for o in names[k]}
+        if not ops:
+            usage_error("audit", "--ops", f"expected comma-separated op names (leave --ops out to audit every op), "
+                                          f"got {args.ops!r}")
         unknown = [o for o in ops if o not in known]
         if unknown:
             usage_error("audit", "--ops", f"unknown {unknown}; expected names from {', '.join(sorted(known))}")
+        elsewhere = [o for o in ops if o not in chosen]
+        if elsewhere:
+            usage_error("audit", "--ops", f"{', '.join(elsewhere)} not among the ops of --kinds {','.join(kinds)}; "
+                                          f"expected some of {', '.join(sorted(chosen))}")
     formats, methods, progress = args.formats, _csv_list(args.methods), not args.no_progress
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
@@ -98,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         check_memory("audit", "--lengths", longest * BYTES_PER_REDUCTION_ELEMENT, f"a reduction of length {longest:,}")
     check_at_most("audit", "--threads", args.threads, MAX_THREADS, "torch's thread pool")
     if args.out is not None:
-        writable_folder("audit", "--out", args.out)
+        writable_folder("audit", "--out", args.out, OUTPUT_FILES)
     torch.set_num_threads(args.threads)
 
     def pick(table: object) -> "list[str] | None":

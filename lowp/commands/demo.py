@@ -6,7 +6,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from lowp.cli_args import check_at_most, check_memory, float_in, int_at_least, output_dir, usage_error, writable_folder
+from lowp.cli_args import (SEED_MAX, check_at_most, check_memory, float_in, int_at_least, int_in, output_dir,
+                           usage_error, writable_folder)
 
 if TYPE_CHECKING:
     from lowp.demo.train import DemoConfig
@@ -17,6 +18,10 @@ DEFAULT_RUNS = "fp32,bf16-nearest,bf16-kahan,bf16-stochastic"
 #: sane limits: 10M steps is weeks of CPU time; more processes than this only queue up
 MAX_STEPS = 10_000_000
 MAX_JOBS = 256
+#: the batches are drawn from ``seed + 1`` (:func:`lowp.demo.train.train_loop`), itself a 64-bit seed
+MAX_SEED = SEED_MAX - 1
+#: the files written into --out
+OUTPUT_FILES = ("demo.csv", "demo_loss.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int_at_least(1), default=16)
     parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=2e-3,
                         help="peak AdamW learning rate in (0, 10] (cosine decay to 10%%)")
-    parser.add_argument("--seed", type=int_at_least(0), default=0)
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED, " (the batches are drawn with seed + 1, a 64-bit seed)"),
+                        default=0, help="seed of the initialisation, batches and stochastic rounding, in "
+                                        "[0, 2**64 - 2] (default 0)")
     parser.add_argument("--max-bytes", type=int_at_least(4096), default=600_000,
                         help="bytes of stdlib source to read (at least 4096)")
     parser.add_argument("--keep-norms-fp32", action="store_true",
@@ -76,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                      eval_every=max(1, args.steps // 20), keep_norms_fp32=args.keep_norms_fp32)
     jobs = _check(args, runs, RUNS, cfg)
-    writable_folder("demo", "--out", args.out)
+    writable_folder("demo", "--out", args.out, OUTPUT_FILES)
     data = load_data(args.max_bytes)
     print(f"data: {data.train.numel() + data.val.numel():,} bytes from {len(data.files)} files of Python "
           f"{sys.version.split()[0]}'s standard library ({data.files[0]} .. {data.files[-1]}), "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from lowp.cli_args import float_in, format_spec, int_at_least
+from lowp.cli_args import SEED_MAX, float_in, format_spec, int_in
 
 HELP = "run the overflow/underflow monitor on a demo model and print per-module advice for a low format"
 
@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="input scale in (0, 1e30] (large values overflow fp16)")
     parser.add_argument("--loss-factor", type=float_in(0, 1e30, low_open=True), default=1e-6,
                         help="loss multiplier in (0, 1e30] (small values underflow grads)")
-    parser.add_argument("--seed", type=int_at_least(0), default=0, help="random seed for weights and inputs")
+    parser.add_argument("--seed", type=int_in(0, SEED_MAX, " (a 64-bit seed)"), default=0,
+                        help="random seed for weights and inputs, in [0, 2**64) (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from lowp.cli_args import check_at_most, check_memory, int_at_least, usage_error, writable_file
+from lowp.cli_args import (SEED_MAX, check_at_most, check_memory, int_at_least, int_in, output_file, usage_error,
+                           writable_file)
 
 HELP = ("measure the L2-norm methods (naive, max-scaled, two-segment, Blue's, robust) per format: ulp error, overflow, "
         "underflow")
@@ -32,11 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-long", type=int_at_least(2), default=4096,
                         help=f"length of the long vectors (default 4096, at most {MAX_N_LONG:,})")
     parser.add_argument("--exhaustive", action="store_true", help="add the exhaustive n=1 family (all values)")
-    parser.add_argument("--seed", type=int_at_least(0), default=0)
+    parser.add_argument("--seed", type=int_in(0, SEED_MAX, " (a 64-bit seed)"), default=0,
+                        help="seed of the random case families, in [0, 2**64) (default 0)")
     parser.add_argument("--modules", action="store_true",
                         help="also measure RMSNorm/LayerNorm forward and backward (lowp and torch) in fp16 and bf16")
-    parser.add_argument("--markdown", metavar="PATH", help="also write the table as markdown to PATH")
-    parser.add_argument("--csv", metavar="PATH", help="also write the table as CSV to PATH")
+    parser.add_argument("--markdown", metavar="PATH", type=output_file,
+                        help="also write the table as markdown to PATH (a regular file; replaced)")
+    parser.add_argument("--csv", metavar="PATH", type=output_file,
+                        help="also write the table as CSV to PATH (a regular file; replaced)")
 
 
 def _parse_specs(text: str) -> list[tuple[str, str]]:

@@ -21,6 +21,18 @@ TITLES = {
     "premultiply": "NCCL-style averaging (premultiply by fl(1/R)): bias R*fl(1/R) - 1 in percent",
     "outlier": "One outlier rank with gradients `scale` times larger (bf16)",
 }
+#: the plot each section writes (besides its ``<section>.csv``), unless --no-plots
+PLOTS = {"seed": "seed003_error_vs_R.png", "mean": "stagnation_bias.png", "fp16": "fp16_underflow.png"}
+
+
+def output_files(sections: list[str], plots: bool) -> list[str]:
+    """The names of the files a run of ``sections`` writes into --out.
+
+    Args:
+        sections: the sections run, from :data:`SECTIONS`.
+        plots: whether the plots are drawn (not ``--no-plots``).
+    """
+    return [f"{s}.csv" for s in sections] + [PLOTS[s] for s in sections if plots and s in PLOTS]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     sections = list(dict.fromkeys(args.only or SECTIONS))
     _check_sizes(args, sections)
-    writable_folder("reduce-sim", "--out", args.out)
+    writable_folder("reduce-sim", "--out", args.out, output_files(sections, not args.no_plots))
     seed_sizes = [2**i for i in range(1, args.max_world_size.bit_length()) if 2**i <= args.max_world_size]
     n = args.elements
     runners = {
@@ -140,12 +152,12 @@ def run(args: argparse.Namespace) -> int:
             if args.no_plots:
                 continue
             if name == "seed":
-                _plot_seed(headers, rows, os.path.join(stage, "seed003_error_vs_R.png"))
+                _plot_seed(headers, rows, os.path.join(stage, PLOTS["seed"]))
             elif name == "mean":
                 _plot_lines(headers, [r for r in rows if r[1] > 0], "R", "mu/sigma", "ring_bias%",
-                            os.path.join(stage, "stagnation_bias.png"), "bf16 ring: bias of the mean gradient (%)")
+                            os.path.join(stage, PLOTS["mean"]), "bf16 ring: bias of the mean gradient (%)")
             elif name == "fp16":
-                _plot_lines(headers, rows, "R", "sigma", "ring_err/noise", os.path.join(stage, "fp16_underflow.png"),
+                _plot_lines(headers, rows, "R", "sigma", "ring_err/noise", os.path.join(stage, PLOTS["fp16"]),
                             "fp16 ring without loss scaling: error / noise")
     print(f"\ntables (CSV){'' if args.no_plots else ' and plots (PNG)'} written to {args.out}")
     return 0

@@ -33,6 +33,7 @@ from lowp.formats import get_format
 from lowp.norms.compute import ZERO_EXPONENT, logb
 from lowp.norms.native import needs_rescale, row_exponent, rows_to_rescale
 from lowp.pow2 import scale_pow2
+from lowp.rounding import check_float_tensor
 
 __all__ = ["RMSNorm", "LayerNorm", "row_statistics", "normalized"]
 
@@ -174,12 +175,30 @@ class _NormFunction(torch.autograd.Function):
         return dx, dweight, dbias, None, None, None
 
 
-def _check_shape(x: torch.Tensor, normalized_shape: tuple[int, ...]) -> None:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"input: expected a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+def _check_input(x: torch.Tensor, normalized_shape: tuple[int, ...], *params: "tuple[str, torch.Tensor | None]"
+                 ) -> None:
+    """The checks of ``forward``: ``input`` must be a dense floating tensor with values
+    (:func:`~lowp.rounding.check_float_tensor`: ``TypeError`` for another dtype, ``ValueError``
+    for a sparse, nested or meta tensor) whose trailing dimensions are ``normalized_shape``, and
+    no parameter may be a meta tensor (a module built on the meta device and never materialised)."""
+    check_float_tensor(x, "input")
     k = len(normalized_shape)
     if tuple(x.shape[x.ndim - k:]) != tuple(normalized_shape) or x.ndim < k:
         raise ValueError(f"input: expected trailing dimensions {tuple(normalized_shape)}, got shape {tuple(x.shape)}")
+    for name, p in params:
+        if p is not None and p.is_meta:
+            raise ValueError(f"{name}: a meta tensor has no values; materialise the module first (module.to_empty("
+                             f"device=...) then module.reset_parameters() or load_state_dict)")
+
+
+def _empty_output(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """The output for a ``normalized_shape`` with no elements (a 0 among its sizes), as torch's
+    modules give it: an empty tensor of x's shape and dtype, in the autograd graph of ``x`` and
+    the parameters (whose gradients are then empty, as torch's)."""
+    y = x if weight is None else x * weight
+    if bias is not None:
+        y = y + bias
+    return x.clone() if y is x else y.to(x.dtype)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -187,7 +206,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
     ``y = x / sqrt(mean(x**2) + eps) * weight``, the mean over the trailing ``normalized_shape``
     dimensions. ``forward`` raises ``TypeError`` for a non-floating input and ``ValueError`` when
-    its trailing dimensions are not ``normalized_shape``.
+    its trailing dimensions are not ``normalized_shape`` or when it or ``weight`` is a meta tensor
+    (a sparse or nested input too). A ``normalized_shape`` with a 0 among its sizes gives an empty
+    output of the input's shape and dtype, as torch's module does.
 
     Args:
         normalized_shape: the trailing dimensions normalised over (an int or a shape).
@@ -203,7 +224,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise ``x`` over its trailing ``normalized_shape`` dimensions."""
-        _check_shape(x, self.normalized_shape)
+        _check_input(x, self.normalized_shape, ("weight", self.weight))
+        if 0 in self.normalized_shape:
+            return _empty_output(x, self.weight, None)
         eps = torch.finfo(x.dtype).eps if self.eps is None else float(self.eps)
         return _NormFunction.apply(x, self.weight, None, eps, len(self.normalized_shape), False)
 
@@ -214,7 +237,9 @@ class LayerNorm(torch.nn.LayerNorm):
 
     The statistics are over the trailing ``normalized_shape`` dimensions. ``forward`` raises
     ``TypeError`` for a non-floating input and ``ValueError`` when its trailing dimensions are not
-    ``normalized_shape``.
+    ``normalized_shape`` or when it, ``weight`` or ``bias`` is a meta tensor (a sparse or nested
+    input too). A ``normalized_shape`` with a 0 among its sizes gives an empty output of the
+    input's shape and dtype, as torch's module does.
 
     Args:
         normalized_shape: the trailing dimensions normalised over (an int or a shape).
@@ -231,5 +256,7 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise ``x`` over its trailing ``normalized_shape`` dimensions."""
-        _check_shape(x, self.normalized_shape)
+        _check_input(x, self.normalized_shape, ("weight", self.weight), ("bias", self.bias))
+        if 0 in self.normalized_shape:
+            return _empty_output(x, self.weight, self.bias)
         return _NormFunction.apply(x, self.weight, self.bias, float(self.eps), len(self.normalized_shape), True)

@@ -10,7 +10,7 @@ from lowp.formats import FloatFormat, get_format
 from lowp.norms.compute import Native, make_ops
 from lowp.norms.methods import METHODS
 from lowp.norms.native import opmath_dtype, wide_norm
-from lowp.rounding import fits_in, quantize
+from lowp.rounding import check_float_tensor, fits_in, quantize
 
 __all__ = ["vector_norm"]
 
@@ -30,7 +30,9 @@ def vector_norm(x: torch.Tensor, dim: int = -1, *, eps: float = 0.0, method: str
     """``sqrt(sum_i x_i**2 + eps)`` along ``dim``, rounded to x's format, returned in ``x.dtype``.
 
     Args:
-        x: floating tensor (fp64 ... fp8). Its values must be representable in ``compute``. A 0-D
+        x: a dense floating tensor with values (fp64 ... fp8): an integer, bool or complex dtype
+            raises ``TypeError``, a sparse or nested layout or a meta tensor ``ValueError``
+            (:func:`lowp.rounding.check_float_tensor`). Its values must be representable in ``compute``. A 0-D
             ``x`` is one element (the result is ``sqrt(x**2 + eps)``, 0-D); an empty ``dim`` has
             an empty sum of squares (the result is ``sqrt(eps)``), as in ``torch.linalg.vector_norm``.
         dim: the reduced dimension (``0`` or ``-1`` for a 0-D ``x``).
@@ -49,10 +51,7 @@ def vector_norm(x: torch.Tensor, dim: int = -1, *, eps: float = 0.0, method: str
         format: the format of x's values when ``x`` is a wider container (e.g. float32 holding
             DLFloat16 values); defaults to ``x.dtype``'s. The result is rounded once to it.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
+    check_float_tensor(x, "x")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or math.isnan(eps) or math.isinf(eps):
