@@ -14,7 +14,7 @@ write-back mode x state dtype) on a probe model, the built-in demo model
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,10 @@ from lowp.optim.writeback import BUFFER_NAMES
 
 __all__ = ["Footprint", "tensor_bytes", "measure", "probe_model", "lowp_optimizer", "lowp_configurations",
            "CODED_LAYOUTS", "takes_codes", "coded_state_dtype", "lowp_footprints", "LowpFootprint", "layout_on",
-           "EXTRA_STATE_NAMES"]
+           "EXTRA_STATE_NAMES", "DTYPE_NAMES", "configuration_name"]
+
+#: Short names of the weight and state dtypes in the rows of ``lowp memory``.
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 #: State entries that hold extra weight precision rather than optimizer statistics: lowp's
 #: write-back buffers (:data:`lowp.optim.writeback.BUFFER_NAMES`) and optimi's Kahan buffer.
@@ -191,17 +194,31 @@ def layout_on(cls: type, params: list[torch.Tensor], dtype: torch.dtype, mode: s
     return measure(copies, opt)
 
 
-def lowp_footprints(optimizer: str, target: torch.nn.Module | None = None) -> list[LowpFootprint]:
+def configuration_name(cls: type, dtype: torch.dtype, mode: str, state_dtype: torch.dtype | str) -> str:
+    """The row name of one configuration, e.g. ``lowp AdamW bf16 kahan, bf16 states`` (fp32
+    weights: ``(any mode)``)."""
+    states = state_dtype if isinstance(state_dtype, str) else DTYPE_NAMES[state_dtype]
+    shown = "(any mode)" if dtype == torch.float32 else mode
+    return f"lowp {cls.__name__} {DTYPE_NAMES[dtype]} {shown}, {states} states"
+
+
+def lowp_footprints(optimizer: str, target: torch.nn.Module | None = None,
+                    progress: Callable[[int, int, str], None] | None = None) -> list[LowpFootprint]:
     """Build lowp's ``optimizer`` on the probe model in every configuration of
     :func:`lowp_configurations`, take one step and :func:`measure` it. When its states are not
     shaped like the weights (``per_element`` false) and a ``target`` model is given (on any
     device, the meta device included), the footprint is that of the target's own shapes
-    (:func:`layout_on`), since bytes per parameter then depend on the shapes."""
+    (:func:`layout_on`), since bytes per parameter then depend on the shapes. ``progress``, when
+    given, is called before each configuration with (its number from 1, the number of
+    configurations, its :func:`configuration_name`)."""
     from lowp.optim.base import default_state_dtype
 
     cls = lowp_optimizer(optimizer)
     out = []
-    for dtype, mode, layout in lowp_configurations(cls):
+    configurations = lowp_configurations(cls)
+    for i, (dtype, mode, layout) in enumerate(configurations, start=1):
+        if progress is not None:
+            progress(i, len(configurations), configuration_name(cls, dtype, mode, layout or default_state_dtype(dtype)))
         state_dtype = coded_state_dtype(cls, layout) if isinstance(layout, str) else layout
         model = probe_model(dtype)
         opt = cls(model.parameters(), mode=mode, state_dtype=state_dtype)

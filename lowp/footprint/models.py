@@ -1,15 +1,20 @@
 """Parameter counts for ``lowp memory``: a count written as ``7e9``, ``125M`` or ``1.3B``, or the
-parameters of a named model: the built-in demo model, or a Hugging Face ``transformers``
-architecture built from its config class's defaults on the meta device (no download, no memory).
+parameters of the model a ``--model`` argument names (:mod:`lowp.model_spec`: the built-in demo
+model, ``module:factory``, a Hugging Face ``transformers`` model type, a local ``config.json`` or a
+cached hub id), built on the meta device (no download, no memory).
 """
 from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
-from typing import Any
+
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["parse_count", "MAX_COUNT", "meta_model", "DEMO"]
+if TYPE_CHECKING:
+    from lowp.model_spec import ModelSource
+
+__all__ = ["parse_count", "MAX_COUNT", "meta_model", "build_meta", "DEMO"]
 
 #: The largest count accepted (10**15 parameters, far beyond any model trained so far).
 MAX_COUNT = 10**15
@@ -39,52 +44,33 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
-def _build(transformers: Any, config: Any) -> torch.nn.Module:
-    """The training model of ``config`` on the meta device: the sequence-to-sequence LM of an
-    encoder-decoder, else the causal LM, falling back to the base model when the architecture
-    has no such head."""
-    head = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
-    with torch.device("meta"):
-        try:
-            return head.from_config(config)
-        except ValueError:   # no such head for this architecture
-            return transformers.AutoModel.from_config(config)
-
-
 def meta_model(name: str) -> tuple[torch.nn.Module, str]:
-    """(model on the meta device, description) of the model called ``name`` (any case): ``"demo"``
-    (lowp's demo model, :class:`lowp.demo.model.CharLM` with its defaults) or a ``transformers``
-    model type (a key of ``transformers.CONFIG_MAPPING``, e.g. ``gpt2``, ``llama``, ``t5``), built
-    from that config class's defaults: the sequence-to-sequence LM of an encoder-decoder, the
-    causal LM of other architectures that have one, else the base model. ``model.parameters()``
-    lists tied weights once. ``ValueError`` naming ``model`` for an unknown name, a model that
-    cannot be built from its defaults (missing packages, required sub-configs), or when
-    ``transformers`` is not installed."""
-    name = name.strip().lower()
-    if name == DEMO:
+    """(model on the meta device, description) of the model ``name`` names, as ``--model`` reads
+    it (:func:`lowp.model_spec.resolve`, then :func:`build_meta`). ``ValueError`` naming ``model``
+    for anything that names no model that can be built (the message says what was expected)."""
+    from lowp.model_spec import ModelSpecError, resolve
+
+    try:
+        return build_meta(resolve(name))
+    except ModelSpecError as exc:
+        raise ValueError(f"model: {exc}") from None
+
+
+def build_meta(source: ModelSource) -> tuple[torch.nn.Module, str]:
+    """(model on the meta device, description) of ``source`` (:func:`lowp.model_spec.resolve`):
+    ``demo`` is lowp's demo model (:class:`lowp.demo.model.CharLM` with its defaults);
+    ``module:factory`` is called inside ``torch.device("meta")``, or plainly when that fails; a
+    ``transformers`` model type (``gpt2``, ``llama``, ``t5``) is built from its config class's
+    defaults, a ``config.json`` or a cached hub id from that file: the sequence-to-sequence LM of an
+    encoder-decoder, the causal LM of other architectures that have one, else the base model.
+    Nothing is downloaded or allocated; ``model.parameters()`` lists tied weights once.
+    ``ModelSpecError`` (:mod:`lowp.model_spec`) when the model cannot be built."""
+    from lowp.model_spec import build
+
+    if source.kind == DEMO:
         from lowp.demo.model import CharLM
 
         with torch.device("meta"):
             demo = CharLM()
         return demo, "lowp demo model (CharLM defaults)"
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(f"model: {name!r} is not 'demo', and Hugging Face model types need transformers "
-                         f"(pip install transformers)") from None
-    try:
-        config = transformers.CONFIG_MAPPING[name]()
-    except KeyError:
-        raise ValueError(f"model: expected 'demo' or a transformers model type such as gpt2, llama or bert "
-                         f"(a key of transformers.CONFIG_MAPPING), got {name!r}") from None
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        model = _build(transformers, config)
-    except Exception as exc:   # a third-party constructor: any failure becomes a usage error
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"model: {name!r} cannot be built from {type(config).__name__}()'s defaults: "
-                         f"{reason}") from None
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    return model, f"{type(model).__name__}({type(config).__name__}())"
+    return build(source, meta=True)

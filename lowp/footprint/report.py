@@ -8,16 +8,17 @@ naming the source of every number.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lowp.footprint.baselines import BASELINES, REFERENCE, measure_baseline
-from lowp.footprint.measure import Footprint, lowp_footprints, lowp_optimizer, probe_model
+from lowp.footprint.measure import (DTYPE_NAMES, Footprint, configuration_name, lowp_footprints, lowp_optimizer,
+                                    probe_model)
 
 __all__ = ["build_report", "format_report", "DTYPE_NAMES"]
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 GIB = 2**30
 
 
@@ -31,11 +32,14 @@ def _row(name: str, kind: str, fp: Footprint, count: int, with_grads: bool, refe
 
 
 def build_report(optimizer: str, count: int | None = None, with_grads: bool = False, model: str | None = None,
-                 target: torch.nn.Module | None = None, model_description: str | None = None) -> dict[str, Any]:
+                 target: torch.nn.Module | None = None, model_description: str | None = None,
+                 progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
     """The memory report of lowp's ``optimizer`` for ``count`` parameters, or for the ``target``
     model (any device, meta included) called ``model``: one row per lowp configuration and per
     baseline, sorted by bytes per parameter (gradients included with ``with_grads``), the
-    sources (footnote number -> text) and notes."""
+    sources (footnote number -> text) and notes. ``progress``, when given, is called before each
+    measurement (every lowp configuration, then every baseline) with (its number from 1, the
+    number of measurements, what is measured)."""
     if target is not None:
         count = sum(p.numel() for p in target.parameters())
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -48,12 +52,17 @@ def build_report(optimizer: str, count: int | None = None, with_grads: bool = Fa
                   f"optimizer.state, per parameter"}
     rows = []
     notes: list[str] = []
-    for m in lowp_footprints(optimizer, target):
+
+    def configuration(i: int, n: int, name: str) -> None:
+        if progress is not None:
+            progress(i, n + len(BASELINES), f"measuring {name}")
+
+    measured = lowp_footprints(optimizer, target, configuration)
+    for m in measured:
         weight = DTYPE_NAMES[m.weight_dtype]
         states = m.state_dtype if isinstance(m.state_dtype, str) else DTYPE_NAMES[m.state_dtype]
-        mode = "(any mode)" if m.weight_dtype == torch.float32 else m.mode
-        rows.append(_row(f"lowp {cls.__name__} {weight} {mode}, {states} states", "lowp", m.footprint, count,
-                         with_grads, reference, 1, m.footprint,
+        name = configuration_name(cls, m.weight_dtype, m.mode, m.state_dtype)
+        rows.append(_row(name, "lowp", m.footprint, count, with_grads, reference, 1, m.footprint,
                          {"weight_dtype": weight, "mode": m.mode, "state_dtype": states}))
         if not m.per_element and not notes:
             shapes = "measured on the demo model's shapes; give --model for another's"
@@ -63,6 +72,8 @@ def build_report(optimizer: str, count: int | None = None, with_grads: bool = Fa
             notes.append(f"{cls.__name__}'s states are not shaped like its weights (factored), so its bytes per "
                          f"parameter depend on the matrices' shapes: the lowp rows are {shapes}")
     for i, baseline in enumerate(BASELINES, start=2):
+        if progress is not None:
+            progress(len(measured) + i - 1, len(measured) + len(BASELINES), f"measuring {baseline.name}")
         sources[i] = baseline.source
         rows.append(_row(baseline.name, "baseline", baseline.footprint, count, with_grads, reference, i,
                          measure_baseline(baseline), {"weight_dtype": None, "mode": None, "state_dtype": None}))
@@ -92,7 +103,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"[{r['source']}]"])
     what = f"{report['params']:,} parameters"
     if report["model"]:
-        what += f" ({report['model']}: {report['model_description']})"
+        described = report["model_description"] or ""
+        what += f" ({described})" if report["model"] in described else f" ({report['model']}: {described})"
     lines = [f"lowp memory: {report['optimizer']} on {what}; bytes per parameter of weights + optimizer states + "
              f"extra precision{' + gradients' if grads else ''}", "", text_table(headers, rows), ""]
     lines.append("extra: compensation/remainder buffers, fp32 master weights or error terms. measured B/param: the "
