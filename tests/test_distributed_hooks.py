@@ -68,7 +68,26 @@ def _worker(rank, world_size):
         params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
         out["hooks"][name] = {"grads": first, "losses": losses, "params": params, "stats": first_stats}
     out["fsdp"] = _fsdp_grads(rank, world_size)
+    out["disagree"] = _disagreement(rank)
     return out
+
+
+def _disagreement(rank):
+    """Rank 0 sends bf16, the others fp32: the ranks compare their settings before the all-to-all
+    (whose buffers would differ in size, an abort inside gloo) and every one of them raises."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lowp.distributed.hooks import ReduceState, alltoall_fp32_hook
+
+    model = DDP(_model())
+    state = ReduceState(wire_dtype=torch.bfloat16 if rank == 0 else torch.float32)
+    model.register_comm_hook(state, alltoall_fp32_hook)
+    x, y = _batch(rank, 0)
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    except ValueError as exc:
+        return str(exc), state.calls
+    return None, state.calls
 
 
 def _fsdp_grads(rank, world_size):
@@ -181,6 +200,15 @@ def test_hook_stats_describe_the_gradients(group_results):
 
 
 @pytest.mark.timeout(240)
+def test_ranks_that_disagree_on_the_wire_dtype_all_raise_naming_it(group_results):
+    R, results = group_results
+    for r in range(R):
+        message, calls = results[r]["disagree"]
+        assert message.startswith("state.wire_dtype: the ranks disagree on bucket "), message
+        assert "rank 0: torch.bfloat16, rank 1: torch.float32" in message and calls == 0
+
+
+@pytest.mark.timeout(240)
 def test_fsdp2_reduce_dtype_none_falls_back_as_the_advisor_says_and_float32_fixes_it(group_results):
     """reduce_dtype=None reduces 16-bit parameters' gradients in bf16 on every torch, and fp32
     parameters computed in bf16 in bf16 before torch 2.15 (in fp32 from 2.15); float32 matches the
@@ -257,6 +285,71 @@ def test_launcher_and_state_reject_bad_arguments():
         run_local_group(_dies, 2, timeout_s=0)
     with pytest.raises(ValueError, match="wire_dtype"):
         ReduceState(wire_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"wire_dtype": None}, ValueError, "^wire_dtype: "), ({"gather_dtype": "fp32"}, ValueError, "^gather_dtype: "),
+    ({"seed": None}, ValueError, "^seed: expected an int"), ({"seed": True}, ValueError, "^seed: "),
+    ({"seed": 1.5}, ValueError, "^seed: "), ({"calls": -1}, ValueError, "^calls: expected an int >= 0"),
+    ({"collect_stats": "yes"}, ValueError, "^collect_stats: "), ({"stats": None}, TypeError, "^stats: "),
+    ({"process_group": -100}, TypeError, "^process_group: expected a torch.distributed.ProcessGroup or None"),
+])
+def test_state_refuses_fields_the_hooks_cannot_use(kw, error, match):
+    from lowp.distributed.hooks import ReduceState
+
+    with pytest.raises(error, match=match):
+        ReduceState(**kw)
+
+
+def test_state_accepts_any_integer_seed():
+    import numpy as np
+
+    from lowp.distributed.hooks import ReduceState
+
+    assert ReduceState(seed=np.int64(3)).seed == 3 and type(ReduceState(seed=np.int64(3)).seed) is int
+    assert ReduceState(seed=-1).seed == -1 and ReduceState(seed=2**100).seed == 2**100
+
+
+class _Bucket:
+    """What the hooks read of a GradBucket."""
+
+    def __init__(self, buffer):
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return 0
+
+
+def test_hooks_check_state_and_bucket_before_any_collective():
+    """No process group here: every refusal comes before the hooks would need one, and a state
+    changed after it was made is caught at the call, its counters untouched."""
+    import torch.distributed as dist
+
+    from lowp.distributed.hooks import HOOKS, ReduceState
+
+    for hook in HOOKS.values():
+        with pytest.raises(TypeError, match="^state: expected a lowp.distributed.hooks.ReduceState, got NoneType"):
+            hook(None, _Bucket(torch.ones(4)))
+        with pytest.raises(TypeError, match="^bucket: expected a torch.distributed.GradBucket"):
+            hook(ReduceState(), torch.ones(4))
+        with pytest.raises(TypeError, match="^bucket: gradients of dtype torch.int32"):
+            hook(ReduceState(), _Bucket(torch.ones(4, dtype=torch.int32)))
+        with pytest.raises(TypeError, match="^bucket: on the meta device"):
+            hook(ReduceState(), _Bucket(torch.ones(4, device="meta")))
+        state = ReduceState()
+        state.seed = "x"
+        with pytest.raises(ValueError, match="^state.seed: expected an int, got 'x'"):
+            hook(state, _Bucket(torch.ones(4)))
+        assert state.calls == 0
+    for hook in (HOOKS["alltoall"], HOOKS["stochastic"]):
+        with pytest.raises(TypeError, match="^bucket: a sparse gradient"):
+            hook(ReduceState(), _Bucket(torch.ones(4).to_sparse()))
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="^process_group: None means torch.distributed's default group"):
+            HOOKS["fp32"](ReduceState(), _Bucket(torch.ones(4)))
 
 
 def test_stochastic_streams_of_distinct_ranks_and_calls_never_collide():

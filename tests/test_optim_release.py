@@ -389,3 +389,83 @@ def test_parameter_added_later_is_stepped_at_the_end_of_the_pass():
             assert not net.side._post_accumulate_grad_hooks
             handle.remove()
     assert_same(*runs)
+
+
+def _staged_loss(net: Net, t: int, on_hidden: Any) -> torch.Tensor:
+    """``loss_of`` with ``on_hidden`` hooked on the hidden activation: in backward it runs after
+    ``c``, ``side`` and ``norm`` have their gradients and before ``a`` and ``b`` do."""
+    x, y, side = batch(t)
+    hidden = torch.tanh(x @ net.a.t() + net.b)
+    hidden.register_hook(on_hidden)
+    h = hidden @ net.c.t()
+    if side:
+        h = h + x @ net.side.t()
+    return ((h.float() * net.norm - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("exc", [ValueError("user hook failed"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_an_exception_inside_backward_leaves_the_next_pass_working(exc):
+    """The exception propagates unchanged; the parameters reached before it were stepped, the
+    others keep their weights; the failed pass is not counted, and the next pass is not taken
+    for one nested inside it (the engine dropped the failed pass's end callback)."""
+    net, opt = make()
+    a_before = net.a.detach().clone()
+
+    def fail(grad: torch.Tensor) -> None:
+        raise exc
+
+    handle = lo.release_gradients(opt)
+    with pytest.raises(type(exc)):
+        _staged_loss(net, 0, fail).backward()
+    assert torch.equal(net.a, a_before) and net.a not in opt.state and net.a.grad is None
+    assert opt.state[net.c]["step"] == 1 and handle.backward_passes == 0
+    train(net, opt, steps=1, start=1)
+    assert handle.backward_passes == 1 and opt.state[net.a]["step"] == 1 and opt.state[net.c]["step"] == 2
+    handle.remove()
+
+
+def test_registration_refuses_what_no_pass_could_step():
+    """Before any hook is registered: an optimizer none of whose parameters requires grad (it
+    would never step: step() does nothing while released) and parameters on the meta device."""
+    net, opt = make()
+    net.requires_grad_(False)
+    with pytest.raises(ValueError, match="^optimizer: none of its parameters requires grad"):
+        lo.release_gradients(opt)
+    meta = torch.nn.Linear(4, 2, device="meta")
+    with pytest.raises(ValueError, match=r"^params\[0\]: on the meta device"):
+        lo.release_gradients(lo.AdamW(meta.parameters(), lr=1e-2))
+    assert opt._released_by is None and not any(p._post_accumulate_grad_hooks for p in net.parameters())
+
+
+@pytest.mark.parametrize("prepare, match", [
+    (lambda scaler: None, "^scaler: it has not scaled a loss yet"),
+    (lambda scaler: (scaler.scale(torch.ones(())), scaler.update(new_scale=0.0)), "^scaler: its scale is 0.0"),
+], ids=["never-scaled", "zero-scale"])
+def test_a_scaler_without_a_usable_scale_is_refused_before_any_step(prepare, match):
+    net, opt = make()
+    scaler = torch.amp.GradScaler("cpu")
+    prepare(scaler)
+    before = copy.deepcopy((net.state_dict(), opt.state_dict()))
+    handle = lo.release_gradients(opt, scaler=scaler)
+    with pytest.raises(ValueError, match=match):
+        loss_of(net, 0).backward()
+    assert_nested_equal(before, (net.state_dict(), opt.state_dict()))
+    assert handle.backward_passes == 0
+    handle.remove()
+
+
+def test_integer_likes_and_parameters_removed_later():
+    """A numpy integer is a count; a parameter removed from the optimizer's groups after the hooks
+    were registered keeps its gradient, as step() would leave it."""
+    import numpy as np
+
+    plain, released = make(), make()
+    handle = lo.release_gradients(released[1], accumulation_steps=np.int64(2))
+    assert handle.accumulation_steps == 2 and type(handle.accumulation_steps) is int
+    for o in (plain[1], released[1]):
+        o.param_groups[0]["params"].pop(0)
+    train(*plain, steps=2, k=2)
+    train(*released, steps=2, k=2)
+    handle.remove()
+    assert_same(plain, released)
+    assert torch.equal(released[0].a.grad, plain[0].a.grad)

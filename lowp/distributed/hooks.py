@@ -26,6 +26,18 @@ All collectives run to completion inside the hook, which then returns a complete
 that is simple and deterministic (the tests run them with gloo on CPU), at the cost of not
 overlapping these collectives with the rest of the backward pass.
 
+Every hook checks its arguments before any collective (``TypeError``/``ValueError`` naming
+``state``, ``state.<field>``, ``bucket`` or ``process_group``), then the ranks compare what
+decides their collectives (the hook, ``wire_dtype``, ``gather_dtype``, ``collect_stats``, the
+bucket's size, dtype and layout) in one small all-gather of integers: ranks that disagree all
+raise a ``ValueError`` naming the setting and each distinct value with a rank that has it, where
+mismatched collectives would otherwise exchange buffers of different sizes, which aborts the
+process inside gloo. A collective that fails (a rank raised or died before joining it, or the
+process group timed out) raises an error naming the hook, the collective and the bucket, chained
+to the backend's. Empty buckets are returned as they are, without statistics; sparse buckets
+(``nn.Embedding(sparse=True)``) are reduced by ``fp32_reduce_hook`` and ``sum_then_divide_hook``
+and refused by the all-to-all hooks; fp64 buckets are reduced in fp64 by ``fp32_reduce_hook``.
+
 Set ``ReduceState.collect_stats`` to record per-bucket :class:`~lowp.distributed.advisor.BucketStats`
 (mean and spread across ranks, underflow fraction) for :func:`lowp.distributed.advisor.advise`,
 at the price of one extra 3-element all-reduce per bucket.
@@ -34,8 +46,9 @@ at the price of one extra 3-element all-reduce per bucket.
 ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.)
 """
 import math
+import operator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,22 +65,27 @@ __all__ = ["ReduceState", "fp32_reduce_hook", "alltoall_fp32_hook", "stochastic_
 class ReduceState:
     """Configuration and bookkeeping shared by the hooks (one instance per DDP model).
 
+    Every field is checked when the state is made and again at each hook call (a field set
+    later is caught before any collective, the error naming ``state.<field>``).
+
     Args:
-        process_group: group the collectives run on (default ``None``: the default group, which
-            must be initialised before the first hook call).
+        process_group: group the collectives run on, a ``torch.distributed.ProcessGroup`` or
+            ``None`` (default: the default group, which must be initialised before the first
+            hook call); anything else (the ``int`` that ``new_group`` returns on a rank outside
+            the group, say) raises ``TypeError``.
         wire_dtype: dtype sent over the network: ``torch.bfloat16`` (default), ``torch.float16``
             or ``torch.float32`` (no compression); anything else raises ``ValueError``.
         gather_dtype: dtype of the all-gather of reduced shards in the all-to-all hooks (default
             ``None``: ``wire_dtype``; ``torch.float32`` doubles those bytes and keeps the fp32
             mean); same choices and check as ``wire_dtype``.
-        seed: base seed of stochastic rounding, any int (taken modulo 2**64; rank and call are
-            mixed in, see ``_stream_seed``). Default 0.
+        seed: base seed of stochastic rounding, any int, numpy integer included, but not a bool
+            (taken modulo 2**64; rank and call are mixed in, see ``_stream_seed``). Default 0.
         collect_stats: record :class:`~lowp.distributed.advisor.BucketStats` per bucket into
-            ``stats`` (default ``False``; costs one 3-element all-reduce per bucket).
-        stats: bucket index -> statistics of its latest reduction (default: empty; filled by the
-            hooks).
-        calls: hook calls so far (default 0; the hooks count it up, and stochastic rounding
-            streams depend on it, so keep it when resuming for identical bits).
+            ``stats`` (default ``False``; costs one 3-element all-reduce per bucket). A bool.
+        stats: bucket index -> statistics of its latest reduction, a dict (default: empty; filled
+            by the hooks; empty buckets get no entry).
+        calls: hook calls so far, an int >= 0 (default 0; the hooks count it up, and stochastic
+            rounding streams depend on it, so keep it when resuming for identical bits).
     """
 
     process_group: Optional[dist.ProcessGroup] = None
@@ -79,15 +97,132 @@ class ReduceState:
     calls: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("wire_dtype", "gather_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in (torch.bfloat16, torch.float16, torch.float32):
-                raise ValueError(f"{name}: expected torch.bfloat16, torch.float16 or torch.float32, got {value}")
+        _check_fields(self, "")
+        self.seed, self.calls = operator.index(self.seed), operator.index(self.calls)
 
     @property
     def world_size(self) -> int:
         """Ranks in ``process_group``."""
         return dist.get_world_size(self.process_group)
+
+
+_WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_BUCKET_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _integer(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer other than a bool (numpy integers included)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or isinstance(value, torch.Tensor):
+        return None
+    return operator.index(value)
+
+
+def _check_fields(state: ReduceState, prefix: str) -> None:
+    """Raise naming ``prefix + field`` for the first field of ``state`` the hooks cannot use."""
+    if state.process_group is not None and not isinstance(state.process_group, dist.ProcessGroup):
+        raise TypeError(f"{prefix}process_group: expected a torch.distributed.ProcessGroup or None, got "
+                        f"{type(state.process_group).__name__} (new_group() returns an int on ranks outside the group)")
+    for name in ("wire_dtype", "gather_dtype"):
+        value = getattr(state, name)
+        if (value is not None or name == "wire_dtype") and value not in _WIRE_DTYPES:
+            raise ValueError(f"{prefix}{name}: expected torch.bfloat16, torch.float16 or torch.float32"
+                             f"{' (or None)' if name == 'gather_dtype' else ''}, got {value}")
+    if _integer(state.seed) is None:
+        raise ValueError(f"{prefix}seed: expected an int, got {state.seed!r}")
+    calls = _integer(state.calls)
+    if calls is None or calls < 0:
+        raise ValueError(f"{prefix}calls: expected an int >= 0, got {state.calls!r}")
+    if not isinstance(state.collect_stats, bool):
+        raise ValueError(f"{prefix}collect_stats: expected True or False, got {state.collect_stats!r}")
+    if not isinstance(state.stats, dict):
+        raise TypeError(f"{prefix}stats: expected a dict, got {type(state.stats).__name__}")
+
+
+def _checked(state: Any, bucket: Any, hook: str, sparse: bool) -> torch.Tensor:
+    """Check the arguments of hook ``hook`` before any collective; return the bucket's buffer.
+    ``sparse``: whether the hook reduces sparse buffers."""
+    if not isinstance(state, ReduceState):
+        raise TypeError(f"state: expected a lowp.distributed.hooks.ReduceState, got {type(state).__name__} "
+                        f"(ddp.register_comm_hook(ReduceState(...), {hook}))")
+    _check_fields(state, "state.")
+    if not (callable(getattr(bucket, "buffer", None)) and callable(getattr(bucket, "index", None))):
+        raise TypeError(f"bucket: expected a torch.distributed.GradBucket (what DistributedDataParallel's "
+                        f"register_comm_hook passes to {hook}), got {type(bucket).__name__}")
+    buffer = bucket.buffer()
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"bucket: its buffer() is a {type(buffer).__name__}, expected a tensor")
+    if buffer.dtype not in _BUCKET_DTYPES:
+        raise TypeError(f"bucket: gradients of dtype {buffer.dtype}; expected floating point (torch.bfloat16, "
+                        f"torch.float16, torch.float32 or torch.float64)")
+    if buffer.is_meta:
+        raise TypeError("bucket: on the meta device, without data to reduce")
+    if buffer.layout == torch.sparse_coo and not sparse:
+        raise TypeError(f"bucket: a sparse gradient (nn.Embedding(sparse=True)?); {hook} reduces dense buckets "
+                        f"only: use fp32_reduce_hook or sum_then_divide_hook, or dense gradients")
+    if buffer.layout not in (torch.strided, torch.sparse_coo):
+        raise TypeError(f"bucket: a {buffer.layout} tensor; expected a dense (strided) or sparse COO tensor")
+    if _integer(bucket.index()) is None:
+        raise TypeError(f"bucket: index() is {bucket.index()!r}, expected an int")
+    if state.process_group is None and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("process_group: None means torch.distributed's default group, which is not initialized; "
+                           "call torch.distributed.init_process_group first (DistributedDataParallel needs it too)")
+    return buffer
+
+
+def _renamed(exc: BaseException, message: str) -> BaseException:
+    """``exc``'s class with ``message`` (a plain ``RuntimeError`` when that class cannot take one)."""
+    try:
+        return type(exc)(message)
+    except Exception:  # noqa: BLE001 - a backend exception type with another constructor
+        return RuntimeError(message)
+
+
+def _collective(state: ReduceState, hook: str, index: int, op: Callable[..., Any], *args: torch.Tensor) -> None:
+    """Run collective ``op(*args, group=...)``; a failure raises naming ``hook``, the collective
+    and the bucket, chained to the backend's error."""
+    try:
+        op(*args, group=state.process_group)
+    except RuntimeError as exc:
+        name = getattr(op, "__name__", "collective").lstrip("_")
+        raise _renamed(exc, f"{hook}: the {name} of bucket {index} on a group of {state.world_size} ranks failed "
+                            f"(a rank raised, died or hung before joining it, or the backend refused it): "
+                            f"{exc}") from exc
+
+
+_HOOK_NAMES = ("fp32_reduce_hook", "alltoall_fp32_hook", "stochastic_rounding_hook", "sum_then_divide_hook")
+_LAYOUTS = (torch.strided, torch.sparse_coo)
+
+
+def _agree(state: ReduceState, hook: str, index: int, buffer: torch.Tensor, uses: tuple[str, ...]) -> None:
+    """All ranks compare what decides their collectives for this bucket (one all-gather of a few
+    int64); on a difference every rank raises ``ValueError`` naming it. ``uses``: the settings of
+    ``state`` that ``hook`` reads (the others may differ harmlessly)."""
+    gather = state.gather_dtype or state.wire_dtype
+    fields: list[tuple[str, int, Callable[[int], str]]] = [
+        ("hook", _HOOK_NAMES.index(hook), lambda v: _HOOK_NAMES[v]),
+        ("state.collect_stats", int(state.collect_stats), lambda v: str(bool(v))),
+        ("state.wire_dtype", _WIRE_DTYPES.index(state.wire_dtype) if "wire_dtype" in uses else -1,
+         lambda v: str(_WIRE_DTYPES[v])),
+        ("state.gather_dtype", _WIRE_DTYPES.index(gather) if "gather_dtype" in uses else -1,
+         lambda v: str(_WIRE_DTYPES[v])),
+        ("bucket dtype", _BUCKET_DTYPES.index(buffer.dtype), lambda v: str(_BUCKET_DTYPES[v])),
+        ("bucket layout", _LAYOUTS.index(buffer.layout), lambda v: str(_LAYOUTS[v])),
+        ("bucket size", buffer.numel(), str),
+    ]
+    mine = torch.tensor([v for _, v, _ in fields], dtype=torch.int64, device=buffer.device)
+    R = state.world_size
+    every = torch.empty(R * len(fields), dtype=torch.int64, device=buffer.device)
+    _collective(state, hook, index, _all_gather, every, mine)
+    table = every.view(R, len(fields)).tolist()
+    for column, (name, _, show) in enumerate(fields):
+        first: dict[int, int] = {}
+        for rank, row in enumerate(table):
+            first.setdefault(row[column], rank)
+        if len(first) > 1:
+            seen = ", ".join(f"rank {rank}: {show(value)}" for value, rank in sorted(first.items(), key=lambda i: i[1]))
+            raise ValueError(f"{name}: the ranks disagree on bucket {index} ({seen}); every rank must register the "
+                             f"same hook with the same ReduceState settings on the same model (mismatched "
+                             f"collectives would exchange buffers of different sizes)")
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -101,17 +236,19 @@ def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Optional[dist.
     gather(output, shard, group=group)
 
 
-def _record_stats(state: ReduceState, index: int, local: torch.Tensor, mean: torch.Tensor) -> None:
+def _record_stats(state: ReduceState, hook: str, index: int, local: torch.Tensor, mean: torch.Tensor) -> None:
     """Across-rank statistics from one 3-element all-reduce and the already reduced mean.
 
     ``sum_r ||g_r||**2 - R ||mean||**2 = sum_{r,i} (g_ri - mean_i)**2`` gives the spread exactly
-    (up to the rounding of ``mean``), without sending a second full-size tensor.
+    (up to the rounding of ``mean``), without sending a second full-size tensor. Sparse buckets
+    are measured densely (their numel is the dense one).
     """
     R = state.world_size
     tiny = get_format(state.wire_dtype).min_subnormal / 2 * R
-    local = local.float()
+    local = (local.to_dense() if local.is_sparse else local).float()
+    mean = mean.to_dense() if mean.is_sparse else mean
     summary = torch.stack([(local * local).sum(), (local.abs() < tiny).sum().float(), local.abs().max()])
-    dist.all_reduce(summary, group=state.process_group)
+    _collective(state, hook, index, dist.all_reduce, summary)
     n = local.numel()
     mean_sq = float((mean.float() ** 2).sum())
     spread_sq = max(float(summary[0]) - R * mean_sq, 0.0) / (n * max(R - 1, 1))
@@ -120,19 +257,33 @@ def _record_stats(state: ReduceState, index: int, local: torch.Tensor, mean: tor
                                      absmax=float(summary[2]) / R)
 
 
-def _finish(state: ReduceState, bucket: dist.GradBucket, mean: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+def _finish(state: ReduceState, hook: str, bucket: dist.GradBucket, mean: torch.Tensor
+            ) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
-    if state.collect_stats:
-        _record_stats(state, bucket.index(), buffer, mean)
+    if state.collect_stats and buffer.numel():
+        _record_stats(state, hook, operator.index(bucket.index()), buffer, mean)
     state.calls += 1
-    return _done(mean.to(buffer.dtype))
+    out = mean.to(buffer.dtype)
+    return _done(out if out.is_sparse else out.view(buffer.shape))
+
+
+def _begin(state: Any, bucket: Any, hook: str, uses: tuple[str, ...], sparse: bool) -> Optional[torch.Tensor]:
+    """Checks and the ranks' agreement; the buffer to reduce, or ``None`` for an empty bucket
+    (the same on every rank once they agree on its size)."""
+    buffer = _checked(state, bucket, hook, sparse)
+    _agree(state, hook, operator.index(bucket.index()), buffer, uses)
+    return buffer if buffer.numel() else None
 
 
 def fp32_reduce_hook(state: ReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce in fp32, divide by R in fp32, return in the bucket's dtype."""
-    total = bucket.buffer().to(torch.float32, copy=True)
-    dist.all_reduce(total, group=state.process_group)
-    return _finish(state, bucket, total / state.world_size)
+    """All-reduce in fp32 (fp64 for an fp64 bucket), divide by R likewise, return in the bucket's dtype."""
+    buffer = _begin(state, bucket, "fp32_reduce_hook", (), sparse=True)
+    if buffer is None:
+        return _finish(state, "fp32_reduce_hook", bucket, bucket.buffer())
+    dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+    total = (buffer if buffer.is_sparse else buffer.reshape(-1)).to(dtype, copy=True)
+    _collective(state, "fp32_reduce_hook", bucket.index(), dist.all_reduce, total)
+    return _finish(state, "fp32_reduce_hook", bucket, total / state.world_size)
 
 
 _MASK64 = (1 << 64) - 1
@@ -167,23 +318,29 @@ def _compress(state: ReduceState, values: torch.Tensor, stochastic: bool) -> tor
     if not stochastic or state.wire_dtype == torch.float32:
         return values.to(state.wire_dtype)
     rank = dist.get_rank(state.process_group)
-    gen = torch.Generator(device=values.device).manual_seed(_stream_seed(state.seed, rank, state.calls))
+    seed = _stream_seed(operator.index(state.seed), rank, operator.index(state.calls))
+    gen = torch.Generator(device=values.device).manual_seed(seed)
     return quantize(values.to(torch.float32), state.wire_dtype, "stochastic", generator=gen).to(state.wire_dtype)
 
 
 def _alltoall_mean(state: ReduceState, bucket: dist.GradBucket, stochastic: bool) -> torch.futures.Future[torch.Tensor]:
-    buffer = bucket.buffer()
-    R, n = state.world_size, buffer.numel()
+    hook = "stochastic_rounding_hook" if stochastic else "alltoall_fp32_hook"
+    buffer = _begin(state, bucket, hook, ("wire_dtype", "gather_dtype"), sparse=False)
+    if buffer is None:
+        return _finish(state, hook, bucket, bucket.buffer())
+    index = bucket.index()
+    flat = buffer.reshape(-1)
+    R, n = state.world_size, flat.numel()
     shard = -(-n // R)
     send = torch.zeros(R * shard, dtype=state.wire_dtype, device=buffer.device)
-    send[:n] = _compress(state, buffer, stochastic)
+    send[:n] = _compress(state, flat, stochastic)
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=state.process_group)
+    _collective(state, hook, index, dist.all_to_all_single, received, send)
     mine = received.view(R, shard).to(torch.float32).sum(dim=0) / R
     gather_dtype = state.gather_dtype or state.wire_dtype
     gathered = torch.empty(R * shard, dtype=gather_dtype, device=buffer.device)
-    _all_gather(gathered, mine.to(gather_dtype), state.process_group)
-    return _finish(state, bucket, gathered[:n])
+    _collective(state, hook, index, _all_gather, gathered, mine.to(gather_dtype))
+    return _finish(state, hook, bucket, gathered[:n])
 
 
 def alltoall_fp32_hook(state: ReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -199,9 +356,12 @@ def stochastic_rounding_hook(state: ReduceState, bucket: dist.GradBucket) -> tor
 def sum_then_divide_hook(state: ReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce the *sum* in ``wire_dtype``, then divide by R in fp32 (no ``fl(1/R)`` bias,
     no underflow of ``g / R``)."""
-    total = bucket.buffer().to(state.wire_dtype, copy=True)
-    dist.all_reduce(total, group=state.process_group)
-    return _finish(state, bucket, total.to(torch.float32) / state.world_size)
+    buffer = _begin(state, bucket, "sum_then_divide_hook", ("wire_dtype",), sparse=True)
+    if buffer is None:
+        return _finish(state, "sum_then_divide_hook", bucket, bucket.buffer())
+    total = (buffer if buffer.is_sparse else buffer.reshape(-1)).to(state.wire_dtype, copy=True)
+    _collective(state, "sum_then_divide_hook", bucket.index(), dist.all_reduce, total)
+    return _finish(state, "sum_then_divide_hook", bucket, total.to(torch.float32) / state.world_size)
 
 
 HOOKS = {"fp32": fp32_reduce_hook, "alltoall": alltoall_fp32_hook, "stochastic": stochastic_rounding_hook,

@@ -35,16 +35,31 @@ there is no gradient memory to save. In a process whose default process group ha
 rank, release therefore refuses unless ``local_gradients=True`` says that no data parallelism
 reduces these gradients (tensor or pipeline parallelism alone); the check is repeated when a
 backward pass begins, before anything is stepped, for a group initialized after the hooks.
+
+Everything that can be checked before a step is checked when the hooks are registered (the
+arguments, a parameter requiring grad, parameters with data) or when a stepping pass begins (the
+scaler's scale, the gradients accumulated so far), before anything changes, raising an error
+that names the argument. An exception
+inside a backward pass (a user hook, the loss's backward, ``KeyboardInterrupt``, a gradient the
+step refuses) propagates unchanged; the parameters that pass reached before it have been stepped
+and cannot be taken back, the others keep their weights, and the pass is not counted. The next
+backward pass starts afresh: the hooks notice that the autograd engine dropped the failed pass's
+end-of-pass callback (it frees it, which a weak reference sees), so they do not take the new pass
+for one nested inside the failed one. Parameters removed from the optimizer's groups after the
+hooks were registered are left alone, as ``step()`` would leave them.
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+import operator
+import weakref
+from typing import Any, Callable
 
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.utils.hooks import RemovableHandle
 
-from lowp.optim import sharding
+from lowp.optim import preflight, sharding
 from lowp.optim.base import LowpOptimizer
 
 __all__ = ["GradientRelease", "release_gradients"]
@@ -68,7 +83,7 @@ class GradientRelease:
 
     def __init__(self, optimizer: LowpOptimizer, accumulation_steps: int = 1,
                  scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False) -> None:
-        _check(optimizer, accumulation_steps, scaler, local_gradients)
+        accumulation_steps = _check(optimizer, accumulation_steps, scaler, local_gradients)
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.scaler = scaler
@@ -81,8 +96,15 @@ class GradientRelease:
         self._new_step = True
         self._grad_scale: float | None = None
         self._all_finite = True
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        self._hooks: list[RemovableHandle] = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        self._members: set[int] = set()   # ids of the optimizer's parameters during the current pass
+        self._pass_end: Callable[[], Any] = lambda: None   # the current pass's end callback while it lives
+        self._hooks: list[RemovableHandle] = []
+        try:
+            for p in (p for g in optimizer.param_groups for p in g["params"] if p.requires_grad):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+        except BaseException:
+            self.remove()
+            raise
         optimizer._released_by = self
 
     @property
@@ -107,20 +129,28 @@ class GradientRelease:
         """Remove the hooks."""
         self.remove()
 
-    def _begin_backward(self) -> None:
-        """First hook of a backward pass: does it step, with which scale; queue its end."""
+    def _begin_backward(self, members: set[int]) -> None:
+        """First hook of a backward pass: does it step, with which scale; queue its end.
+        ``members``: the ids of the optimizer's parameters now."""
         task = torch._C._current_graph_task_id()
         if task < self._task:   # task ids grow: an outer pass goes on after a nested one ended
             raise _nested_error()
         _check_ranks(self.local_gradients)   # a group initialized after the hooks were registered
+        stepping = (self.backward_passes + 1) % self.accumulation_steps == 0
+        enabled = self.scaler is not None and self.scaler.is_enabled()
+        grad_scale = _scale_of(self.scaler) if enabled and stepping else None  # type: ignore[arg-type]
+        if stepping:
+            _check_grads(self.optimizer)
         self._task = task
         self._in_backward = True
-        self._stepping = (self.backward_passes + 1) % self.accumulation_steps == 0
+        self._stepping = stepping
         self._new_step = True
         self._all_finite = True
-        enabled = self.scaler is not None and self.scaler.is_enabled()
-        self._grad_scale = self.scaler.get_scale() if enabled and self._stepping else None  # type: ignore[union-attr]
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._grad_scale = grad_scale
+        self._members = members
+        end = _PassEnd(self)
+        self._pass_end = weakref.ref(end)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
 
     def _step(self, params: list[torch.Tensor]) -> None:
         """Step ``params`` as part of this backward pass's optimizer step and free their gradients."""
@@ -133,10 +163,17 @@ class GradientRelease:
         if not self.active:
             return
         try:
-            if not self._in_backward:
-                self._begin_backward()
+            # the engine frees the end callback of a pass that raised without running it: a pass
+            # whose callback is gone is over, and this hook belongs to a new one
+            if not self._in_backward or self._pass_end() is None:
+                members = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
+                if id(p) not in members:   # removed from the optimizer: left alone, as step() would
+                    return
+                self._begin_backward(members)
             elif torch._C._current_graph_task_id() != self._task:
                 raise _nested_error()
+            elif id(p) not in self._members:
+                return
             if self._stepping:
                 self._step([p])
         except BaseException:
@@ -155,6 +192,47 @@ class GradientRelease:
             self._step(left)
         if self._grad_scale is not None:
             _report_overflow(self.scaler, self.optimizer, not self._all_finite)  # type: ignore[arg-type]
+
+
+class _PassEnd:
+    """The end-of-pass callback queued with the autograd engine: calls ``_end_backward``. The
+    engine frees it after the pass, run or (when the pass raised) not, so a weak reference to it
+    tells whether the pass is still going."""
+
+    def __init__(self, release: GradientRelease) -> None:
+        self.release = release
+
+    def __call__(self) -> None:
+        self.release._end_backward()
+
+
+def _scale_of(scaler: torch.amp.GradScaler) -> float:
+    """The current scale of an enabled ``scaler``; raise naming it when no loss was scaled yet or
+    the scale is not a finite number > 0 (dividing it out would give no usable gradient)."""
+    if scaler._scale is None:
+        raise ValueError("scaler: it has not scaled a loss yet (scaler.scale(loss) creates its scale), so the "
+                         "gradients of this pass carry no scale to divide out; scale the loss of every backward "
+                         "pass with it, or release without scaler=")
+    scale = scaler.get_scale()
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scaler: its scale is {scale}; expected a finite number > 0 (set by "
+                         f"scaler.update(new_scale=...)?)")
+    return scale
+
+
+def _check_grads(optimizer: LowpOptimizer) -> None:
+    """Before a stepping pass steps anything: the gradients accumulated so far (by earlier
+    micro-batches, or set by hand) must be ones autograd can add this pass's gradient to and the
+    step can use, or the pass would fail half-way, after stepping the parameters reached first."""
+    for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        grad = p.grad
+        if grad is None:
+            continue
+        preflight.check_grad(p, grad, f"params[{i}]")
+        if not grad.is_contiguous() and torch._debug_has_internal_overlap(grad) == 1:
+            raise ValueError(f"grad of params[{i}]: its elements overlap in memory (an expanded or stride-0 view, "
+                             f"strides {grad.stride()}); autograd cannot add a gradient into it: set p.grad = "
+                             f"p.grad.clone() or None")
 
 
 def _nested_error() -> RuntimeError:
@@ -179,14 +257,17 @@ def _check_ranks(local_gradients: bool) -> None:
             "(tensor or pipeline parallelism alone); otherwise step with optimizer.step()")
 
 
-def _check(optimizer: Any, accumulation_steps: Any, scaler: Any, local_gradients: Any) -> None:
-    """Raise naming the argument that :class:`GradientRelease` cannot work with."""
+def _check(optimizer: Any, accumulation_steps: Any, scaler: Any, local_gradients: Any) -> int:
+    """Raise naming the argument that :class:`GradientRelease` cannot work with; return
+    ``accumulation_steps`` as an int."""
     if type(local_gradients) is not bool:
         raise TypeError(f"local_gradients: expected a bool, got {type(local_gradients).__name__}")
     if not isinstance(optimizer, LowpOptimizer):
         raise TypeError(f"optimizer: expected a lowp optimizer (lowp.optim.LowpOptimizer), got "
                         f"{type(optimizer).__name__}")
-    if type(accumulation_steps) is not int or accumulation_steps < 1:
+    integer = hasattr(accumulation_steps, "__index__") and not isinstance(accumulation_steps, (bool, torch.Tensor))
+    steps = operator.index(accumulation_steps) if integer else None
+    if steps is None or steps < 1:
         raise ValueError(f"accumulation_steps: expected an int >= 1, got {accumulation_steps!r}")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
@@ -196,11 +277,20 @@ def _check(optimizer: Any, accumulation_steps: Any, scaler: Any, local_gradients
     if optimizer.nonfinite == "skip_step":
         raise ValueError("nonfinite: 'skip_step' cannot be honoured with gradient release (the layers stepped "
                          "before a non-finite gradient appears cannot be taken back); use 'skip_param' or 'off'")
-    for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
         if sharding.is_dtensor(p):
             raise TypeError(f"params[{i}]: a DTensor; gradient release steps plain tensors only (FSDP2 "
                             f"reduce-scatters its gradients after the hooks would run)")
+        if p.is_meta:
+            raise ValueError(f"params[{i}]: on the meta device, without data to step; materialize the model "
+                             f"(to_empty() and initialization) before release_gradients")
+    if not any(p.requires_grad for p in params):
+        raise ValueError("optimizer: none of its parameters requires grad, so no hook could be registered and "
+                         "nothing would ever be stepped (step() does nothing while released); set requires_grad "
+                         "before release_gradients (parameters frozen or unfrozen later are handled)")
     _check_ranks(local_gradients)
+    return steps
 
 
 def _report_overflow(scaler: torch.amp.GradScaler, optimizer: LowpOptimizer, found: bool) -> None:
@@ -232,14 +322,17 @@ def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
         release.remove()
 
     Args:
-        optimizer: a lowp optimizer of plain (not DTensor) parameters whose ``nonfinite`` is
-            ``"skip_param"`` or ``"off"``, without an active release.
+        optimizer: a lowp optimizer of plain (not DTensor, not meta) parameters, at least one of
+            them requiring grad, whose ``nonfinite`` is ``"skip_param"`` or ``"off"``, without an
+            active release.
         accumulation_steps: backward passes per step (default 1): the gradients of the first
-            ``accumulation_steps - 1`` accumulate as usual and the last one steps. A positive int.
+            ``accumulation_steps - 1`` accumulate as usual and the last one steps. A positive int
+            (a numpy integer too; not a bool).
         scaler: the :class:`torch.amp.GradScaler` that scales the loss (default ``None``): the
             hooks unscale with its current scale, skip parameters whose gradient overflowed and
             report the overflow to it for ``scaler.update()``. Without it a scaled loss would
-            step with scaled gradients.
+            step with scaled gradients. A stepping pass raises ``ValueError`` naming it, before
+            any step, when it has scaled no loss yet or its scale is not a finite number > 0.
         local_gradients: ``True`` when no data parallelism (DistributedDataParallel, FSDP1, an
             all-reduce of the gradients) reduces the gradients after the backward pass. Required
             (``ValueError`` otherwise) when torch.distributed's default process group has more
