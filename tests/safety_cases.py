@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 import lowp.optim as lo
+from lowp.optim.registry import optimizers
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "AdamW": (lo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -32,10 +33,15 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "StableAdamW": (lo.StableAdamW, dict(lr=1e-2, weight_decay=0.1)),
     "Adafactor": (lo.Adafactor, dict(lr=1e-2)),
 }
+# every other optimizer of the registry (Adan, and whatever joins it) with its first example
+for _cls in optimizers():
+    OPTIMIZERS.setdefault(_cls.__name__, (_cls, dict(_cls.examples[0])))
 MODES = ("kahan", "stochastic", "exact", "exact8", "nearest")
-#: names an error message may point at
-ARGUMENTS = ("params", "grad", "states", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "row_var",
-             "col_var", "variance", "compensation", "remainder", "remainder8")
+#: names an error message may point at: arguments, states (and the block scales of coded ones), buffers
+_STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "row_var", "col_var", "variance",
+                "exp_avg_diff", "prev_grad")
+ARGUMENTS = ("params", "grad", "states", "state_dtype", "compensation", "remainder", "remainder8", *_STATE_NAMES,
+             *(f"{n}_scale" for n in _STATE_NAMES))
 
 
 @dataclass
@@ -277,6 +283,82 @@ def buffer_fp64(mode, gen):
     return Scenario(params, plain_grads(params), tamper)
 
 
+def coded_int8(mode, gen):
+    """Block-scaled int8 states (every state of every elementwise optimizer can hold them)."""
+    params = standard(gen)
+    return Scenario(params, plain_grads(params), options=dict(state_dtype=torch.int8, state_block=32))
+
+
+def coded_fp8(mode, gen):
+    params = standard(gen)
+    return Scenario(params, plain_grads(params), options=dict(state_dtype=torch.float8_e4m3fn, state_block=32))
+
+
+def _coded_tamper(change: Callable[[dict, str], None]) -> Callable[[Any, int], None]:
+    """Before step 1: ``change(state, name)`` for the first coded state of the first parameter."""
+    def tamper(opt, step: int) -> None:
+        state = opt.state[opt.param_groups[0]["params"][0]]
+        coded = [n for n in state_names(opt) if f"{n}_scale" in state]
+        if step == 1 and coded:
+            change(state, coded[0])
+    return tamper
+
+
+def coded_noncontiguous(mode, gen):
+    """The codes and scales of a 2-d parameter as transposed copies: the same values, strided."""
+    params = standard(gen)
+
+    def change(state, name):
+        for key in (name, f"{name}_scale"):
+            t = state[key]
+            if t.dim() == 2 and min(t.shape) > 1:
+                state[key] = t.t().contiguous().t()
+    return Scenario(params, plain_grads(params), _coded_tamper(change),
+                    options=dict(state_dtype=torch.int8, state_block=32))
+
+
+def coded_scales_missing(mode, gen):
+    params = standard(gen)
+    return Scenario(params, plain_grads(params), _coded_tamper(lambda state, name: state.pop(f"{name}_scale")),
+                    options=dict(state_dtype=torch.int8, state_block=32))
+
+
+def coded_scales_fp64(mode, gen):
+    params = standard(gen)
+
+    def change(state, name):
+        state[f"{name}_scale"] = state[f"{name}_scale"].double()
+    return Scenario(params, plain_grads(params), _coded_tamper(change), options=dict(state_dtype=torch.int8,
+                                                                                      state_block=32))
+
+
+def coded_codes_short(mode, gen):
+    params = standard(gen)
+
+    def change(state, name):
+        state[name] = state[name].reshape(-1)[:-1].clone()
+    return Scenario(params, plain_grads(params), _coded_tamper(change), options=dict(state_dtype=torch.int8,
+                                                                                      state_block=32))
+
+
+def param_twice(mode, gen):
+    """The same tensor twice: one step would update it twice (torch only warns)."""
+    a = bf16((300,), gen)
+    return Scenario([a, a, bf16((16,), gen)], lambda step: [torch.ones(300).bfloat16()] * 2 + [torch.ones(16).bfloat16()])
+
+
+def grad_aliases_weight(mode, gen):
+    """The second parameter's gradient is a view of the first weight, which the step writes."""
+    params = standard(gen)
+    inner = plain_grads(params)
+
+    def grads(step):
+        out = inner(step)
+        out[1] = params[0].detach().view(-1)[:300]
+        return out
+    return Scenario(params, grads, reference=False)
+
+
 def nan_grads_unchecked(mode, gen):
     params = standard(gen)
     inner = plain_grads(params)
@@ -329,7 +411,9 @@ CASES: dict[str, Callable[[str, torch.Generator], Scenario]] = {f.__name__: f fo
     grad_views_of_one_buffer, grad_fp32, grad_fp64, grad_smaller, grad_reshaped, grad_strided, grad_negative_view,
     grad_storage_freed, grad_storage_freed_unchecked, param_storage_freed, param_misaligned, param_fp64,
     buffer_deleted, mode_switched, state_missing, state_extra, state_fp64, state_integer, state_wrong_size,
-    state_strided, buffer_fp64, nan_grads_unchecked, subclass_param, dtensor_param, dtensor_param_unchecked]}
+    state_strided, buffer_fp64, nan_grads_unchecked, subclass_param, dtensor_param, dtensor_param_unchecked,
+    coded_int8, coded_fp8, coded_noncontiguous, coded_scales_missing, coded_scales_fp64, coded_codes_short,
+    param_twice, grad_aliases_weight]}
 
 
 # ---- running and comparing ---------------------------------------------------------------------

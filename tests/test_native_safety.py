@@ -39,7 +39,7 @@ native = pytest.mark.skipif(not native_available(),
 #: each write-back mode and each optimizer at least once (Lion + kahan: the NaN case of the sign)
 DEFAULT = [("AdamW", "kahan"), ("SGD", "exact"), ("Lion", "kahan"), ("Lion", "stochastic"), ("SGD", "nearest"),
            ("Adam", "exact"), ("RAdam", "stochastic"), ("StableAdamW", "kahan"), ("Adafactor", "kahan"),
-           ("AdamW", "exact8")]
+           ("AdamW", "exact8"), ("Adan", "kahan")]
 #: the reference backends on the same odd inputs (they must not crash either, and must be atomic)
 REFERENCE = [("AdamW", "stochastic"), ("Adafactor", "exact"), ("SGD", "kahan")]
 #: compiled-backend cases refused before anything compiles (torch.compile takes 10-40 s a variant)

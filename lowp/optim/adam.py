@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Iterable
 
 from lowp.optim.adamw import ADAMW, AdamW
+from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
 
 __all__ = ["Adam"]
 
@@ -24,14 +25,26 @@ class Adam(AdamW):
         amsgrad: the running maximum of ``v`` in the denominator (default ``False``).
         weight_decay: L2 penalty: ``weight_decay * theta`` joins the gradient before the moments,
             unlike AdamW's decoupled decay (default 0).
+        decoupled_weight_decay: ``True`` decays the weights as AdamW does (``-lr * weight_decay *
+            theta`` joins the update), as ``torch.optim.Adam(decoupled_weight_decay=True)``; default
+            ``False``. Stored per group.
         **options: the common options of :class:`~lowp.optim.base.LowpOptimizer`.
     """
 
     spec = dataclasses.replace(ADAMW, name="adam", switches=lambda group: {
-        "amsgrad": group["amsgrad"], "decoupled": False, "weight_decay": group["weight_decay"] != 0})
+        "amsgrad": group["amsgrad"], "decoupled": group["decoupled_weight_decay"],
+        "weight_decay": group["weight_decay"] != 0})
     decoupled_weight_decay = False
-    examples = (dict(lr=1e-2, weight_decay=0.1),)
+    examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True))
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, **options: Any) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **options)
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
+                 decoupled_weight_decay: bool = False, **options: Any) -> None:
+        warn_if_swapped(eps, weight_decay)
+        TwoMomentOptimizer.__init__(self, params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                                       amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay),
+                                    **options)
+
+    def decoupled(self, group: dict[str, Any]) -> bool:
+        """Whether ``group`` decays the weights decoupled (AdamW) or as an L2 penalty (Adam)."""
+        return bool(group["decoupled_weight_decay"])

@@ -116,12 +116,16 @@ class AdamW(TwoMomentOptimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad),
                          **options)
 
+    def decoupled(self, group: dict[str, Any]) -> bool:
+        """Whether ``group`` decays the weights decoupled (always, for AdamW)."""
+        return True
+
     def update(self, group, weights, grads, states, step):
         """The reference update (:func:`adamw_update`; L2 decay folded into ``g`` for Adam)."""
         wd = group["weight_decay"]
-        if wd and not self.decoupled_weight_decay:
+        decoupled = self.decoupled(group)
+        if wd and not decoupled:
             grads = torch._foreach_add(grads, weights, alpha=wd)
         return adamw_update(weights, grads, states["exp_avg"], states["exp_avg_sq"], step=step, lr=float(group["lr"]),
-                            betas=group["betas"], eps=group["eps"],
-                            weight_decay=wd if self.decoupled_weight_decay else 0.0,
+                            betas=group["betas"], eps=group["eps"], weight_decay=wd if decoupled else 0.0,
                             max_exp_avg_sqs=states.get("max_exp_avg_sq"))

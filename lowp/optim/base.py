@@ -18,11 +18,23 @@ diagnostics, the backend that runs the step and the write-back mode that stores 
 rounding draws counter-based bits from the seed and the step counters,
 :mod:`lowp.optim.randomness`, so nothing else needs saving).
 
-A step is all or nothing for everything that can be checked beforehand: :meth:`LowpOptimizer._prepare`
-validates every group's hyper-parameters and every (parameter, gradient, state, buffer) before
-the first counter, state or weight changes, and ``load_state_dict`` validates the whole
-checkpoint (foreign layouts are translated first, :mod:`lowp.optim.migrate`) before it replaces
-anything. The step itself is never traced by ``torch.compile`` (:data:`COMPILE_REASON`).
+A step is all or nothing. :meth:`LowpOptimizer._prepare` validates every group's
+hyper-parameters and every (parameter, gradient, state, buffer) before anything changes (a
+gradient sharing memory with a weight the step writes included); :meth:`LowpOptimizer._plan`
+then creates missing states and gathers sharded slices, putting every entry back should that
+fail; only :meth:`LowpOptimizer._execute` writes, with Ctrl-C held until it is done
+(:mod:`lowp.interrupts`), and each parameter's step counter advances with its weight and states.
+What remains is an error inside a backend's kernel on checked input (running out of memory):
+the parameters of the jobs before it are stepped whole, the rest untouched. ``load_state_dict``
+validates the whole checkpoint (foreign layouts are translated first, :mod:`lowp.optim.migrate`)
+before it replaces anything: the optimizer's kind, every state key and entry name, each tensor's
+layout, shape and dtype, finite values, nonnegative second moments and scales, step counts that
+can be saved again. The step itself is never traced by ``torch.compile`` (:data:`COMPILE_REASON`).
+
+Checkpoints hold only tensors, numbers, strings, lists and dicts (dtypes as their names,
+:mod:`lowp.optim.options`), so every torch checkpoint helper takes them, and the extras (seed,
+skip counters, the optimizer's kind) ride in every group under ``"lowp"``, a key every live group
+also has, so that checkpointers which rebuild groups from the live keys keep them.
 :meth:`LowpOptimizer.step_params` steps some of the parameters along the same path (gradient
 release, :mod:`lowp.optim.release`, steps each one during the backward pass).
 """
@@ -36,7 +48,8 @@ from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Sequence
 
 import torch
 
-from lowp.optim import preflight, sharding
+from lowp.interrupts import deferred_interrupts
+from lowp.optim import options, preflight, sharding
 from lowp.optim.backends import Backend, backend_for, get_backend
 from lowp.optim.codes import CODES, SCALE_DTYPES, Code, check_block, code_for, encode, scale_name, stored_shapes
 from lowp.optim.coded import CodedState, run_coded
@@ -54,6 +67,10 @@ __all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "default
            "check_nonnegative", "real_value", "warn_if_swapped", "COMPILE_REASON"]
 
 NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
+#: The constructor keywords of :class:`LowpOptimizer` besides the subclass's hyper-parameters.
+_CONSTRUCTOR_OPTIONS = ("mode", "state_dtype", "state_block", "state_scale_dtype", "state_rounding", "maximize",
+                        "nonfinite", "foreach", "backend", "chunk_size", "seed", "diagnostics", "fused", "kahan_sum",
+                        "capturable", "differentiable")
 #: What a state may be stored in (float64 states are refused: the fused kernels and the mixed
 #: fp32/fp64 foreach pipeline cannot run them).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,6 +163,57 @@ class _Checked(NamedTuple):
     coded: list[CodedState]
 
 
+class _Plan:
+    """The jobs of one step (:meth:`LowpOptimizer._plan`), each keyed by (group id, mode name,
+    step count, dtype, device, state names, diagnostics weight): its slices, its coded states
+    (the same for all of them), the flat block scales of each slice, the states whose counters
+    advance with it, and the gathered DTensor steps to write back with their states and counts."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
+        self.coded: dict[tuple, list[CodedState]] = {}
+        self.scales: dict[tuple, list[dict[str, torch.Tensor]]] = defaultdict(list)
+        self.counters: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+        self.gathered: list[tuple[sharding.Gathered, dict[str, Any], int]] = []
+
+
+class _Undo:
+    """What planning a step may change, kept to put it back: each parameter's state entries
+    (a shallow copy: planning adds or replaces entries but writes no existing tensor) and the
+    weights a mode switch folds a buffer into (:func:`~lowp.optim.writeback.ensure_buffer`)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, dict[str, Any] | None]] = []
+        self.weights: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def remember(self, states: Mapping[torch.Tensor, dict[str, Any]], p: torch.Tensor, mode: WriteBack) -> None:
+        """Keep ``p``'s state entries, and its weight when a buffer of another mode will be folded."""
+        state = states.get(p)
+        self.entries.append((p, None if state is None else dict(state)))
+        if state and any(n in state for n in BUFFER_NAMES if n != mode.buffer_name):
+            self.weights.append((p, sharding.local(p).detach().clone()))
+
+    def restore(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Put back every remembered state entry and weight."""
+        for p, entries in reversed(self.entries):
+            if entries is None:
+                states.pop(p, None)
+            else:
+                states[p].clear()
+                states[p].update(entries)
+        for p, weight in self.weights:
+            sharding.local(p).detach().copy_(weight)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with contiguous local elements (a DTensor keeps its placements)."""
+    if sharding.is_dtensor(t):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.contiguous()
+
+
 def warn_if_swapped(eps: Any, weight_decay: Any) -> None:
     """Warn when ``eps`` and ``weight_decay`` look exchanged: optimi's positional order is
     ``lr, betas, weight_decay, eps``, torch's and lowp's ``lr, betas, eps, weight_decay``."""
@@ -161,6 +229,10 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     Subclasses take their own hyper-parameters and pass the options below through ``**options``;
     the options marked *(group)* are stored per parameter group and may differ between groups.
+    The others act on the whole optimizer: a parameter group may repeat one only with the
+    optimizer's own value (``ValueError`` naming the group and key otherwise), optimi's
+    ``kahan_sum`` in a group sets that group's mode, and a misspelt option or another library's
+    keyword raises naming the nearest option or lowp's equivalent (:mod:`lowp.optim.options`).
 
     Args:
         params: the tensors to optimize, or parameter groups (dicts with a ``"params"`` entry and
@@ -217,8 +289,10 @@ class LowpOptimizer(torch.optim.Optimizer):
             temporaries of a step (:mod:`lowp.optim.backends`); a positive int, or ``None``
             (default: ``2**18`` on the CPU, ``2**22`` on a GPU).
         seed: the seed of the stochastic-rounding streams, an int in ``[0, 2**64)`` (default:
-            ``torch.initial_seed()``, rank 0's in a process group of several ranks:
-            :func:`~lowp.optim.randomness.default_seed`): element ``i`` of parameter
+            ``torch.initial_seed()``, rank 0's in a process group of several ranks, made distinct
+            from the seeds of the live optimizers that drew the same one, so that one optimizer per
+            parameter draws independent bits: :func:`~lowp.optim.randomness.default_seed`):
+            element ``i`` of parameter
             ``param_id`` (its position over all groups) draws
             ``random16(i, stream_key(seed, step, param_id, stream))`` (:mod:`lowp.optim.randomness`).
             Saved in the ``state_dict``.
@@ -262,7 +336,10 @@ class LowpOptimizer(torch.optim.Optimizer):
                  state_rounding: str = "stochastic", maximize: bool = False, nonfinite: str = "skip_param",
                  foreach: bool | None = None, backend: str | None = None, chunk_size: int | None = None,
                  seed: int | None = None, diagnostics: bool = True, fused: bool | None = None,
-                 kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False) -> None:
+                 kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 **unknown: Any) -> None:
+        if unknown:
+            raise options.unknown_keywords(type(self).__name__, unknown, [*defaults, *_CONSTRUCTOR_OPTIONS])
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite: expected one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         check_flag("foreach", foreach, allow_none=True)   # fused: checked by backend_for
@@ -289,6 +366,14 @@ class LowpOptimizer(torch.optim.Optimizer):
         self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
         # parameter -> (group index, index in the group, position over all groups), see _position
         self._positions: dict[torch.Tensor, tuple[int, int, int]] = {}
+        # what a group may repeat of the optimizer-wide options (lowp.optim.options.group_options)
+        self._wide = dict(seed=seed, nonfinite=nonfinite, backend=backend, chunk_size=chunk_size,
+                          diagnostics=diagnostics, foreach=foreach, fused=fused, capturable=capturable,
+                          differentiable=differentiable)
+        if "betas" in defaults:
+            defaults = dict(defaults, betas=options.plain_betas(defaults["betas"]))
+        state_dtype = options.dtype_value(state_dtype, "state_dtype")
+        state_scale_dtype = options.dtype_value(state_scale_dtype, "state_scale_dtype")
         defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_block=state_block,
                         state_scale_dtype=state_scale_dtype, state_rounding=state_rounding, maximize=maximize)
         super().__init__(params, defaults)
@@ -297,7 +382,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.backend: Backend = get_backend(backend, chunk_size)
         # last: under torch.distributed the default is a broadcast, which no rank should enter
         # and then leave the others waiting by raising
-        self.seed = default_seed() if seed is None else seed
+        self.seed = default_seed(self) if seed is None else seed
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -383,6 +468,9 @@ class LowpOptimizer(torch.optim.Optimizer):
                 raise ValueError("params: expected all tensors or all (name, tensor) pairs")
             names, params = [n for n, _ in params], [t for _, t in params]
             param_group = {**param_group, "param_names": names}
+        param_group = options.group_options(param_group, self._wide, [*self.defaults, *_CONSTRUCTOR_OPTIONS],
+                                            f"param_groups[{len(self.param_groups)}]", self._mode_from_kahan_sum)
+        param_group[options.EXTRAS_KEY] = {}   # a live key, so checkpointers that rebuild groups keep the extras
         merged = {**self.defaults, **param_group}
         self.check_group(merged)
         for i, p in enumerate(params):
@@ -394,6 +482,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             elif isinstance(p, torch.Tensor) and type(p) not in (torch.Tensor, torch.nn.Parameter):
                 raise TypeError(f"params[{i}]: a {type(p).__name__}; lowp optimizers take plain tensors, "
                                 f"nn.Parameter and DTensor (FSDP2, tensor parallel), whose arithmetic they know")
+        preflight.check_distinct([q for g in self.param_groups for q in g["params"]] + params)
         preflight.check_disjoint([q for g in self.param_groups for q in g["params"]] + params)
         super().add_param_group({**param_group, "params": params})
 
@@ -452,8 +541,9 @@ class LowpOptimizer(torch.optim.Optimizer):
         if not state:
             return
         step = state.get("step")
-        if type(step) is not int or step < 0:
-            raise ValueError(f"{where}['step']: expected a step count (an int >= 0), got {step!r}")
+        if type(step) is not int or not 0 <= step < preflight.STEP_LIMIT - 1:
+            raise ValueError(f"{where}['step']: expected a step count (an int in [0, 2**63 - 1): the next one is "
+                             f"saved as an int64), got {step!r}")
         if coded_states is None:
             coded_states = self.coded_states(group, p)
         coded = {c.name: c.code for c in coded_states}
@@ -542,6 +632,9 @@ class LowpOptimizer(torch.optim.Optimizer):
         buffers); ``index`` is its position over all groups."""
         where = f"params[{index}]"
         preflight.check_param(p, where)
+        if p.is_meta:
+            raise ValueError(f"{where}: a meta tensor has no values to step; materialize the model (to_empty, "
+                             f"then initialize it) before stepping")
         preflight.check_grad(p, p.grad, where)
         mode = resolve_mode(group["mode"], p)
         coded = self.coded_states(group, p)
@@ -561,6 +654,7 @@ class LowpOptimizer(torch.optim.Optimizer):
                 index += 1
                 if p.grad is not None:
                     todo.append(self._checked_param(group, p, index))
+        preflight.check_grads_apart([t.param for t in todo], [f"params[{t.param_id}]" for t in todo])
         return todo
 
     def _position(self, p: Any, where: str) -> tuple[int, int, int]:
@@ -590,14 +684,17 @@ class LowpOptimizer(torch.optim.Optimizer):
             raise ValueError("params: expected distinct parameters, got one parameter twice")
         for g in sorted({g for g, _, _ in positions}):
             self.check_group(self.param_groups[g])
-        return [self._checked_param(self.param_groups[g], p, n) for p, (g, _, n) in zip(params, positions)
+        todo = [self._checked_param(self.param_groups[g], p, n) for p, (g, _, n) in zip(params, positions)
                 if p.grad is not None]
+        preflight.check_grads_apart([t.param for t in todo], [f"params[{t.param_id}]" for t in todo])
+        return todo
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; returns ``closure()``'s loss when a closure is given.
 
         Everything is checked before anything changes (:meth:`_prepare`): after an error the
-        weights, states, counters and hyper-parameters are as they were. Under
+        weights, states, counters and hyper-parameters are as they were; Ctrl-C during the writes
+        arrives once they are done (see the module docstring). Under
         ``torch.compile`` the step is not traced: it runs eagerly (:data:`COMPILE_REASON`).
         While :func:`lowp.optim.release.release_gradients` is active the parameters are stepped
         during the backward pass, and ``step`` only runs the closure."""
@@ -614,6 +711,10 @@ class LowpOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._released_by is not None:
+            if getattr(self, "grad_scale", None) is not None:
+                raise ValueError("scaler: a GradScaler stepped this optimizer while release_gradients steps it during "
+                                 "the backward pass, with gradients still scaled; pass the scaler to "
+                                 "release_gradients(opt, scaler=scaler) and keep scaler.update() after backward")
             return loss
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and float(found_inf) > 0:
@@ -666,51 +767,77 @@ class LowpOptimizer(torch.optim.Optimizer):
              force_check: bool = False) -> bool:
         """Step the checked ``todo`` (:meth:`_prepare`): the non-finite policy (skipped when the
         gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
-        ``nonfinite="off"``), state creation, step counts, the backend run per job and the
-        stalled counts for :meth:`diagnostics`. Returns whether every checked gradient was finite."""
+        ``nonfinite="off"``), then :meth:`_plan` (states created, nothing written) and
+        :meth:`_execute` (the writes, with Ctrl-C held until they are done). Returns whether every
+        checked gradient was finite."""
         params = [t.param for t in todo]
         grads = [sharding.local_grad(p) for p in params]
         finite = [True] * len(todo) if checked else self._finite_flags(grads, params, force_check)
         if not all(finite) and self.nonfinite == "skip_step":
             self.skipped_steps += 1
             return False
-        self.skipped_params += finite.count(False)
+        plan = self._plan([(t, g) for t, g, ok in zip(todo, grads, finite) if ok])
+        with deferred_interrupts():
+            self._execute(plan, inv_scale, new_step)
+            self.skipped_params += finite.count(False)
+        return all(finite)
+
+    def _plan(self, todo: list[tuple[_Checked, torch.Tensor]]) -> _Plan:
+        """The jobs of a step: parameters of one group, mode, step count, dtype, device, state
+        names and diagnostics weight run together. Creates missing states and buffers (zeros, or a
+        mode switch's folded buffer) and makes coded states contiguous; writes no weight, state
+        value or counter that a step reads, and on any error (a failed gather, an interrupt)
+        puts every state entry and folded weight back as it was."""
+        plan = _Plan()
+        undo = _Undo()
+        try:
+            for (group, p, mode, param_id, p_coded), grad in todo:
+                undo.remember(self.state, p, mode)
+                state = self.init_state(group, p, mode, p_coded)
+                names = self.state_names(group, p)
+                for c in p_coded:   # the coded step addresses codes and scales flat
+                    for entry in (c.name, scale_name(c.name)):
+                        if not sharding.local(state[entry]).is_contiguous():
+                            state[entry] = _contiguous(state[entry])
+                step = state["step"] + 1
+                piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
+                                                          state.get(mode.buffer_name) if mode.buffer_name else None,
+                                                          param_id, self.elementwise)
+                key = (id(group), mode.name, step, p.dtype, p.device, names, weight)
+                plan.jobs[key].append(piece)
+                plan.coded[key] = p_coded
+                plan.scales[key].append({c.name: sharding.local(state[scale_name(c.name)]).view(-1) for c in p_coded})
+                if full is None:
+                    plan.counters[key].append(state)
+                else:
+                    plan.gathered.append((full, state, step))
+        except BaseException:
+            undo.restore(self.state)
+            raise
+        return plan
+
+    def _execute(self, plan: _Plan, inv_scale: float | None, new_step: bool) -> None:
+        """Run ``plan``'s jobs on the backend. Each parameter's step counter advances right after
+        the job that wrote its weight and states (a gathered DTensor parameter's after its shards
+        are written back), so weights, states and counters always agree, parameter by parameter."""
         if new_step:
             self._last_stalled = {}
-
-        jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        scales: dict[tuple, list[dict[str, torch.Tensor]]] = defaultdict(list)
-        coded: dict[tuple, list[CodedState]] = {}   # per job: the same for its parameters (same group and dtype)
-        gathered: list[sharding.Gathered] = []
-        for (group, p, mode, param_id, p_coded), grad, ok in zip(todo, grads, finite):
-            if not ok:
-                continue
-            state = self.init_state(group, p, mode, p_coded)
-            state["step"] += 1
-            names = self.state_names(group, p)
-            coded_names = [c.name for c in p_coded]
-            piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
-                                                      state.get(mode.buffer_name) if mode.buffer_name else None,
-                                                      param_id, self.elementwise)
-            if full is not None:
-                gathered.append(full)
-            key = (id(group), mode.name, state["step"], p.dtype, p.device, names, weight)
-            jobs[key].append(piece)
-            coded[key] = p_coded
-            scales[key].append({n: sharding.local(state[scale_name(n)]).view(-1) for n in coded_names})
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
-        for key, slices in jobs.items():
+        for key, slices in plan.jobs.items():
             gid, mode_name, step, _, _, _, weight = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed, self.diagnostics_enabled)
-            if coded[key]:
-                stalled = run_coded(self.backend, self, ctx, slices, scales[key], coded[key], self.elementwise)
+            if plan.coded[key]:
+                stalled = run_coded(self.backend, self, ctx, slices, plan.scales[key], plan.coded[key],
+                                    self.elementwise)
             else:
                 stalled = self.backend.run(self, ctx, slices)
+            for state in plan.counters[key]:
+                state["step"] = step
             self._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
-        for full in gathered:
+        for full, state, step in plan.gathered:
             full.write_back()
-        return all(finite)
+            state["step"] = step
 
     def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
         """The reference pipeline for one batch: fp32 working copies, ``update``, store states
@@ -782,7 +909,13 @@ class LowpOptimizer(torch.optim.Optimizer):
     def extras(self) -> dict[str, Any]:
         """What a checkpoint holds besides groups and states: the seed and the skip counters
         (the seed and the step counters define every random stream)."""
-        return {"seed": self.seed, "skipped_params": self.skipped_params, "skipped_steps": self.skipped_steps}
+        return {"seed": self.seed, "skipped_params": self.skipped_params, "skipped_steps": self.skipped_steps,
+                "optimizer": self.checkpoint_kind()}
+
+    def checkpoint_kind(self) -> str:
+        """The name a checkpoint of this optimizer carries (its spec's, else its class's), checked on
+        load: another optimizer's moments would restart from zero with the old step counts."""
+        return self.spec.name if self.spec is not None else type(self).__name__
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (``state`` by parameter index, ``param_groups``), each state in its own
@@ -794,9 +927,24 @@ class LowpOptimizer(torch.optim.Optimizer):
                                          if isinstance(entry.get("step"), int) else {})}
                        for key, entry in sd["state"].items()}
         extras = self.extras()
-        for group in sd["param_groups"]:
-            group["lowp"] = extras
+        sd["param_groups"] = [{**options.saved_group(group), options.EXTRAS_KEY: extras}
+                              for group in sd["param_groups"]]
         return sd
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's pickled fields plus lowp's options and counters (``copy.deepcopy``, ``pickle``);
+        the backend travels by name and chunk size, gradient release does not travel."""
+        return {**super().__getstate__(), "nonfinite": self.nonfinite, "diagnostics_enabled": self.diagnostics_enabled,
+                "seed": self.seed, "skipped_params": self.skipped_params, "skipped_steps": self.skipped_steps,
+                "_wide": self._wide, "_backend_name": (self.backend.name, self.backend.chunk_size)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        backend = state.pop("_backend_name", None)
+        super().__setstate__(state)
+        if backend is not None:
+            self.backend = get_backend(*backend)
+            self._last_stalled, self._positions, self._released_by = {}, {}, None
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a checkpoint of this optimizer, of ``torch.optim`` or of optimi
@@ -821,7 +969,14 @@ class LowpOptimizer(torch.optim.Optimizer):
 
     def _checked_load(self, sd: Mapping[str, Any]) -> tuple[list[dict[str, Any]], defaultdict, dict[str, Any]]:
         """The new groups, states and extras of a checkpoint in lowp's layout, all checked."""
+        extras = _checked_extras(sd.get("lowp"), self)
         saved_groups = sd["param_groups"]
+        if sd.get("lowp") is None and any("mode" in g for g in saved_groups):
+            warnings.warn("state_dict: this lowp checkpoint lacks its 'lowp' extras (the seed of the stochastic-"
+                          "rounding streams and the skip counters; a checkpointer dropped them), so the optimizer "
+                          f"keeps its own seed ({self.seed}) and a resumed run draws other random bits than the run "
+                          "that saved it",
+                          UserWarning, stacklevel=3)
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state_dict: it has {len(saved_groups)} parameter groups, the optimizer "
                              f"{len(self.param_groups)}")
@@ -831,7 +986,9 @@ class LowpOptimizer(torch.optim.Optimizer):
                                  f"optimizer's {len(old['params'])}")
         groups = []
         for i, (old, new) in enumerate(zip(self.param_groups, saved_groups)):
-            group = {**{k: v for k, v in old.items() if k != "params"}, **new, "params": old["params"]}
+            new = options.loaded_group(new, f"state_dict: param_groups[{i}]")
+            group = {**{k: v for k, v in old.items() if k != "params"}, **new, "params": old["params"],
+                     options.EXTRAS_KEY: {}}
             try:
                 self.check_group(group)
             except (TypeError, ValueError) as e:
@@ -839,8 +996,9 @@ class LowpOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 resolve_mode(group["mode"], p)
             groups.append(group)
-        state: defaultdict = defaultdict(dict)
         saved_state = sd["state"]
+        _check_state_keys(saved_state, saved_groups)
+        state: defaultdict = defaultdict(dict)
         for group, new in zip(groups, saved_groups):
             for key, p in zip(new["params"], group["params"]):
                 where = f"state_dict['state'][{key!r}]"
@@ -849,18 +1007,60 @@ class LowpOptimizer(torch.optim.Optimizer):
                 entry = saved_state[key]
                 if not isinstance(entry, Mapping):
                     raise TypeError(f"{where}: expected a dict of states, got {type(entry).__name__}")
+                self._check_entry_names(group, p, entry, where)
                 loaded = {}
                 for name, value in entry.items():
                     if name == "step":
                         value = preflight.step_count(value, f"{where}['step']")
                     elif isinstance(value, torch.Tensor):
+                        preflight.check_saved(value, f"{where}[{name!r}]")
                         value = self._loaded_tensor(group, name, p, value)
                     loaded[name] = value
                 if loaded:
                     self._encode_loaded(group, p, loaded)
                     self.check_state(group, p, loaded, where)
                     state[p] = loaded
-        return groups, state, _checked_extras(sd.get("lowp"), self)
+        self._check_values(groups, state)
+        return groups, state, extras
+
+    def _check_entry_names(self, group: dict[str, Any], p: torch.Tensor, entry: Mapping[str, Any],
+                           where: str) -> None:
+        """Every entry of a saved state is one a step of this optimizer reads: ``step``, its states
+        (with their block scales when coded), a write-back buffer. Another optimizer's states
+        (SGD's ``momentum_buffer`` in an AdamW) would be dropped while the moments restart from
+        zero at the old step count."""
+        names = self.state_names(group, p)
+        known = {"step", *names, *BUFFER_NAMES, *(scale_name(n) for n in names)}
+        for name in entry:
+            if name not in known:
+                raise ValueError(f"{where}[{name!r}]: {type(self).__name__} keeps no state of that name (its states: "
+                                 f"{', '.join(names) or 'none'}, plus step and a write-back buffer); is this another "
+                                 f"optimizer's checkpoint?")
+
+    def _check_values(self, groups: list[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        """The loaded values a step can use: finite floating-point states, compensations and block
+        scales, nonnegative states the spec declares so (a negative second moment makes
+        ``sqrt(v)`` NaN) and nonnegative scales. With DTensor states each rank checks its shards
+        and the ranks agree (one all-reduce), so all of them refuse or none does."""
+        nonnegative = set(self.spec.nonnegative) if self.spec is not None else set()
+        params, problems = [], []
+        for index, (group, p) in enumerate((g, p) for g in groups for p in g["params"]):
+            entry = state.get(p)
+            if not entry:
+                continue
+            never_negative = nonnegative | {scale_name(n) for n in self.state_names(group, p)}
+            params.append(p)
+            problems.append(next((f"state_dict['state'][{index}][{name!r}]: {why}" for name, value in entry.items()
+                                  if isinstance(value, torch.Tensor)
+                                  for why in [_value_problem(sharding.local(value), name in never_negative)] if why),
+                                 None))
+        agreed = sharding.agree([problem is None for problem in problems], params)
+        for problem, ok in zip(problems, agreed):
+            if problem is not None:
+                raise ValueError(problem)
+            if not ok:
+                raise ValueError("state_dict: another rank found a non-finite or out-of-range state value in its "
+                                 "shards of this checkpoint (its error names the entry); nothing was loaded")
 
     def _loaded_tensor(self, group: dict[str, Any], name: str, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """A private copy of a saved tensor on ``p``'s device; a floating-point state is cast only
@@ -949,7 +1149,37 @@ def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:
     out = {"seed": check_seed(extras.get("seed", optimizer.seed)),
            "skipped_params": preflight.check_count("skipped_params", extras.get("skipped_params", 0)),
            "skipped_steps": preflight.check_count("skipped_steps", extras.get("skipped_steps", 0))}
+    kind = extras.get("optimizer")
+    if kind is not None and kind != optimizer.checkpoint_kind():
+        raise ValueError(f"state_dict: a checkpoint of {kind!r}, loaded into {type(optimizer).__name__} "
+                         f"({optimizer.checkpoint_kind()!r}); its states mean something else here")
     return out   # a "generators" entry (lowp versions that drew from torch.Generator) is ignored
+
+
+def _check_state_keys(saved_state: Mapping[Any, Any], saved_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Every key of a checkpoint's ``state`` is a parameter index of its ``param_groups`` (a state
+    under another key would be dropped without a word: string keys after a JSON round trip, say)."""
+    indices = {key for g in saved_groups for key in g["params"]}
+    for key in saved_state:
+        if key not in indices:
+            hint = (f" (the index {int(key)} as a string: was it saved through JSON? state keys are the ints of "
+                    f"param_groups[i]['params'])" if isinstance(key, str) and key.isdigit() and int(key) in indices
+                    else "")
+            raise ValueError(f"state_dict['state'][{key!r}]: no parameter of its param_groups has this key{hint}")
+
+
+def _value_problem(value: torch.Tensor, never_negative: bool) -> str | None:
+    """Why a loaded tensor cannot be stepped from (``None``: it can): a NaN or infinity in a
+    floating-point state, compensation or scale (fp8 codes included), a negative value of a state
+    declared nonnegative or of a block scale."""
+    if value.numel() == 0 or not value.is_floating_point():
+        return None
+    floats = value.float() if value.element_size() == 1 else value
+    if not bool(torch.isfinite(floats).all()):
+        return "holds a NaN or an infinity; a step from it would make the weights NaN"
+    if never_negative and bool((floats < 0).any()):
+        return "holds negative values, and this entry is never negative (a second moment's sqrt would be NaN)"
+    return None
 
 
 class TwoMomentOptimizer(LowpOptimizer):

@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["SEED_LIMIT", "FLOAT_DTYPES", "check_flag", "check_seed", "check_param", "check_grad", "step_count",
-           "check_tensor", "check_count", "check_disjoint", "extent", "storage_fits"]
+__all__ = ["SEED_LIMIT", "STEP_LIMIT", "FLOAT_DTYPES", "check_flag", "check_seed", "check_param", "check_grad",
+           "step_count", "check_saved", "check_tensor", "check_count", "check_disjoint", "check_grads_apart",
+           "check_distinct", "extent", "storage_fits"]
 
 #: Seeds are 64-bit: ``seed`` must lie in ``[0, SEED_LIMIT)``.
 SEED_LIMIT = 1 << 64
+#: Step counts are saved as int64 tensors: a count must be below ``STEP_LIMIT`` to be saved again.
+STEP_LIMIT = 1 << 63
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -61,6 +64,40 @@ def check_disjoint(params: list[torch.Tensor], where: str = "params") -> None:
             i, j = sorted((i, j))
             raise ValueError(f"{where}[{i}] and {where}[{j}]: distinct parameters share memory (overlapping views "
                              f"of one tensor); give the optimizer tensors that own their elements, or one tensor")
+
+
+def check_distinct(params: list[torch.Tensor], where: str = "params") -> None:
+    """No tensor twice: one step would update it twice (torch.optim only warns within a group)."""
+    seen: dict[int, int] = {}
+    for i, p in enumerate(params):
+        j = seen.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(f"{where}[{j}] and {where}[{i}]: the same tensor twice; a step would update it twice. "
+                             f"Give each parameter once")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + extent(t, t.is_contiguous()) * t.element_size()
+
+
+def check_grads_apart(params: list[torch.Tensor], wheres: list[str]) -> None:
+    """No gradient of ``params`` (each named by ``wheres``) shares memory with a parameter the
+    step writes: the backends read gradients at different times relative to the writes (one
+    tensor at a time, in batches, in one fused pass), so such a step has no single result."""
+    owners: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        if _plain_strided(p) and p.numel():
+            owners.setdefault(p.untyped_storage().data_ptr(), []).append(i)
+    for where, p in zip(wheres, params):
+        g = p.grad
+        if g is None or not _plain_strided(g) or not g.numel():
+            continue
+        for j in owners.get(g.untyped_storage().data_ptr(), ()):
+            (a, b), (c, d) = _span(g), _span(params[j])
+            if a < d and c < b:
+                raise ValueError(f"grad of {where}: shares memory with {wheres[j]}, which the step writes; give "
+                                 f"the parameter a gradient of its own (e.g. p.grad = p.grad.clone())")
 
 
 def check_flag(name: str, value: Any, allow_none: bool = False) -> None:
@@ -130,9 +167,19 @@ def step_count(value: Any, where: str) -> int:
         if isinstance(number, float) and math.isfinite(number) and number == int(number):
             number = int(number)
         value = number
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{where}: expected a step count (an int >= 0), got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < STEP_LIMIT:
+        raise ValueError(f"{where}: expected a step count (an int in [0, 2**63)), got {value!r}")
     return value
+
+
+def check_saved(t: torch.Tensor, where: str) -> None:
+    """A saved tensor that can be copied into an optimizer: dense (strided) and holding values
+    (not on the meta device)."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{where}: expected a dense tensor, got layout {t.layout}")
+    if t.is_meta:
+        raise ValueError(f"{where}: a meta tensor has no values to load (was the checkpoint saved from a model on "
+                         f"the meta device?)")
 
 
 def check_tensor(t: Any, where: str, shape: torch.Size, dtypes: tuple[torch.dtype, ...], device: torch.device,

@@ -29,15 +29,18 @@ from __future__ import annotations
 
 import array
 import functools
+import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from lowp.optim.scratch import Scratch
 
-__all__ = ["as_int32", "default_seed", "Stream", "stream_key", "stream_keys", "hash32_int", "random16_int", "hash32",
-           "random16", "random16_range", "random16_ranges", "fold_key", "ElementIndex", "RandomStreams"]
+__all__ = ["as_int32", "default_seed", "reset_default_seeds", "Stream", "stream_key", "stream_keys", "hash32_int",
+           "random16_int", "hash32", "random16", "random16_range", "random16_ranges", "fold_key", "ElementIndex",
+           "RandomStreams"]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -52,11 +55,13 @@ class Stream:
     STATE = 2
 
 
-def default_seed() -> int:
+def default_seed(owner: object | None = None) -> int:
     """The seed of an optimizer built without one: ``torch.initial_seed()``, but rank 0's when
     torch.distributed's default process group has more than one rank (one broadcast of a Python
     int over that group, so every rank must build its lowp optimizers in the same order, as
-    every rank builds its DistributedDataParallel wrapper; give ``seed=`` to avoid it).
+    every rank builds its DistributedDataParallel wrapper; give ``seed=`` to avoid it), then,
+    for an ``owner``, made its own among the live optimizers that drew the same one
+    (:func:`_own_seed`).
 
     Replicated parameters stay replicas only if every rank rounds them with the same bits: with
     each rank's own ``torch.initial_seed()`` (scripts often seed torch with ``base + rank`` for
@@ -68,7 +73,30 @@ def default_seed() -> int:
         box: list[object] = [seed]
         dist.broadcast_object_list(box, src=0)
         seed = int(box[0])  # type: ignore[call-overload]
-    return seed
+    return seed if owner is None else _own_seed(seed, owner)
+
+
+#: per base seed: slot -> the live optimizer holding it
+_SLOTS: dict[int, weakref.WeakValueDictionary[int, object]] = {}
+
+
+def reset_default_seeds() -> None:
+    """Forget which optimizers hold which default seeds, as in a fresh process."""
+    _SLOTS.clear()
+
+
+def _own_seed(seed: int, owner: object) -> int:
+    """The default seed of ``owner``: the lowest slot ``n`` that no live optimizer built without a
+    seed from the same ``seed`` holds; ``seed`` itself for slot 0, ``splitmix64(seed ^
+    splitmix64(n))`` for the others. Optimizers built one per parameter (optimizer-in-backward,
+    each numbering its parameters from 0) are alive together and so draw independent bits; a run
+    repeated in one process after the previous run's optimizers are gone gets the seeds a fresh
+    process gets. The slots depend only on the order of construction and on lifetimes, the same in
+    every run and, with the same program, on every rank."""
+    slots = _SLOTS.setdefault(seed, weakref.WeakValueDictionary())
+    n = next(i for i in itertools.count() if i not in slots)
+    slots[n] = owner
+    return seed if n == 0 else _splitmix64((seed ^ _splitmix64(n)) & _MASK64)
 
 
 def _splitmix64(x: int) -> int:

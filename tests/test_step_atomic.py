@@ -1,0 +1,266 @@
+"""A step or a load happens completely or not at all.
+
+Faults are injected at every stage of ``step()`` (a step pre-hook, the closure, the checks, the
+non-finite check, state creation, the gather of a slice, a mode switch's fold) and of
+``load_state_dict()`` (the layout translation, the checks, the value checks), on every CPU
+backend, with bf16 weights in two groups (two jobs), 16-bit and block-scaled (int8 / uint8)
+states; afterwards every weight, state, buffer, counter and hyper-parameter holds the bits it
+held before. Within the writes themselves Ctrl-C is held until the step is done, and a fault
+raised by a job's kernel leaves each parameter either stepped (weight, states and counter) or
+untouched. A non-contiguous block-scaled state is stepped like a contiguous one.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowp.optim as lo
+from lowp.optim import base, preflight, sharding
+from lowp.optim.kernels import native_available
+from lowp.threads import single_thread
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ["eager", "foreach"] + (["native"] if native_available() else [])
+STATES = {"bf16": {}, "int8": {"state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}}}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+class Injected(RuntimeError):
+    """The fault the tests raise."""
+
+
+def _setup(backend: str, states: str, mode: str = "kahan"):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(*shape, generator=gen) * 0.1).bfloat16())
+              for shape in ((8, 64), (64,), (3, 64), (5,))]
+    opt = lo.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}], lr=1e-2,
+                   weight_decay=0.1, mode=mode, backend=backend, seed=5, **STATES[states])
+
+    def grads(step: int) -> None:
+        g = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+    for step in range(2):
+        grads(step)
+        opt.step()
+    grads(2)
+    return opt, params
+
+
+def _snapshot(opt, params):
+    def bits(t):
+        t = sharding.local(t).detach()
+        return (t.dtype, tuple(t.shape), t.clone().view(torch.uint8) if t.dim() else t.clone())
+    state = {i: {k: bits(v) if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+             for i, p in enumerate(params) if p in opt.state}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return dict(weights=[bits(p) for p in params], state=state, groups=repr(groups),
+                extras=(opt.seed, opt.skipped_params, opt.skipped_steps))
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _fail_on_call(monkeypatch, owner, name: str, call: int = 1) -> list[int]:
+    """Make ``owner.name`` raise :class:`Injected` on its ``call``-th call (0-based)."""
+    original = getattr(owner, name)
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call + 1:
+            raise Injected(f"injected into {name}")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
+#: the stages of a step before its writes: (what is patched, which call fails)
+STAGES = {
+    "check_group": (lambda: (base.LowpOptimizer, "check_group"), 1),
+    "check_state": (lambda: (base.LowpOptimizer, "check_state"), 2),
+    "grads_apart": (lambda: (preflight, "check_grads_apart"), 0),
+    "finite_flags": (lambda: (base.LowpOptimizer, "_finite_flags"), 0),
+    "init_state": (lambda: (base.LowpOptimizer, "init_state"), 2),
+    "make_slice": (lambda: (sharding, "make_slice"), 3),
+}
+
+
+@pytest.mark.parametrize("states", list(STATES))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_fault_before_the_writes_changes_nothing(stage, backend, states, monkeypatch):
+    opt, params = _setup(backend, states)
+    before = _snapshot(opt, params)
+    target, call = STAGES[stage]
+    calls = _fail_on_call(monkeypatch, *target(), call=call)
+    with pytest.raises(Injected):
+        opt.step()
+    assert calls[0] == call + 1, "the fault was injected"
+    assert _equal(_snapshot(opt, params), before)
+    monkeypatch.undo()
+    opt.step()   # and the step then runs as if nothing had happened
+    reference, ref_params = _setup(backend, states)
+    reference.step()
+    assert _equal(_snapshot(opt, params), _snapshot(reference, ref_params))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hooks_and_closures_that_raise_change_nothing(backend):
+    opt, params = _setup(backend, "bf16")
+    before = _snapshot(opt, params)
+
+    def hook(optimizer, args, kwargs):
+        raise Injected("pre-hook")
+    handle = opt.register_step_pre_hook(hook)
+    with pytest.raises(Injected):
+        opt.step()
+    handle.remove()
+
+    def closure():
+        raise Injected("closure")
+    with pytest.raises(Injected):
+        opt.step(closure)
+    assert _equal(_snapshot(opt, params), before)
+
+
+def test_a_new_state_created_before_a_fault_is_removed(monkeypatch):
+    """The first step creates every state: a fault in the gather of the last parameter leaves
+    the optimizer without any, as before."""
+    params = [torch.nn.Parameter(torch.randn(16).bfloat16()) for _ in range(3)]
+    opt = lo.AdamW(params, lr=1e-2, backend="foreach", seed=1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    _fail_on_call(monkeypatch, sharding, "make_slice", call=2)
+    with pytest.raises(Injected):
+        opt.step()
+    assert not any(p in opt.state and opt.state[p] for p in params)
+
+
+def test_a_fault_after_a_mode_switch_fold_puts_the_weight_back(monkeypatch):
+    """kahan -> exact folds the compensation into the weight (writeback.ensure_buffer) while the
+    step is planned; a later fault restores the weight and the compensation."""
+    opt, params = _setup("foreach", "bf16")
+    for g in opt.param_groups:
+        g["mode"] = "exact"
+    before = _snapshot(opt, params)
+    assert "compensation" in opt.state[params[0]]
+    _fail_on_call(monkeypatch, sharding, "make_slice", call=3)
+    with pytest.raises(Injected):
+        opt.step()
+    assert _equal(_snapshot(opt, params), before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fault_in_a_job_leaves_each_parameter_stepped_or_untouched(backend, monkeypatch):
+    """The second job's kernel fails: the first group's parameters are exactly as a whole step
+    leaves them (weights, states, counters), the second group's exactly as before."""
+    opt, params = _setup(backend, "bf16")
+    before = _snapshot(opt, params)
+    reference, ref_params = _setup(backend, "bf16")
+    reference.step()
+    after = _snapshot(reference, ref_params)
+    _fail_on_call(monkeypatch, type(opt.backend), "run", call=1)
+    with pytest.raises(Injected):
+        opt.step()
+    now = _snapshot(opt, params)
+    for i in range(4):
+        expected = after if i < 2 else before
+        assert _equal(now["weights"][i], expected["weights"][i]), i
+        assert _equal(now["state"][i], expected["state"][i]), i
+
+
+@pytest.mark.parametrize("states", list(STATES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_during_the_writes_arrives_after_a_whole_step(backend, states, monkeypatch):
+    """SIGINT sent while the first job runs: the step finishes every parameter, then
+    ``KeyboardInterrupt`` is raised once."""
+    opt, params = _setup(backend, states)
+    reference, ref_params = _setup(backend, states)
+    reference.step()
+    kind = type(opt.backend)
+    name = "run_coded" if states != "bf16" and hasattr(kind, "run_coded") else "run"
+    original = getattr(kind, name)
+    sent = []
+
+    def interrupting(*args, **kwargs):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(kind, name, interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert sent
+    assert _equal(_snapshot(opt, params), _snapshot(reference, ref_params))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_contiguous_coded_state_is_stepped_like_a_contiguous_one(backend):
+    opt, params = _setup(backend, "int8")
+    reference, ref_params = _setup(backend, "int8")
+    changed = 0
+    for p in params[:1] + params[2:3]:     # the 2-d parameters: a transposed copy of the same values
+        state = opt.state[p]
+        for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq"):
+            t = state[key]
+            if t.dim() == 2 and min(t.shape) > 1:
+                state[key] = t.t().contiguous().t()
+                assert not state[key].is_contiguous()
+                changed += 1
+    assert changed >= 2
+    opt.step()
+    reference.step()
+    assert _equal(_snapshot(opt, params), _snapshot(reference, ref_params))
+
+
+def test_a_real_ctrl_c_from_outside_never_leaves_half_a_step():
+    """A child steps a 120-tensor model in a loop while the parent sends SIGINT: after the
+    interrupt every parameter has taken the same number of steps, and its counter says so."""
+    code = textwrap.dedent("""
+        import torch, lowp.optim as lo, sys
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(2048).bfloat16()) for _ in range(120)]
+        opt = lo.AdamW(params, lr=1e-3, backend="foreach", seed=0)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        start = [p.detach().clone() for p in params]
+        print("ready", flush=True)
+        try:
+            while True:
+                opt.step()
+        except KeyboardInterrupt:
+            pass
+        steps = {opt.state[p]["step"] for p in params}
+        moved = {bool((p != s).any()) for p, s in zip(params, start)}
+        print("steps", sorted(steps), "moved", sorted(moved), flush=True)
+        sys.exit(0 if len(steps) == 1 and moved == {True} else 3)
+    """)
+    for _ in range(3):
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        import time
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=120)
+        assert child.returncode == 0, out
