@@ -294,6 +294,10 @@ def _data_parallel_ranks(rank: int, world_size: int, store_file: str) -> dict[st
         out["refused"] = str(exc)
     out["nothing_registered"] = opt._released_by is None and not any(
         p._post_accumulate_grad_hooks for p in ddp.parameters())
+    try:   # the norm would be this rank's only
+        lo.release_gradients(make()[1], local_gradients=True, max_norm=1.0)
+    except ValueError as exc:
+        out["max_norm"] = str(exc)
     plain, local = make(), make()
     train(*plain, steps=2)
     with lo.release_gradients(local[1], local_gradients=True):
@@ -323,6 +327,7 @@ def test_data_parallel_gradients_are_refused_before_anything_steps(tmp_path):
     for rank, out in enumerate(results):
         assert out["refused"].startswith(f"local_gradients: this process is rank {rank} of 2")
         assert "DistributedDataParallel" in out["refused"] and out["nothing_registered"]
+        assert out["max_norm"].startswith(f"max_norm: this process is rank {rank} of 2")
         assert out["local_equal"]
         assert out["late"].startswith(f"local_gradients: this process is rank {rank} of 2")
         assert out["late_unchanged"]
@@ -469,3 +474,209 @@ def test_integer_likes_and_parameters_removed_later():
     handle.remove()
     assert_same(plain, released)
     assert torch.equal(released[0].a.grad, plain[0].a.grad)
+
+
+# ---- optimizer.step() must close a cycle of accumulation_steps backward passes -------------------
+
+def test_step_after_more_passes_than_accumulation_steps_raises_naming_the_fix():
+    """transformers.Trainer with gradient_accumulation_steps=2 and the default accumulation_steps=1:
+    the first step() is the earliest point the mismatch can be known; by then the first cycle has
+    been stepped once per micro-batch."""
+    net, opt = make()
+    handle = lo.release_gradients(opt)
+    loss_of(net, 0).backward()
+    loss_of(net, 1).backward()
+    match = r"^accumulation_steps: optimizer.step\(\) came after 2 backward passes since release_gradients, "
+    with pytest.raises(ValueError, match=match + r".*accumulation_steps=1.*2 times in this cycle") as e:
+        opt.step()
+    assert "release_gradients(opt, accumulation_steps=2)" in str(e.value)
+    assert opt.state[net.a]["step"] == 2 and opt.state[net.side]["step"] == 1   # side: used in pass 0 only
+    handle.remove()
+
+
+def test_step_after_fewer_passes_than_accumulation_steps_raises_before_anything_steps():
+    net, opt = make()
+    handle = lo.release_gradients(opt, accumulation_steps=2)
+    loss_of(net, 0).backward()
+    with pytest.raises(ValueError, match=r"^accumulation_steps: optimizer.step\(\) came after 1 backward pass "
+                                         r"since release_gradients, .*stepped nothing") as e:
+        opt.step()
+    assert "release_gradients(opt, accumulation_steps=1)" in str(e.value)
+    assert not opt.state and all(p.grad is not None for p in net.parameters())
+    handle.remove()
+
+
+def test_a_short_cycle_after_matching_ones_raises():
+    """A last cycle shorter than the others (an epoch whose micro-batches do not fill it) would
+    silently shift every later cycle: refused too, after the steps that matched."""
+    net, opt = make()
+    handle = lo.release_gradients(opt, accumulation_steps=2)
+    train(net, opt, steps=2, k=2)
+    loss_of(net, 4).backward()
+    with pytest.raises(ValueError, match=r"^accumulation_steps: .* after 1 backward pass since the previous step"):
+        opt.step()
+    assert opt.state[net.a]["step"] == 2
+    handle.remove()
+
+
+def test_steps_matching_the_cycle_or_after_no_pass_are_accepted():
+    """A plain loop (step after every pass, with accumulation_steps=1; a closure's backward pass
+    counts), a step() after no pass, a loop that never calls step(), and GradScaler skipping
+    step() after an overflow: none of them raises."""
+    net, opt = make()
+    with lo.release_gradients(opt):
+        opt.step()                                          # before any pass
+        train(net, opt, steps=2)
+        opt.step()                                          # a second step() after no pass
+        opt.step(lambda: loss_of(net, 2).backward())        # the closure's pass
+        for t in range(3, 5):                               # never calling step()
+            loss_of(net, t).backward()
+    assert opt.state[net.a]["step"] == 5
+    net, opt = make()
+    with lo.release_gradients(opt, accumulation_steps=2):
+        for t in range(4):
+            loss_of(net, t).backward()
+    assert opt.state[net.a]["step"] == 2
+    released = _scaled_run(True, 4, 1)                      # scaler.step skips step() at the overflow
+    assert released[1].skipped_params == 1
+
+
+# ---- max_norm: clipping by the previous stepping pass's global norm -------------------------------
+
+def _clipped_plain(steps: int, k: int, max_norm: float) -> tuple[Net, LowpOptimizer, list[float]]:
+    """The reference: the plain loop clipping each step's gradients with torch's own
+    clip_grads_with_norm_ and the previous step's total norm (torch's get_total_norm, in fp64)."""
+    net, opt = make(mode="stochastic")
+    norms: list[float] = []
+    for s in range(steps):
+        for m in range(k):
+            loss_of(net, s * k + m).backward()
+        params = [p for p in net.parameters() if p.grad is not None]
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad.double() for p in params])))
+        if s:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norms[-2], dtype=torch.float64))
+        opt.step()
+        opt.zero_grad()
+    return net, opt, norms
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_max_norm_clips_with_the_previous_pass_norm(k):
+    max_norm = 0.4
+    *plain, norms = _clipped_plain(5, k, max_norm)
+    assert sum(n > max_norm for n in norms[:-1]) >= 3                  # the clip was active
+    released = make(mode="stochastic")
+    seen = []
+    with lo.release_gradients(released[1], accumulation_steps=k, max_norm=max_norm) as handle:
+        assert handle.grad_norm is None
+        for s in range(5):
+            train(*released, steps=1, k=k, start=s)
+            seen.append(handle.grad_norm)
+    assert seen == pytest.approx(norms, rel=1e-12)
+    assert_same(tuple(plain), released)
+    unclipped = make(mode="stochastic")
+    train(*unclipped, steps=5, k=k)
+    assert not torch.equal(unclipped[0].a, released[0].a)
+
+
+def test_max_norm_inf_measures_without_clipping_and_clip_grad_norm_sees_nothing():
+    """torch.nn.utils.clip_grad_norm_ after a released pass finds every gradient freed: it
+    returns 0 and clips nothing (what transformers.Trainer logs as grad_norm 0.0)."""
+    plain = make()
+    released = make()
+    with lo.release_gradients(released[1], max_norm=float("inf")) as handle:
+        for t in range(3):
+            loss_of(plain[0], t).backward()
+            expected = float(torch.nn.utils.get_total_norm([p.grad.double() for p in plain[0].parameters()
+                                                            if p.grad is not None]))
+            plain[1].step()
+            plain[1].zero_grad()
+            loss_of(released[0], t).backward()
+            assert float(torch.nn.utils.clip_grad_norm_(released[0].parameters(), 1e-3)) == 0.0
+            assert handle.grad_norm == pytest.approx(expected, rel=1e-12)
+            released[1].step()
+    assert_same(plain, released)
+
+
+def test_max_norm_norm_type_and_chunked_norm():
+    """norm_type as in clip_grad_norm_ (inf: the largest magnitude); a gradient over one chunk
+    is measured chunk by chunk in fp64."""
+    from lowp.optim import release
+    g = torch.randn(3 * release._NORM_CHUNK + 5, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for order in (2.0, 1.0, 3.0, float("inf")):
+        expected = torch.linalg.vector_norm(g.double(), order)
+        assert float(release._norm(g, order)) == pytest.approx(float(expected), rel=1e-13)
+    net, opt = make()
+    with lo.release_gradients(opt, max_norm=float("inf"), norm_type=float("inf")) as handle:
+        twin = Net()
+        loss_of(twin, 0).backward()
+        loss_of(net, 0).backward()
+    expected = max(float(p.grad.abs().max()) for p in twin.parameters() if p.grad is not None)
+    assert handle.norm_type == float("inf") and handle.grad_norm == expected
+
+
+def test_max_norm_with_gradscaler_is_unscaled_and_an_overflow_keeps_the_coefficient():
+    """The norm is that of the unscaled gradients (a twin with the same weights and an unscaled
+    loss gives it); an overflowed pass reports ``inf`` and the next pass clips as before it."""
+    net, opt = make()
+    twin = Net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    handle = lo.release_gradients(opt, scaler=scaler, max_norm=0.1)
+    for t in range(3):
+        twin.load_state_dict(net.state_dict())
+        loss_of(twin, t).backward()
+        expected = float(torch.nn.utils.get_total_norm([p.grad.double() for p in twin.parameters()
+                                                        if p.grad is not None]))
+        twin.zero_grad()
+        coefficient = handle._clip_coef
+        poison = net.c.register_hook(lambda g: g * float("inf")) if t == 1 else None
+        scaler.scale(loss_of(net, t)).backward()
+        scaler.step(opt)
+        scaler.update()
+        if poison is not None:
+            poison.remove()
+            assert handle.grad_norm == float("inf") and handle._clip_coef == coefficient
+        else:
+            assert handle.grad_norm == pytest.approx(expected, rel=1e-9)
+            assert handle._clip_coef == pytest.approx(0.1 / (expected + 1e-6), rel=1e-9)
+    handle.remove()
+
+
+def test_grad_norm_assigned_on_resume_continues_bit_for_bit():
+    whole = make(mode="stochastic")
+    with lo.release_gradients(whole[1], max_norm=0.3):
+        train(*whole, steps=4)
+    first = make(mode="stochastic")
+    with lo.release_gradients(first[1], max_norm=0.3) as handle:
+        train(*first, steps=2)
+        last = handle.grad_norm
+    saved = copy.deepcopy({"model": first[0].state_dict(), "optim": first[1].state_dict()})
+    resumed = make(mode="stochastic")
+    resumed[0].load_state_dict(saved["model"])
+    resumed[1].load_state_dict(saved["optim"])
+    with lo.release_gradients(resumed[1], max_norm=0.3) as handle:
+        handle.grad_norm = last
+        train(*resumed, steps=2, start=2)
+    assert_same(whole, resumed)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"max_norm": 0.0}, "^max_norm: expected a number > 0"),
+    ({"max_norm": -1}, "^max_norm: "),
+    ({"max_norm": float("nan")}, "^max_norm: "),
+    ({"max_norm": True}, "^max_norm: "),
+    ({"max_norm": "1"}, "^max_norm: "),
+    ({"max_norm": 1.0, "norm_type": 0}, "^norm_type: expected a number > 0"),
+    ({"max_norm": 1.0, "norm_type": "2"}, "^norm_type: "),
+])
+def test_clip_arguments_are_refused_before_any_hook(kw, match):
+    net, opt = make()
+    with pytest.raises(ValueError, match=match):
+        lo.release_gradients(opt, **kw)
+    assert opt._released_by is None and not any(p._post_accumulate_grad_hooks for p in net.parameters())
+    assert not opt._optimizer_step_post_hooks
+    with lo.release_gradients(opt, max_norm=1.0) as handle:
+        for bad in (-1.0, float("inf"), None, "1"):
+            with pytest.raises(ValueError, match="^grad_norm: expected a finite number >= 0"):
+                handle.grad_norm = bad  # type: ignore[assignment]
+    assert not opt._optimizer_step_post_hooks

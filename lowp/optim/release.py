@@ -27,6 +27,24 @@ have been stepped already); at the end of the stepping pass the scaler is told w
 overflowed, the record ``scaler.unscale_`` would leave, so ``scaler.step(opt)`` (which then only
 calls the optimizer's ``step``, a no-op here) and ``scaler.update()`` behave as usual.
 
+The handle also watches ``optimizer.step()`` (a step post-hook, :meth:`torch.optim.Optimizer.register_step_post_hook`):
+a training loop that calls it announces where its accumulation cycles end, and when it comes after
+a number of backward passes other than ``accumulation_steps`` (and other than 0) the hooks and the
+loop disagree about the cycle: ``step()`` raises ``ValueError`` naming ``accumulation_steps``. That
+is the earliest point it can be known: before the first ``step()`` nothing tells how many passes
+the loop accumulates, so by then (with too few ``accumulation_steps``) the first cycle has been
+stepped once per ``accumulation_steps`` passes instead of once; with too many, nothing has been
+stepped yet. A loop that never calls ``step()`` is not checked.
+
+Gradient clipping by the global norm needs every gradient before the first step, which release
+never holds. ``max_norm`` offers the lagged approximation: each stepping pass measures the norm of
+the gradients it steps (in float64, a chunk of the gradient at a time; divided by the scaler's
+scale), and multiplies each gradient, before stepping it, by the coefficient
+``min(1, max_norm / (norm + 1e-6))`` of :func:`torch.nn.utils.clip_grad_norm_` computed from the
+*previous* stepping pass's norm. The first step after registration is not clipped; a non-finite
+norm (an overflow) is reported but leaves the coefficient as it was. ``torch.nn.utils.clip_grad_norm_``
+after the backward pass finds no gradients (the hooks freed them): it clips nothing and returns 0.
+
 Data parallelism does not mix with it: DistributedDataParallel (and FSDP1, or a hand-written
 all-reduce) averages the gradients across ranks after autograd has accumulated them, which is
 after the hooks would have stepped with this rank's own gradient, so the ranks' weights would
@@ -60,7 +78,7 @@ from torch.amp.grad_scaler import OptState
 from torch.utils.hooks import RemovableHandle
 
 from lowp.optim import preflight, sharding
-from lowp.optim.base import LowpOptimizer
+from lowp.optim.base import LowpOptimizer, real_value
 
 __all__ = ["GradientRelease", "release_gradients"]
 
@@ -79,17 +97,27 @@ class GradientRelease:
         scaler: the :class:`torch.amp.GradScaler` that scales the loss, or ``None``.
         local_gradients: ``True`` when no data parallelism reduces the gradients after backward;
             required when torch.distributed's default group has more than one rank.
+        max_norm: clip by the previous stepping pass's global gradient norm (module docstring), or
+            ``None``: no clipping, no norm measured.
+        norm_type: the norm's order, as in :func:`torch.nn.utils.clip_grad_norm_`.
     """
 
     def __init__(self, optimizer: LowpOptimizer, accumulation_steps: int = 1,
-                 scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False) -> None:
+                 scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False,
+                 max_norm: float | None = None, norm_type: float = 2.0) -> None:
         accumulation_steps = _check(optimizer, accumulation_steps, scaler, local_gradients)
+        self.max_norm, self.norm_type = _check_clip(max_norm, norm_type)
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.scaler = scaler
         self.local_gradients = local_gradients
         #: Backward passes seen (that reached a parameter) since the hooks were registered.
         self.backward_passes = 0
+        self._passes_at_step = 0   # backward_passes when optimizer.step() last returned
+        self._cycles = 0   # step() calls that came after accumulation_steps passes
+        self._grad_norm: float | None = None
+        self._clip_coef = 1.0
+        self._norms: list[torch.Tensor] = []   # each parameter's norm in the current stepping pass
         self._in_backward = False
         self._task = -1   # the autograd graph task of the current or last backward pass
         self._stepping = False
@@ -102,6 +130,7 @@ class GradientRelease:
         try:
             for p in (p for g in optimizer.param_groups for p in g["params"] if p.requires_grad):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+            self._hooks.append(optimizer.register_step_post_hook(self._after_step))
         except BaseException:
             self.remove()
             raise
@@ -111,6 +140,28 @@ class GradientRelease:
     def active(self) -> bool:
         """``True`` until :meth:`remove`."""
         return self.optimizer._released_by is self
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global norm (``norm_type``) of the gradients the last stepping pass stepped, before
+        clipping and unscaled: what :func:`torch.nn.utils.clip_grad_norm_` would have returned
+        before that ``step()``. ``None`` before the first stepping pass or without ``max_norm``;
+        ``inf`` or ``nan`` after an overflow. The next stepping pass clips with the coefficient of
+        the last finite one. Assigning a finite number >= 0 (the last value of a checkpointed run)
+        sets the coefficient of the next step, so that a resumed run clips as the uninterrupted one."""
+        return self._grad_norm
+
+    @grad_norm.setter
+    def grad_norm(self, value: float) -> None:
+        norm = real_value(value, allow_tensor=True)
+        if norm is None or not (math.isfinite(norm) and norm >= 0):
+            raise ValueError(f"grad_norm: expected a finite number >= 0, got {value!r}")
+        self._grad_norm = norm
+        self._clip_coef = self._coefficient(norm)
+
+    def _coefficient(self, norm: float) -> float:
+        """``clip_grad_norm_``'s clamped coefficient for a total ``norm`` (1 without ``max_norm``)."""
+        return 1.0 if self.max_norm is None else min(1.0, self.max_norm / (norm + 1e-6))
 
     def remove(self) -> None:
         """Remove the hooks: the optimizer steps in ``step()`` again. Gradients accumulated so
@@ -136,6 +187,7 @@ class GradientRelease:
         if task < self._task:   # task ids grow: an outer pass goes on after a nested one ended
             raise _nested_error()
         _check_ranks(self.local_gradients)   # a group initialized after the hooks were registered
+        _check_norm_ranks(self.max_norm)
         stepping = (self.backward_passes + 1) % self.accumulation_steps == 0
         enabled = self.scaler is not None and self.scaler.is_enabled()
         grad_scale = _scale_of(self.scaler) if enabled and stepping else None  # type: ignore[arg-type]
@@ -147,13 +199,21 @@ class GradientRelease:
         self._new_step = True
         self._all_finite = True
         self._grad_scale = grad_scale
+        self._norms = []
         self._members = members
         end = _PassEnd(self)
         self._pass_end = weakref.ref(end)
         torch.autograd.Variable._execution_engine.queue_callback(end)
 
     def _step(self, params: list[torch.Tensor]) -> None:
-        """Step ``params`` as part of this backward pass's optimizer step and free their gradients."""
+        """Step ``params`` as part of this backward pass's optimizer step and free their gradients;
+        with ``max_norm``, measure their norms first and clip them with the previous pass's coefficient."""
+        # a sparse gradient is left to step_params, which refuses it naming the parameter
+        if self.max_norm is not None and all(p.grad is not None and p.grad.layout == torch.strided for p in params):
+            self._norms.extend(_norm(p.grad, self.norm_type) for p in params)  # type: ignore[arg-type]
+            if self._clip_coef < 1.0:   # clip_grad_norm_ multiplies by 1.0 too: a no-op
+                for p in params:
+                    p.grad.mul_(self._clip_coef)   # type: ignore[union-attr]
         self._all_finite &= self.optimizer.step_params(params, grad_scale=self._grad_scale, new_step=self._new_step)
         self._new_step = False
         for p in params:
@@ -190,8 +250,53 @@ class GradientRelease:
         left = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if left:
             self._step(left)
+        if self.max_norm is not None:
+            self._end_norm()
         if self._grad_scale is not None:
             _report_overflow(self.scaler, self.optimizer, not self._all_finite)  # type: ignore[arg-type]
+            if not self._all_finite:   # scaler.step skips optimizer.step() after an overflow
+                self._passes_at_step = self.backward_passes
+
+    def _end_norm(self) -> None:
+        """The stepping pass's global norm, from its parameters' norms (one host synchronization):
+        kept as :attr:`grad_norm` and, when finite, the next pass's clipping coefficient."""
+        norms = self._norms
+        self._norms = []
+        if not norms:
+            return
+        device = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), self.norm_type)
+        norm = float(total) / (self._grad_scale or 1.0)
+        self._grad_norm = norm
+        if math.isfinite(norm):
+            self._clip_coef = self._coefficient(norm)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """After ``optimizer.step()`` (its closure's backward pass included): it must close a cycle
+        of ``accumulation_steps`` backward passes, or come after none."""
+        if not self.active:
+            return
+        passes = self.backward_passes - self._passes_at_step
+        self._passes_at_step = self.backward_passes
+        if passes == 0:
+            return
+        if passes == self.accumulation_steps:
+            self._cycles += 1
+            return
+        k = self.accumulation_steps
+        since = "the previous step()" if self._cycles else "release_gradients"
+        every = "after every backward pass" if k == 1 else f"every {k} backward passes"
+        if passes > k:
+            done = f"the hooks stepped the parameters {every}, {passes // k} times in this cycle instead of once"
+        else:
+            done = f"the hooks step the parameters {every}, so this cycle stepped nothing (its gradients accumulate)"
+        batches = "1 micro-batch" if passes == 1 else f"{passes} micro-batches"
+        raise ValueError(
+            f"accumulation_steps: optimizer.step() came after {passes} backward pass{'es' if passes > 1 else ''} "
+            f"since {since}, but the hooks were registered with accumulation_steps={k}: {done}. If every "
+            f"optimizer step accumulates {batches} (transformers.Trainer's gradient_accumulation_steps="
+            f"{passes}), remove() this handle and register release_gradients(opt, accumulation_steps={passes}); "
+            f"every cycle must be that long (make the number of micro-batches of an epoch a multiple of it)")
 
 
 class _PassEnd:
@@ -204,6 +309,20 @@ class _PassEnd:
 
     def __call__(self) -> None:
         self.release._end_backward()
+
+
+#: Elements per chunk of a gradient whose norm is taken in float64: an 8 MiB copy at most.
+_NORM_CHUNK = 1 << 20
+
+
+def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of ``grad`` as a float64 tensor on its device, taken in float64 chunk by
+    chunk (the norm of the chunks' norms): a float32 reduction on the CPU drifts by about 1e-5 over
+    a million elements, and a float64 copy of the whole gradient would cost four bytes per bf16
+    element more than release saves."""
+    flat = grad.reshape(-1)
+    parts = [torch.linalg.vector_norm(c, norm_type, dtype=torch.float64) for c in flat.split(_NORM_CHUNK)]
+    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), norm_type)
 
 
 def _scale_of(scaler: torch.amp.GradScaler) -> float:
@@ -257,6 +376,36 @@ def _check_ranks(local_gradients: bool) -> None:
             "(tensor or pipeline parallelism alone); otherwise step with optimizer.step()")
 
 
+def _check_norm_ranks(max_norm: float | None) -> None:
+    """Raise when ``max_norm`` is set in a process whose default group has more than one rank:
+    the norm would be this rank's parameters' only (tensor or pipeline parallelism)."""
+    if max_norm is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    world = torch.distributed.get_world_size()
+    if world > 1:
+        raise ValueError(
+            f"max_norm: this process is rank {torch.distributed.get_rank()} of {world}, and the hooks measure the "
+            "gradients of this rank's parameters only; the global norm over the model's shards or stages would need "
+            "a collective the release hooks cannot run. Release without max_norm= (and clip by other means) in a "
+            "multi-rank group")
+
+
+def _check_clip(max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
+    """Raise naming ``max_norm`` or ``norm_type`` unless they are usable; return them as floats."""
+    norm = real_value(norm_type)
+    if norm is None or math.isnan(norm) or norm <= 0:
+        raise ValueError(f"norm_type: expected a number > 0 (float('inf') for the largest magnitude), "
+                         f"got {norm_type!r}")
+    if max_norm is None:
+        return None, norm
+    value = real_value(max_norm)
+    if value is None or math.isnan(value) or value <= 0:
+        raise ValueError(f"max_norm: expected a number > 0 (float('inf') measures grad_norm without clipping) "
+                         f"or None, got {max_norm!r}")
+    _check_norm_ranks(value)
+    return value, norm
+
+
 def _check(optimizer: Any, accumulation_steps: Any, scaler: Any, local_gradients: Any) -> int:
     """Raise naming the argument that :class:`GradientRelease` cannot work with; return
     ``accumulation_steps`` as an int."""
@@ -306,7 +455,8 @@ def _report_overflow(scaler: torch.amp.GradScaler, optimizer: LowpOptimizer, fou
 
 
 def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
-                      scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False) -> GradientRelease:
+                      scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False,
+                      max_norm: float | None = None, norm_type: float = 2.0) -> GradientRelease:
     """Step ``optimizer``'s parameters during the backward pass and free each gradient right
     after (module docstring); returns the handle that removes the hooks.
 
@@ -327,7 +477,9 @@ def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
             active release.
         accumulation_steps: backward passes per step (default 1): the gradients of the first
             ``accumulation_steps - 1`` accumulate as usual and the last one steps. A positive int
-            (a numpy integer too; not a bool).
+            (a numpy integer too; not a bool). It must match the loop: an ``optimizer.step()``
+            after another number of backward passes (but not 0) raises ``ValueError`` naming it
+            and the count it saw (with ``transformers.Trainer``: its ``gradient_accumulation_steps``).
         scaler: the :class:`torch.amp.GradScaler` that scales the loss (default ``None``): the
             hooks unscale with its current scale, skip parameters whose gradient overflowed and
             report the overflow to it for ``scaler.update()``. Without it a scaled loss would
@@ -337,8 +489,17 @@ def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
             all-reduce of the gradients) reduces the gradients after the backward pass. Required
             (``ValueError`` otherwise) when torch.distributed's default process group has more
             than one rank: release would step each rank with its own unaveraged gradient.
+        max_norm: clip the gradients by their global norm, lagged by one step (default ``None``:
+            no clipping). Each stepping pass measures the norm of its gradients
+            (:attr:`GradientRelease.grad_norm`, for logging) and clips with the coefficient
+            ``min(1, max_norm / (norm + 1e-6))`` of the previous stepping pass's norm, so the first
+            step is unclipped. A number > 0; ``float('inf')`` measures without clipping. Refused
+            (``ValueError``) in a multi-rank group, where the norm would be this rank's only.
+            ``torch.nn.utils.clip_grad_norm_`` after backward finds the gradients freed and
+            clips nothing: with ``transformers.Trainer`` set ``max_grad_norm=0`` and pass this.
+        norm_type: the order of the norm (default 2.0), a number > 0 or ``float('inf')``.
 
     Returns:
         The :class:`GradientRelease` handle (``remove()``, context manager).
     """
-    return GradientRelease(optimizer, accumulation_steps, scaler, local_gradients)
+    return GradientRelease(optimizer, accumulation_steps, scaler, local_gradients, max_norm, norm_type)
