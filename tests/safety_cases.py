@@ -344,7 +344,8 @@ def coded_codes_short(mode, gen):
 def param_twice(mode, gen):
     """The same tensor twice: one step would update it twice (torch only warns)."""
     a = bf16((300,), gen)
-    return Scenario([a, a, bf16((16,), gen)], lambda step: [torch.ones(300).bfloat16()] * 2 + [torch.ones(16).bfloat16()])
+    return Scenario([a, a, bf16((16,), gen)],
+                    lambda step: [torch.ones(300).bfloat16()] * 2 + [torch.ones(16).bfloat16()])
 
 
 def grad_aliases_weight(mode, gen):
