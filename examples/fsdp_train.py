@@ -2,7 +2,7 @@
 with a torch.distributed.checkpoint (DCP) checkpoint half way.
 
     torchrun --nproc_per_node 2 examples/fsdp_train.py                # train, checkpoint at steps/2
-    torchrun --nproc_per_node 2 examples/fsdp_train.py --resume       # resume from the checkpoint
+    torchrun --nproc_per_node 2 examples/fsdp_train.py --resume       # resume from the latest checkpoint
     torchrun --nproc_per_node 2 examples/fsdp_train.py --states 8bit  # int8 / uint8 moments
     torchrun --nproc_per_node 2 examples/fsdp_train.py --reduce bf16  # FSDP's own bf16 reduce-scatter
 
@@ -12,6 +12,14 @@ rank's shards. A resumed run prints the same losses, bit for bit, as the steps a
 checkpoint in the first run. The global batch is drawn per sample, so the data is also the same
 with another number of ranks (``--batch`` must be divisible by it; DCP reshards the
 checkpoint), though the gradient's sums are then grouped differently.
+
+``--checkpoint`` is a root folder: :mod:`lowp.distributed.checkpoint` writes each save into a fresh
+hidden folder and renames it to ``step-<step>`` only once every rank's files and a completeness
+marker are on disk, so a run killed while saving never leaves a checkpoint that loads as a mixture
+of two steps; ``--resume`` loads the newest complete one and continues after its step. The run
+ends with :func:`lowp.distributed.shutdown.shutdown` (a barrier, ``destroy_process_group`` and a
+garbage collection once the model is gone), which keeps gloo's threads from outliving the
+interpreter (they could abort the process at exit).
 
 ``--states 8bit`` / ``4bit`` keep the moments as block-scaled codes (int8 first moment, uint8 or
 uint4 second moment, one bf16 scale per 64 elements): the codes of the weight matrices are sharded
@@ -30,15 +38,16 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from lowp.demo.data import load_data
+from lowp.distributed import checkpoint
 from lowp.distributed.advisor import advise_fsdp
 from lowp.distributed.fsdp import set_fp32_reduce_scatter
+from lowp.distributed.shutdown import shutdown
 from lowp.demo.model import CharLM
 from lowp.optim import AdamW
 from lowp.optim.convert import cast_model
@@ -61,8 +70,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--states", default="bf16", choices=sorted(STATES), help="the moments' storage")
     ap.add_argument("--reduce", default="fp32", choices=["fp32", "bf16"],
                     help="the gradients' reduce-scatter: lowp's fp32 sum of bf16 values, or FSDP's bf16 one")
-    ap.add_argument("--checkpoint", default="lowp-fsdp-checkpoint", help="DCP checkpoint folder")
-    ap.add_argument("--resume", action="store_true", help="load the checkpoint and train the second half")
+    ap.add_argument("--checkpoint", default="lowp-fsdp-checkpoint",
+                    help="checkpoint root folder: one step-NNNNNNNNN folder per save, each published atomically")
+    ap.add_argument("--resume", action="store_true",
+                    help="load the newest complete checkpoint under --checkpoint and train the steps after it")
     return ap.parse_args()
 
 
@@ -87,10 +98,9 @@ def batch(data, step: int, args, rank: int, world: int) -> tuple[torch.Tensor, t
     return torch.cat(xs), torch.cat(ys)
 
 
-def main() -> None:
-    """Train on this rank of the process group ``torchrun`` started (see the module docstring)."""
-    args = parse_args()
-    dist.init_process_group("gloo")
+def train(args: argparse.Namespace) -> None:
+    """Train on this rank of the process group (see the module docstring); everything holding the
+    process group (model, optimizer, mesh) lives in this function and is gone when it returns."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch % world:
         raise SystemExit(f"--batch: expected a multiple of the world size {world}, got {args.batch}")
@@ -109,9 +119,13 @@ def main() -> None:
     if args.resume:
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=args.checkpoint)
+        try:     # rank 0 picks the newest complete checkpoint; every rank loads that one (or raises alike)
+            first = checkpoint.load(state, args.checkpoint)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"--resume: {exc}") from None
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        first = half
+        if rank == 0:
+            print(f"resumed from {args.checkpoint}/{checkpoint.folder_name(first)}", flush=True)
     for step in range(first, args.steps):
         x, y = batch(data, step, args, rank, world)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -125,10 +139,19 @@ def main() -> None:
             print(f"step {step + 1:4d}  loss {float(total) / world:.6f}  stalled {stalled:.3f}", flush=True)
         if step + 1 == half and not args.resume:
             model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.checkpoint)
+            # a fresh folder, published by a rename once complete; replace=True: a rerun from scratch
+            # swaps in its own checkpoint of this step (atomically) instead of refusing
+            folder = checkpoint.save({"model": model_sd, "optim": optim_sd}, args.checkpoint, step + 1, replace=True)
             if rank == 0:
-                print(f"checkpoint saved to {args.checkpoint}", flush=True)
-    dist.destroy_process_group()
+                print(f"checkpoint saved to {folder}", flush=True)
+
+
+def main() -> None:
+    """Join the process group ``torchrun`` started, train, and leave it cleanly."""
+    args = parse_args()
+    dist.init_process_group("gloo")
+    train(args)
+    shutdown()     # a collective: a barrier, destroy_process_group(), the groups freed before the interpreter exits
 
 
 if __name__ == "__main__":

@@ -152,18 +152,6 @@ def train(args: argparse.Namespace) -> list:
     return children
 
 
-def clear_mesh_topology_cache() -> None:
-    """Empty torch's ``MeshTopoInfo.build_from_mesh`` cache (an ``lru_cache`` keyed by
-    ``DeviceMesh``; DTensor's redistribution cost estimate fills it during a Lightning fit). Its
-    entries keep the mesh and its gloo groups alive past ``lowp.distributed.shutdown.shutdown()``,
-    which does not empty this cache (yet) and warns "2 process group(s) still referenced"."""
-    try:
-        from torch.distributed.tensor._collective_utils import MeshTopoInfo
-        MeshTopoInfo.build_from_mesh.cache_clear()
-    except (ImportError, AttributeError):   # a private torch helper: gone or renamed in another version
-        pass
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -176,7 +164,6 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     children = train(args)
-    clear_mesh_topology_cache()
     shutdown()
     return max([0, *[abs(p.wait()) for p in children]])
 

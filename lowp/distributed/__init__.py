@@ -6,9 +6,14 @@
   not grow with R) and the regimes where it does hurt.
 - :mod:`lowp.distributed.hooks` — DDP communication hooks for ``torch.distributed``.
 - :mod:`lowp.distributed.advisor` — per-bucket statistics in, predicted error and warnings out.
+- :mod:`lowp.distributed.checkpoint` — crash-safe DCP checkpoints: one folder per step, published
+  atomically when complete, loaded only when a marker proves it whole (import it by name).
+- :func:`shutdown` (:mod:`lowp.distributed.shutdown`) — end a run: barrier, destroy the process
+  groups, free them before the interpreter exits.
 """
+from lowp.distributed.shutdown import shutdown
 from lowp.distributed.simulator import (ALGORITHMS, AVERAGING, ErrorStats, GaussianGrads, ReduceConfig, accumulate,
                                         exact_reduce, measure_error, reduce)
 
 __all__ = ["ALGORITHMS", "AVERAGING", "ErrorStats", "GaussianGrads", "ReduceConfig", "accumulate", "exact_reduce",
-           "measure_error", "reduce"]
+           "measure_error", "reduce", "shutdown"]
