@@ -39,8 +39,11 @@ def storage_fits(t: torch.Tensor) -> bool:
     return bool((t.storage_offset() + extent(t, t.is_contiguous())) * t.element_size() <= t.untyped_storage().nbytes())
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain_strided(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_meta
+    return type(t) in _PLAIN and t.layout == torch.strided and not t.is_meta
 
 
 def _check_storage(t: torch.Tensor, where: str) -> None:
@@ -85,15 +88,17 @@ def check_grads_apart(params: list[torch.Tensor], wheres: list[str]) -> None:
     """No gradient of ``params`` (each named by ``wheres``) shares memory with a parameter the
     step writes: the backends read gradients at different times relative to the writes (one
     tensor at a time, in batches, in one fused pass), so such a step has no single result."""
-    owners: dict[int, list[int]] = {}
+    owners: dict[int, list[int]] = {}   # storage address -> the parameters on it (checked dense and real)
     for i, p in enumerate(params):
-        if _plain_strided(p) and p.numel():
+        if type(p) in _PLAIN:
             owners.setdefault(p.untyped_storage().data_ptr(), []).append(i)
     for where, p in zip(wheres, params):
         g = p.grad
-        if g is None or not _plain_strided(g) or not g.numel():
+        if type(g) is not torch.Tensor:
             continue
         for j in owners.get(g.untyped_storage().data_ptr(), ()):
+            if not (_plain_strided(g) and g.numel() and params[j].numel()):
+                continue
             (a, b), (c, d) = _span(g), _span(params[j])
             if a < d and c < b:
                 raise ValueError(f"grad of {where}: shares memory with {wheres[j]}, which the step writes; give "
