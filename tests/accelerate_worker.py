@@ -51,6 +51,7 @@ from accelerate.utils import DistributedType
 
 from lowp.distributed.shutdown import shutdown
 from lowp.optim import AdamW
+from stack_helpers import worker_arguments
 
 STEPS, BATCH = 4, 8            # N; per rank
 CONFIGS = {
@@ -168,14 +169,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phase", choices=["first", "resume", "both"], required=True)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--seed", type=int, required=True, help="the seed the lowp optimizers are built with")
-    ap.add_argument("--control", action="store_true",
-                    help="first phase: also train the randomized configurations with seed + 1")
-    args = ap.parse_args()
+    args = worker_arguments(CONFIGS, both="both: the first phase, then the resumed runs in the same processes",
+                            control="first phase: also train the randomized configurations with seed + 1")
     torch.set_num_threads(1)
     run(args)
     shutdown()

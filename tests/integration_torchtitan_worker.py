@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from stack_helpers import local_snapshot
+
 #: training steps in all, and the step whose end is checkpointed
 STEPS, SAVE_AT = 6, 3
 #: the model seed and lowp seed of the run that saves, and of the run that resumes
@@ -90,21 +92,9 @@ def _train(model, optimizers, schedulers, progress, rank: int, checkpointer=None
 
 
 def _snapshot(model, optimizers, schedulers) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
-
-    def local(t: Any) -> Any:
-        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone() if torch.is_tensor(t) else t
-
     (opt,) = optimizers.optimizers
-    out: dict[str, Any] = {"seed": opt.seed, "skipped_params": opt.skipped_params,
-                           "skipped_steps": opt.skipped_steps, "lr": [g["lr"] for g in opt.param_groups],
-                           "scheduler": schedulers.state_dict(), "backend": opt.backend.name,
-                           "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
-    for name, p in model.named_parameters():
-        out[name] = local(p)
-        for key, value in opt.state[p].items():
-            out[f"{name}/{key}"] = local(value)
-    return out
+    return {**local_snapshot(model, opt), "lr": [g["lr"] for g in opt.param_groups],
+            "scheduler": schedulers.state_dict(), "backend": opt.backend.name}
 
 
 def train_and_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:

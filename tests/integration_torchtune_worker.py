@@ -40,6 +40,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from stack_helpers import local_snapshot
+
 #: steps before the checkpoint, and again after it
 STEPS = 3
 #: the model seed and optimizer seed of the run that saves, and of the run that resumes
@@ -79,19 +81,6 @@ def _train(model, opt, steps: range, rank: int) -> None:
             next(model.parameters()).grad.to_local()[0, 0] = float("nan")
         opt.step()
         opt.zero_grad(set_to_none=True)
-
-
-def _snapshot(model, opt) -> dict[str, Any]:
-    def local(t: Any) -> Any:
-        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone() if torch.is_tensor(t) else t
-
-    out: dict[str, Any] = {"seed": opt.seed, "skipped_params": opt.skipped_params, "skipped_steps": opt.skipped_steps,
-                           "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
-    for name, p in model.named_parameters():
-        out[name] = local(p)
-        for key, value in opt.state[p].items():
-            out[f"{name}/{key}"] = local(value)
-    return out
 
 
 def _gather_cpu_state_dict(model, is_rank_zero: bool) -> dict[str, torch.Tensor]:
@@ -168,7 +157,7 @@ def train_and_save(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             assert not model_sd
         torch.distributed.barrier()
         _train(model, opt, range(STEPS, 2 * STEPS), rank)
-        out[config] = _snapshot(model, opt)
+        out[config] = local_snapshot(model, opt)
     return out
 
 
@@ -188,5 +177,5 @@ def resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             _load_full_optimizer_state_dict(model, opt, recipe_state["optimizer"], loader)
             out[f"{config}/{loader}/fresh_seed"] = fresh_seed
             _train(model, opt, range(STEPS, 2 * STEPS), rank)
-            out[f"{config}/{loader}"] = _snapshot(model, opt)
+            out[f"{config}/{loader}"] = local_snapshot(model, opt)
     return out

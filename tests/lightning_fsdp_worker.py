@@ -40,6 +40,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lowp.distributed.shutdown import shutdown
 from lowp.optim import AdamW
+from stack_helpers import worker_arguments
 
 STEPS = 4                      # N: the checkpoint's step; the runs end at 2N (2 epochs of N steps)
 BATCH, WORLD = 8, 2            # per rank
@@ -153,15 +154,9 @@ def train(args: argparse.Namespace) -> list:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phase", choices=["first", "resume", "both"], required=True,
-                    help="both: the first phase, then the resumed fits in the same processes (seed + 1)")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--seed", type=int, required=True, help="the seed the lowp optimizers are built with")
-    ap.add_argument("--control", action="store_true",
-                    help="first phase: also fit the randomized configurations with seed + 1")
-    args = ap.parse_args()
+    args = worker_arguments(CONFIGS,
+                            both="both: the first phase, then the resumed fits in the same processes (seed + 1)",
+                            control="first phase: also fit the randomized configurations with seed + 1")
     torch.set_num_threads(1)
     children = train(args)
     shutdown()

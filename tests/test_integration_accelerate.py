@@ -33,9 +33,6 @@ rank 0, loaded with ``broadcast_from_rank0``; 45 to 65 s there).
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,39 +44,17 @@ pytest.importorskip("accelerate")
 import accelerate_worker as w  # noqa: E402
 from lowp.distributed.launch import free_port  # noqa: E402
 from nested_equal import assert_nested_equal  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-SEED, OTHER_SEED = 1234, 999
-ABORTS = ("terminate called", "SIGABRT", "core dumped")
-FAST = ("defaults", "exact8-codes")
-SLOW = ("stochastic", "defaults@full", "exact8-codes@full")
-RANDOM = ("stochastic", "exact8-codes")
-_LAUNCH_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+from stack_helpers import FAST, OTHER_SEED, RANDOM, ROOT, SEED, SLOW, clean_env, run_launch  # noqa: E402
 
 
 def launch(out: Path, phase: str, configs: tuple[str, ...], seed: int, control: bool = False,
            timeout: float = 400) -> str:
     """torchrun the worker on 2 processes; fail on a non-zero exit, an abort or a hang."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith(("ACCELERATE_", "FSDP_"))}
-    env.update(OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), str(ROOT / "tests" / "accelerate_worker.py"), "--out", str(out),
                "--phase", phase, "--configs", ",".join(configs), "--seed", str(seed),
                *(["--control"] if control else [])]
-    proc = subprocess.Popen(command, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{phase}: no end after {timeout} s\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-6000:]
-    assert not [a for a in ABORTS if a in output], output[-4000:]
-    assert "still referenced after destroy_process_group" not in output, output[-4000:]   # lowp's shutdown()
-    return output
+    return run_launch(command, clean_env(("ACCELERATE_", "FSDP_")), out, phase, timeout)
 
 
 def records(out: Path, configs: tuple[str, ...]) -> dict[tuple[str, str, int], dict]:

@@ -24,9 +24,6 @@ resumed fits in fresh processes, adding ``mode="stochastic"`` and
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,40 +35,18 @@ pytest.importorskip("lightning")
 import lightning_fsdp_worker as w  # noqa: E402
 from lowp.distributed.launch import free_port  # noqa: E402
 from nested_equal import assert_nested_equal  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-SEED, OTHER_SEED = 1234, 999
-ABORTS = ("terminate called", "SIGABRT", "core dumped")
-FAST = ("defaults", "exact8-codes")
-SLOW = ("stochastic", "defaults@full", "exact8-codes@full")
-#: the configurations whose steps draw random bits (their bits depend on the seed)
-RANDOM = ("stochastic", "exact8-codes")
-#: environment a parent launcher may have set; Lightning must see none of it
-_LAUNCH_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "PL_GLOBAL_SEED", "TORCHELASTIC_RUN_ID")
+from stack_helpers import FAST, OTHER_SEED, RANDOM, ROOT, SEED, SLOW, clean_env, run_launch  # noqa: E402
 
 
 def launch(out: Path, phase: str, configs: tuple[str, ...], seed: int, control: bool = False,
            timeout: float = 400) -> str:
     """Run the worker script (rank 0; Lightning starts rank 1), return its output; fail on a
     non-zero exit of either rank, an abort or a hang (the whole process group is killed)."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")])))
+    env = clean_env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     command = [sys.executable, str(ROOT / "tests" / "lightning_fsdp_worker.py"), "--out", str(out), "--phase", phase,
                "--configs", ",".join(configs), "--seed", str(seed), *(["--control"] if control else [])]
-    proc = subprocess.Popen(command, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)     # rank 1 is rank 0's child, in its session
-        output, _ = proc.communicate()
-        pytest.fail(f"{phase}: no end after {timeout} s\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-6000:]
-    assert not [a for a in ABORTS if a in output], output[-4000:]
-    assert "still referenced after destroy_process_group" not in output, output[-4000:]   # lowp's shutdown()
-    return output
+    return run_launch(command, env, out, phase, timeout)
 
 
 def records(out: Path, configs: tuple[str, ...]) -> dict[tuple[str, str, int], dict]:
