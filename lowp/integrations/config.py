@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import torch
 
 from lowp.optim.base import LowpOptimizer
+from lowp.optim.options import dtype_value
 from lowp.optim.registry import optimizers
 
 __all__ = ["optimizer_names", "optimizer_class", "is_lowp_name", "configured_kwargs", "parse_optim_args",
@@ -134,16 +135,14 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
 
 
 def _dtype(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        if value.lower() in ("none", "null", ""):
-            return None
-        found = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(found, torch.dtype):
-            return found
-    raise ValueError(f"{where}: expected a torch dtype or its name (such as 'bfloat16', 'int8' or 'torch.uint8'), "
-                     f"got {value!r}")
+    """A dtype, its name (:func:`lowp.optim.options.dtype_value`), or ``"none"``/``"null"``/``""``
+    for ``None``, as configuration files spell it."""
+    if isinstance(value, str) and value.lower() in ("none", "null", ""):
+        return None
+    if value is not None and not isinstance(value, (str, torch.dtype)):
+        raise ValueError(f"{where}: expected a torch dtype or its name (such as 'bfloat16', 'int8' or 'torch.uint8'), "
+                         f"got {value!r}")
+    return dtype_value(value, where)
 
 
 def _hyper_parameters(cls: type[LowpOptimizer], given: Mapping[str, Any]) -> dict[str, Any]:

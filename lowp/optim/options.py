@@ -128,18 +128,16 @@ def _dtype_name(value: Any) -> Any:
 
 
 def dtype_value(value: Any, where: str) -> Any:
-    """``value`` with dtype names (``"bfloat16"``, ``"torch.int8"``, dicts of them) read as dtypes."""
-    return _dtype(value, where)
-
-
-def _dtype(value: Any, where: str) -> Any:
+    """``value`` with dtype names (``"bfloat16"``, ``"torch.int8"``, dicts of them) read as dtypes;
+    anything else as given, for the optimizer's checks to judge."""
     if isinstance(value, str):
         found = getattr(torch, value.removeprefix("torch."), None)
         if not isinstance(found, torch.dtype):
-            raise ValueError(f"{where}: expected the name of a torch dtype (such as 'torch.bfloat16'), got {value!r}")
+            raise ValueError(f"{where}: expected a torch dtype or its name (such as 'bfloat16', 'int8' or "
+                             f"'torch.uint8'), got {value!r}")
         return found
     if isinstance(value, Mapping):
-        return {k: _dtype(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {k: dtype_value(v, f"{where}[{k!r}]") for k, v in value.items()}
     return value
 
 
@@ -150,4 +148,4 @@ def saved_group(group: Mapping[str, Any]) -> dict[str, Any]:
 
 def loaded_group(group: Mapping[str, Any], where: str) -> dict[str, Any]:
     """A saved group with its dtype names read back (dtypes, as older checkpoints hold them, pass)."""
-    return {k: _dtype(v, f"{where}[{k!r}]") if k in DTYPE_KEYS else v for k, v in group.items()}
+    return {k: dtype_value(v, f"{where}[{k!r}]") if k in DTYPE_KEYS else v for k, v in group.items()}
