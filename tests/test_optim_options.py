@@ -152,7 +152,7 @@ def test_groups_may_repeat_what_the_optimizer_does_and_carry_their_own_keys():
 
 @pytest.mark.parametrize("keyword, match", [
     ("bf16_stochastic_round", "mode='stochastic'"), ("block_size", "state_block"), ("optim_bits", "torch.int8"),
-    ("gradient_release", "release_gradients"), ("optimizer_accumulation", "accumulation_steps"),
+    ("gradient_release", "release_gradients"), ("optimizer_accumulation", "accumulate=.states."),
     ("decouple_lr", "no counterpart"), ("stat_dtype", "did you mean 'state_dtype'"),
 ])
 def test_other_libraries_keywords_name_lowps_equivalent(keyword, match):

@@ -9,6 +9,8 @@ on the tiny bf16 Llama of ``tests/test_integration_hf.py`` (built from a config,
   freed and Trainer logs ``grad_norm`` 0.0). The recipe: ``max_grad_norm=0`` and
   ``release_gradients(opt, max_norm=...)``, logging ``handle.grad_norm``; it equals the run without
   release that clips each step with torch's ``clip_grads_with_norm_`` and the previous step's norm.
+- ``accumulate="states"`` (optimi's ``optimizer_accumulation``): Trainer's micro-batches each fold
+  into the moments and free their gradients, so none is held between micro-batches.
 """
 from __future__ import annotations
 
@@ -99,7 +101,31 @@ def runs(tmp_path_factory) -> dict[str, tuple[ReleaseTrainer, AdamW]]:
     return {"plain": _run(out("plain"), None),
             "released": _run(out("released"), {"accumulation_steps": GA}, max_grad_norm=MAX_NORM),
             "clip-reference": _run(out("clip-reference"), None, callbacks=[LaggedClip()]),
-            "clip-released": _run(out("clip-released"), {"accumulation_steps": GA, "max_norm": MAX_NORM})}
+            "clip-released": _run(out("clip-released"), {"accumulation_steps": GA, "max_norm": MAX_NORM}),
+            "states": _run(out("states"), {"accumulation_steps": GA, "accumulate": "states"},
+                           callbacks=[HeldGradients()])}
+
+
+class HeldGradients(TrainerCallback):
+    """Counts the parameters holding a gradient after each micro-batch that does not end a step."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def on_substep_end(self, args, state, control, model=None, **kwargs):
+        self.held.append(sum(p.grad is not None for p in model.parameters()))
+
+
+def test_states_accumulation_holds_no_gradient_between_micro_batches(runs):
+    """Each micro-batch is a step of the moments (2 per Trainer step) and leaves no gradient
+    behind; the weights move once per Trainer step, differently from exact accumulation."""
+    (states, states_opt), plain = runs["states"], runs["plain"][0]
+    held = next(c for c in states.callback_handler.callbacks if isinstance(c, HeldGradients)).held
+    assert held == [0] * STEPS   # GA - 1 = 1 non-final micro-batch per Trainer step
+    assert states.state.global_step == STEPS and _steps(states_opt) == {STEPS * GA}
+    losses, exact = _logged(states, "loss"), _logged(plain, "loss")
+    assert losses[0] == exact[0] and all(math.isfinite(x) for x in losses)
+    assert not all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), states.model.parameters()))
 
 
 def test_default_accumulation_steps_raises_at_the_first_optimizer_step(tmp_path):

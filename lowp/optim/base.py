@@ -728,7 +728,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         return loss
 
     def step_params(self, params: Sequence[torch.Tensor], grad_scale: float | None = None,
-                    new_step: bool = True) -> bool:
+                    new_step: bool = True, update_weights: bool = True) -> bool:
         """Step ``params`` only, with the bookkeeping of :meth:`step`: everything checked first,
         states created, each parameter's own step count advanced, the non-finite policy, the
         parameter's position over all groups as its ``param_id`` (so its stochastic-rounding
@@ -744,27 +744,38 @@ class LowpOptimizer(torch.optim.Optimizer):
                 scaler must hear of), whatever ``nonfinite`` says.
             new_step: ``True`` (default) starts the step that :meth:`diagnostics` reports;
                 ``False`` adds these parameters to the current one.
+            update_weights: ``True`` (default) is a whole step. ``False`` is a states-only step:
+                the states (moments) take this gradient and the step count advances exactly as
+                in a whole step, bit for bit, but the weights and their write-back buffers stay
+                as they are and :meth:`diagnostics` keeps reporting the last whole step. This is
+                how gradient release folds micro-batches into the states instead of holding
+                their gradients (``accumulate="states"`` of
+                :func:`~lowp.optim.release.release_gradients`; optimi's ``optimizer_accumulation``).
+                It runs the reference pipeline of the ``foreach`` backend, which writes the
+                same state bits as every fused kernel.
 
         Returns:
             ``True`` when every checked gradient was finite (with ``nonfinite="off"`` and no
             ``grad_scale`` nothing is checked).
         """
-        return self._eager_step_params(params, grad_scale, new_step)
+        return self._eager_step_params(params, grad_scale, new_step, update_weights)
 
     @torch.compiler.disable(reason=COMPILE_REASON)
     @torch.no_grad()
-    def _eager_step_params(self, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool) -> bool:
+    def _eager_step_params(self, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool,
+                           update_weights: bool) -> bool:
         if grad_scale is not None:
             v = real_value(grad_scale)
             if v is None or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"grad_scale: expected a finite number > 0 or None, got {grad_scale!r}")
             grad_scale = 1.0 / v
         check_flag("new_step", new_step)
+        check_flag("update_weights", update_weights)
         return self._run(self._prepare_subset(params), grad_scale, checked=False, new_step=new_step,
-                         force_check=grad_scale is not None)
+                         force_check=grad_scale is not None, update_weights=update_weights)
 
     def _run(self, todo: list[_Checked], inv_scale: float | None, checked: bool, new_step: bool,
-             force_check: bool = False) -> bool:
+             force_check: bool = False, update_weights: bool = True) -> bool:
         """Step the checked ``todo`` (:meth:`_prepare`): the non-finite policy (skipped when the
         gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
         ``nonfinite="off"``), then :meth:`_plan` (states created, nothing written) and
@@ -778,7 +789,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             return False
         plan = self._plan([(t, g) for t, g, ok in zip(todo, grads, finite) if ok])
         with deferred_interrupts():
-            self._execute(plan, inv_scale, new_step)
+            self._execute(plan, inv_scale, new_step, update_weights)
             self.skipped_params += finite.count(False)
         return all(finite)
 
@@ -816,25 +827,28 @@ class LowpOptimizer(torch.optim.Optimizer):
             raise
         return plan
 
-    def _execute(self, plan: _Plan, inv_scale: float | None, new_step: bool) -> None:
-        """Run ``plan``'s jobs on the backend. Each parameter's step counter advances right after
-        the job that wrote its weight and states (a gathered DTensor parameter's after its shards
-        are written back), so weights, states and counters always agree, parameter by parameter."""
-        if new_step:
+    def _execute(self, plan: _Plan, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
+        """Run ``plan``'s jobs on the backend (a states-only step: on the ``foreach`` reference
+        pipeline). Each parameter's step counter advances right after the job that wrote its
+        weight and states (a gathered DTensor parameter's after its shards are written back), so
+        weights, states and counters always agree, parameter by parameter."""
+        if new_step and update_weights:
             self._last_stalled = {}
+        backend = self.backend if update_weights else get_backend("foreach", self.backend.chunk_size)
         groups = {id(g): (i, g) for i, g in enumerate(self.param_groups)}
         for key, slices in plan.jobs.items():
             gid, mode_name, step, _, _, _, weight = key
             index, group = groups[gid]
-            ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed, self.diagnostics_enabled)
+            ctx = StepContext(group, MODES[mode_name], step, inv_scale, self.seed,
+                              self.diagnostics_enabled and update_weights, update_weights=update_weights)
             if plan.coded[key]:
-                stalled = run_coded(self.backend, self, ctx, slices, plan.scales[key], plan.coded[key],
-                                    self.elementwise)
+                stalled = run_coded(backend, self, ctx, slices, plan.scales[key], plan.coded[key], self.elementwise)
             else:
-                stalled = self.backend.run(self, ctx, slices)
+                stalled = backend.run(self, ctx, slices)
             for state in plan.counters[key]:
                 state["step"] = step
-            self._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
+            if update_weights:
+                self._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
         for full, state, step in plan.gathered:
             full.write_back()
             state["step"] = step
@@ -862,9 +876,12 @@ class LowpOptimizer(torch.optim.Optimizer):
             streams = ctx.streams(s)
             streams.prefetch([Stream.STATE + j for j, n in enumerate(names)
                               if rounding == "stochastic" and s.states[n].dtype in LOW_PRECISION]
-                             + list(mode.draws(s.param, s.buffer)), s.numel, device, scratch)
+                             + (list(mode.draws(s.param, s.buffer)) if ctx.update_weights else []),
+                             s.numel, device, scratch)
             for j, n in enumerate(names):
                 store(s.states[n], states[n][i], rounding, streams, Stream.STATE + j)
+            if not ctx.update_weights:
+                continue
             stalled = mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count, scratch)
             if stalled is not None:
                 counts.append(stalled)

@@ -51,8 +51,8 @@ _EQUIVALENTS = {
                   "state_dtype={'exp_avg': torch.int8, 'exp_avg_sq': torch.uint8}",
     "optim_bits": "bitsandbytes' optim_bits=8 is state_dtype={'exp_avg': torch.int8, 'exp_avg_sq': torch.uint8} here",
     "gradient_release": "optimi's gradient_release=True is lowp.optim.release_gradients(optimizer) here",
-    "optimizer_accumulation": "optimi's optimizer_accumulation is release_gradients(optimizer, accumulation_steps=N) "
-                              "here",
+    "optimizer_accumulation": "optimi's optimizer_accumulation is release_gradients(optimizer, accumulation_steps=N, "
+                              "accumulate='states') here",
     "decouple_lr": "optimi's decouple_lr=True (fully decoupled weight decay) has no counterpart in lowp; scale "
                    "weight_decay by lr yourself",
     "decouple_wd": "optimi's decouple_wd=True is lowp.optim.AdamW (decoupled decay), decouple_wd=False "

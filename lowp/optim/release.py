@@ -14,7 +14,18 @@ state creation, its own step count, its position over all groups as the ``param_
 stochastic-rounding streams), so a run with release equals the run without it bit for bit.
 
 Backward passes are counted: with ``accumulation_steps=k`` the hooks leave the gradients of the
-first ``k - 1`` backward passes to accumulate and step on the ``k``-th. At the end of a stepping
+first ``k - 1`` backward passes to accumulate and step on the ``k``-th (``accumulate="gradients"``,
+the default: exact gradient accumulation, but every gradient lives until the ``k``-th pass, as
+without release). ``accumulate="states"`` holds no gradient across passes: each of the first
+``k - 1`` passes takes a *states-only* step with its micro-batch's gradient (the moments and the
+step count advance exactly as in a whole step; the weights and their write-back buffers stay) and
+frees it, and the ``k``-th pass takes a whole step. This is optimi's ``optimizer_accumulation``
+(Warner, optimi docs, "Optimizer Accumulation"; also the accumulation of Zhao et al., GaLore): an
+approximation of gradient accumulation in which the moments average ``k`` micro-batch steps
+instead of one step on the summed gradient (an exponential average then decays ``k`` times per
+weight update, and Adam's second moment averages the squares of the micro-batch gradients rather
+than the square of their mean). L2 weight decay (``Adam``) is part of each micro-batch's
+gradient, as in a whole step; decoupled decay is part of the weight update only. At the end of a stepping
 backward pass (an autograd engine callback), every parameter that still holds a gradient (one that
 this pass did not reach, or one added to the optimizer later) is stepped too, so one release step
 covers what one ``step()`` would. A backward pass that reaches none of the parameters does not
@@ -100,15 +111,19 @@ class GradientRelease:
         max_norm: clip by the previous stepping pass's global gradient norm (module docstring), or
             ``None``: no clipping, no norm measured.
         norm_type: the norm's order, as in :func:`torch.nn.utils.clip_grad_norm_`.
+        accumulate: ``"gradients"`` or ``"states"``, where the first ``accumulation_steps - 1``
+            passes of a cycle go (module docstring).
     """
 
     def __init__(self, optimizer: LowpOptimizer, accumulation_steps: int = 1,
                  scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False,
-                 max_norm: float | None = None, norm_type: float = 2.0) -> None:
+                 max_norm: float | None = None, norm_type: float = 2.0, accumulate: str = "gradients") -> None:
         accumulation_steps = _check(optimizer, accumulation_steps, scaler, local_gradients)
         self.max_norm, self.norm_type = _check_clip(max_norm, norm_type)
+        _check_accumulate(accumulate, accumulation_steps, self.max_norm)
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
+        self.accumulate = accumulate
         self.scaler = scaler
         self.local_gradients = local_gradients
         #: Backward passes seen (that reached a parameter) since the hooks were registered.
@@ -120,7 +135,8 @@ class GradientRelease:
         self._norms: list[torch.Tensor] = []   # each parameter's norm in the current stepping pass
         self._in_backward = False
         self._task = -1   # the autograd graph task of the current or last backward pass
-        self._stepping = False
+        self._stepping = False   # this pass steps (its last pass of a cycle; every pass with accumulate="states")
+        self._update_weights = False   # this pass ends a cycle: whole steps
         self._new_step = True
         self._grad_scale: float | None = None
         self._all_finite = True
@@ -188,7 +204,8 @@ class GradientRelease:
             raise _nested_error()
         _check_ranks(self.local_gradients)   # a group initialized after the hooks were registered
         _check_norm_ranks(self.max_norm)
-        stepping = (self.backward_passes + 1) % self.accumulation_steps == 0
+        last = (self.backward_passes + 1) % self.accumulation_steps == 0
+        stepping = last or self.accumulate == "states"
         enabled = self.scaler is not None and self.scaler.is_enabled()
         grad_scale = _scale_of(self.scaler) if enabled and stepping else None  # type: ignore[arg-type]
         if stepping:
@@ -196,8 +213,10 @@ class GradientRelease:
         self._task = task
         self._in_backward = True
         self._stepping = stepping
+        self._update_weights = last
         self._new_step = True
-        self._all_finite = True
+        if self.backward_passes % self.accumulation_steps == 0:   # a cycle begins: overflows counted anew
+            self._all_finite = True
         self._grad_scale = grad_scale
         self._norms = []
         self._members = members
@@ -214,7 +233,8 @@ class GradientRelease:
             if self._clip_coef < 1.0:   # clip_grad_norm_ multiplies by 1.0 too: a no-op
                 for p in params:
                     p.grad.mul_(self._clip_coef)   # type: ignore[union-attr]
-        self._all_finite &= self.optimizer.step_params(params, grad_scale=self._grad_scale, new_step=self._new_step)
+        self._all_finite &= self.optimizer.step_params(params, grad_scale=self._grad_scale, new_step=self._new_step,
+                                                       update_weights=self._update_weights)
         self._new_step = False
         for p in params:
             p.grad = None
@@ -252,7 +272,7 @@ class GradientRelease:
             self._step(left)
         if self.max_norm is not None:
             self._end_norm()
-        if self._grad_scale is not None:
+        if self._grad_scale is not None and self._update_weights:
             _report_overflow(self.scaler, self.optimizer, not self._all_finite)  # type: ignore[arg-type]
             if not self._all_finite:   # scaler.step skips optimizer.step() after an overflow
                 self._passes_at_step = self.backward_passes
@@ -406,6 +426,19 @@ def _check_clip(max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
     return value, norm
 
 
+def _check_accumulate(accumulate: Any, accumulation_steps: int, max_norm: float | None) -> None:
+    """Raise naming ``accumulate`` unless it is ``"gradients"`` or ``"states"``, or when states
+    accumulation meets ``max_norm`` (no pass holds the cycle's gradient whose norm would clip it)."""
+    if accumulate not in ("gradients", "states"):
+        raise ValueError(f"accumulate: expected 'gradients' (hold the micro-batches' gradients until the last "
+                         f"backward pass of a cycle) or 'states' (fold each micro-batch into the optimizer states, "
+                         f"optimi's optimizer_accumulation), got {accumulate!r}")
+    if accumulate == "states" and accumulation_steps > 1 and max_norm is not None:
+        raise ValueError("max_norm: with accumulate='states' no backward pass holds the cycle's accumulated gradient, "
+                         "so there is no global norm to clip it by (each micro-batch's gradient is folded into the "
+                         "states and freed); release with accumulate='gradients' to clip, or without max_norm=")
+
+
 def _check(optimizer: Any, accumulation_steps: Any, scaler: Any, local_gradients: Any) -> int:
     """Raise naming the argument that :class:`GradientRelease` cannot work with; return
     ``accumulation_steps`` as an int."""
@@ -456,7 +489,8 @@ def _report_overflow(scaler: torch.amp.GradScaler, optimizer: LowpOptimizer, fou
 
 def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
                       scaler: torch.amp.GradScaler | None = None, local_gradients: bool = False,
-                      max_norm: float | None = None, norm_type: float = 2.0) -> GradientRelease:
+                      max_norm: float | None = None, norm_type: float = 2.0,
+                      accumulate: str = "gradients") -> GradientRelease:
     """Step ``optimizer``'s parameters during the backward pass and free each gradient right
     after (module docstring); returns the handle that removes the hooks.
 
@@ -498,8 +532,15 @@ def release_gradients(optimizer: LowpOptimizer, accumulation_steps: int = 1,
             ``torch.nn.utils.clip_grad_norm_`` after backward finds the gradients freed and
             clips nothing: with ``transformers.Trainer`` set ``max_grad_norm=0`` and pass this.
         norm_type: the order of the norm (default 2.0), a number > 0 or ``float('inf')``.
+        accumulate: ``"gradients"`` (default): the first ``accumulation_steps - 1`` passes of a
+            cycle accumulate their gradients as usual (exact accumulation; every gradient lives
+            until the last pass). ``"states"``: each of them takes a states-only step with its
+            gradient and frees it, so no gradient outlives its layer's backward (optimi's
+            ``optimizer_accumulation``, an approximation: module docstring). With a scaler, each
+            pass is unscaled with the current scale and an overflow anywhere in the cycle is
+            reported at its last pass. Refused with ``max_norm`` when ``accumulation_steps > 1``.
 
     Returns:
         The :class:`GradientRelease` handle (``remove()``, context manager).
     """
-    return GradientRelease(optimizer, accumulation_steps, scaler, local_gradients, max_norm, norm_type)
+    return GradientRelease(optimizer, accumulation_steps, scaler, local_gradients, max_norm, norm_type, accumulate)

@@ -84,6 +84,8 @@ class StepContext:
         count: ``True`` (default) asks for the stalled-element count, ``False`` for none.
         scratch: reusable temporaries of the reference pipeline (:mod:`lowp.optim.scratch`;
             default: a new, empty one).
+        update_weights: ``True`` (default) writes the weights back; ``False`` writes the states
+            only (a states-only step, :meth:`~lowp.optim.base.LowpOptimizer.step_params`).
     """
 
     group: dict[str, Any]
@@ -93,6 +95,7 @@ class StepContext:
     seed: int = 0
     count: bool = True
     scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
+    update_weights: bool = True
 
     def streams(self, s: ParamSlice) -> RandomStreams:
         """The random streams of slice ``s`` at this step."""
