@@ -1,0 +1,297 @@
+"""The checkpoints of a lowp optimizer: what ``state_dict`` saves and how ``load_state_dict``
+checks a checkpoint before it replaces anything.
+
+A checkpoint is torch's layout (``state`` by parameter index, ``param_groups``), each state in its
+own dtype and ``step`` as a 0-dim int64 tensor (:func:`saved`). It holds only tensors, numbers,
+strings, lists and dicts (dtypes as their names, :mod:`lowp.optim.options`), so every torch
+checkpoint helper takes it, and the extras (:func:`extras`: the seed and the skip counters, which
+with the step counters define every random stream, :mod:`lowp.optim.randomness`, and the
+optimizer's kind) ride in every group under ``"lowp"``, a key every live group also has, so that
+checkpointers which rebuild groups from the live keys keep them.
+
+Loading (:func:`checked_load`, after :mod:`lowp.optim.migrate` translated a torch or optimi
+layout) validates the whole checkpoint first: the optimizer's kind, the group count and sizes,
+each group's hyper-parameters, every state key and entry name, each tensor's layout, shape and
+dtype (floating-point states are cast only where ``state_dtype`` names a dtype, and encoded where
+it names a block-scaled code), finite values, nonnegative second moments and scales, step counts
+that can be saved again. With DTensor states every rank checks its shards and the ranks agree.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from lowp.optim import options, preflight, sharding
+from lowp.optim.codes import code_for, encode, scale_name
+from lowp.optim.coded import CodedState
+from lowp.optim.preflight import check_seed
+from lowp.optim.spec import OptimizerSpec
+from lowp.optim.state_layout import STATE_DTYPES, asked_dtype, coded_layout
+from lowp.optim.writeback import BUFFER_NAMES, resolve_mode
+
+__all__ = ["extras", "checkpoint_kind", "saved", "checked_load", "check_values", "encode_loaded"]
+
+#: the float dtypes a loaded state may arrive in (cast to the state's dtype, or encoded, on load)
+_LOADABLE_FLOATS = (*STATE_DTYPES, torch.float64)
+
+
+class LowpOptimizer(Protocol):
+    """What the checkpoint code reads of the optimizer (:class:`lowp.optim.base.LowpOptimizer`,
+    which imports this module)."""
+
+    param_groups: list[dict[str, Any]]
+    seed: int
+    skipped_params: int
+    skipped_steps: int
+
+    @property
+    def spec(self) -> OptimizerSpec | None:
+        """The optimizer's spec (``None``: reference only)."""
+
+    def checkpoint_kind(self) -> str:
+        """:func:`checkpoint_kind`, bound."""
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Check a group's hyper-parameters."""
+
+    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+        """Names of the optimizer states of ``param``."""
+
+    def coded_states(self, group: dict[str, Any], param: torch.Tensor) -> list[CodedState]:
+        """The block-scaled states of ``param``."""
+
+    def check_state(self, group: dict[str, Any], p: torch.Tensor, state: Mapping[str, Any], where: str,
+                    coded_states: list[CodedState] | None = None) -> None:
+        """Check the state entries of ``p``."""
+
+    def _encode_loaded(self, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
+        """:func:`encode_loaded`, bound."""
+
+    def _check_values(self, groups: list[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+        """:func:`check_values`, bound."""
+
+
+def extras(optimizer: LowpOptimizer) -> dict[str, Any]:
+    """What a checkpoint holds besides groups and states: the seed and the skip counters
+    (the seed and the step counters define every random stream)."""
+    return {"seed": optimizer.seed, "skipped_params": optimizer.skipped_params,
+            "skipped_steps": optimizer.skipped_steps, "optimizer": optimizer.checkpoint_kind()}
+
+
+def checkpoint_kind(optimizer: LowpOptimizer) -> str:
+    """The name a checkpoint of this optimizer carries (its spec's, else its class's), checked on
+    load: another optimizer's moments would restart from zero with the old step counts."""
+    return optimizer.spec.name if optimizer.spec is not None else type(optimizer).__name__
+
+
+def saved(sd: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
+    """torch's ``state_dict`` ``sd`` as a lowp checkpoint: each ``step`` a 0-dim int64 tensor,
+    the dtypes of each group as their names and the ``extras`` in every group."""
+    sd["state"] = {key: {**entry, **({"step": torch.tensor(entry["step"], dtype=torch.int64)}
+                                     if isinstance(entry.get("step"), int) else {})}
+                   for key, entry in sd["state"].items()}
+    sd["param_groups"] = [{**options.saved_group(group), options.EXTRAS_KEY: extras} for group in sd["param_groups"]]
+    return sd
+
+
+def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
+                 ) -> tuple[list[dict[str, Any]], defaultdict, dict[str, Any]]:
+    """The new groups, states and extras of a checkpoint in lowp's layout, all checked."""
+    extras = _checked_extras(sd.get("lowp"), optimizer)
+    saved_groups = sd["param_groups"]
+    if sd.get("lowp") is None and any("mode" in g for g in saved_groups):
+        warnings.warn("state_dict: this lowp checkpoint lacks its 'lowp' extras (the seed of the stochastic-"
+                      "rounding streams and the skip counters; a checkpointer dropped them), so the optimizer "
+                      f"keeps its own seed ({optimizer.seed}) and a resumed run draws other random bits than the run "
+                      "that saved it",
+                      UserWarning, stacklevel=3)
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"state_dict: it has {len(saved_groups)} parameter groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")
+    for i, (old, new) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        if len(old["params"]) != len(new["params"]):
+            raise ValueError(f"state_dict: param_groups[{i}] has {len(new['params'])} parameters, the "
+                             f"optimizer's {len(old['params'])}")
+    groups = []
+    for i, (old, new) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        new = options.loaded_group(new, f"state_dict: param_groups[{i}]")
+        group = {**{k: v for k, v in old.items() if k != "params"}, **new, "params": old["params"],
+                 options.EXTRAS_KEY: {}}
+        try:
+            optimizer.check_group(group)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"state_dict: param_groups[{i}]: {e}") from None
+        for p in group["params"]:
+            resolve_mode(group["mode"], p)
+        groups.append(group)
+    saved_state = sd["state"]
+    _check_state_keys(saved_state, saved_groups)
+    state: defaultdict = defaultdict(dict)
+    for group, new in zip(groups, saved_groups):
+        for key, p in zip(new["params"], group["params"]):
+            where = f"state_dict['state'][{key!r}]"
+            if key not in saved_state:
+                continue
+            entry = saved_state[key]
+            if not isinstance(entry, Mapping):
+                raise TypeError(f"{where}: expected a dict of states, got {type(entry).__name__}")
+            _check_entry_names(optimizer, group, p, entry, where)
+            loaded = {}
+            for name, value in entry.items():
+                if name == "step":
+                    value = preflight.step_count(value, f"{where}['step']")
+                elif isinstance(value, torch.Tensor):
+                    preflight.check_saved(value, f"{where}[{name!r}]")
+                    value = _loaded_tensor(optimizer, group, name, p, value)
+                loaded[name] = value
+            if loaded:
+                optimizer._encode_loaded(group, p, loaded)
+                optimizer.check_state(group, p, loaded, where)
+                state[p] = loaded
+    optimizer._check_values(groups, state)
+    return groups, state, extras
+
+
+def _check_entry_names(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, entry: Mapping[str, Any],
+                       where: str) -> None:
+    """Every entry of a saved state is one a step of this optimizer reads: ``step``, its states
+    (with their block scales when coded), a write-back buffer. Another optimizer's states
+    (SGD's ``momentum_buffer`` in an AdamW) would be dropped while the moments restart from
+    zero at the old step count."""
+    names = optimizer.state_names(group, p)
+    known = {"step", *names, *BUFFER_NAMES, *(scale_name(n) for n in names)}
+    for name in entry:
+        if name not in known:
+            raise ValueError(f"{where}[{name!r}]: {type(optimizer).__name__} keeps no state of that name (its states: "
+                             f"{', '.join(names) or 'none'}, plus step and a write-back buffer); is this another "
+                             f"optimizer's checkpoint?")
+
+
+def check_values(optimizer: LowpOptimizer, groups: list[dict[str, Any]],
+                 state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+    """The loaded values a step can use: finite floating-point states, compensations and block
+    scales, nonnegative states the spec declares so (a negative second moment makes
+    ``sqrt(v)`` NaN) and nonnegative scales. With DTensor states each rank checks its shards
+    and the ranks agree (one all-reduce), so all of them refuse or none does."""
+    nonnegative = set(optimizer.spec.nonnegative) if optimizer.spec is not None else set()
+    params, problems = [], []
+    for index, (group, p) in enumerate((g, p) for g in groups for p in g["params"]):
+        entry = state.get(p)
+        if not entry:
+            continue
+        never_negative = nonnegative | {scale_name(n) for n in optimizer.state_names(group, p)}
+        params.append(p)
+        problems.append(next((f"state_dict['state'][{index}][{name!r}]: {why}" for name, value in entry.items()
+                              if isinstance(value, torch.Tensor)
+                              for why in [_value_problem(sharding.local(value), name in never_negative)] if why),
+                             None))
+    agreed = sharding.agree([problem is None for problem in problems], params)
+    for problem, ok in zip(problems, agreed):
+        if problem is not None:
+            raise ValueError(problem)
+        if not ok:
+            raise ValueError("state_dict: another rank found a non-finite or out-of-range state value in its "
+                             "shards of this checkpoint (its error names the entry); nothing was loaded")
+
+
+def _loaded_tensor(optimizer: LowpOptimizer, group: dict[str, Any], name: str, p: torch.Tensor,
+                   value: torch.Tensor) -> torch.Tensor:
+    """A private copy of a saved tensor on ``p``'s device; a floating-point state is cast only
+    when the group's ``state_dtype`` names a dtype for it."""
+    for c in optimizer.coded_states(group, p):   # codes and scales (a coded state saved as floats is encoded later)
+        if name == scale_name(c.name) or (name == c.name and value.dtype not in _LOADABLE_FLOATS):
+            (codes, scales), placements = coded_layout(group, p, c.code)
+            return _placed(value, p, codes if name == c.name else scales, placements, name)
+    wanted = asked_dtype(group, name)
+    cast = (wanted is not None and code_for(wanted) is None and value.dtype in _LOADABLE_FLOATS
+            and name in optimizer.state_names(group, p))
+    dtype = wanted if cast else value.dtype
+    if sharding.is_dtensor(p) or sharding.is_dtensor(value):   # laid out (sharded) like p
+        value = sharding.load_state(value, p)
+        return value.to(dtype) if cast else value
+    return value.to(device=p.device, dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+
+
+def _placed(value: torch.Tensor, p: torch.Tensor, shape: torch.Size, placements: tuple | None,
+            name: str) -> torch.Tensor:
+    """A private copy of the saved codes or scales ``value`` (plain or DTensor, in this shape
+    or flat, as saved before codes kept their parameter's rows) in ``shape``, placed like
+    ``placements`` on ``p``'s mesh (a plain tensor when ``None``)."""
+    if value.numel() != math.prod(shape):
+        raise ValueError(f"state_dict: state {name!r}: {value.numel()} elements, expected {math.prod(shape)} "
+                         f"(shape {tuple(shape)})")
+    if placements is None:
+        return sharding.gather(value).to(device=p.device, copy=True,
+                                         memory_format=torch.contiguous_format).reshape(shape)
+    return sharding.place(value, p, shape, placements)
+
+
+def encode_loaded(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
+    """Encode the floating-point states of a loaded checkpoint that the group stores as
+    block-scaled codes (rounded to nearest: a load is not a step and draws no random bits).
+    A sharded state is gathered and encoded whole (a collective: every rank loads)."""
+    for c in optimizer.coded_states(group, p):
+        value = loaded.get(c.name)
+        if not isinstance(value, torch.Tensor) or value.dtype not in _LOADABLE_FLOATS \
+                or scale_name(c.name) in loaded:
+            continue
+        if value.shape != p.shape:
+            raise ValueError(f"state_dict: state {c.name!r}: expected shape {tuple(p.shape)} to encode it as "
+                             f"{c.code.name}, got {tuple(value.shape)}")
+        (codes_at, scales_at), placements = coded_layout(group, p, c.code)
+        codes = torch.empty(codes_at, dtype=c.code.storage, device=p.device)
+        block_scales = torch.empty(scales_at, dtype=group["state_scale_dtype"], device=p.device)
+        encode(sharding.gather(value).float(), c.code, group["state_block"], codes.view(-1),
+               block_scales.view(-1), None)
+        if placements is None:   # fresh tensors of their own, as a plain parameter keeps them
+            loaded[c.name], loaded[scale_name(c.name)] = codes, block_scales
+        else:   # each rank keeps its box, or the whole state where it is replicated
+            loaded[c.name] = sharding.place(codes, p, codes_at, placements)
+            loaded[scale_name(c.name)] = sharding.place(block_scales, p, scales_at, placements)
+
+
+def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:
+    """The checkpoint's extras, checked (missing entries: the optimizer's seed, zero counters).
+    The seed and the step counters define the random streams (:mod:`lowp.optim.randomness`)."""
+    extras = {} if extras is None else extras
+    if not isinstance(extras, Mapping):
+        raise TypeError(f"state_dict: 'lowp' extras: expected a dict, got {type(extras).__name__}")
+    out = {"seed": check_seed(extras.get("seed", optimizer.seed)),
+           "skipped_params": preflight.check_count("skipped_params", extras.get("skipped_params", 0)),
+           "skipped_steps": preflight.check_count("skipped_steps", extras.get("skipped_steps", 0))}
+    kind = extras.get("optimizer")
+    if kind is not None and kind != optimizer.checkpoint_kind():
+        raise ValueError(f"state_dict: a checkpoint of {kind!r}, loaded into {type(optimizer).__name__} "
+                         f"({optimizer.checkpoint_kind()!r}); its states mean something else here")
+    return out   # a "generators" entry (lowp versions that drew from torch.Generator) is ignored
+
+
+def _check_state_keys(saved_state: Mapping[Any, Any], saved_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Every key of a checkpoint's ``state`` is a parameter index of its ``param_groups`` (a state
+    under another key would be dropped without a word: string keys after a JSON round trip, say)."""
+    indices = {key for g in saved_groups for key in g["params"]}
+    for key in saved_state:
+        if key not in indices:
+            hint = (f" (the index {int(key)} as a string: was it saved through JSON? state keys are the ints of "
+                    f"param_groups[i]['params'])" if isinstance(key, str) and key.isdigit() and int(key) in indices
+                    else "")
+            raise ValueError(f"state_dict['state'][{key!r}]: no parameter of its param_groups has this key{hint}")
+
+
+def _value_problem(value: torch.Tensor, never_negative: bool) -> str | None:
+    """Why a loaded tensor cannot be stepped from (``None``: it can): a NaN or infinity in a
+    floating-point state, compensation or scale (fp8 codes included), a negative value of a state
+    declared nonnegative or of a block scale."""
+    if value.numel() == 0 or not value.is_floating_point():
+        return None
+    floats = value.float() if value.element_size() == 1 else value
+    if not bool(torch.isfinite(floats).all()):
+        return "holds a NaN or an infinity; a step from it would make the weights NaN"
+    if never_negative and bool((floats < 0).any()):
+        return "holds negative values, and this entry is never negative (a second moment's sqrt would be NaN)"
+    return None

@@ -1,0 +1,344 @@
+"""One step of a lowp optimizer, all or nothing: prepared, planned, executed.
+
+1. **Prepare** (:func:`prepare`, :func:`prepare_subset`): every group's hyper-parameters and every
+   (parameter, gradient, state, buffer) the step reads or writes are checked before anything
+   changes, a gradient sharing memory with a weight the step writes included.
+2. **Plan** (:class:`StepPlan`): the parameters with finite gradients (the ``nonfinite`` policy)
+   get their missing states and buffers (zeros, or a mode switch's folded buffer,
+   :mod:`lowp.optim.state_layout`) and their sharded slices gathered, and are grouped into jobs;
+   nothing a step reads is written, and on any error (a failed gather, an interrupt) every state
+   entry and folded weight is put back.
+3. **Execute** (:meth:`StepPlan.execute`): only here are weights and states written, job after job
+   by the optimizer's backend (:mod:`lowp.optim.backends`, which writes each weight back with its
+   mode, :mod:`lowp.optim.writeback`), with Ctrl-C held until all are done
+   (:mod:`lowp.interrupts`); each parameter's step counter advances right after the job that
+   wrote its weight and states.
+
+What remains is an error inside a backend's kernel on checked input (running out of memory): the
+parameters of the jobs before it are stepped whole, the rest untouched. :func:`step_all` is a
+whole ``step()``, :func:`step_some` the ``step_params`` of gradient release
+(:mod:`lowp.optim.release`); both run :func:`run`.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol, Sequence
+
+import torch
+
+from lowp.interrupts import deferred_interrupts
+from lowp.optim import backends, preflight, sharding
+from lowp.optim.backends import Backend, get_backend
+from lowp.optim.codes import scale_name
+from lowp.optim.coded import CodedState, run_coded
+from lowp.optim.hyper import real_value
+from lowp.optim.preflight import check_flag
+from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, resolve_mode
+
+__all__ = ["Checked", "StepPlan", "prepare", "prepare_subset", "run", "step_all", "step_some"]
+
+
+class LowpOptimizer(backends.LowpOptimizer, Protocol):
+    """What a step reads and writes of the optimizer (:class:`lowp.optim.base.LowpOptimizer`,
+    which imports this module)."""
+
+    param_groups: list[dict[str, Any]]
+    state: defaultdict[torch.Tensor, Any]
+    nonfinite: str
+    backend: Backend
+    seed: int
+    diagnostics_enabled: bool
+    skipped_params: int
+    skipped_steps: int
+    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]]
+    _positions: dict[torch.Tensor, tuple[int, int, int]]
+    _released_by: Any
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Check a group's hyper-parameters."""
+
+    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+        """Names of the optimizer states of ``param``."""
+
+    def coded_states(self, group: dict[str, Any], param: torch.Tensor) -> list[CodedState]:
+        """The block-scaled states of ``param``."""
+
+    def check_state(self, group: dict[str, Any], p: torch.Tensor, state: Mapping[str, Any], where: str,
+                    coded_states: list[CodedState] | None = None) -> None:
+        """Check the state entries of ``p``."""
+
+    def init_state(self, group: dict[str, Any], p: torch.Tensor, mode: WriteBack,
+                   coded_states: list[CodedState] | None = None) -> dict[str, Any]:
+        """Create the missing state entries of ``p``."""
+
+    def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor],
+                      force: bool = False) -> list[bool]:
+        """:func:`finite_flags`, bound."""
+
+
+class Checked(NamedTuple):
+    """A parameter the step will update, checked by :func:`prepare`.
+
+    Args:
+        group: its parameter group.
+        param: the parameter.
+        mode: its write-back mode.
+        param_id: its position over all groups (which picks its random streams).
+        coded: the optimizer's ``coded_states`` of the parameter in its group, computed once per step.
+    """
+
+    group: dict[str, Any]
+    param: torch.Tensor
+    mode: WriteBack
+    param_id: int
+    coded: list[CodedState]
+
+
+class _Undo:
+    """What planning a step may change, kept to put it back: each parameter's state entries
+    (a shallow copy: planning adds or replaces entries but writes no existing tensor) and the
+    weights a mode switch folds a buffer into (:func:`~lowp.optim.writeback.ensure_buffer`)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, dict[str, Any] | None]] = []
+        self.weights: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def remember(self, states: Mapping[torch.Tensor, dict[str, Any]], p: torch.Tensor, mode: WriteBack) -> None:
+        """Keep ``p``'s state entries, and its weight when a buffer of another mode will be folded."""
+        state = states.get(p)
+        self.entries.append((p, None if state is None else dict(state)))
+        if state and any(n in state for n in BUFFER_NAMES if n != mode.buffer_name):
+            self.weights.append((p, sharding.local(p).detach().clone()))
+
+    def restore(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Put back every remembered state entry and weight."""
+        for p, entries in reversed(self.entries):
+            if entries is None:
+                states.pop(p, None)
+            else:
+                states[p].clear()
+                states[p].update(entries)
+        for p, weight in self.weights:
+            sharding.local(p).detach().copy_(weight)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with contiguous local elements (a DTensor keeps its placements)."""
+    if sharding.is_dtensor(t):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.contiguous()
+
+
+def finite_flags(optimizer: LowpOptimizer, grads: list[torch.Tensor], params: list[torch.Tensor],
+                 force: bool = False) -> list[bool]:
+    """Per (local) gradient: finite; for DTensor parameters finite on every rank. All ``True``
+    without a look under ``nonfinite="off"``, unless ``force``."""
+    if optimizer.nonfinite == "off" and not force:
+        return [True] * len(grads)
+    return sharding.agree(optimizer.backend.finite_flags(grads), params)
+
+
+def _checked_param(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, index: int) -> Checked:
+    """Check one parameter with a gradient (layout, gradient, mode, coded states, states and
+    buffers); ``index`` is its position over all groups."""
+    where = f"params[{index}]"
+    preflight.check_param(p, where)
+    if p.is_meta:
+        raise ValueError(f"{where}: a meta tensor has no values to step; materialize the model (to_empty, "
+                         f"then initialize it) before stepping")
+    preflight.check_grad(p, p.grad, where)
+    mode = resolve_mode(group["mode"], p)
+    coded = optimizer.coded_states(group, p)
+    optimizer.check_state(group, p, optimizer.state.get(p, {}), f"state[{index}]", coded)
+    return Checked(group, p, mode, index, coded)
+
+
+def prepare(optimizer: LowpOptimizer) -> list[Checked]:
+    """Check everything the step will read or write, before anything changes: every group's
+    hyper-parameters, and for each parameter with a gradient its layout, its mode, the
+    gradient (shape, dtype, device), its coded states and its states and buffers. Returns the
+    checked parameters to step."""
+    todo = []
+    index = -1
+    for group in optimizer.param_groups:
+        optimizer.check_group(group)
+        for p in group["params"]:
+            index += 1
+            if p.grad is not None:
+                todo.append(_checked_param(optimizer, group, p, index))
+    preflight.check_grads_apart([t.param for t in todo], [f"params[{t.param_id}]" for t in todo])
+    return todo
+
+
+def _position(optimizer: LowpOptimizer, p: Any, where: str) -> tuple[int, int, int]:
+    """(group index, index in the group, position over all groups) of parameter ``p``.
+
+    Looked up in the optimizer's ``_positions``, rebuilt when it no longer matches
+    ``param_groups`` (groups added, a checkpoint loaded); an error naming ``where`` when ``p`` is
+    not a parameter of this optimizer."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{where}: expected a parameter of this optimizer, got {type(p).__name__}")
+    groups = optimizer.param_groups
+    found = optimizer._positions.get(p)
+    if found is None or found[0] >= len(groups) or found[1] >= len(groups[found[0]]["params"]) \
+            or groups[found[0]]["params"][found[1]] is not p:
+        flat = [(q, g, i) for g, group in enumerate(groups) for i, q in enumerate(group["params"])]
+        optimizer._positions = {q: (g, i, n) for n, (q, g, i) in enumerate(flat)}
+        found = optimizer._positions.get(p)
+    if found is None:
+        raise ValueError(f"{where}: expected a parameter of this optimizer, got another tensor")
+    return found
+
+
+def prepare_subset(optimizer: LowpOptimizer, params: Sequence[torch.Tensor]) -> list[Checked]:
+    """:func:`prepare` for ``params`` only: the hyper-parameters of the groups holding them
+    and each of them that has a gradient, in the order given."""
+    positions = [_position(optimizer, p, f"params[{i}]") for i, p in enumerate(params)]
+    if len({n for _, _, n in positions}) != len(positions):
+        raise ValueError("params: expected distinct parameters, got one parameter twice")
+    for g in sorted({g for g, _, _ in positions}):
+        optimizer.check_group(optimizer.param_groups[g])
+    todo = [_checked_param(optimizer, optimizer.param_groups[g], p, n) for p, (g, _, n) in zip(params, positions)
+            if p.grad is not None]
+    preflight.check_grads_apart([t.param for t in todo], [f"params[{t.param_id}]" for t in todo])
+    return todo
+
+
+def step_all(optimizer: LowpOptimizer) -> None:
+    """A whole step, after the closure of ``step()``: nothing while gradient release steps the
+    parameters during the backward pass, a skipped step when GradScaler found an infinity, else
+    every parameter with a gradient (divided by GradScaler's scale when it hands one over)."""
+    if optimizer._released_by is not None:
+        if getattr(optimizer, "grad_scale", None) is not None:
+            raise ValueError("scaler: a GradScaler stepped this optimizer while release_gradients steps it during "
+                             "the backward pass, with gradients still scaled; pass the scaler to "
+                             "release_gradients(opt, scaler=scaler) and keep scaler.update() after backward")
+        return
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is not None and float(found_inf) > 0:
+        optimizer.skipped_steps += 1
+        return
+    grad_scale = getattr(optimizer, "grad_scale", None)
+    inv_scale = None if grad_scale is None else float(grad_scale.double().reciprocal())
+    # GradScaler hands over found_inf only after checking every gradient of this optimizer:
+    # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
+    run(optimizer, prepare(optimizer), inv_scale, checked=found_inf is not None, new_step=True)
+
+
+def step_some(optimizer: LowpOptimizer, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool,
+              update_weights: bool) -> bool:
+    """The optimizer's ``step_params`` (which documents the arguments) after checking them."""
+    if grad_scale is not None:
+        v = real_value(grad_scale)
+        if v is None or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"grad_scale: expected a finite number > 0 or None, got {grad_scale!r}")
+        grad_scale = 1.0 / v
+    check_flag("new_step", new_step)
+    check_flag("update_weights", update_weights)
+    return run(optimizer, prepare_subset(optimizer, params), grad_scale, checked=False, new_step=new_step,
+               force_check=grad_scale is not None, update_weights=update_weights)
+
+
+def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, checked: bool, new_step: bool,
+        force_check: bool = False, update_weights: bool = True) -> bool:
+    """Step the checked ``todo`` (:func:`prepare`): the non-finite policy (skipped when the
+    gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
+    ``nonfinite="off"``), then a :class:`StepPlan` (states created, nothing written) and its
+    :meth:`~StepPlan.execute` (the writes, with Ctrl-C held until they are done). Returns whether
+    every checked gradient was finite."""
+    params = [t.param for t in todo]
+    grads = [sharding.local_grad(p) for p in params]
+    finite = [True] * len(todo) if checked else optimizer._finite_flags(grads, params, force_check)
+    if not all(finite) and optimizer.nonfinite == "skip_step":
+        optimizer.skipped_steps += 1
+        return False
+    plan = StepPlan(optimizer, [(t, g) for t, g, ok in zip(todo, grads, finite) if ok])
+    with deferred_interrupts():
+        plan.execute(inv_scale, new_step, update_weights)
+        optimizer.skipped_params += finite.count(False)
+    return all(finite)
+
+
+class StepPlan:
+    """The jobs of one step: the parameters of one group, mode, step count, dtype, device, state
+    names and diagnostics weight run together. Each job, keyed by those (the group by its id and
+    the mode by its name), has its slices, its coded states (the same for all of them), the flat
+    block scales of each slice and the states whose counters advance with it; gathered DTensor
+    steps are written back with their states and counts after all jobs.
+
+    Planning creates missing states and buffers (zeros, or a mode switch's folded buffer) and
+    makes coded states contiguous; it writes no weight, state value or counter that a step reads,
+    and on any error (a failed gather, an interrupt) puts every state entry and folded weight
+    back as it was.
+
+    Args:
+        optimizer: the optimizer to step.
+        todo: its checked parameters (:func:`prepare`) with finite gradients, each with its local
+            gradient.
+    """
+
+    def __init__(self, optimizer: LowpOptimizer, todo: list[tuple[Checked, torch.Tensor]]) -> None:
+        self.optimizer = optimizer
+        self.jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
+        self.coded: dict[tuple, list[CodedState]] = {}
+        self.scales: dict[tuple, list[dict[str, torch.Tensor]]] = defaultdict(list)
+        self.counters: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+        self.gathered: list[tuple[sharding.Gathered, dict[str, Any], int]] = []
+        undo = _Undo()
+        try:
+            for (group, p, mode, param_id, p_coded), grad in todo:
+                undo.remember(optimizer.state, p, mode)
+                state = optimizer.init_state(group, p, mode, p_coded)
+                names = optimizer.state_names(group, p)
+                for c in p_coded:   # the coded step addresses codes and scales flat
+                    for entry in (c.name, scale_name(c.name)):
+                        if not sharding.local(state[entry]).is_contiguous():
+                            state[entry] = _contiguous(state[entry])
+                step = state["step"] + 1
+                piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
+                                                          state.get(mode.buffer_name) if mode.buffer_name else None,
+                                                          param_id, optimizer.elementwise)
+                key = (id(group), mode.name, step, p.dtype, p.device, names, weight)
+                self.jobs[key].append(piece)
+                self.coded[key] = p_coded
+                self.scales[key].append({c.name: sharding.local(state[scale_name(c.name)]).view(-1) for c in p_coded})
+                if full is None:
+                    self.counters[key].append(state)
+                else:
+                    self.gathered.append((full, state, step))
+        except BaseException:
+            undo.restore(optimizer.state)
+            raise
+
+    def execute(self, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
+        """Run the jobs on the optimizer's backend (a states-only step: on the ``foreach``
+        reference pipeline). Each parameter's step counter advances right after the job that
+        wrote its weight and states (a gathered DTensor parameter's after its shards are written
+        back), so weights, states and counters always agree, parameter by parameter."""
+        optimizer = self.optimizer
+        if new_step and update_weights:
+            optimizer._last_stalled = {}
+        backend = optimizer.backend if update_weights else get_backend("foreach", optimizer.backend.chunk_size)
+        groups = {id(g): (i, g) for i, g in enumerate(optimizer.param_groups)}
+        for key, slices in self.jobs.items():
+            gid, mode_name, step, _, _, _, weight = key
+            index, group = groups[gid]
+            ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
+                              optimizer.diagnostics_enabled and update_weights, update_weights=update_weights)
+            if self.coded[key]:
+                stalled = run_coded(backend, optimizer, ctx, slices, self.scales[key], self.coded[key],
+                                    optimizer.elementwise)
+            else:
+                stalled = backend.run(optimizer, ctx, slices)
+            for state in self.counters[key]:
+                state["step"] = step
+            if update_weights:
+                optimizer._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
+        for full, state, step in self.gathered:
+            full.write_back()
+            state["step"] = step
