@@ -20,7 +20,7 @@ from torch import nn
 from lowp.optim.base import LowpOptimizer
 from lowp.optim.randomness import RandomStreams, Stream
 from lowp.optim.storage import store
-from lowp.optim.writeback import MODES, resolve_mode, store_nearest_pair8
+from lowp.optim.writeback import MODES, resolve_mode
 
 __all__ = ["KEEP_FP32_TYPES", "KEEP_FP32_NAMES", "NORM_CLASS_PATTERN", "cast_model", "is_norm_layer",
            "load_full_precision", "full_precision_weights", "full_precision_state_dict"]
@@ -162,14 +162,9 @@ def load_full_precision(optimizer: LowpOptimizer, weights: Iterable[torch.Tensor
         mode = resolve_mode(group["mode"], p)
         state = optimizer.init_state(group, p, mode)
         t = t.detach().to(device=p.device, dtype=torch.float32 if p.dtype != torch.float64 else torch.float64)
-        if mode is MODES["exact"]:
-            mode.apply(p, torch.full_like(t, -0.0), t.clone(), state["remainder"], None, False)
-        elif mode is MODES["exact8"]:
-            store_nearest_pair8(p, state["remainder8"], t.contiguous())
-        else:
-            p.copy_(t)
-            if mode is MODES["kahan"]:
-                state["compensation"].copy_(t - p.float())
+        p.copy_(t)   # rounded to nearest; a mode with a buffer keeps what the weight cannot hold
+        if mode.keep is not None and mode.buffer_name is not None:
+            mode.keep(p, state[mode.buffer_name], t)
         names = optimizer.state_names(group, p)
         values = saved.get(index, {})
         if "step" in values:
@@ -189,12 +184,10 @@ def full_precision_weights(optimizer: LowpOptimizer) -> list[torch.Tensor]:
     out = []
     for _, p in _param_states(optimizer):
         state = optimizer.state.get(p, {})
-        if "remainder" in state:
-            out.append(MODES["exact"].load(p, state["remainder"]).clone())
-        elif "remainder8" in state:
-            out.append(MODES["exact8"].load(p, state["remainder8"]).clone())
-        elif "compensation" in state:
-            out.append(p.float() + state["compensation"].float())
+        held = next(((m.held, state[m.buffer_name]) for m in MODES.values()
+                     if m.held is not None and m.buffer_name is not None and m.buffer_name in state), None)
+        if held is not None:
+            out.append(held[0](p.detach(), held[1]).clone())
         else:
             out.append(p.detach().float() if p.dtype != torch.float64 else p.detach().clone())
     return out

@@ -1,8 +1,11 @@
 """The C++ source of one native kernel variant, written from an optimizer's spec.
 
-A variant is one translation unit: ``#define LOWP_*`` lines (write-back mode, dtype codes, the
-number of states and of numbers), ``#include "vector.h"``, the spec's rule written out as
-``rule`` (and its per-tensor reduction term as ``reduction``), then ``#include "step.h"``. The rule
+A variant is one translation unit: ``#define LOWP_*`` lines (dtype codes, the number of states
+and of numbers, and what the write-back mode asks of the kernel: its C++ header
+(``LOWP_MODE_HEADER``, which ``step.h`` includes: :mod:`lowp.optim.writeback`), the random
+streams it draws and whether it needs the NaN guard), ``#include "vector.h"``, the spec's rule
+written out as ``rule`` (and its per-tensor reduction term as ``reduction``), then
+``#include "step.h"``. The rule
 is the traced :class:`~lowp.optim.rule.Program`, one C++ statement per node, on the 8-lane fp32
 vectors of ``vector.h`` (``fma_`` and ``sqrt_`` are the hardware's single-rounding instructions;
 the compiler contracts nothing else, ``-ffp-contract=off``).
@@ -15,14 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from lowp.optim.randomness import Stream
 from lowp.optim.rule import Program, fp32
+from lowp.optim.writeback import MODES
 
-__all__ = ["Variant", "CodedLayout", "variant_source", "DTYPE_CODES", "MODE_CODES"]
+__all__ = ["Variant", "CodedLayout", "variant_source", "DTYPE_CODES"]
 
 #: dtype codes of ``enum Dtype`` in ``native/vector.h``.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3, torch.int8: 4}
-#: write-back mode codes of ``enum Mode`` in ``native/vector.h``.
-MODE_CODES = {"nearest": 0, "stochastic": 1, "kahan": 2, "exact": 3, "exact8": 4}
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,7 @@ class Variant:
             <lowp.optim.spec.OptimizerSpec.program>`).
         reduction: the traced per-tensor reduction term (:meth:`OptimizerSpec.reduction
             <lowp.optim.spec.OptimizerSpec.reduction>`), ``None`` for an elementwise optimizer.
-        mode: the write-back mode's name, a key of :data:`MODE_CODES` (``"nearest"``,
-            ``"stochastic"``, ``"kahan"``, ``"exact"`` or ``"exact8"``).
+        mode: the write-back mode's name, a key of :data:`lowp.optim.writeback.MODES`.
         weight: the weight's dtype (fp32, bf16 or fp16).
         grad: the gradient's dtype (the weight's or fp32).
         buffer: the mode buffer's dtype (``compensation``: the weight's or fp32; ``remainder``:
@@ -177,8 +179,13 @@ def variant_source(spec_name: str, variant: Variant) -> str:
     """The translation unit of ``variant`` (see the module docstring; cached: the same text
     object, whose hash Python keeps, names the loaded library on every later call)."""
     state_codes = [DTYPE_CODES[d] for d in variant.states] + [0]
+    mode = MODES[variant.mode]
+    streams = mode.streams(variant.buffer)
     macros = {
-        "MODE": MODE_CODES[variant.mode], "W": DTYPE_CODES[variant.weight], "G": DTYPE_CODES[variant.grad],
+        "MODE_HEADER": f'"{mode.native_header}"', "MODE_NAN_GUARD": int(mode.nan_guard(variant.buffer)),
+        "MODE_WEIGHT_STREAM": int(Stream.WEIGHT in streams),
+        "MODE_COMPENSATION_STREAM": int(Stream.COMPENSATION in streams),
+        "W": DTYPE_CODES[variant.weight], "G": DTYPE_CODES[variant.grad],
         "B": DTYPE_CODES[variant.buffer] if variant.buffer is not None else 0, "NSTATES": len(variant.states),
         "STATE_TYPES": "{" + ", ".join(map(str, state_codes)) + "}", "SR": int(variant.stochastic_states),
         "COUNT": int(variant.count), "NUMBERS": len(variant.numbers),

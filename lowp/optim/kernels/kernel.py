@@ -24,8 +24,6 @@ __all__ = ["Kernel", "fusable", "partition", "grad_factor", "slice_keys", "by_si
 
 _LOW16 = (torch.bfloat16, torch.float16)
 _KERNEL_FLOATS = (torch.float32, *_LOW16)
-#: the integer remainder of the modes that keep one (the others' buffers are floating-point)
-_INTEGER_BUFFERS = {"exact": (torch.int16,), "exact8": (torch.int8,)}
 T = TypeVar("T")
 
 
@@ -40,7 +38,8 @@ def fusable(ctx: StepContext, s: ParamSlice, min_numel: int = 2, fp16_stochastic
     stochastic mode, the compensation in kahan mode, stochastically rounded states); ``spans``
     collects the byte ranges of the slice's tensors (:func:`~lowp.optim.kernels.checks.overlapping`)."""
     floats = _KERNEL_FLOATS
-    weights, _, buffer = check_slice(ctx, s, floats, _INTEGER_BUFFERS.get(ctx.mode.name, floats), spans)
+    integer = ctx.mode.integer_buffer
+    weights, _, buffer = check_slice(ctx, s, floats, floats if integer is None else (integer,), spans)
     param, grad = s.param, s.grad
     device = "cpu" if param.is_cpu else param.device.type
     if not (weights and buffer) or param.numel() < min_numel or device not in devices or not s.index.contiguous:
@@ -48,7 +47,7 @@ def fusable(ctx: StepContext, s: ParamSlice, min_numel: int = 2, fp16_stochastic
     if type(grad) not in PLAIN_TYPES or grad.is_neg() or grad.dtype not in floats:
         return False
     rounds_stochastically = _LOW16 if fp16_stochastic else (torch.bfloat16,)
-    if ctx.mode.name in ("stochastic", "kahan") and param.dtype not in rounds_stochastically:
+    if ctx.mode.stochastic_weight_dtype and param.dtype not in rounds_stochastically:
         return False
     stochastic_states = ctx.group["state_rounding"] == "stochastic"
     return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))

@@ -69,11 +69,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from lowp.optim.writeback.mode import HEADERS
+
 __all__ = ["native_available", "step_function", "coded_step_function", "sums_function", "finite_function",
            "encode_function",
            "decode_function", "cache_dir", "library_path", "FLAGS"]
 
 SOURCES = Path(__file__).with_name("native")
+#: The write-back modes' C++ headers (:mod:`lowp.optim.writeback`), on the include path too.
+MODE_SOURCES = HEADERS
 #: Compiler flags. ``-ffp-contract=off``: only the explicit fmas of the source are fused (the
 #: reference rounds every other product); ``-fno-math-errno``: ``sqrt`` is the hardware instruction.
 #: ``-fopenmp``: the kernels run on torch's OpenMP pool (libgomp.so.1, which torch has loaded by then).
@@ -439,7 +443,7 @@ def _compile(source: str | None, name: str, target: Path) -> None:
         else:
             text = input_file = _temp_name(target.with_suffix(".cpp"))
             _write_atomically(input_file, source.encode())
-        arguments = [*FLAGS, f"-I{SOURCES}", "-x", "c++", str(input_file)]
+        arguments = [*FLAGS, f"-I{SOURCES}", f"-I{MODE_SOURCES}", "-x", "c++", str(input_file)]
         prelude = _prelude(target.parent) if source is not None and target.parent == _kernels_dir() else None
         if prelude is not None:
             try:
@@ -586,8 +590,9 @@ def _library(name: str, source: str | None = None) -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=None)
 def _hand_written() -> bytes:
-    """Every hand-written source (a generated unit includes the headers)."""
-    return b"".join(p.name.encode() + p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.suffix in (".h", ".cpp"))
+    """Every hand-written source (a generated unit includes the headers), the modes' too."""
+    files = [*sorted(SOURCES.iterdir()), *sorted(MODE_SOURCES.iterdir())]
+    return b"".join(p.name.encode() + p.read_bytes() for p in files if p.suffix in (".h", ".cpp"))
 
 
 def library_path(name: str, source: str | None = None) -> Path:

@@ -69,10 +69,10 @@ def _folder() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(program: Program, codes: tuple[Code | None, ...] = ()) -> ModuleType:
-    """The generated kernel module of ``program`` (with the block-scaled ``codes`` per state),
-    imported from this process's private folder."""
-    source = kernel_source(program, codes)
+def _module(program: Program, mode: str, codes: tuple[Code | None, ...] = ()) -> ModuleType:
+    """The generated kernel module of ``program`` in write-back ``mode`` (with the block-scaled
+    ``codes`` per state), imported from this process's private folder."""
+    source = kernel_source(program, mode, codes)
     name = f"lowp_triton_step_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
     path = _folder() / f"{name}.py"
     path.write_text(source)
@@ -119,7 +119,7 @@ class TritonKernel(Kernel):
         for members in groups.values():   # every launch's memory checked before the first
             check_coded_args(self.device_types(), members, codes, block)
         program = spec.program(ctx.group)
-        kernel = _module(program, tuple(codes.get(name) for name in program.state_names)).step_kernel
+        kernel = _module(program, ctx.mode.name, tuple(codes.get(name) for name in program.state_names)).step_kernel
         h = step_numbers(spec, program, ctx, items[0][0].param.device)
         counts = []
         for members in groups.values():
@@ -156,7 +156,7 @@ class TritonKernel(Kernel):
                for j, (name, st) in enumerate(zip(names, states))},
             **{f"SR{j}": stochastic and (name in coded or st[0].dtype == torch.bfloat16)
                for j, (name, st) in enumerate(zip(names, states))},
-            **codes, MODE=ctx.mode.name, COUNT=ctx.count, BLOCK=block_size, num_warps=warps, enable_fp_fusion=False)
+            **codes, COUNT=ctx.count, BLOCK=block_size, num_warps=warps, enable_fp_fusion=False)
         return stalled.sum(dtype=torch.int64) if ctx.count else None
 
 

@@ -32,8 +32,8 @@ constexpr int STREAMS = STATE_STREAM + NSTATES;
 
 // Which streams a variant draws from (the others' keys are never formed).
 constexpr bool used_stream(int s) {
-  if (s == WEIGHT_STREAM) return MODE == STOCHASTIC || MODE == EXACT8;
-  if (s == COMPENSATION_STREAM) return MODE == KAHAN && BT != F32;
+  if (s == WEIGHT_STREAM) return MODE_WEIGHT_STREAM;
+  if (s == COMPENSATION_STREAM) return MODE_COMPENSATION_STREAM;
   return SR && (ST[s - STATE_STREAM] != F32 || coded_state(s - STATE_STREAM));
 }
 
@@ -113,28 +113,10 @@ template <int J> static inline vf state_value(vf x, const Rng &rng, int h) {
   else return round_to<ST[J]>(x);
 }
 
-// The weight of 16 elements as (even, odd) fp32 vectors; in exact mode the bf16 weight plus its
-// int16 remainder, which is the fp32 weight bit for bit; in exact8 mode (hi << 16) + (r8 << 8)
-// with the int8 remainder r8 (16 bytes: element pairs read as 8 uint16, even byte low).
-static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
-  if constexpr (MODE == EXACT8) {
-    vu top;
-    memcpy(&top, (const uint16_t *)p.w + i, 32);
-    vh pairs;
-    memcpy(&pairs, (const int8_t *)p.b + i, 16);
-    const vu rem = __builtin_convertvector(pairs, vu);  // odd byte << 8 | even byte
-    w[0] = (vf)((top << 16) + (vu)((vi)(rem << 24) >> 16));
-    w[1] = (vf)((top & 0xFFFF0000u) + ((vu)((vi)(rem << 16) >> 16) & ~0xFFu));
-  } else if constexpr (MODE == EXACT) {
-    vu top, rem;
-    memcpy(&top, (const uint16_t *)p.w + i, 32);
-    memcpy(&rem, (const uint16_t *)p.b + i, 32);
-    w[0] = (vf)((top << 16) + (vu)(((vi)rem << 16) >> 16));
-    w[1] = (vf)((top & 0xFFFF0000u) + (vu)((vi)rem >> 16));
-  } else {
-    load<WT>(p.w, i, w[0], w[1]);
-  }
-}
+// The write-back mode: load_weight(p, i, w), the weight of 16 elements as (even, odd) fp32 vectors
+// (with the mode's remainder, if it keeps one), and write_back_lanes(p, i, rng, w, u, still), which
+// stores w + u (and the mode's buffer) and sets the lanes whose stored weight did not change.
+#include LOWP_MODE_HEADER
 
 // Weight and gradient (times ``factor``) of 16 elements, as (even, odd) fp32 vectors.
 static inline void load_weight_and_grad(const Pointers &p, int64_t i, const vf &factor, vf w[2], vf g[2]) {
@@ -166,63 +148,16 @@ static inline void update_block(const Pointers &p, int64_t i, const rule_uniform
   });
 }
 
-// Pass 2 over 16 elements: the write-back of lowp/optim/writeback.py. A lane is stalled when its
+// Pass 2 over 16 elements: the write-back mode (lowp/optim/writeback). A lane is stalled when its
 // stored weight did not change (the update was lost to rounding, or zero); ``valid`` marks the
 // lanes inside the tensor (all but a tail block's padding), the only ones that may count; a
 // stalled lane adds -1 to ``stalled``.
 static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng, const vf u[2],
                                     const vi *valid, vi &stalled) {
-  vf w[2], neww[2];
+  vf w[2];
   vi still[2];
   load_weight(p, i, w);
-  if constexpr (MODE == KAHAN) {
-    vf b[2], newb[2];
-    load<BT>(p.b, i, b[0], b[1]);
-    for (int h = 0; h < 2; h++) {
-      vf v = b[h] + u[h];
-      neww[h] = round_to<WT>(w[h] + v);
-      vf change = neww[h] - w[h];
-      newb[h] = stochastic_to<BT>(v - change, rng.template bits<COMPENSATION_STREAM>(h));
-      still[h] = change == 0.0f;
-    }
-    store<BT>(p.b, i, newb[0], newb[1]);
-  } else if constexpr (MODE == EXACT) {
-    vi top[2], rem[2];
-    for (int h = 0; h < 2; h++) {
-      vi x = (vi)(w[h] + u[h]);
-      top[h] = (x + 0x8000) >> 16;
-      rem[h] = x - (top[h] << 16);
-      still[h] = (vi){};
-    }
-    vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu), pr = ((vu)rem[1] << 16) | ((vu)rem[0] & 0xFFFFu);
-    memcpy((uint16_t *)p.w + i, &pw, 32);
-    memcpy((uint16_t *)p.b + i, &pr, 32);
-  } else if constexpr (MODE == EXACT8) {
-    // the low 8 bits rounded stochastically with the top 8 of the weight stream's 16 bits (NaN:
-    // the quiet bit instead), then the split of exact mode one byte lower
-    vi top[2], rem[2];
-    for (int h = 0; h < 2; h++) {
-      const vf sum = w[h] + u[h];
-      const vu x = (vu)sum;  // unsigned: the carries wrap as the int32 arithmetic of the reference
-      const vu b2 = ((sum != sum) ? (x | 0x00400000u) : x + (rng.template bits<WEIGHT_STREAM>(h) >> 8)) & ~0xFFu;
-      top[h] = (vi)(b2 + 0x8000u) >> 16;
-      rem[h] = (vi)(b2 - ((vu)top[h] << 16)) >> 8;
-      still[h] = (vi)(b2 == (vu)w[h]);
-    }
-    vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu);
-    vh pr = __builtin_convertvector((((vu)rem[1] & 0xFFu) << 8) | ((vu)rem[0] & 0xFFu), vh);
-    memcpy((uint16_t *)p.w + i, &pw, 32);
-    memcpy((int8_t *)p.b + i, &pr, 16);
-  } else {
-    for (int h = 0; h < 2; h++) {
-      if constexpr (MODE == STOCHASTIC)
-        neww[h] = stochastic_to<WT>(w[h] + u[h], rng.template bits<WEIGHT_STREAM>(h));
-      else
-        neww[h] = round_to<WT>(w[h] + u[h]);
-      still[h] = neww[h] == w[h];
-    }
-  }
-  if constexpr (MODE != EXACT && MODE != EXACT8) store<WT>(p.w, i, neww[0], neww[1]);
+  write_back_lanes(p, i, rng, w, u, still);
   if constexpr (COUNT) stalled += (still[0] & valid[0]) + (still[1] & valid[1]);
 }
 

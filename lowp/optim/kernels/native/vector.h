@@ -23,14 +23,17 @@
 
 #include "simd.h"
 
-#ifndef LOWP_MODE
-#error "a variant defines LOWP_MODE, LOWP_W, LOWP_G, LOWP_B, LOWP_NSTATES, LOWP_STATE_TYPES, LOWP_SR, LOWP_COUNT, LOWP_NUMBERS, LOWP_TENSOR_NUMBERS and LOWP_REDUCTION"
+#ifndef LOWP_MODE_HEADER
+#error "a variant defines LOWP_MODE_HEADER, LOWP_MODE_NAN_GUARD, LOWP_MODE_WEIGHT_STREAM, LOWP_MODE_COMPENSATION_STREAM, LOWP_W, LOWP_G, LOWP_B, LOWP_NSTATES, LOWP_STATE_TYPES, LOWP_SR, LOWP_COUNT, LOWP_NUMBERS, LOWP_TENSOR_NUMBERS and LOWP_REDUCTION"
 #endif
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2, I16 = 3, I8 = 4 };
-enum Mode { NEAREST = 0, STOCHASTIC = 1, KAHAN = 2, EXACT = 3, EXACT8 = 4 };
 
-constexpr int MODE = LOWP_MODE, NSTATES = LOWP_NSTATES;
+// What the write-back mode (lowp/optim/writeback/<mode>.py, its code in LOWP_MODE_HEADER) asks of the
+// kernel: the random streams it draws and whether its buffer passes NaN bits on.
+constexpr bool MODE_WEIGHT_STREAM = LOWP_MODE_WEIGHT_STREAM != 0, MODE_COMPENSATION_STREAM = LOWP_MODE_COMPENSATION_STREAM != 0;
+constexpr bool MODE_NAN_GUARD = LOWP_MODE_NAN_GUARD != 0;
+constexpr int NSTATES = LOWP_NSTATES;
 constexpr int WT = LOWP_W, GT = LOWP_G, BT = LOWP_B;
 constexpr int ST[NSTATES + 1] = LOWP_STATE_TYPES;  // one entry past the states (F32), so the array is never empty
 constexpr bool SR = LOWP_SR != 0, COUNT = LOWP_COUNT != 0, REDUCTION = LOWP_REDUCTION != 0;
@@ -40,11 +43,7 @@ constexpr bool states_known() {
     if (ST[j] > F16) return false;
   return true;
 }
-static_assert(MODE >= NEAREST && MODE <= EXACT8, "unknown mode");
 static_assert(WT <= F16 && GT <= F16 && BT <= I8 && states_known(), "unknown dtype");
-static_assert(MODE != EXACT || (WT == BF16 && BT == I16), "exact mode: bf16 weights and an int16 remainder");
-static_assert(MODE != EXACT8 || (WT == BF16 && BT == I8), "exact8 mode: bf16 weights and an int8 remainder");
-static_assert(MODE != STOCHASTIC || WT == BF16 || WT == F16, "stochastic write-back: bf16 or fp16 weights");
 
 typedef uint16_t vh __attribute__((vector_size(16)));  // 8 lanes of 16 bits (exact8's remainder pairs)
 
@@ -105,9 +104,7 @@ constexpr bool all_states_bf16() {
     if (coded_state(j) ? CODE_SCALE != SCALE_BF16 : ST[j] != BF16) return false;
   return true;
 }
-constexpr bool NAN_GUARD = WT != BF16 || GT != BF16 || (MODE == KAHAN && BT != BF16) || MODE == EXACT ||
-                           MODE == EXACT8 ||
-                           !all_states_bf16();
+constexpr bool NAN_GUARD = WT != BF16 || GT != BF16 || MODE_NAN_GUARD || !all_states_bf16();
 
 static inline vf nan_guard(vf x, vu rounded) {
   if constexpr (NAN_GUARD) return (vf)((x != x) ? bcu(0x7FC00000u) : rounded);
