@@ -31,7 +31,7 @@ from lowp.optim.codes import CODES, SCALE_DTYPES, Code, check_block, code_for, s
 from lowp.optim.coded import CodedState
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import STATE_ROUNDINGS
-from lowp.optim.writeback import BUFFER_NAMES, WriteBack, ensure_buffer
+from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer
 
 __all__ = ["STATE_DTYPES", "REPLICATED_WARN_NUMEL", "default_state_dtype", "check_options", "asked_dtype",
            "state_dtypes", "coded_states", "coded_layout", "check_state", "init_state"]
@@ -195,13 +195,10 @@ def check_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor
             if placed != placements:
                 raise ValueError(f"{where}[{key!r}]: placed as {placed}, expected {placements} (the layout of "
                                  f"{code.name} codes in blocks of {group['state_block']} for this parameter)")
-    if "compensation" in state:
-        preflight.check_tensor(state["compensation"], where, p.shape, (p.dtype, torch.float32), p.device,
-                               "compensation")
-    if "remainder" in state:
-        preflight.check_tensor(state["remainder"], where, p.shape, (torch.int16,), p.device, "remainder")
-    if "remainder8" in state:
-        preflight.check_tensor(state["remainder8"], where, p.shape, (torch.int8,), p.device, "remainder8")
+    for mode in MODES.values():   # each mode's buffer in the dtypes the mode gives it
+        if mode.buffer_name is not None and mode.buffer_name in state:
+            preflight.check_tensor(state[mode.buffer_name], where, p.shape, mode.buffer_dtypes(p.dtype), p.device,
+                                   mode.buffer_name)
 
 
 def init_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, mode: WriteBack,

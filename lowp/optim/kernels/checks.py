@@ -142,7 +142,7 @@ def check_slice(ctx: StepContext, s: ParamSlice, dtypes: Sequence[torch.dtype] =
     if s.buffer is not None:
         name = buffer_name or "buffer"
         buffer = _admit(name, s.buffer, *facts, True, buffer_dtypes, spans)
-        integer = ctx.mode.integer_buffer is not None
+        integer = ctx.mode.integer_buffer
         if s.buffer.is_floating_point() == integer:
             kind = "an integer remainder" if integer else "a floating-point compensation"
             raise TypeError(f"{name}: mode {ctx.mode.name!r} needs {kind}, got {s.buffer.dtype}")

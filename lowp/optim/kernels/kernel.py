@@ -38,8 +38,7 @@ def fusable(ctx: StepContext, s: ParamSlice, min_numel: int = 2, fp16_stochastic
     stochastic mode, the compensation in kahan mode, stochastically rounded states); ``spans``
     collects the byte ranges of the slice's tensors (:func:`~lowp.optim.kernels.checks.overlapping`)."""
     floats = _KERNEL_FLOATS
-    integer = ctx.mode.integer_buffer
-    weights, _, buffer = check_slice(ctx, s, floats, floats if integer is None else (integer,), spans)
+    weights, _, buffer = check_slice(ctx, s, floats, ctx.mode.buffer_dtypes(s.param.dtype), spans)
     param, grad = s.param, s.grad
     device = "cpu" if param.is_cpu else param.device.type
     if not (weights and buffer) or param.numel() < min_numel or device not in devices or not s.index.contiguous:

@@ -92,7 +92,7 @@ def ensure_buffer(param: torch.Tensor, state: dict, mode: WriteBack) -> None:
         assert buffer is not None and mode.keep is not None, "a mode with a buffer name makes and fills its buffer"
         if param.dtype == torch.bfloat16 and others:
             # an exact pair first, should a state hold several
-            name = min(others, key=lambda n: _by_buffer(n).integer_buffer is None)
+            name = min(others, key=lambda n: not _by_buffer(n).integer_buffer)
             old, held = others[name], _by_buffer(name).held
             if held is not None:
                 mode.keep(param, buffer, held(param, old))

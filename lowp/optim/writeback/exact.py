@@ -41,7 +41,7 @@ def _compiled_write(p: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, u:
 
 EXACT = WriteBack(
     "exact", (torch.bfloat16,), "remainder", _buffer, pair_load, _apply, no_streams, held=pair_load, keep=_keep,
-    integer_buffer=torch.int16, nan_guard=lambda buffer: True, stochastic_weight_dtype=False,
+    buffer_dtypes=lambda weight: (torch.int16,), nan_guard=lambda buffer: True, stochastic_weight_dtype=False,
     compiled_load=compiled_pair_load, compiled_write=_compiled_write, triton_load=triton_pair_load(0),
     triton_write="bits = (w + u).to(tl.int32, bitcast=True)\n"
                  "top = (bits + 32768) >> 16\n"

@@ -78,7 +78,8 @@ def _compiled_write(p: torch.Tensor, r8: torch.Tensor | None, w: torch.Tensor, u
 
 EXACT8 = WriteBack(
     "exact8", (torch.bfloat16,), "remainder8", _buffer, pair_load, _apply, lambda buffer: (Stream.WEIGHT,),
-    held=pair_load, keep=store_nearest_pair8, integer_buffer=torch.int8, nan_guard=lambda buffer: True,
+    held=pair_load, keep=store_nearest_pair8, buffer_dtypes=lambda weight: (torch.int8,),
+    nan_guard=lambda buffer: True,
     stochastic_weight_dtype=False, compiled_load=compiled_pair_load, compiled_write=_compiled_write,
     triton_load=triton_pair_load(8),
     triton_write="total = w + u\n"

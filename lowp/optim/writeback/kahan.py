@@ -66,8 +66,9 @@ def _compiled_write(p: torch.Tensor, k: torch.Tensor | None, w: torch.Tensor, u:
 
 KAHAN = WriteBack(
     "kahan", LOW_PRECISION, "compensation", _buffer, plain_load, _apply, _streams, held=_held, keep=_keep,
-    integer_buffer=None, nan_guard=lambda buffer: buffer != torch.bfloat16, stochastic_weight_dtype=True,
-    compiled_load=compiled_plain_load, compiled_write=_compiled_write, triton_load=TRITON_PLAIN_LOAD,
+    buffer_dtypes=lambda weight: (weight, torch.float32), nan_guard=lambda buffer: buffer != torch.bfloat16,
+    stochastic_weight_dtype=True, compiled_load=compiled_plain_load, compiled_write=_compiled_write,
+    triton_load=TRITON_PLAIN_LOAD,
     triton_write="c = widen(tl.load(b_ptr, mask=mask), B_T) + u\n"
                  "new = round_to(w + c, P_T)\n"
                  "change = widen(new, P_T) - w\n"

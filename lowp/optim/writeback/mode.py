@@ -103,7 +103,8 @@ class WriteBack:
             a mode without a buffer); another mode's ``keep`` takes it over on a mode switch.
         keep: ``keep(p, buf, value)``: store the fp32 ``value`` in the weight and buffer as well
             as they can hold it (``None``: the mode has no buffer and keeps the weight as it is).
-        integer_buffer: the dtype of an integer remainder buffer (``None``: floating point).
+        buffer_dtypes: ``buffer_dtypes(weight dtype)``: the dtypes its buffer may have (empty
+            without a buffer; an integer dtype for a remainder).
         nan_guard: ``nan_guard(buffer dtype)``: whether the native kernel must keep NaNs apart in
             its roundings for this mode (a remainder passes a NaN weight's bits on).
         stochastic_weight_dtype: the mode rounds stochastically to the weight's dtype (the
@@ -125,7 +126,7 @@ class WriteBack:
     streams: Callable[["torch.dtype | None"], tuple[int, ...]]
     held: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     keep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None
-    integer_buffer: torch.dtype | None
+    buffer_dtypes: Callable[[torch.dtype], tuple[torch.dtype, ...]]
     nan_guard: Callable[["torch.dtype | None"], bool]
     stochastic_weight_dtype: bool
     compiled_load: Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -133,6 +134,11 @@ class WriteBack:
     triton_load: str
     triton_write: str
     native_header: str
+
+    @property
+    def integer_buffer(self) -> bool:
+        """Whether the buffer is an integer remainder (the exact modes), not a float."""
+        return any(not d.is_floating_point for d in self.buffer_dtypes(torch.bfloat16))
 
     def draws(self, p: torch.Tensor, buf: torch.Tensor | None) -> tuple[int, ...]:
         """The streams ``apply`` draws for parameter ``p`` with buffer ``buf``."""

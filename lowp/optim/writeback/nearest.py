@@ -31,7 +31,7 @@ def _compiled_write(p: torch.Tensor, buf: torch.Tensor | None, w: torch.Tensor, 
 
 NEAREST = WriteBack(
     "nearest", ALL_FLOATS, None, no_buffer, plain_load, _apply, no_streams, held=None, keep=None,
-    integer_buffer=None, nan_guard=lambda buffer: False, stochastic_weight_dtype=False,
+    buffer_dtypes=lambda weight: (), nan_guard=lambda buffer: False, stochastic_weight_dtype=False,
     compiled_load=compiled_plain_load, compiled_write=_compiled_write, triton_load=TRITON_PLAIN_LOAD,
     triton_write="new = round_to(w + u, P_T)\n"
                  "stalled = ((widen(new, P_T) == w) & mask).to(tl.int32)",

@@ -29,7 +29,7 @@ def _compiled_write(p: torch.Tensor, buf: torch.Tensor | None, w: torch.Tensor, 
 
 STOCHASTIC = WriteBack(
     "stochastic", LOW_PRECISION, None, no_buffer, plain_load, _apply, lambda buffer: (Stream.WEIGHT,), held=None,
-    keep=None, integer_buffer=None, nan_guard=lambda buffer: False, stochastic_weight_dtype=True,
+    keep=None, buffer_dtypes=lambda weight: (), nan_guard=lambda buffer: False, stochastic_weight_dtype=True,
     compiled_load=compiled_plain_load, compiled_write=_compiled_write, triton_load=TRITON_PLAIN_LOAD,
     triton_write="new = stochastic_bf16(w + u, random16(index, keys, 0))\n"
                  "stalled = ((widen(new, P_T) == w) & mask).to(tl.int32)",
