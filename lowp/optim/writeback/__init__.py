@@ -15,6 +15,8 @@ mode (module)                  write-back                                     ex
 ``exact``                      bf16 + int16 remainder = the fp32 weight       2
 ``exact8``                     bf16 + int8 remainder, low bits rounded        1
                                stochastically
+``master``                     an fp32 master ``t``: ``theta' = rn(t + u)``   4
+                               (bf16 or fp16 weights)
 =============================  =============================================  ================
 
 :func:`ensure_buffer` creates the buffer a parameter's mode needs when it is missing (first step,
@@ -37,6 +39,7 @@ import torch
 from lowp.optim.writeback.exact import EXACT
 from lowp.optim.writeback.exact8 import EXACT8, store_nearest_pair8
 from lowp.optim.writeback.kahan import KAHAN
+from lowp.optim.writeback.master import MASTER
 from lowp.optim.writeback.mode import LOW_PRECISION, WriteBack
 from lowp.optim.writeback.nearest import NEAREST
 from lowp.optim.writeback.stochastic import STOCHASTIC
@@ -45,7 +48,7 @@ __all__ = ["WriteBack", "MODES", "get_mode", "resolve_mode", "ensure_buffer", "B
            "store_nearest_pair8"]
 
 #: Every mode by name: the one registration of a mode.
-MODES: dict[str, WriteBack] = {m.name: m for m in (NEAREST, STOCHASTIC, KAHAN, EXACT, EXACT8)}
+MODES: dict[str, WriteBack] = {m.name: m for m in (NEAREST, STOCHASTIC, KAHAN, EXACT, EXACT8, MASTER)}
 
 #: Every mode's buffer name.
 BUFFER_NAMES: tuple[str, ...] = tuple(m.buffer_name for m in MODES.values() if m.buffer_name is not None)
