@@ -1,9 +1,11 @@
-"""Shared fixtures: every test starts as a fresh process would."""
+"""Shared fixtures: every test starts as a fresh process would; ``one_thread`` runs a test with one
+torch thread."""
 from __future__ import annotations
 
 import pytest
 
 from lowp.optim import randomness
+from lowp.threads import single_thread
 
 
 @pytest.fixture(autouse=True)
@@ -13,3 +15,12 @@ def _fresh_default_seeds():
     what the tests before it left alive."""
     randomness.reset_default_seeds()
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """Torch single-threaded for the test (``pytestmark = pytest.mark.usefixtures("one_thread")``
+    in a module whose tensors are small): a second thread only adds wake-up latency, milliseconds
+    per op on a busy 2-core machine."""
+    with single_thread():
+        yield

@@ -21,25 +21,25 @@ from typing import Any, Callable
 
 import torch
 
-import lowp.optim as lo
-from lowp.optim.registry import optimizers
+from lowp.optim.registry import entries
 
-OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
-    "AdamW": (lo.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "SGD": (lo.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
-    "Lion": (lo.Lion, dict(lr=1e-3, weight_decay=0.1)),
-    "Adam": (lo.Adam, dict(lr=1e-2, weight_decay=0.01, amsgrad=True)),
-    "RAdam": (lo.RAdam, dict(lr=1e-2, weight_decay=0.1)),
-    "StableAdamW": (lo.StableAdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "Adafactor": (lo.Adafactor, dict(lr=1e-2)),
-}
-# every other optimizer of the registry (Adan, and whatever joins it) with its first example
-for _cls in optimizers():
-    OPTIMIZERS.setdefault(_cls.__name__, (_cls, dict(_cls.examples[0])))
-MODES = ("kahan", "stochastic", "exact", "exact8", "nearest")
+#: every optimizer of the registry with its first example (lowp/optim/registry.py)
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {e.name: (e.cls, dict(e.examples[0])) for e in entries()}
+
+
+def _state_names() -> tuple[str, ...]:
+    """The states of every optimizer of the registry, for each of its examples, of a matrix and a vector."""
+    names: dict[str, None] = {}
+    for e in entries():
+        for example in e.examples:
+            params = [torch.zeros(2, 3), torch.zeros(3)]
+            opt = e.cls(params, seed=0, **example)
+            names.update(dict.fromkeys(n for p in params for n in opt.state_names(opt.param_groups[0], p)))
+    return tuple(names)
+
+
+_STATE_NAMES = _state_names()
 #: names an error message may point at: arguments, states (and the block scales of coded ones), buffers
-_STATE_NAMES = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "row_var", "col_var", "variance",
-                "exp_avg_diff", "prev_grad")
 ARGUMENTS = ("params", "grad", "states", "state_dtype", "compensation", "remainder", "remainder8", *_STATE_NAMES,
              *(f"{n}_scale" for n in _STATE_NAMES))
 

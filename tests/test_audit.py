@@ -20,13 +20,8 @@ from lowp.formats import get_format
 FP16 = get_format("fp16")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The audit's tensors are small; two OpenMP threads on a shared 2-core machine are ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: the audit's tensors are small: two threads on a shared 2-core machine are ~10x slower
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _row(rows, op, fmt, method):

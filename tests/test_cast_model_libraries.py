@@ -10,13 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lowp.optim import AdamW
 from lowp.optim.convert import cast_model, is_norm_layer
-from lowp.threads import single_thread
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _llama(seed: int = 0) -> LlamaForCausalLM:

@@ -9,14 +9,10 @@ import torch
 
 from lowp.cli import main
 from lowp.demo.data import load_data, stdlib_text
-from lowp.threads import single_thread
 from lowp.demo.train import RUNS, DemoConfig, train_run
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_stdlib_text_is_deterministic_python_source():

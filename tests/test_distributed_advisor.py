@@ -7,14 +7,10 @@ import torch
 from lowp.cli import main
 from lowp.distributed.advisor import (FSDP_REDUCES_IN_PARAM_DTYPE, BucketStats, advise, advise_buckets,
                                       check_reduce_dtype, fsdp_reduce_dtype)
-from lowp.threads import single_thread
 from lowp.distributed.simulator import GaussianGrads, ReduceConfig, measure_error
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bf16_ring_zero_mean_is_fine_and_prediction_matches_simulation():

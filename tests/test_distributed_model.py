@@ -4,7 +4,6 @@ import math
 import pytest
 import torch
 
-from lowp.threads import single_thread
 from lowp.distributed.model import (expected_ulp_sq, premultiply_bias, reduction_error_std, sampling_noise,
                                     stagnation_terms, ulp_constant, underflow_fraction)
 from lowp.distributed.simulator import GaussianGrads, ReduceConfig, measure_error, reduce
@@ -14,10 +13,7 @@ SEED_WORLD_SIZES = [2**i for i in range(1, 11)]
 SEED_SIGMAS = [2.0**-i for i in range(8, 3, -1)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("fmt, std, mean", [("bf16", 0.01, 0.0), ("fp16", 1e-6, 0.0), ("fp8_e4m3fn", 0.3, 0.2)])

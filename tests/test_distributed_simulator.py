@@ -4,16 +4,12 @@ import math
 import pytest
 import torch
 
-from lowp.threads import single_thread
 from lowp.distributed.simulator import (GaussianGrads, ReduceConfig, Rounder, accumulate, exact_reduce, measure_error,
                                         reduce)
 from lowp.rounding import quantize
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bf16_grads(R, N, sigma=2**-6, seed=0):

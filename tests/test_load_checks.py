@@ -15,15 +15,11 @@ import torch
 import lowp.optim as lo
 from lowp.optim import base, migrate
 from lowp.optim.registry import optimizers
-from lowp.threads import single_thread
 
 OPTIMIZERS = {cls.__name__: cls for cls in optimizers()}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trained(cls, seed=0, **kw):

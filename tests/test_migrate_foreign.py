@@ -15,30 +15,17 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.codes import scale_name
-from lowp.threads import single_thread
+from optim_helpers import regression_steps
 
 CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(dtype=torch.bfloat16, width=64):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 4)).to(dtype)
-
-
-def _train(model, opt, steps, start=0):
-    width = model[0].in_features
-    for t in range(start, start + steps):
-        gen = torch.Generator().manual_seed(t)
-        x, y = torch.randn(8, width, generator=gen), torch.randn(8, 4, generator=gen)
-        opt.zero_grad()
-        ((model(x.to(next(model.parameters()).dtype)).float() - y) ** 2).mean().backward()
-        opt.step()
 
 
 def _snapshot(opt):
@@ -112,7 +99,7 @@ class OpaqueStandIn(torch.Tensor):
 
 def _torch_checkpoint(model, steps=3):
     theirs = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _train(model, theirs, steps)
+    regression_steps(model, theirs, steps)
     return theirs.state_dict()
 
 
@@ -137,7 +124,7 @@ def test_a_coded_stand_in_subclass_is_decoded_on_load(state_dtype):
             assert torch.equal(ours.state[p0][name], reference.state[p0][name])
             assert torch.equal(ours.state[p0][scale_name(name)], reference.state[p0][scale_name(name)])
     assert isinstance(sd["state"][0]["exp_avg"], CodedStandIn)      # the input is left as it was
-    _train(model, ours, 2, start=3)
+    regression_steps(model, ours, 2, start=3)
     assert all(s["step"] == 5 for s in ours.state.values())
 
 
@@ -150,7 +137,7 @@ def test_a_subclass_that_cannot_be_decoded_is_refused_by_name(bad, error, reason
     sd = _torch_checkpoint(model)
     sd["state"][2]["exp_avg_sq"] = bad(sd["state"][2]["exp_avg_sq"])
     ours = lo.AdamW(model.parameters(), lr=0.5)
-    _train(model, ours, 1)
+    regression_steps(model, ours, 1)
     before = _snapshot(ours)
     with pytest.raises(error, match=re.escape("state_dict['state'][2]['exp_avg_sq']") + ".*" + reason):
         ours.load_state_dict(sd)
@@ -205,7 +192,7 @@ def _ao_run(monkeypatch, cls, model, steps, **kw):
     with monkeypatch.context() as m:
         m.setattr(torch, "compile", lambda fn, **_: fn)
         theirs = cls(model.parameters(), lr=1e-3, **kw)
-        _train(model, theirs, steps)
+        regression_steps(model, theirs, steps)
     return theirs
 
 
@@ -238,7 +225,7 @@ def test_a_torchao_low_bit_checkpoint_converts(monkeypatch, name, state_dtype):
                 assert ours.state[p][n].dtype == CODED[n]
                 assert torch.equal(ours.state[p][n], reference.state[p][n])
                 assert torch.equal(ours.state[p][scale_name(n)], reference.state[p][scale_name(n)])
-    _train(model, ours, 2, start=3)
+    regression_steps(model, ours, 2, start=3)
     assert all(s["step"] == 5 for s in ours.state.values())
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -255,8 +242,8 @@ def test_a_torchao_checkpoint_takes_the_step_torchao_would_take(monkeypatch):
     assert ours.param_groups[0]["weight_decay"] == 0.1
     with monkeypatch.context() as m:
         m.setattr(torch, "compile", lambda fn, **_: fn)
-        _train(a, theirs, 1, start=4)
-    _train(b, ours, 1, start=4)
+        regression_steps(a, theirs, 1, start=4)
+    regression_steps(b, ours, 1, start=4)
     for x, y in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7)
 
@@ -271,7 +258,7 @@ def test_torchao_adamw_with_bf16_stochastic_rounding_loads(monkeypatch):
     for i, p in enumerate(model.parameters()):
         assert torch.equal(ours.state[p]["exp_avg_sq"], sd["state"][i]["exp_avg_sq"])
         assert ours.state[p]["exp_avg"].dtype == torch.bfloat16 and ours.state[p]["step"] == 3
-    _train(model, ours, 2, start=3)
+    regression_steps(model, ours, 2, start=3)
 
 
 @pytest.fixture
@@ -324,7 +311,7 @@ def _heavyball(monkeypatch):
 
 def _hb_run(hb, model, steps, cls=None, **kw):
     theirs = (cls or hb.AdamW)(model.parameters(), **{"lr": 1e-2, **kw})
-    _train(model, theirs, steps)
+    regression_steps(model, theirs, steps)
     return theirs
 
 
@@ -355,7 +342,7 @@ def test_a_heavyball_adamw_checkpoint_converts(monkeypatch, storage_dtype):
         for name, value in entry[0].items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(sd["state"][i][0][name], value)
-    _train(model, ours, 1, start=5)
+    regression_steps(model, ours, 1, start=5)
     assert all(s["step"] == 6 for s in ours.state.values())
 
 
@@ -368,8 +355,8 @@ def test_a_heavyball_checkpoint_continues_as_heavyball_would(monkeypatch):
     b = copy.deepcopy(a)
     ours = lo.AdamW(b.parameters())
     ours.load_state_dict(theirs.state_dict())
-    _train(a, theirs, 5, start=5)
-    _train(b, ours, 5, start=5)
+    regression_steps(a, theirs, 5, start=5)
+    regression_steps(b, ours, 5, start=5)
     for x, y in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
 
@@ -412,7 +399,7 @@ def test_heavyball_options_lowp_lacks_are_refused(monkeypatch, change, where, re
     model = _model(torch.float32, width=6)
     sd = _hb_run(hb, model, 3, **change).state_dict()
     ours = lo.AdamW(model.parameters(), lr=0.5)
-    _train(model, ours, 1)
+    regression_steps(model, ours, 1)
     before = _snapshot(ours)
     with pytest.raises(ValueError, match=re.escape(f"state_dict: {where}") + ".*" + re.escape(reason)):
         ours.load_state_dict(sd)

@@ -9,25 +9,13 @@ import torch
 import lowp.optim as lo
 from lowp.optim.codes import code_for, scale_name
 from lowp.optim.kernels import native_available
+from lowp.optim.registry import entries
 from lowp.optim.writeback import MODES
-from lowp.threads import single_thread
 
-OPTIMIZERS = [
-    (lo.SGD, dict(lr=1e-4, momentum=0.9)),
-    (lo.Adam, dict(lr=1e-4)),
-    (lo.AdamW, dict(lr=1e-4, weight_decay=0.1)),
-    (lo.Lion, dict(lr=1e-4)),
-    (lo.RAdam, dict(lr=1e-4)),
-    (lo.StableAdamW, dict(lr=1e-4)),
-    (lo.Adafactor, dict(lr=1e-4)),
-]
+#: every optimizer of the registry with its first example, at lr 1e-4 (sub-ulp steps, see _run)
+OPTIMIZERS = [(e.cls, dict(e.examples[0], lr=1e-4)) for e in entries()]
 BACKENDS = ["foreach"] + (["native"] if native_available() else [])
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(cls, kw, mode, backend, compiled, steps):

@@ -7,14 +7,10 @@ import torch
 from torch import nn
 
 import lowp.optim as lo
-from lowp.threads import single_thread
 from lowp.optim.convert import cast_model, full_precision_state_dict, full_precision_weights, load_full_precision
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _Net(nn.Module):

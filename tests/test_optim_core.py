@@ -11,7 +11,6 @@ import torch
 
 import lowp.optim as lo
 from lowp import quantize
-from lowp.threads import single_thread
 from lowp.optim.randomness import Stream, random16_range, stream_key
 from lowp.optim.storage import stochastic_round_bf16, stochastic_round_fp16
 from lowp.optim.writeback import MODES
@@ -19,12 +18,7 @@ from lowp.optim.writeback import MODES
 SHAPES = [(37, 11), (300,), (2, 6, 5), ()]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: a second thread only adds wake-up latency (milliseconds per op on
-    a busy 2-core machine)."""
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _params(dtype=torch.float32, seed=0):

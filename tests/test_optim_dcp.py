@@ -1,7 +1,9 @@
 """``torch.distributed.checkpoint`` resumes a lowp optimizer bit-identically: the extras (seed,
 skip counters, stochastic-rounding generator) ride in every saved parameter group, which DCP
 keeps, both for ``dcp.save({"optim": opt.state_dict()})`` and for ``get_state_dict`` /
-``set_state_dict``. Single process; a gloo group of world size 1 where DCP needs one."""
+``set_state_dict``; AdamW in every configuration, every optimizer of the registry through
+``get_state_dict`` / ``set_state_dict``. Single process; a gloo group of world size 1 where DCP
+needs one."""
 from __future__ import annotations
 
 import pytest
@@ -11,13 +13,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import lowp.optim as lo
-from lowp.threads import single_thread
+from lowp.optim.registry import entries
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +30,11 @@ def _gloo(tmp_path_factory):
 CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 
-def _setup(mode, seed, state_dtype=None):
+def _setup(mode, seed, state_dtype=None, cls=lo.AdamW, kw=None):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).bfloat16()
-    return model, lo.AdamW(model.parameters(), lr=1e-3, mode=mode, seed=seed, state_dtype=state_dtype)
+    kw = dict(lr=1e-3) if kw is None else kw
+    return model, cls(model.parameters(), mode=mode, seed=seed, state_dtype=state_dtype, **kw)
 
 
 def _train(model, opt, steps, start):
@@ -83,9 +83,30 @@ def test_dcp_resume_is_bit_identical(mode, state_dtype, tmp_path, _gloo):
         assert fresh_opt.state[next(fresh_model.parameters())]["exp_avg"].dtype == torch.int8
 
     # way 2: get_state_dict / set_state_dict
-    fresh_model, fresh_opt = _setup(mode, seed=3, state_dtype=state_dtype)
-    msd, osd = get_state_dict(fresh_model, fresh_opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dsd"))
-    set_state_dict(fresh_model, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    fresh_model, fresh_opt = _loaded(str(tmp_path / "dsd"), mode, seed=3, state_dtype=state_dtype)
+    _train(fresh_model, fresh_opt, 3, start=3)
+    _assert_same(model, opt, fresh_model, fresh_opt)
+
+
+def _loaded(path, mode, seed, **setup):
+    """A fresh model and optimizer (built with ``seed``) loaded from the DCP checkpoint at ``path``
+    through ``get_state_dict`` / ``set_state_dict``."""
+    model, opt = _setup(mode, seed, **setup)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    return model, opt
+
+
+@pytest.mark.parametrize("e", entries(), ids=lambda e: e.name)
+def test_dcp_resumes_every_optimizer_of_the_registry(e, tmp_path, _gloo):
+    """Each optimizer with its first example, through get_state_dict / set_state_dict."""
+    model, opt = _setup("kahan", seed=1, cls=e.cls, kw=e.examples[0])
+    _train(model, opt, 3, start=0)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    _train(model, opt, 3, start=3)
+    assert opt.skipped_params == 1
+    fresh_model, fresh_opt = _loaded(str(tmp_path), "kahan", seed=2, cls=e.cls, kw=e.examples[0])
     _train(fresh_model, fresh_opt, 3, start=3)
     _assert_same(model, opt, fresh_model, fresh_opt)

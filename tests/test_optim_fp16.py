@@ -9,13 +9,9 @@ import torch
 from lowp.optim import Adam, AdamW, RAdam
 from lowp.optim.base import default_state_dtype
 from lowp.optim.convert import cast_model
-from lowp.threads import single_thread
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_default_state_dtype_is_bf16_for_fp16_weights_only():

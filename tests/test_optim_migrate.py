@@ -12,14 +12,11 @@ import torch
 import lowp.optim as lo
 from lowp.optim.convert import full_precision_state_dict, full_precision_weights
 from lowp.optim.migrate import to_torch_state_dict
-from lowp.threads import single_thread
+from optim_helpers import regression_steps
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(dtype=torch.float32):
@@ -27,25 +24,16 @@ def _model(dtype=torch.float32):
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).to(dtype)
 
 
-def _train(model, opt, steps, start=0):
-    for t in range(start, start + steps):
-        gen = torch.Generator().manual_seed(t)
-        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen)
-        opt.zero_grad()
-        ((model(x.to(next(model.parameters()).dtype)).float() - y) ** 2).mean().backward()
-        opt.step()
-
-
 def _continue_both(theirs, ours, kw, k=5, ours_kw=None):
     """k steps with ``theirs``, then k more with it and, from its checkpoint, with ``ours``."""
     a = _model()
     opt_a = theirs(a.parameters(), **kw)
-    _train(a, opt_a, k)
+    regression_steps(a, opt_a, k)
     b = copy.deepcopy(a)
     opt_b = ours(b.parameters(), **(ours_kw or {}))
     opt_b.load_state_dict(opt_a.state_dict())
-    _train(a, opt_a, k, start=k)
-    _train(b, opt_b, k, start=k)
+    regression_steps(a, opt_a, k, start=k)
+    regression_steps(b, opt_b, k, start=k)
     for x, y in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
     return opt_b
@@ -80,25 +68,25 @@ def test_an_optimi_checkpoint_continues_as_optimi_would(theirs, ours, kw):
 def test_optimis_kahan_buffer_becomes_the_compensation():
     model = _model(torch.bfloat16)
     theirs = optimi.AdamW(model.parameters(), lr=1e-3, kahan_sum=True, foreach=False, triton=False)
-    _train(model, theirs, 3)
+    regression_steps(model, theirs, 3)
     sd = theirs.state_dict()
     ours = lo.AdamW(model.parameters())
     ours.load_state_dict(sd)
     for i, p in enumerate(model.parameters()):
         assert torch.equal(ours.state[p]["compensation"], sd["state"][i]["kahan_comp"])
         assert ours.state[p]["step"] == 3 and ours.state[p]["exp_avg"].dtype == torch.bfloat16
-    _train(model, ours, 2, start=3)     # and it trains on
+    regression_steps(model, ours, 2, start=3)     # and it trains on
     assert all(s["step"] == 5 for s in ours.state.values())
 
 
 def test_fp32_moments_of_bf16_weights_keep_their_dtype():
     a = _model()
     theirs = torch.optim.AdamW(a.parameters())
-    _train(a, theirs, 2)
+    regression_steps(a, theirs, 2)
     b = copy.deepcopy(a).bfloat16()
     ours = lo.AdamW(b.parameters())
     ours.load_state_dict(theirs.state_dict())
-    _train(b, ours, 1, start=2)
+    regression_steps(b, ours, 1, start=2)
     assert all(s["exp_avg"].dtype == torch.float32 and "compensation" in s for s in ours.state.values())
 
 
@@ -106,7 +94,7 @@ def test_fp32_moments_of_bf16_weights_keep_their_dtype():
 def test_checkpoints_of_the_other_weight_decay_kind_are_refused():
     a = _model()
     theirs = torch.optim.AdamW(a.parameters(), weight_decay=0.1)
-    _train(a, theirs, 1)
+    regression_steps(a, theirs, 1)
     ours = lo.Adam(a.parameters())
     with pytest.raises(ValueError, match="weight decay"):
         ours.load_state_dict(theirs.state_dict())
@@ -121,13 +109,13 @@ def test_checkpoints_of_the_other_weight_decay_kind_are_refused():
 def test_the_way_back_to_torch_optim_continues_as_lowp_would():
     a = _model()
     ours = lo.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
-    _train(a, ours, 5)
+    regression_steps(a, ours, 5)
     b = _model()
     b.load_state_dict(full_precision_state_dict(a, ours))
     theirs = torch.optim.AdamW(b.parameters())
     theirs.load_state_dict(to_torch_state_dict(ours))
-    _train(a, ours, 5, start=5)
-    _train(b, theirs, 5, start=5)
+    regression_steps(a, ours, 5, start=5)
+    regression_steps(b, theirs, 5, start=5)
     for x, y in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
 
@@ -135,12 +123,12 @@ def test_the_way_back_to_torch_optim_continues_as_lowp_would():
 def test_the_way_back_from_bf16_kahan_carries_the_compensated_weights():
     a = _model(torch.bfloat16)
     ours = lo.AdamW(a.parameters(), lr=1e-3)
-    _train(a, ours, 5)
+    regression_steps(a, ours, 5)
     b = _model()
     b.load_state_dict(full_precision_state_dict(a, ours))
     for p, w in zip(b.parameters(), full_precision_weights(ours)):
         assert torch.equal(p.detach(), w)
     theirs = torch.optim.AdamW(b.parameters())
     theirs.load_state_dict(to_torch_state_dict(ours))
-    _train(b, theirs, 2, start=5)
+    regression_steps(b, theirs, 2, start=5)
     assert all(float(s["step"]) == 7 for s in theirs.state.values())

@@ -24,15 +24,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 import lowp.optim as lo
 from lowp.optim.registry import optimizers
-from lowp.threads import single_thread
 
 CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed=0):

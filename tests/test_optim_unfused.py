@@ -13,14 +13,11 @@ import lowp.optim as lo
 from lowp.optim.randomness import ElementIndex, RandomStreams, random16, random16_range, random16_ranges, stream_key
 from lowp.optim.scratch import Scratch
 from lowp.optim.storage import _has_nan, store_stochastic_bf16
-from lowp.optim.writeback import MODES, _unmoved
-from lowp.threads import single_thread
+from lowp.optim.writeback import MODES
+from lowp.optim.writeback.mode import unmoved
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _every_bf16_with_low_halves() -> np.ndarray:
@@ -103,8 +100,8 @@ def test_prefetched_bits_are_the_drawn_bits_handed_out_once():
 def test_zero_count_matches_count_nonzero_on_special_values():
     values = torch.tensor([0.0, -0.0, 1e-45, -1e-45, float("inf"), -float("inf"), float("nan"), 1.0, -2.0, 0.0])
     want = values.numel() - torch.count_nonzero(values)
-    assert int(_unmoved(values.clone())) == int(want) == 3
-    assert int(_unmoved(values.double())) == 3
+    assert int(unmoved(values.clone())) == int(want) == 3
+    assert int(unmoved(values.double())) == 3
 
 
 def test_exact_split_keeps_the_low_half_and_rounds_the_high_half_ties_away():

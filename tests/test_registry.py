@@ -21,10 +21,10 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.registry import optimizers
+from lowp.optim.writeback import MODES
 from fused_helpers import SHAPES, assert_same_run, train
 
 HERE = Path(__file__).parent
-MODES = ("nearest", "stochastic", "kahan", "exact", "exact8")
 #: awkward sizes: a 1-element tensor, a block of exactly 16, tails of 1 and 15, one across two work units
 SHAPES_NATIVE = [*SHAPES, (1,), (16,), (17,), (31,), (40000,)]
 STEPS = 7  # RAdam takes its rectified step from step 6 on (beta2 = 0.999)

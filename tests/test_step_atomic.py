@@ -24,17 +24,14 @@ import torch
 import lowp.optim as lo
 from lowp.optim import base, preflight, sharding
 from lowp.optim.kernels import native_available
-from lowp.threads import single_thread
+from optim_helpers import same_snapshot, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ["eager", "foreach"] + (["native"] if native_available() else [])
 STATES = {"bf16": {}, "int8": {"state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}}}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Injected(RuntimeError):
@@ -57,27 +54,6 @@ def _setup(backend: str, states: str, mode: str = "kahan"):
         opt.step()
     grads(2)
     return opt, params
-
-
-def _snapshot(opt, params):
-    def bits(t):
-        t = sharding.local(t).detach()
-        return (t.dtype, tuple(t.shape), t.clone().view(torch.uint8) if t.dim() else t.clone())
-    state = {i: {k: bits(v) if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
-             for i, p in enumerate(params) if p in opt.state}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return dict(weights=[bits(p) for p in params], state=state, groups=repr(groups),
-                extras=(opt.seed, opt.skipped_params, opt.skipped_steps))
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if torch.is_tensor(a):
-        return torch.equal(a, b)
-    return a == b
 
 
 def _fail_on_call(monkeypatch, owner, name: str, call: int = 1) -> list[int]:
@@ -110,24 +86,24 @@ STAGES = {
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_a_fault_before_the_writes_changes_nothing(stage, backend, states, monkeypatch):
     opt, params = _setup(backend, states)
-    before = _snapshot(opt, params)
+    before = snapshot(opt, params)
     target, call = STAGES[stage]
     calls = _fail_on_call(monkeypatch, *target(), call=call)
     with pytest.raises(Injected):
         opt.step()
     assert calls[0] == call + 1, "the fault was injected"
-    assert _equal(_snapshot(opt, params), before)
+    assert same_snapshot(snapshot(opt, params), before)
     monkeypatch.undo()
     opt.step()   # and the step then runs as if nothing had happened
     reference, ref_params = _setup(backend, states)
     reference.step()
-    assert _equal(_snapshot(opt, params), _snapshot(reference, ref_params))
+    assert same_snapshot(snapshot(opt, params), snapshot(reference, ref_params))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hooks_and_closures_that_raise_change_nothing(backend):
     opt, params = _setup(backend, "bf16")
-    before = _snapshot(opt, params)
+    before = snapshot(opt, params)
 
     def hook(optimizer, args, kwargs):
         raise Injected("pre-hook")
@@ -140,7 +116,7 @@ def test_hooks_and_closures_that_raise_change_nothing(backend):
         raise Injected("closure")
     with pytest.raises(Injected):
         opt.step(closure)
-    assert _equal(_snapshot(opt, params), before)
+    assert same_snapshot(snapshot(opt, params), before)
 
 
 def test_a_new_state_created_before_a_fault_is_removed(monkeypatch):
@@ -162,12 +138,12 @@ def test_a_fault_after_a_mode_switch_fold_puts_the_weight_back(monkeypatch):
     opt, params = _setup("foreach", "bf16")
     for g in opt.param_groups:
         g["mode"] = "exact"
-    before = _snapshot(opt, params)
+    before = snapshot(opt, params)
     assert "compensation" in opt.state[params[0]]
     _fail_on_call(monkeypatch, sharding, "make_slice", call=3)
     with pytest.raises(Injected):
         opt.step()
-    assert _equal(_snapshot(opt, params), before)
+    assert same_snapshot(snapshot(opt, params), before)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -175,18 +151,18 @@ def test_a_fault_in_a_job_leaves_each_parameter_stepped_or_untouched(backend, mo
     """The second job's kernel fails: the first group's parameters are exactly as a whole step
     leaves them (weights, states, counters), the second group's exactly as before."""
     opt, params = _setup(backend, "bf16")
-    before = _snapshot(opt, params)
+    before = snapshot(opt, params)
     reference, ref_params = _setup(backend, "bf16")
     reference.step()
-    after = _snapshot(reference, ref_params)
+    after = snapshot(reference, ref_params)
     _fail_on_call(monkeypatch, type(opt.backend), "run", call=1)
     with pytest.raises(Injected):
         opt.step()
-    now = _snapshot(opt, params)
+    now = snapshot(opt, params)
     for i in range(4):
         expected = after if i < 2 else before
-        assert _equal(now["weights"][i], expected["weights"][i]), i
-        assert _equal(now["state"][i], expected["state"][i]), i
+        assert same_snapshot(now["weights"][i], expected["weights"][i]), i
+        assert same_snapshot(now["state"][i], expected["state"][i]), i
 
 
 @pytest.mark.parametrize("states", list(STATES))
@@ -211,7 +187,7 @@ def test_ctrl_c_during_the_writes_arrives_after_a_whole_step(backend, states, mo
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     assert sent
-    assert _equal(_snapshot(opt, params), _snapshot(reference, ref_params))
+    assert same_snapshot(snapshot(opt, params), snapshot(reference, ref_params))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -230,7 +206,7 @@ def test_a_non_contiguous_coded_state_is_stepped_like_a_contiguous_one(backend):
     assert changed >= 2
     opt.step()
     reference.step()
-    assert _equal(_snapshot(opt, params), _snapshot(reference, ref_params))
+    assert same_snapshot(snapshot(opt, params), snapshot(reference, ref_params))
 
 
 def test_a_real_ctrl_c_from_outside_never_leaves_half_a_step():

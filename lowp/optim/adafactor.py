@@ -16,11 +16,12 @@ so parameters are never cut into chunks.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 
 from lowp.optim.base import LowpOptimizer, check_nonnegative, real_value
+from lowp.optim.registry import ErrorInput, Example, Skip
 
 __all__ = ["Adafactor", "adafactor_update"]
 
@@ -71,6 +72,29 @@ class Adafactor(LowpOptimizer):
     """
 
     elementwise = False
+    examples = (Example("torch's defaults: factored moments for matrices, a full one for vectors"),
+                Example("decoupled decay, clipping threshold 2, eps1 given, maximizing", lr=3e-2, weight_decay=0.1,
+                        d=2.0, eps=(1e-20, 1e-3), maximize=True))
+    error_inputs: ClassVar[tuple[ErrorInput, ...]] = (
+        ErrorInput(dict(beta2_decay=0.5), ValueError, r"^beta2_decay: expected a number <= 0, got 0\.5",
+                   "positive beta2_decay"),
+        ErrorInput(dict(beta2_decay=False), ValueError, r"^beta2_decay: expected a number <= 0, got False",
+                   "bool beta2_decay"),
+        ErrorInput(dict(eps=1e-3), ValueError, r"^eps: expected a pair \(eps1 or None, eps2\), got 0\.001",
+                   "one eps"),
+        ErrorInput(dict(eps=(-1.0, 1e-3)), ValueError, r"^eps\[0\]: expected a finite number >= 0, got -1\.0",
+                   "negative eps1"),
+        ErrorInput(dict(eps=(True, 1e-3)), ValueError, r"^eps\[0\]: expected a finite number >= 0, got True",
+                   "bool eps1"),
+        ErrorInput(dict(eps=(None, -1.0)), ValueError, r"^eps\[1\]: expected a finite number >= 0, got -1\.0",
+                   "negative eps2"),
+        ErrorInput(dict(d=0.5), ValueError, r"^d: expected a clipping threshold >= 1, got 0\.5", "d below 1"),
+        ErrorInput(dict(d=float("nan")), ValueError, r"^d: expected a clipping threshold >= 1, got nan", "nan d"),
+        ErrorInput(dict(d=True), ValueError, r"^d: expected a clipping threshold >= 1, got True", "bool d"),
+        ErrorInput(dict(betas=(0.9, 0.999)), TypeError, r"^betas: Adafactor got an unexpected keyword argument",
+                   "betas (Adafactor has none)"))
+    skips = (Skip("test_examples_with_block_scaled_codes", "the factored moments (row_var, col_var) are not shaped "
+                  "like the parameter, and block-scaled codes hold elementwise states only", ValueError),)
 
     def __init__(self, params: Iterable, lr: float = 1e-2, beta2_decay: float = -0.8,
                  eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,

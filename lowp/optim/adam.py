@@ -7,6 +7,7 @@ from typing import Any, Iterable
 
 from lowp.optim.adamw import ADAMW, AdamW
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
+from lowp.optim.registry import Example
 
 __all__ = ["Adam"]
 
@@ -35,7 +36,9 @@ class Adam(AdamW):
         "amsgrad": group["amsgrad"], "decoupled": group["decoupled_weight_decay"],
         "weight_decay": group["weight_decay"] != 0})
     decoupled_weight_decay = False
-    examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True))
+    examples = (Example("L2 decay with amsgrad's running maximum of v", lr=1e-2, weight_decay=0.01, amsgrad=True),
+                Example("L2 decay added to the gradient", lr=1e-2, weight_decay=0.1),
+                Example("decoupled decay, as AdamW", lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True))
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,

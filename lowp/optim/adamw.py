@@ -19,6 +19,7 @@ import torch
 from lowp.arith import sqrt_rn
 
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
+from lowp.optim.registry import ErrorInput, Example
 from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, maximum, sqrt
 from lowp.optim.spec import OptimizerSpec
 
@@ -105,8 +106,13 @@ class AdamW(TwoMomentOptimizer):
     """
 
     spec = ADAMW
-    examples: ClassVar[tuple[dict[str, Any], ...]] = (dict(lr=1e-2, weight_decay=0.1),
-                                                      dict(lr=1e-2, amsgrad=True, maximize=True))
+    examples: ClassVar[tuple[dict[str, Any], ...]] = (
+        Example("decoupled decay", lr=1e-2, weight_decay=0.1),
+        Example("amsgrad's running maximum of v, maximizing", lr=1e-2, amsgrad=True, maximize=True))
+    error_inputs: ClassVar[tuple[ErrorInput, ...]] = (
+        ErrorInput(dict(state_dtype={"exp_avg_sq": torch.uint8, "exp_avg": torch.uint4}),  # type: ignore[attr-defined]
+                   ValueError, r"^state_dtype\['exp_avg'\]: uint4 codes hold nonnegative states only",
+                   "unsigned codes for the first moment by name"),)
     decoupled_weight_decay = True
     optimi_debiased = {"exp_avg": 0, "exp_avg_sq": 1}
 

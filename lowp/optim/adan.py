@@ -18,13 +18,14 @@ write-back mode compensates ``u``, decay included. The spec below is all the fus
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 
 from lowp.arith import sqrt_rn
 
 from lowp.optim.base import LowpOptimizer, check_betas, check_nonnegative, warn_if_swapped
+from lowp.optim.registry import ErrorInput, Example
 from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, sqrt, where
 from lowp.optim.spec import OptimizerSpec
 
@@ -114,7 +115,13 @@ class Adan(LowpOptimizer):
     """
 
     spec = ADAN
-    examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, weight_decay=0.1, no_prox=True))
+    examples = (Example("proximal decay (the default)", lr=1e-2, weight_decay=0.1),
+                Example("decoupled decay (no_prox)", lr=1e-2, weight_decay=0.1, no_prox=True))
+    error_inputs: ClassVar[tuple[ErrorInput, ...]] = (
+        ErrorInput(dict(betas=(0.98, 1.0, 0.99)), ValueError, r"^betas\[1\]: expected a number in \[0, 1\), got 1\.0",
+                   "beta2 1"),
+        ErrorInput(dict(betas=(0.98, 0.92, 0.99, 0.9)), ValueError, r"^betas: expected a tuple of 3 numbers",
+                   "four betas"))
     flag_keys = (*LowpOptimizer.flag_keys, "no_prox")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float, float] = (0.98, 0.92, 0.99),

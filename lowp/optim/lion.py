@@ -8,11 +8,12 @@ defaults (lr=1e-4, betas=(0.9, 0.99), weight_decay=0)::
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 
 from lowp.optim.base import LowpOptimizer, check_betas, check_nonnegative
+from lowp.optim.registry import ErrorInput, Example
 from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, sign
 from lowp.optim.spec import OptimizerSpec
 
@@ -64,8 +65,13 @@ class Lion(LowpOptimizer):
     """
 
     spec = LION
-    # betas=(0.6, ...): 1 - beta1 >= 0.5 takes the other branch of lerp
-    examples = (dict(lr=1e-3, weight_decay=0.1), dict(lr=1e-3, betas=(0.6, 0.99)))
+    examples = (Example("decoupled decay", lr=1e-3, weight_decay=0.1),
+                Example("beta1 = 0.6: lerp's weight 1 - beta1 >= 0.5 takes its other branch", lr=1e-3,
+                        betas=(0.6, 0.99)))
+    error_inputs: ClassVar[tuple[ErrorInput, ...]] = (
+        ErrorInput(dict(eps=1e-8), TypeError, r"^eps: Lion got an unexpected keyword argument", "eps (Lion has none)"),
+        ErrorInput(dict(betas=(0.9, -0.1)), ValueError, r"^betas\[1\]: expected a number in \[0, 1\), got -0\.1",
+                   "negative beta2"))
 
     optimi_debiased: dict[str, int] = {}   # optimi's Lion momentum is not bias-corrected
 

@@ -20,6 +20,7 @@ import torch
 from lowp.arith import sqrt_rn
 
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
+from lowp.optim.registry import Example
 from lowp.optim.rule import RuleArgs, RuleResult, fma, lerp, sqrt, where
 from lowp.optim.spec import OptimizerSpec
 
@@ -106,7 +107,8 @@ class RAdam(TwoMomentOptimizer):
     """
 
     spec = RADAM
-    examples = (dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True))
+    examples = (Example("L2 decay added to the gradient", lr=1e-2, weight_decay=0.1),
+                Example("decoupled decay, as AdamW", lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True))
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False,

@@ -9,11 +9,12 @@ The update::
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 
 from lowp.optim.base import LowpOptimizer, check_nonnegative
+from lowp.optim.registry import ErrorInput, Example
 from lowp.optim.rule import RuleArgs, RuleResult, fma, where
 from lowp.optim.spec import OptimizerSpec
 
@@ -74,8 +75,25 @@ class SGD(LowpOptimizer):
     """
 
     spec = SGD_SPEC
-    examples = (dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True), dict(lr=0.05),
-                dict(lr=0.05, momentum=0.9, dampening=0.3))
+    examples = (Example("Nesterov momentum with L2 decay", lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True),
+                Example("plain SGD: no momentum buffer", lr=0.05),
+                Example("momentum with dampening", lr=0.05, momentum=0.9, dampening=0.3))
+    error_inputs: ClassVar[tuple[ErrorInput, ...]] = (
+        ErrorInput(dict(momentum=-0.9), ValueError, r"^momentum: expected a finite number >= 0, got -0\.9",
+                   "negative momentum"),
+        ErrorInput(dict(momentum=True), ValueError, r"^momentum: expected a finite number >= 0, got True",
+                   "bool momentum"),
+        ErrorInput(dict(dampening=-0.5), ValueError, r"^dampening: expected a finite number >= 0, got -0\.5",
+                   "negative dampening"),
+        ErrorInput(dict(dampening=False), ValueError, r"^dampening: expected a finite number >= 0, got False",
+                   "bool dampening"),
+        ErrorInput(dict(nesterov=True), ValueError, r"^nesterov: Nesterov momentum requires momentum > 0 and "
+                   r"dampening = 0", "Nesterov without momentum"),
+        ErrorInput(dict(nesterov=True, momentum=0.9, dampening=0.1), ValueError, r"^nesterov: Nesterov momentum "
+                   r"requires momentum > 0 and dampening = 0", "Nesterov with dampening"),
+        ErrorInput(dict(momentum=0.9, state_dtype=torch.uint4), ValueError,  # type: ignore[attr-defined]
+                   r"^state_dtype: uint4 codes hold nonnegative states only .*'momentum_buffer' may be negative",
+                   "unsigned codes for the momentum buffer"))
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, **options: Any) -> None:

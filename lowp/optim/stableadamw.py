@@ -22,6 +22,7 @@ import torch
 from lowp.arith import sqrt_rn
 
 from lowp.optim.base import TwoMomentOptimizer, warn_if_swapped
+from lowp.optim.registry import Example
 from lowp.optim.ordered_sum import ordered_sum
 from lowp.optim.rule import Expr, RuleArgs, RuleResult, fma, fp32, lerp, maximum, sqrt
 from lowp.optim.spec import Numbers, OptimizerSpec
@@ -128,7 +129,7 @@ class StableAdamW(TwoMomentOptimizer):
     """
 
     spec = STABLEADAMW
-    examples = (dict(lr=1e-2, weight_decay=0.1),)
+    examples = (Example("decoupled decay, the learning rate clipped by each tensor's RMS", lr=1e-2, weight_decay=0.1),)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
                  eps: float = 1e-6, weight_decay: float = 1e-2, **options: Any) -> None:
