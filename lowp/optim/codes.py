@@ -33,7 +33,8 @@ saturates; unsigned codes carry no sign (a ``-0.0`` state is stored as ``+0.0``)
 a NaN or an infinity gets a NaN scale: it decodes to NaN everywhere (the value is lost either
 way; this way the loss is visible).
 
-The code grid (:class:`Code`) is that of a small float format: its spacing at magnitude ``a``
+The code grid (:class:`~lowp.optim.encodings.code.Code`, one module per encoding in
+:mod:`lowp.optim.encodings`) is that of a small float format: its spacing at magnitude ``a``
 is ``2**(max(e(a), emin) - m)`` with ``e(a) = floor(log2 a)``. Integer codes are the case
 ``emin = m``: spacing 1 everywhere below ``2**(m + 1)``. So ``q`` is computed the same way for
 every code, from ``c = a / spacing`` (exact: a power-of-two scaling)::
@@ -55,12 +56,12 @@ in-kernel decode and encode give the same bits, and every backend steps decoded 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from lowp.arith import sqrt_rn
+from lowp.optim.encodings import CODES, Code, code_for
 
 __all__ = ["Code", "CODES", "code_for", "SCALE_DTYPES", "BLOCK_SIZES", "check_block", "codes_shape", "scales_shape",
            "stored_shapes", "encode", "decode", "scale_name"]
@@ -69,53 +70,6 @@ __all__ = ["Code", "CODES", "code_for", "SCALE_DTYPES", "BLOCK_SIZES", "check_bl
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The block sizes a group may ask for (``state_block``).
 BLOCK_SIZES = (32, 64, 128, 256)
-
-
-@dataclass(frozen=True)
-class Code:
-    """One block-scaled code: its storage and its grid.
-
-    Args:
-        name: the code's name as printed.
-        dtype: the dtype that asks for it in ``state_dtype`` (``torch.int8``, ``torch.uint8``,
-            ``torch.uint4``, ``torch.float8_e4m3fn``, ``torch.float8_e5m2``).
-        storage: the dtype of the stored codes (4-bit codes: two per ``uint8``).
-        bits: bits per code (8 or 4).
-        top: ``Q``, the largest code magnitude.
-        mantissa_bits: ``m`` of the grid (see the module docstring).
-        min_exponent: ``emin`` of the grid.
-        signed: ``True``: any value, stored linearly; ``False``: nonnegative values, stored as
-            their square roots.
-    """
-
-    name: str
-    dtype: torch.dtype
-    storage: torch.dtype
-    bits: int
-    top: float
-    mantissa_bits: int
-    min_exponent: int
-    signed: bool
-
-    def spacing(self, a: torch.Tensor) -> torch.Tensor:
-        """The grid spacing at the nonnegative fp32 magnitudes ``a``: a power of two."""
-        binade = (a.view(torch.int32) & 0x7F800000).view(torch.float32)   # 2**e(a), 0 below fp32's normals
-        return torch.clamp_min(binade, 2.0 ** self.min_exponent) * 2.0 ** -self.mantissa_bits
-
-
-#: Every code, by the dtype that asks for it.
-CODES: dict[torch.dtype, Code] = {c.dtype: c for c in (
-    Code("int8", torch.int8, torch.int8, 8, 127.0, 7, 7, True),
-    Code("uint8", torch.uint8, torch.uint8, 8, 255.0, 7, 7, False),
-    Code("uint4", torch.uint4, torch.uint8, 4, 15.0, 3, 3, False),  # type: ignore[attr-defined]
-    Code("e4m3", torch.float8_e4m3fn, torch.float8_e4m3fn, 8, 448.0, 3, -6, True),
-    Code("e5m2", torch.float8_e5m2, torch.float8_e5m2, 8, 57344.0, 2, -14, True),
-)}
-
-
-def code_for(dtype: object) -> Code | None:
-    """The code that ``dtype`` asks for in ``state_dtype``, ``None`` for a float dtype."""
-    return CODES.get(dtype) if isinstance(dtype, torch.dtype) else None
 
 
 def scale_name(state: str) -> str:
@@ -173,20 +127,6 @@ def _round_up(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(below, (near.view(torch.int16) + 1).view(dtype), near)
 
 
-def _pack4(q: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 (int32, flat) as bytes, element ``2k`` in the low nibble of byte ``k``."""
-    if q.numel() % 2:
-        q = torch.cat([q, q.new_zeros(1)])
-    pairs = q.view(-1, 2)
-    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
-
-
-def _unpack4(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The ``numel`` codes (int32) of :func:`_pack4`'s bytes."""
-    b = packed.reshape(-1).to(torch.int32)
-    return torch.stack([b & 15, b >> 4], dim=1).reshape(-1)[:numel]
-
-
 def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
     """The flat ``t`` as rows of ``block`` elements, the last one padded with zeros."""
     pad = -t.numel() % block
@@ -228,19 +168,14 @@ def encode(x: torch.Tensor, code: Code, block: int, codes: torch.Tensor, scales:
     q = torch.clamp(m * step, 0.0 if code.signed else 1.0, code.top)
     if code.signed:
         q = q.copysign(y)
-    if code.bits == 4:
-        codes.copy_(_pack4(q.to(torch.int32)))
-    elif code.storage.is_floating_point:
-        codes.view(-1).copy_(q.to(code.storage))   # on the grid: the cast is exact
-    else:
-        codes.view(-1).copy_(q.to(torch.int32))
+    codes.view(-1).copy_(code.pack(q))             # on the grid: the storage holds it exactly
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, code: Code, block: int, numel: int,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values of ``numel`` coded elements (flat; into ``out`` when given): ``q * s``,
     squared for unsigned codes."""
-    q = _unpack4(codes, numel).float() if code.bits == 4 else codes.reshape(-1).float()
+    q = code.unpack(codes, numel)
     s = scales.float().repeat_interleave(block)[:numel]
     y = torch.mul(q, s) if out is None else torch.mul(q, s, out=out)
     return y if code.signed else y.mul_(y)

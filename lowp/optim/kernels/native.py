@@ -27,7 +27,7 @@ from lowp.optim.kernels.cpp_source import DTYPE_CODES, CodedLayout, Variant, var
 from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, slice_keys, stream_count
 from lowp.optim.kernels.native_build import (coded_step_function, finite_function, native_available, step_function,
                                              sums_function)
-from lowp.optim.kernels.native_codes import code_kind, grid_numbers, scale_code
+from lowp.optim.kernels.native_codes import grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
@@ -150,7 +150,7 @@ class NativeKernel(Kernel):
                           (weight, grad, buffer, *(d for name, d in zip(names, dtypes) if name not in codes)))
         check_coded_args(NativeKernel.devices, members, codes, block)
         scale_dtype = members[0][1][next(iter(codes))].dtype
-        layout = CodedLayout(tuple(code_kind(codes[name]) if name in codes else -1 for name in names),
+        layout = CodedLayout(tuple(codes[name].kind if name in codes else -1 for name in names),
                              scale_code(scale_dtype), block)
         variant = variant_for(spec, ctx, (weight, grad, buffer, *dtypes), layout)
         n = len(members)

@@ -69,15 +69,17 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from lowp.optim.writeback.mode import HEADERS
+from lowp.optim.encodings.code import HEADERS as CODE_HEADERS
+from lowp.optim.writeback.mode import HEADERS as MODE_HEADERS
 
 __all__ = ["native_available", "step_function", "coded_step_function", "sums_function", "finite_function",
            "encode_function",
            "decode_function", "cache_dir", "library_path", "FLAGS"]
 
 SOURCES = Path(__file__).with_name("native")
-#: The write-back modes' C++ headers (:mod:`lowp.optim.writeback`), on the include path too.
-MODE_SOURCES = HEADERS
+#: The write-back modes' and the encodings' C++ headers (:mod:`lowp.optim.writeback`,
+#: :mod:`lowp.optim.encodings`), on the include path too.
+HEADER_FOLDERS = (MODE_HEADERS, CODE_HEADERS)
 #: Compiler flags. ``-ffp-contract=off``: only the explicit fmas of the source are fused (the
 #: reference rounds every other product); ``-fno-math-errno``: ``sqrt`` is the hardware instruction.
 #: ``-fopenmp``: the kernels run on torch's OpenMP pool (libgomp.so.1, which torch has loaded by then).
@@ -443,7 +445,8 @@ def _compile(source: str | None, name: str, target: Path) -> None:
         else:
             text = input_file = _temp_name(target.with_suffix(".cpp"))
             _write_atomically(input_file, source.encode())
-        arguments = [*FLAGS, f"-I{SOURCES}", f"-I{MODE_SOURCES}", "-x", "c++", str(input_file)]
+        arguments = [*FLAGS, f"-I{SOURCES}", *(f"-I{folder}" for folder in HEADER_FOLDERS), "-x", "c++",
+                     str(input_file)]
         prelude = _prelude(target.parent) if source is not None and target.parent == _kernels_dir() else None
         if prelude is not None:
             try:
@@ -591,7 +594,7 @@ def _library(name: str, source: str | None = None) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def _hand_written() -> bytes:
     """Every hand-written source (a generated unit includes the headers), the modes' too."""
-    files = [*sorted(SOURCES.iterdir()), *sorted(MODE_SOURCES.iterdir())]
+    files = [path for folder in (SOURCES, *HEADER_FOLDERS) for path in sorted(folder.iterdir())]
     return b"".join(p.name.encode() + p.read_bytes() for p in files if p.suffix in (".h", ".cpp"))
 
 
@@ -641,10 +644,11 @@ def finite_function() -> Callable[..., Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def encode_function() -> Callable[..., Any]:
+def encode_function(source: str) -> Callable[..., Any]:
     """``lowp_encode(tensors, pointer table, numel, first indices, keys, kind, scale dtype, block,
-    grid, mode, threads) -> 0 or -1`` of ``native/codes.cpp``."""
-    fn = _library("codes").lowp_encode
+    grid, mode, threads) -> 0 or -1`` of ``native/codes.cpp`` in the codec's translation unit
+    ``source`` (:func:`lowp.optim.kernels.cpp_source.codec_source`)."""
+    fn = _library("codes", source).lowp_encode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -652,10 +656,10 @@ def encode_function() -> Callable[..., Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def decode_function() -> Callable[..., Any]:
+def decode_function(source: str) -> Callable[..., Any]:
     """``lowp_decode(tensors, pointer table, numel, kind, scale dtype, block, threads) -> 0 or -1``
-    of ``native/codes.cpp``."""
-    fn = _library("codes").lowp_decode
+    of ``native/codes.cpp`` in the codec's translation unit ``source``."""
+    fn = _library("codes", source).lowp_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                    ctypes.c_int]

@@ -24,13 +24,13 @@ import torch
 
 from lowp.optim.codes import CODES, SCALE_DTYPES, Code, check_block, codes_shape, scales_shape
 from lowp.optim.kernels.checks import Span, kernel_memory, overlapping
+from lowp.optim.kernels.cpp_source import codec_source
 from lowp.optim.kernels.native_build import decode_function, encode_function, native_available
 
-__all__ = ["CountedBits", "Noise", "Encoding", "Decoding", "CodecCounts", "COUNTS", "available", "code_kind",
-           "scale_code", "grid_numbers", "encode_many", "decode_many", "encode", "decode"]
+__all__ = ["CountedBits", "Noise", "Encoding", "Decoding", "CodecCounts", "COUNTS", "available", "scale_code",
+           "grid_numbers", "encode_many", "decode_many", "encode", "decode"]
 
-#: storage dtype of 8-bit codes -> their kind (4-bit codes: 2)
-_KINDS = {torch.int8: 0, torch.uint8: 1, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+#: scale dtype -> its ScaleType in native/simd.h
 _SCALES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -105,13 +105,6 @@ def available() -> bool:
     """Whether the native codec runs here (the native kernel's requirements: x86-64 with AVX2 and
     a C++ compiler)."""
     return native_available()
-
-
-def code_kind(code: Code) -> int:
-    """The ``CodeKind`` of ``native/codes.h`` that stores ``code``."""
-    if code.bits == 4:
-        return 2
-    return _KINDS[code.storage]
 
 
 def scale_code(dtype: torch.dtype) -> int:
@@ -195,8 +188,8 @@ def encode_many(jobs: Sequence[Encoding], code: Code, block: int) -> None:
         numel = (ctypes.c_int64 * n)(*(j.values.numel() for j in members))
         firsts = (ctypes.c_uint64 * n)(*(c.first for c in counted))
         keys = (ctypes.c_uint32 * n)(*(c.key for c in counted))
-        done = encode_function()(n, table, numel, firsts, keys, code_kind(code), scale_code(scale_dtype), block,
-                                 _grid(code), mode, torch.get_num_threads())
+        done = encode_function(codec_source())(n, table, numel, firsts, keys, code.kind, scale_code(scale_dtype),
+                                               block, _grid(code), mode, torch.get_num_threads())
         if done != 0:
             raise RuntimeError(f"the native codec refused code {code.name}, block {block}")
         COUNTS.encoded += sum(numel)
@@ -224,8 +217,8 @@ def decode_many(jobs: Sequence[Decoding], code: Code, block: int) -> None:
         table = _pointers([[j.codes.data_ptr() for j in members], [j.scales.data_ptr() for j in members],
                            [j.out.data_ptr() for j in members]])
         numel = (ctypes.c_int64 * n)(*(j.out.numel() for j in members))
-        done = decode_function()(n, table, numel, code_kind(code), scale_code(scale_dtype), block,
-                                 torch.get_num_threads())
+        done = decode_function(codec_source())(n, table, numel, code.kind, scale_code(scale_dtype), block,
+                                               torch.get_num_threads())
         if done != 0:
             raise RuntimeError(f"the native codec refused code {code.name}, block {block}")
         COUNTS.decoded += sum(numel)

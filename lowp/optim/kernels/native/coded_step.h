@@ -24,6 +24,9 @@
 // of a tensor (fewer than CODED_GROUP elements) runs on zero-padded local copies, its padding
 // lanes masked out of the block peaks.
 #pragma once
+#include <array>
+#include <utility>
+
 #include "codes.h"
 
 constexpr int64_t CODE_BLOCK = LOWP_CODE_BLOCK;
@@ -46,50 +49,15 @@ constexpr bool plain_states_draw() {
   return false;
 }
 
-// The codes q (before the scale) of the 16 elements from ``i`` (a multiple of 16) as (even, odd)
-// fp32 lanes.
-template <int KIND> static inline void load_code_pairs(const void *codes, int64_t i, vf &even, vf &odd) {
-  const uint8_t *p = (const uint8_t *)codes;
-  if constexpr (KIND == CODE_UINT4) {
-    const vu x = (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i / 2)));  // lane l: byte l
-    even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 15u));
-    odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 4));
-  } else {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(p + i));
-    const vu x = (vu)_mm256_cvtepu16_epi32(bytes);  // lane l: byte 2l | byte 2l+1 << 8
-    if constexpr (KIND == CODE_INT8) {
-      const vi sx = (vi)_mm256_cvtepi16_epi32(bytes);  // the same, sign-extended from the odd byte
-      even = (vf)_mm256_cvtepi32_ps((__m256i)((sx << 24) >> 24));
-      odd = (vf)_mm256_cvtepi32_ps((__m256i)(sx >> 8));
-    } else if constexpr (KIND == CODE_UINT8) {
-      even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 0xFFu));
-      odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 8));
-    } else {
-      even = fp8_values<KIND>(_mm_slli_epi16(bytes, 8));
-      odd = fp8_values<KIND>(bytes);
-    }
-  }
+// Bits of state j's codes (0: a plain state).
+template <int J> constexpr int code_bits_of() {
+  if constexpr (coded_state(J)) return Storage<CODE_KINDS[J]>::BITS;
+  else return 0;
 }
-
-// Store the codes (codes.h's code_lanes) of the even and odd elements of the 16 from ``i``.
-template <int KIND> static inline void store_code_pairs(void *codes, int64_t i, vi even, vi odd) {
-  uint8_t *p = (uint8_t *)codes;
-  if constexpr (KIND == CODE_UINT4) {
-    // byte l = code 2l | code (2l + 1) << 4: the low byte of each 32-bit lane, gathered
-    const __m256i b = _mm256_shuffle_epi8((__m256i)(even | (odd << 4)),
-                                          _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-    _mm_storel_epi64((__m128i *)(p + i / 2),
-                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
-  } else {
-    // 16-bit lanes e0-3 o0-3 | e4-7 o4-7 (codes fit without saturating), their low bytes
-    // interleaved within each half, the halves' low 8 bytes joined
-    const __m256i w = _mm256_packs_epi32((__m256i)even, (__m256i)odd);
-    const __m256i b = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                              0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1));
-    _mm_storeu_si128((__m128i *)(p + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
-  }
+template <size_t... J> constexpr std::array<int, NSTATES + 1> code_bits_table(std::index_sequence<J...>) {
+  return {code_bits_of<(int)J>()...};
 }
+constexpr std::array<int, NSTATES + 1> CODE_BITS = code_bits_table(std::make_index_sequence<NSTATES + 1>{});
 
 // The lanes of 16 elements from group element ``e`` that are inside the tensor's ``count`` (MASKED).
 static inline void valid_lanes(int64_t e, int64_t count, vi valid[2]) {
@@ -132,10 +100,10 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
       for_states([&](auto j) {
         constexpr int J = decltype(j)::value;
         if constexpr (coded_state(J)) {
-          load_code_pairs<CODE_KINDS[J]>(p.s[J], e, s[0][J], s[1][J]);
+          Storage<CODE_KINDS[J]>::load16(p.s[J], e, s[0][J], s[1][J]);
           for (int h = 0; h < 2; h++) {
             s[h][J] *= scale[J];
-            if constexpr (unsigned_kind(CODE_KINDS[J])) s[h][J] *= s[h][J];
+            if constexpr (unsigned_kind<CODE_KINDS[J]>()) s[h][J] *= s[h][J];
           }
         } else {
           load<ST[J]>(p.s[J], e, s[0][J], s[1][J]);
@@ -148,7 +116,7 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
         constexpr int J = decltype(j)::value;
         if constexpr (coded_state(J)) {
           for (int h = 0; h < 2; h++) {
-            vf v = unsigned_kind(CODE_KINDS[J]) ? sqrt_(out[h][J]) : out[h][J];
+            vf v = unsigned_kind<CODE_KINDS[J]>() ? sqrt_(out[h][J]) : out[h][J];
             if constexpr (MASKED) v = select(valid[h], v, bc(0.0f));
             t[J][k][h] = v;
             most[J] = peak_of(most[J], v);
@@ -181,7 +149,7 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
       constexpr int J = decltype(j)::value;
       if constexpr (coded_state(J)) {
         bs[J] = group_scales[J][b];
-        fixed &= bs[J].fixed && (!fp8_kind(CODE_KINDS[J]) || SR);
+        fixed &= bs[J].fixed && (!fp8_kind<CODE_KINDS[J]>() || SR);
       }
     });
     auto run = [&](auto all_fixed) {
@@ -195,12 +163,12 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
           constexpr int J = decltype(j)::value;
           if constexpr (coded_state(J)) {
             constexpr int KIND = CODE_KINDS[J];
-            constexpr bool FIXED = ALL_FIXED && (!fp8_kind(KIND) || SR);
+            constexpr bool FIXED = ALL_FIXED && (!fp8_kind<KIND>() || SR);
             vi c[2];
             for (int h = 0; h < 2; h++)
               c[h] = code_lanes<KIND, SR, FIXED>(t[J][k][h], bs[J], grid[J],
                                                  SR ? rng.template bits<STATE_STREAM + J>(h) : vu{});
-            store_code_pairs<KIND>(p.s[J], e, c[0], c[1]);
+            Storage<KIND>::store16(p.s[J], e, c[0], c[1]);
           }
         });
       }
@@ -212,13 +180,13 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
 
 // Bytes of ``count`` elements of role ``role`` (coded states: their codes).
 static inline int64_t role_bytes(int role, int64_t count) {
-  if (role >= 3 && coded_state(role - 3)) return CODE_KINDS[role - 3] == CODE_UINT4 ? (count + 1) / 2 : count;
+  if (role >= 3 && coded_state(role - 3)) return CODE_BITS[role - 3] == 4 ? (count + 1) / 2 : count;
   return count * itemsize(role_type(role));
 }
 
 // The last ``count`` (< CODED_GROUP) elements of a tensor, from element ``i``: through zero-padded
 // local copies (every read in bounds), the written ones copied back. A 4-bit state with an odd count
-// keeps its unused high nibble 0, as _pack4 pads.
+// keeps its unused high nibble 0, as pack4 pads.
 static void coded_tail(const Pointers &p, int64_t i, int64_t count, void *const *scales, uint64_t base,
                        TensorStreams &streams, const rule_uniform &r, const vf &factor, const Grid *grid, vi &stalled) {
   alignas(32) unsigned char local[ROLES][CODED_GROUP * 4] = {};
@@ -235,7 +203,7 @@ static void coded_tail(const Pointers &p, int64_t i, int64_t count, void *const 
   coded_group<true>(q, 0, scales, i / CODE_BLOCK, base + i, subs, count, streams, r, factor, grid, stalled);
   for (int role = 0; role < ROLES; role++) {
     if (!orig[role] || role == 1) continue;
-    if (role >= 3 && CODE_KINDS[role - 3] == CODE_UINT4 && count % 2) local[role][count / 2] &= 0x0F;
+    if (role >= 3 && CODE_BITS[role - 3] == 4 && count % 2) local[role][count / 2] &= 0x0F;
     memcpy((char *)orig[role] + role_bytes(role, i), local[role], role_bytes(role, count));
   }
 }

@@ -3,9 +3,17 @@
 // checks every tensor before it calls here).
 //
 // Tensors are cut into units of whole blocks that the threads take from an atomic counter
-// (parallel.h); codes.h's spans do the rest.
+// (parallel.h); codes.h's spans do the rest. The translation unit that includes this file first
+// includes every encoding's header (their Storage specializations) and defines LOWP_CODE_KIND_LIST,
+// their kinds (lowp/optim/kernels/native_codes.py writes it from lowp.optim.encodings.CODES).
+#include <utility>
+
 #include "codes.h"
 #include "parallel.h"
+
+#ifndef LOWP_CODE_KIND_LIST
+#error "the codec's translation unit defines LOWP_CODE_KIND_LIST after including the encodings' headers"
+#endif
 
 static constexpr int64_t UNIT = 1 << 14;  // elements per work unit (a multiple of every block size)
 
@@ -44,6 +52,10 @@ static void decode_all(int64_t tensors, void *const *ptrs, const int64_t *numel,
 // a power of two from 8 to MAX_BLOCK (so a unit holds whole blocks)
 static bool block_known(int64_t block) { return block >= 8 && block <= MAX_BLOCK && (block & (block - 1)) == 0; }
 
+template <typename F, int... K> static bool dispatch_kinds(int kind, F &&with_scale, std::integer_sequence<int, K...>) {
+  return ((kind == K && with_scale(std::integral_constant<int, K>{})) || ...);
+}
+
 template <typename F> static bool dispatch(int kind, int scale, F &&f) {
   auto with_scale = [&](auto k) {
     switch (scale) {
@@ -53,14 +65,7 @@ template <typename F> static bool dispatch(int kind, int scale, F &&f) {
     }
     return false;
   };
-  switch (kind) {
-    case CODE_INT8: return with_scale(std::integral_constant<int, CODE_INT8>{});
-    case CODE_UINT8: return with_scale(std::integral_constant<int, CODE_UINT8>{});
-    case CODE_UINT4: return with_scale(std::integral_constant<int, CODE_UINT4>{});
-    case CODE_E4M3: return with_scale(std::integral_constant<int, CODE_E4M3>{});
-    case CODE_E5M2: return with_scale(std::integral_constant<int, CODE_E5M2>{});
-  }
-  return false;
+  return dispatch_kinds(kind, with_scale, std::integer_sequence<int, LOWP_CODE_KIND_LIST>{});
 }
 
 // ``grid``: signed, then Q, m, emin (the Code's numbers);

@@ -3,8 +3,9 @@
 // multi-tensor entry points) and coded_step.h (the step that codes its states in registers).
 //
 // The grid's numbers (Q, m, emin, signed) come from the Python Code at run time; what changes the
-// loads and stores is a template parameter: the storage KIND (int8, uint8, two uint4 per byte,
-// fp8) and the scale dtype S (the numbering of vector.h's Dtype: fp32, bf16, fp16).
+// loads and stores is a template parameter: the storage KIND, whose Storage<KIND> each encoding's
+// header specializes beside its module (lowp/optim/encodings/<name>.h), and the scale dtype S (the
+// numbering of vector.h's Dtype: fp32, bf16, fp16).
 //
 //   encode:  t = x or sqrt(x); s = up(max|t| / Q) (NaN when the block holds a NaN or an infinity);
 //            k = 1 / s (once per block); y = t * k (t / s where k is not finite; 0 where y is not
@@ -30,8 +31,20 @@
 
 #include "simd.h"
 
-enum CodeKind { CODE_INT8 = 0, CODE_UINT8 = 1, CODE_UINT4 = 2, CODE_E4M3 = 3, CODE_E5M2 = 4 };
-constexpr bool fp8_kind(int kind) { return kind == CODE_E4M3 || kind == CODE_E5M2; }
+// One encoding's storage, specialized by its header (lowp/optim/encodings/<name>.h, the KIND its
+// Python module numbers it with):
+//   BITS: 8 or 4 (two codes per byte, element 2k in the low nibble of byte k);
+//   SIGNED: the code holds values linearly (else the square roots of nonnegative states, 1..Q);
+//   FP8: the grid is an fp8 format's (code_lanes rounds in its bits);
+//   load8(codes, j) / store8(codes, j, v): the codes of elements j .. j + 7 (4-bit codes: j even)
+//     as fp32 values / from code_lanes' int32 lanes;
+//   load16(codes, i, even, odd) / store16(codes, i, even, odd): the 16 elements from i (a multiple
+//     of 16) as (even, odd) lanes, as coded_step.h holds them.
+template <int KIND> struct Storage;
+// byte offset of element ``i``'s code
+template <int KIND> static inline int64_t code_offset(int64_t i) { return Storage<KIND>::BITS == 4 ? i / 2 : i; }
+// bytes of ``n`` codes
+template <int KIND> static inline int64_t code_bytes(int64_t n) { return Storage<KIND>::BITS == 4 ? (n + 1) / 2 : n; }
 constexpr int MAX_BLOCK = 256;
 
 // The grid of one code (lowp.optim.codes.Code), broadcast once per call.
@@ -64,27 +77,8 @@ struct Grid {
 };
 
 // Unsigned codes (the square roots of nonnegative states) by their storage kind.
-constexpr bool unsigned_kind(int kind) { return kind == CODE_UINT8 || kind == CODE_UINT4; }
-
-// The fp32 values of 8 fp8 codes, each the high byte of a 16-bit lane of ``x`` (the low bytes are
-// ignored), bit for bit as torch's casts: through the fp16 pattern of each code and the hardware's
-// exact fp16 -> fp32 conversion (F16C; its subnormal inputs are never flushed). An e5m2 code is the
-// top byte of an fp16; the conversion quiets a signalling NaN (0x7D00 -> 0x7FE00000) as torch does.
-// An e4m3fn code s.eeee.mmm is the fp16 s.0eeee.mmm0000000 (an arithmetic shift right by one, the
-// sign copied into the cleared bit 14) times 2^-8, normal and subnormal codes alike; its NaN
-// s.1111.111 is the one code whose bits 7..13 are all ones there, and adding 0x80 to them carries
-// into bit 14, which makes it the fp16 NaN s.11111.1110000000 (fp32 0x7FF00000 | s, torch's NaN).
-template <int KIND> static inline vf fp8_values(__m128i x) {
-  if constexpr (KIND == CODE_E5M2) {
-    return (vf)_mm256_cvtph_ps(_mm_and_si128(x, _mm_set1_epi16((short)0xFF00)));
-  } else {
-    static_assert(KIND == CODE_E4M3, "an fp8 kind");
-    const __m128i h = _mm_and_si128(_mm_srai_epi16(x, 1), _mm_set1_epi16((short)0xBF80));
-    const __m128i nan = _mm_and_si128(_mm_add_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3F80)), _mm_set1_epi16(0x80)),
-                                      _mm_set1_epi16(0x4000));
-    return (vf)_mm256_cvtph_ps(_mm_or_si128(h, nan)) * bc(256.0f);
-  }
-}
+template <int KIND> constexpr bool unsigned_kind() { return !Storage<KIND>::SIGNED; }
+template <int KIND> constexpr bool fp8_kind() { return Storage<KIND>::FP8; }
 
 // ---- block scales ------------------------------------------------------------------------------
 template <int S> static inline float scale_at(const void *scales, int64_t b) {
@@ -208,13 +202,13 @@ template <int KIND, bool SR, bool FIXED>
 static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) {
   const vf abs_mask = (vf)bcu(0x7FFFFFFFu);
   // y = t * k (integer codes' fixed path: t itself, k * 2^16 comes below); finite in a fixed block
-  const vf y = FIXED ? (fp8_kind(KIND) ? t * b.k : t) : [&] {
+  const vf y = FIXED ? (fp8_kind<KIND>() ? t * b.k : t) : [&] {
     const vf v = b.divide ? t / b.s : t * b.k;
     return select((vi)((vf)((vu)v & (vu)abs_mask) <= bc(FLT_MAX)), v, bc(0.0f));  // 0 / 0, x / 0, NaN blocks
   }();
   // |y|; the fixed path of unsigned codes skips it: there t >= 0 or -0, whose code is the same
-  const vf a = FIXED && unsigned_kind(KIND) ? y : (vf)((vu)y & (vu)abs_mask);
-  if constexpr (!fp8_kind(KIND)) {
+  const vf a = FIXED && unsigned_kind<KIND>() ? y : (vf)((vu)y & (vu)abs_mask);
+  if constexpr (!fp8_kind<KIND>()) {
     vi m;
     if constexpr (SR) {
       const vf scaled = FIXED ? a * b.k16 : a * bc(65536.0f);  // c * 2^16
@@ -224,7 +218,7 @@ static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) 
       m = (vi)_mm256_cvttps_epi32(_mm256_round_ps((__m256)c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
     m = (vi)_mm256_min_epi32((__m256i)m, (__m256i)g.top_code);
-    if constexpr (unsigned_kind(KIND)) return (vi)_mm256_max_epi32((__m256i)m, (__m256i)g.least_code);
+    if constexpr (unsigned_kind<KIND>()) return (vi)_mm256_max_epi32((__m256i)m, (__m256i)g.least_code);
     else return (vi)_mm256_sign_epi32((__m256i)m, (__m256i)y);  // y's sign; -0 and +0 give 0
   } else {
     if constexpr (FIXED) {
@@ -263,25 +257,6 @@ static inline vi code_lanes(vf t, const BlockScale &b, const Grid &g, vu noise) 
 }
 
 // ---- 8 codes at a time, in memory order ----------------------------------------------------------
-// Codes of elements j .. j + 7 of a block whose first code is ``codes`` (4-bit codes: j is even,
-// so the 8 codes are the 4 bytes from j / 2).
-template <int KIND> static inline vf load_codes(const void *codes, int64_t j) {
-  const uint8_t *p = (const uint8_t *)codes;
-  if constexpr (KIND == CODE_UINT4) {
-    uint32_t w;
-    memcpy(&w, p + j / 2, 4);
-    __m256i b = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128((int)w));  // byte k in 64-bit lane k
-    __m256i lo = _mm256_and_si256(b, _mm256_set1_epi64x(0xF));
-    __m256i hi = _mm256_and_si256(_mm256_slli_epi64(b, 28), _mm256_set1_epi64x(0xF00000000ll));
-    return (vf)_mm256_cvtepi32_ps(_mm256_or_si256(lo, hi));
-  } else {
-    __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
-    if constexpr (KIND == CODE_INT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    else if constexpr (KIND == CODE_UINT8) return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-    else return fp8_values<KIND>(_mm_unpacklo_epi8(_mm_setzero_si128(), b));  // code k: the high byte of lane k
-  }
-}
-
 // The 8 lanes of ``v`` (code_lanes) as bytes: the low 8 bits of each.
 static inline __m128i low_bytes(vi v) {
   const __m256i b = _mm256_and_si256((__m256i)v, _mm256_set1_epi32(0xFF));
@@ -289,22 +264,18 @@ static inline __m128i low_bytes(vi v) {
   return _mm_packus_epi16(_mm_packus_epi32(lo, hi), lo);  // 8 bytes in the low half
 }
 
-// Store the codes ``v`` (code_lanes) of elements j .. j + 7.
-template <int KIND> static inline void store_codes(void *codes, int64_t j, vi v) {
-  uint8_t *p = (uint8_t *)codes;
-  if constexpr (KIND == CODE_UINT4) {
-    // byte k = code 2k | code (2k + 1) << 4, in the low byte of 64-bit lane k
-    __m256i pairs = _mm256_or_si256((__m256i)v, _mm256_srli_epi64((__m256i)v, 28));
-    __m256i picked = _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                 -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                 -1, -1, -1, -1));
-    uint16_t a = (uint16_t)_mm_extract_epi16(_mm256_castsi256_si128(picked), 0);
-    uint16_t b = (uint16_t)_mm_extract_epi16(_mm256_extracti128_si256(picked, 1), 0);
-    memcpy(p + j / 2, &a, 2);
-    memcpy(p + j / 2 + 2, &b, 2);
-  } else {
-    _mm_storel_epi64((__m128i *)(p + j), low_bytes(v));
-  }
+// store8 of every one-byte code: the low byte of each lane.
+static inline void store8_bytes(void *codes, int64_t j, vi v) {
+  _mm_storel_epi64((__m128i *)((uint8_t *)codes + j), low_bytes(v));
+}
+
+// store16 of every one-byte code: 16-bit lanes e0-3 o0-3 | e4-7 o4-7 (codes fit without
+// saturating), their low bytes interleaved within each half, the halves' low 8 bytes joined.
+static inline void store16_bytes(void *codes, int64_t i, vi even, vi odd) {
+  const __m256i w = _mm256_packs_epi32((__m256i)even, (__m256i)odd);
+  const __m256i b = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                            0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+  _mm_storeu_si128((__m128i *)((uint8_t *)codes + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
 }
 
 // ---- one block ---------------------------------------------------------------------------------
@@ -315,7 +286,7 @@ static inline void encode_values(const float *t, int64_t n, void *codes, const B
   for (int64_t j = 0; j < n; j += 8) {
     vf v;
     memcpy(&v, t + j, 32);
-    store_codes<KIND>(codes, j, code_lanes<KIND, SR, FIXED>(v, bs, g, SR ? noise.at(j) : vu{}));
+    Storage<KIND>::store8(codes, j, code_lanes<KIND, SR, FIXED>(v, bs, g, SR ? noise.at(j) : vu{}));
   }
 }
 
@@ -330,29 +301,26 @@ static inline void encode_block(const float *x, int64_t n, void *codes, void *sc
   for (int64_t j = 0; j < n; j += 8) {
     vf v;
     memcpy(&v, x + j, 32);
-    if constexpr (unsigned_kind(KIND)) {
+    if constexpr (unsigned_kind<KIND>()) {
       v = sqrt_(v);
       memcpy(roots + j, &v, 32);
     }
     peak = peak_of(peak, v);
   }
-  if constexpr (unsigned_kind(KIND)) t = roots;
+  if constexpr (unsigned_kind<KIND>()) t = roots;
   const vu peaks[8] = {peak};
   const BlockScale bs = block_scales<S>(scales, b, 1, lane_maxima(peaks), g)[0];
-  if (bs.fixed && (!fp8_kind(KIND) || SR)) encode_values<KIND, SR, !fp8_kind(KIND) || SR>(t, n, codes, bs, g, noise);
+  if (bs.fixed && (!fp8_kind<KIND>() || SR)) encode_values<KIND, SR, !fp8_kind<KIND>() || SR>(t, n, codes, bs, g, noise);
   else encode_values<KIND, SR, false>(t, n, codes, bs, g, noise);
 }
-
-// byte offset of element ``i``'s code
-template <int KIND> static inline int64_t code_offset(int64_t i) { return KIND == CODE_UINT4 ? i / 2 : i; }
 
 // Decode ``n`` values (a multiple of 8) of scale ``b`` into ``out``.
 template <int KIND, int S>
 static inline void decode_block(const void *codes, int64_t n, const void *scales, int64_t b, float *out) {
   const vf s = bc(scale_at<S>(scales, b));
   for (int64_t j = 0; j < n; j += 8) {
-    vf y = load_codes<KIND>(codes, j) * s;
-    if constexpr (unsigned_kind(KIND)) y = y * y;
+    vf y = Storage<KIND>::load8(codes, j) * s;
+    if constexpr (unsigned_kind<KIND>()) y = y * y;
     memcpy(out + j, &y, 32);
   }
 }
@@ -381,8 +349,8 @@ static inline void encode_span(const float *values, int64_t start, int64_t end, 
     memcpy(x, values + (i - start), sizeof(float) * n);
     auto &&tail_bits = bits.padded(n, local_bits);
     encode_block<KIND, S, SR>(x, (n + 7) / 8 * 8, out, scales, i / block, g, tail_bits);
-    if (KIND == CODE_UINT4 && n % 2) out[n / 2] &= 0x0F;  // the unused high nibble is 0, as _pack4 pads
-    memcpy(c + code_offset<KIND>(i), out, KIND == CODE_UINT4 ? (n + 1) / 2 : n);
+    if (Storage<KIND>::BITS == 4 && n % 2) out[n / 2] &= 0x0F;  // the unused high nibble is 0, as pack4 pads
+    memcpy(c + code_offset<KIND>(i), out, code_bytes<KIND>(n));
   }
 }
 
@@ -399,7 +367,7 @@ static inline void decode_span(const void *codes, const void *scales, int64_t st
     }
     alignas(32) uint8_t local[MAX_BLOCK] = {};
     alignas(32) float y[MAX_BLOCK];
-    memcpy(local, c + code_offset<KIND>(i), KIND == CODE_UINT4 ? (n + 1) / 2 : n);
+    memcpy(local, c + code_offset<KIND>(i), code_bytes<KIND>(n));
     decode_block<KIND, S>(local, (n + 7) / 8 * 8, scales, i / block, y);
     memcpy(out + (i - start), y, sizeof(float) * n);
   }
