@@ -155,6 +155,8 @@ MAIN = (
                 "bf16 scales", mode="exact8", state_dtype=EIGHT_BIT),
     _lowp_setup("aggressive", "bf16 weights, stochastic rounding, m int8, v uint4 (sqrt), blocks of 64",
                 mode="stochastic", state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint4}),
+    _lowp_setup("4-bit moments", "aggressive with m as int4 too: both moments in 4 bits, blocks of 64",
+                mode="stochastic", state_dtype={"exp_avg": torch.int4, "exp_avg_sq": torch.uint4}),
     Setup("torchao AdamW8bit", torch.float32, _torchao,
           note="torchao.optim.AdamW8bit on fp32 weights: 8-bit moments, blocks of 256, fp32 scales"),
 )

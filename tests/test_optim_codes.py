@@ -49,9 +49,11 @@ def _grid(code) -> torch.Tensor:
 
 
 def _code_values(codes: torch.Tensor, code, n: int) -> torch.Tensor:
-    """The codes as fp32 numbers (4-bit ones unpacked, low nibble first)."""
+    """The codes as fp32 numbers (4-bit ones unpacked, low nibble first; a signed nibble is two's
+    complement)."""
     if code.bits == 4:
-        return torch.stack([codes & 15, codes >> 4], 1).reshape(-1)[:n].float()
+        nibbles = torch.stack([codes & 15, codes >> 4], 1).reshape(-1)[:n].to(torch.int32)
+        return (nibbles - ((nibbles & 8) << 1) if code.signed else nibbles).float()
     return codes.reshape(-1).float()
 
 

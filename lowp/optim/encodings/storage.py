@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["pack_bytes", "unpack_bytes", "pack_nibbles", "unpack_nibbles"]
+__all__ = ["pack_bytes", "unpack_bytes", "pack_nibbles", "unpack_nibbles", "unpack_signed_nibbles"]
 
 
 def pack_bytes(storage: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -35,3 +35,11 @@ def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The ``numel`` unsigned codes (0..15) of :func:`pack_nibbles`'s bytes, as fp32."""
     b = packed.reshape(-1).to(torch.int32)
     return torch.stack([b & 15, b >> 4], dim=1).reshape(-1)[:numel].float()
+
+
+def unpack_signed_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The ``numel`` signed codes (-8..7, two's complement nibbles) of :func:`pack_nibbles`'s
+    bytes, as fp32."""
+    n = packed.reshape(-1).to(torch.int32)
+    n = torch.stack([n & 15, n >> 4], dim=1).reshape(-1)[:numel]
+    return (n - ((n & 8) << 1)).float()

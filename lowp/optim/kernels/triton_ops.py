@@ -121,7 +121,10 @@ def decode_code(codes, scales, offs, mask, SIGNED: tl.constexpr, BITS: tl.conste
     its code bytes, ``scales`` at its block scales."""
     if BITS == 4:
         byte = tl.load(codes + offs // 2, mask=mask, other=0).to(tl.int32)
-        q = ((byte >> ((offs & 1) * 4).to(tl.int32)) & 15).to(tl.float32)
+        nibble = (byte >> ((offs & 1) * 4).to(tl.int32)) & 15
+        if SIGNED:   # a two's complement nibble
+            nibble = tl.where(nibble >= 8, nibble - 16, nibble)
+        q = nibble.to(tl.float32)
     else:
         b = tl.load(codes + offs, mask=mask, other=0).to(tl.int32)
         if FLOAT:
@@ -190,7 +193,7 @@ def encode_code(codes, scales, x, start, offs, n, mask, noise, SR: tl.constexpr,
         code = tl.where(q >= MIN_NORMAL, normal, (q * PER_SUBNORMAL).to(tl.int32))
         code = code | tl.where(y.to(tl.int32, bitcast=True) < 0, 128, 0)
     elif SIGNED:
-        code = tl.where(y.to(tl.int32, bitcast=True) < 0, -q, q).to(tl.int32) & 255
+        code = tl.where(y.to(tl.int32, bitcast=True) < 0, -q, q).to(tl.int32) & ((1 << BITS) - 1)
     else:
         code = q.to(tl.int32)
     if BITS == 4:
