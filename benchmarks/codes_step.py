@@ -30,7 +30,7 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.codes import CODES, codes_shape, scales_shape
-from lowp.optim.kernels import native_codes
+from lowp.optim.kernels.native import codec as native_codec
 from lowp.optim.speed import parse_size
 
 #: name -> state_dtype (``None``: bf16 states, the baseline)
@@ -106,11 +106,11 @@ def codec_ns(numel: int, code_dtype: torch.dtype, rounds: int) -> tuple[float, f
     codes = torch.empty(codes_shape(code, x.shape), dtype=code.storage)
     scales = torch.empty(scales_shape(numel, 64), dtype=torch.bfloat16)
     out = torch.empty(numel)
-    bits = native_codes.CountedBits(0, 12345)
+    bits = native_codec.CountedBits(0, 12345)
     times = []
-    for fn in (lambda: native_codes.decode(codes, scales, code, 64, numel, out),
-               lambda: native_codes.encode(x, code, 64, codes, scales, bits)):
-        native_codes.encode(x, code, 64, codes, scales, bits)
+    for fn in (lambda: native_codec.decode(codes, scales, code, 64, numel, out),
+               lambda: native_codec.encode(x, code, 64, codes, scales, bits)):
+        native_codec.encode(x, code, 64, codes, scales, bits)
         best = float("inf")
         for _ in range(rounds):
             start = time.perf_counter()
@@ -142,7 +142,7 @@ def main() -> None:
             base = times["bf16 states"]
             print(f"| {size} | " + " | ".join(f"{t * 1e3:.2f} ms ({t / base:.2f}x)" for t in times.values()) + " |")
         return
-    if not native_codes.available():
+    if not native_codec.available():
         raise SystemExit("codes_step: the native backend does not build here (x86-64 with AVX2 and g++ needed)")
     print(f"torch {torch.__version__}, AdamW, bf16 weights, native backend; ratio = step time / bf16-state step time; "
           "floor = bytes moved / memory bandwidth")

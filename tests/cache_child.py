@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 import lowp.optim as lo
-from lowp.optim.kernels.native import NativeKernel
+from lowp.optim.kernels.native.kernel import NativeKernel
 
 
 def sgd_step() -> None:

@@ -1,5 +1,6 @@
-"""Child processes of test_kernel_cache.py that need no torch: ``native_build.py`` is loaded from its
-file (it imports nothing of lowp), so a fresh loader starts in a fraction of a second.
+"""Child processes of test_kernel_cache.py that load libraries straight through the build cache
+(:mod:`lowp.build_cache`, with the native kernel's :mod:`lowp.optim.kernels.native.build`): no
+optimizer step, and nothing loaded before the mode runs (importing lowp builds nothing).
 
 ``python cache_loader.py MODE ARGS...`` prints one line ``RESULT <json>``:
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib.util
 import json
 import os
 import signal
@@ -25,20 +25,12 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from lowp import build_cache
+from lowp.optim.kernels.native import build as native_build
+
 NOBODY = 65534
-
-
-def native_build() -> ModuleType:
-    """A fresh copy of ``lowp/optim/kernels/native_build.py``, loaded from its file."""
-    spec = importlib.util.spec_from_file_location("lowp_native_build", ROOT / "lowp/optim/kernels/native_build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def describe(library: ctypes.CDLL) -> dict[str, Any]:
@@ -47,18 +39,17 @@ def describe(library: ctypes.CDLL) -> dict[str, Any]:
     return {"finite": hasattr(library, "lowp_finite"), "foreign": hasattr(library, "lowp_foreign")}
 
 
-def load_finite(module: ModuleType) -> dict[str, Any]:
+def load_finite() -> dict[str, Any]:
     """Load the non-finite check; what was loaded and the kernel-cache warnings given."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        library = module._library("finite")
+        library = native_build._library("finite")
     return {**describe(library), "warnings": [str(w.message) for w in caught if "kernel cache" in str(w.message)]}
 
 
 def swap(target: Path, foreign: Path) -> dict[str, Any]:
     """:func:`load_finite` with the file at ``target`` replaced between verification and ``dlopen``."""
-    module = native_build()
-    original = module._dlopen_fd
+    original = build_cache._dlopen_fd
     swapped: list[str] = []
 
     def replace_then_load(fd: int) -> ctypes.CDLL:
@@ -72,17 +63,16 @@ def swap(target: Path, foreign: Path) -> dict[str, Any]:
         swapped.append(str(target))
         return original(fd)
 
-    module._dlopen_fd = replace_then_load
-    return {**load_finite(module), "swapped": swapped}
+    build_cache._dlopen_fd = replace_then_load
+    return {**load_finite(), "swapped": swapped}
 
 
 def pair(first: Path, second: Path) -> dict[str, Any]:
     """Load two verified libraries in turn (the second through the descriptor number the first
     one's closed descriptor freed); what each one's ``which()`` answers."""
-    module = native_build()
     answers = []
     for path in (first, second):
-        library = module._load_verified(path)
+        library = build_cache._load_verified(path)
         answers.append(None if library is None else library.which())
     return {"which": answers}
 
@@ -113,7 +103,7 @@ def attack(folder: Path) -> dict[str, Any]:
 def main(argv: list[str]) -> dict[str, Any]:
     mode = argv[1]
     if mode == "load":
-        return load_finite(native_build())
+        return load_finite()
     if mode == "swap":
         return swap(Path(argv[2]), Path(argv[3]))
     if mode == "pair":
@@ -121,7 +111,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     if mode == "available":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            available = native_build().native_available()
+            available = native_build.native_available()
         return {"available": available, "warnings": [str(w.message) for w in caught]}
     if mode == "attack":
         return attack(Path(argv[2]))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowp.optim as lo
-from lowp.optim.kernels import native_codes
+from lowp.optim.kernels.native import codec as native_codec
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "codes_step.py"
@@ -39,7 +39,7 @@ def test_moved_bytes_counts_every_state_read_and_written(state_dtype, expected):
     assert _script().moved_bytes(p, opt.state[p]) == expected * numel
 
 
-@pytest.mark.skipif(not native_codes.available(), reason="the CPU table times the native backend (x86-64, AVX2)")
+@pytest.mark.skipif(not native_codec.available(), reason="the CPU table times the native backend (x86-64, AVX2)")
 def test_small_run_prints_every_configuration_against_its_floor():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--sizes", "64K", "--threads", "1", "--rounds", "1"],

@@ -1,4 +1,4 @@
-"""The native CPU codec (lowp/optim/kernels/native_codes.py, native/codes.h) against the torch
+"""The native CPU codec (lowp/optim/kernels/native/codec.py, native/codes.h) against the torch
 definition (lowp/optim/codes.py), bit for bit: every code x scale dtype x block size, awkward
 sizes, zero, NaN and infinite blocks, values at the top code, subnormal scales, every way of
 rounding; the coded step with and without it; odd inputs refused before any C++ call."""
@@ -19,12 +19,13 @@ import lowp.optim as lo
 from fused_helpers import same_bits_or_nan
 from lowp.optim import coded
 from lowp.optim.codes import BLOCK_SIZES, CODES, SCALE_DTYPES, codes_shape, decode, encode, scale_name, scales_shape
-from lowp.optim.kernels import coded_slices, native_codes
+from lowp.optim.kernels import coded_slices
+from lowp.optim.kernels.native import codec as native_codec
 from lowp.optim.randomness import ElementIndex, random16
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.writeback import MODES
 
-pytestmark = pytest.mark.skipif(not native_codes.available(), reason="needs the native kernel (x86-64 with g++)")
+pytestmark = pytest.mark.skipif(not native_codec.available(), reason="needs the native kernel (x86-64 with g++)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL_CODES = list(CODES.values())
@@ -84,15 +85,15 @@ def test_native_codec_equals_the_torch_definition(code, scale_dtype, block):
         x = data[:n].contiguous()
         first = 5 * n + 3
         drawn = random16(torch.arange(first, first + n), key)
-        for noise, native_noise in ((None, None), (drawn, drawn), (drawn, native_codes.CountedBits(first, key))):
+        for noise, native_noise in ((None, None), (drawn, drawn), (drawn, native_codec.CountedBits(first, key))):
             want_codes, want_scales = _pair(x, code, block, scale_dtype)
             encode(x, code, block, want_codes, want_scales, noise)
             got_codes, got_scales = _pair(x, code, block, scale_dtype)
-            native_codes.encode(x, code, block, got_codes, got_scales, native_noise)
+            native_codec.encode(x, code, block, got_codes, got_scales, native_noise)
             assert torch.equal(_bits(want_codes), _bits(got_codes)), (n, noise is None)
             assert torch.equal(_bits(want_scales), _bits(got_scales)), (n, noise is None)
         _same_decoded(decode(want_codes, want_scales, code, block, n),
-                      native_codes.decode(want_codes, want_scales, code, block, n), scale_dtype)
+                      native_codec.decode(want_codes, want_scales, code, block, n), scale_dtype)
 
 
 @pytest.mark.parametrize("code", ALL_CODES, ids=lambda c: c.name)
@@ -102,7 +103,7 @@ def test_every_code_byte_decodes_as_torch_decodes_it(code):
     numel = 256 if code.bits == 8 else 512
     scales = torch.tensor([0.75, -2.0, 3.0e-39, 1.0e30, math.inf, 0.0, -0.0, 1.5] * 2)[:scales_shape(numel, 32)[0]]
     want = decode(codes, scales, code, 32, numel)
-    assert torch.equal(_bits(want), _bits(native_codes.decode(codes, scales, code, 32, numel)))
+    assert torch.equal(_bits(want), _bits(native_codec.decode(codes, scales, code, 32, numel)))
 
 
 @pytest.mark.parametrize("code", [c for c in ALL_CODES if c.storage.is_floating_point], ids=lambda c: c.name)
@@ -118,7 +119,7 @@ def test_fp8_codes_decode_exactly_with_denormals_flushed(code):
     if not torch.set_flush_denormal(True):
         pytest.fail("torch.set_flush_denormal is not supported on this x86-64 CPU")
     try:
-        got = native_codes.decode(codes, scales, code, 32, 256)
+        got = native_codec.decode(codes, scales, code, 32, 256)
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(_bits(want), _bits(got))
@@ -133,7 +134,7 @@ def test_random_bits_across_a_multiple_of_2_to_the_32():
     want_codes, want_scales = _pair(x, code, 64, torch.bfloat16)
     encode(x, code, 64, want_codes, want_scales, random16(torch.arange(first, first + n), key))
     got_codes, got_scales = _pair(x, code, 64, torch.bfloat16)
-    native_codes.encode(x, code, 64, got_codes, got_scales, native_codes.CountedBits(first, key))
+    native_codec.encode(x, code, 64, got_codes, got_scales, native_codec.CountedBits(first, key))
     assert torch.equal(want_codes, got_codes) and torch.equal(want_scales, got_scales)
 
 
@@ -149,7 +150,7 @@ def test_many_tensors_in_one_call_on_several_threads():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        native_codes.encode_many([native_codes.Encoding(x, c, s, native_codes.CountedBits(11, 5))
+        native_codec.encode_many([native_codec.Encoding(x, c, s, native_codec.CountedBits(11, 5))
                                   for x, (c, s) in zip(xs, got)], code, block)
     finally:
         torch.set_num_threads(threads)
@@ -193,15 +194,15 @@ WIDE = {"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}
 
 @pytest.mark.parametrize("rounding, state_dtype", [("stochastic", None), ("nearest", WIDE)])
 def test_the_coded_step_is_the_same_with_and_without_the_native_codec(monkeypatch, rounding, state_dtype):
-    native_codes.COUNTS.encoded = native_codes.COUNTS.decoded = 0
+    native_codec.COUNTS.encoded = native_codec.COUNTS.decoded = 0
     fast = _adamw_run("foreach", rounding=rounding, state_dtype=state_dtype, state_block=32)
     elements = 1 + 33 + 2100
     # two states, three steps, decoded and encoded: every element through the native codec
-    assert native_codes.COUNTS.encoded == native_codes.COUNTS.decoded == 2 * 3 * elements
-    monkeypatch.setattr(coded.native_codes, "available", lambda: False)
-    native_codes.COUNTS.encoded = 0
+    assert native_codec.COUNTS.encoded == native_codec.COUNTS.decoded == 2 * 3 * elements
+    monkeypatch.setattr(coded.native_codec, "available", lambda: False)
+    native_codec.COUNTS.encoded = 0
     slow = _adamw_run("foreach", rounding=rounding, state_dtype=state_dtype, state_block=32)
-    assert native_codes.COUNTS.encoded == 0
+    assert native_codec.COUNTS.encoded == 0
     _same_runs(fast, slow)
 
 
@@ -219,14 +220,14 @@ def test_the_step_kernel_with_coded_states_equals_the_decode_step_encode_passes(
                                                                                state_dtype, extra):
     """The native backend decodes and encodes inside its kernel (native/coded_step.h): the same
     bits as the generic passes of lowp/optim/coded.py, with no work for the separate codec."""
-    native_codes.COUNTS.encoded = 0
+    native_codec.COUNTS.encoded = 0
     fused = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
     total = 3 * sum(math.prod(s) for s in SHAPES)
-    assert native_codes.COUNTS.encoded == 0
+    assert native_codec.COUNTS.encoded == 0
     assert (fused[1].backend.fused_elements, fused[1].backend.reference_elements) == (total, 0)
     monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
     passes = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
-    assert native_codes.COUNTS.encoded == 2 * total
+    assert native_codec.COUNTS.encoded == 2 * total
     _same_runs(fused, passes)
 
 
@@ -275,12 +276,12 @@ def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dt
             first = [opt.state[p]["exp_avg_scale"].float() for p in params]   # (the squares of 1e-38 are 0)
             assert all(((s > 0) & (s < 1.1754944e-38)).any() for s in first)
         return steps
-    native_codes.COUNTS.encoded = 0
+    native_codec.COUNTS.encoded = 0
     fused = run()
-    assert native_codes.COUNTS.encoded == 0
+    assert native_codec.COUNTS.encoded == 0
     monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
     passes = run()
-    assert native_codes.COUNTS.encoded > 0
+    assert native_codec.COUNTS.encoded > 0
     for a, b in zip(fused, passes):   # after each step
         _same_tensors(a, b)
 
@@ -306,13 +307,13 @@ def test_the_step_kernel_decodes_every_code_byte_as_the_passes_do(monkeypatch, s
             opt.step()
         return [p.detach(), *(v for v in opt.state[p].values() if isinstance(v, torch.Tensor))], opt
 
-    native_codes.COUNTS.encoded = 0
+    native_codec.COUNTS.encoded = 0
     fused, opt = run()
-    assert native_codes.COUNTS.encoded == 0 and opt.backend.fused_elements == 2 * 1024   # decoded in the kernel
+    assert native_codec.COUNTS.encoded == 0 and opt.backend.fused_elements == 2 * 1024   # decoded in the kernel
     assert fused[0].isnan().any() == (storage != torch.int8)   # the NaN codes reached the weight
     monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
     passes, _ = run()
-    assert native_codes.COUNTS.encoded == 2 * 2 * 1024
+    assert native_codec.COUNTS.encoded == 2 * 2 * 1024
     _same_tensors(fused, passes)
 
 
@@ -345,11 +346,11 @@ def test_coded_groups_that_end_at_or_cross_two_to_the_32_equal_the_passes(below)
     crossing it in its third block (552) give the passes' bits, which differ from those at
     index 0."""
     index = ElementIndex(offset=(1 << 32) - below)
-    native_codes.COUNTS.encoded = 0
+    native_codec.COUNTS.encoded = 0
     kernel = _coded_run_at_index("native", index)
-    assert native_codes.COUNTS.encoded == 0
+    assert native_codec.COUNTS.encoded == 0
     _same_tensors(kernel, _coded_run_at_index("foreach", index))
-    assert native_codes.COUNTS.encoded > 0
+    assert native_codec.COUNTS.encoded > 0
     assert not all(torch.equal(x, y) for x, y in zip(kernel, _coded_run_at_index("native", ElementIndex())))
 
 
@@ -403,9 +404,9 @@ def test_slices_the_kernel_cannot_take_go_through_the_passes_in_the_same_step():
                 p.grad = torch.randn(p.shape, generator=gen).bfloat16()
             opt.step()
         return params, opt
-    native_codes.COUNTS.encoded = 0
+    native_codec.COUNTS.encoded = 0
     fused = run("native")
-    assert native_codes.COUNTS.encoded == 2 * 2 * 1200   # the transposed one, two states, two steps
+    assert native_codec.COUNTS.encoded == 2 * 2 * 1200   # the transposed one, two states, two steps
     _same_runs(run("eager"), fused)
 
 
@@ -415,7 +416,7 @@ def _bad_calls():
     codes = torch.empty(100, dtype=torch.int8)
     scales = torch.empty(4, dtype=torch.bfloat16)
     buf = torch.empty(100)
-    enc = native_codes.encode
+    enc = native_codec.encode
     return [
         ("values", lambda: enc(x.double(), code, 32, codes, scales, None)),
         ("values", lambda: enc(torch.randn(200)[::2], code, 32, codes, scales, None)),
@@ -425,20 +426,20 @@ def _bad_calls():
         ("scales", lambda: enc(x, code, 32, codes, scales.to(torch.int16), None)),
         ("noise", lambda: enc(x, code, 32, codes, scales, torch.zeros(99, dtype=torch.int32))),
         ("noise", lambda: enc(x, code, 32, codes, scales, torch.zeros(100, dtype=torch.int64))),
-        ("noise", lambda: enc(x, code, 32, codes, scales, native_codes.CountedBits(0, 1 << 32))),
-        ("noise", lambda: enc(x, code, 32, codes, scales, native_codes.CountedBits((1 << 63) - 50, 1))),
+        ("noise", lambda: enc(x, code, 32, codes, scales, native_codec.CountedBits(0, 1 << 32))),
+        ("noise", lambda: enc(x, code, 32, codes, scales, native_codec.CountedBits((1 << 63) - 50, 1))),
         ("block", lambda: enc(x, code, 48, codes, scales, None)),
         ("code", lambda: enc(x, "int8", 32, codes, scales, None)),
         # a Code that is not one of CODES: a bf16 "fp8" table would hold 128 entries, not 256
         ("code: expected one of lowp.optim.codes.CODES",
-         lambda: native_codes.decode(torch.zeros(100, dtype=torch.bfloat16), scales,
+         lambda: native_codec.decode(torch.zeros(100, dtype=torch.bfloat16), scales,
                                      dataclasses.replace(CODES[torch.float8_e4m3fn], storage=torch.bfloat16), 32, 100)),
         ("jobs", lambda: enc(x, code, 32, x[:25].view(torch.int8), scales, None)),
-        ("out", lambda: native_codes.decode(codes, scales, code, 32, 100, torch.empty(100, dtype=torch.float64))),
-        ("out", lambda: native_codes.decode(codes, scales, code, 32, 100, torch.empty(200)[::2])),
-        ("scales", lambda: native_codes.decode(codes, scales[:2], code, 32, 100)),
-        ("jobs", lambda: native_codes.decode(buf.view(torch.int8)[:100], scales, code, 32, 100, buf)),
-        ("numel", lambda: native_codes.decode(codes, scales, code, 32, 0)),
+        ("out", lambda: native_codec.decode(codes, scales, code, 32, 100, torch.empty(100, dtype=torch.float64))),
+        ("out", lambda: native_codec.decode(codes, scales, code, 32, 100, torch.empty(200)[::2])),
+        ("scales", lambda: native_codec.decode(codes, scales[:2], code, 32, 100)),
+        ("jobs", lambda: native_codec.decode(buf.view(torch.int8)[:100], scales, code, 32, 100, buf)),
+        ("numel", lambda: native_codec.decode(codes, scales, code, 32, 0)),
     ]
 
 
@@ -455,7 +456,7 @@ def test_memory_that_could_crash_is_refused_in_a_subprocess():
     script = textwrap.dedent("""
         import torch
         from lowp.optim.codes import CODES
-        from lowp.optim.kernels import native_codes
+        from lowp.optim.kernels.native import codec as native_codec
         code = CODES[torch.int8]
         x = torch.randn(1 << 16)
         codes = torch.empty(1 << 16, dtype=torch.int8)
@@ -466,11 +467,11 @@ def test_memory_that_could_crash_is_refused_in_a_subprocess():
         short.untyped_storage().resize_(1 << 10)
         for args in [(x, code, 32, freed, scales, None), (short, code, 32, codes, scales, None)]:
             try:
-                native_codes.encode(*args)
+                native_codec.encode(*args)
             except ValueError as e:
                 print("refused:", str(e).split(":")[0])
         try:
-            native_codes.decode(freed, scales, code, 32, 1 << 16)
+            native_codec.decode(freed, scales, code, 32, 1 << 16)
         except ValueError as e:
             print("refused:", str(e).split(":")[0])
     """)

@@ -12,9 +12,9 @@ from torch._dynamo.utils import counters
 
 import lowp.optim as lo
 from lowp.optim import backends, kernels
-from lowp.optim.kernels.compiled import CHUNK
+from lowp.optim.kernels.compiled.kernel import CHUNK
 from lowp.optim.kernels.kernel import stream_count
-from lowp.optim.kernels.step import _stream_bits, chunk_keys, nearest, stochastic_bf16
+from lowp.optim.kernels.compiled.step import _stream_bits, chunk_keys, nearest, stochastic_bf16
 from lowp.optim.randomness import ElementIndex, Stream, stream_keys
 from fused_helpers import SHAPES, assert_fused, assert_same_run, run_at_index, same_bits_or_nan, train
 
@@ -93,7 +93,7 @@ def test_vector_bitcasts_exact_and_scoped():
     x = torch.cat([special, torch.randn(4096 - len(special)) * 1e3])
     b = torch.randn(4096).bfloat16()
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-    with kernels.inductor_bitcast.vector_bitcasts():
+    with kernels.compiled.bitcast.vector_bitcasts():
         got = compiled(x, b)
     want = fn(x, b)
     assert torch.equal(got[1], want[1])
@@ -133,10 +133,10 @@ def test_the_compiled_cpu_step_is_a_vector_loop(monkeypatch, mode):
     step is a scalar loop. Here the generated code of a fresh compile has vector loads and no loop
     that steps one element at a time (a static-shape chunk: no tail)."""
     from torch._inductor.utils import run_and_get_code
-    from lowp.optim.kernels import compiled
+    from lowp.optim.kernels.compiled import kernel as compiled_kernel
 
-    monkeypatch.setattr(compiled, "_FUNCTIONS", {})
-    monkeypatch.setattr(compiled, "CHUNK", 4096)
+    monkeypatch.setattr(compiled_kernel, "_FUNCTIONS", {})
+    monkeypatch.setattr(compiled_kernel, "CHUNK", 4096)
     p = torch.nn.Parameter(torch.randn(4096).bfloat16())
     p.grad = torch.randn(4096).bfloat16()
     opt = lo.AdamW([p], backend="compiled", mode=mode)

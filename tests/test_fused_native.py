@@ -16,9 +16,9 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.backends import get_backend
-from lowp.optim.kernels import native, native_build
-from lowp.optim.kernels.cpp_source import variant_source
-from lowp.optim.kernels.native_build import native_available
+from lowp.optim.kernels.native import build as native_build, kernel as native_kernel
+from lowp.optim.kernels.native.source import variant_source
+from lowp.optim.kernels.native.build import native_available
 from lowp.optim.slices import StepContext
 from lowp.optim.writeback import MODES
 from lowp.optim.randomness import ElementIndex
@@ -264,7 +264,7 @@ def sgd_source() -> str:
     """The generated source of plain SGD on fp32 tensors, nearest mode."""
     group = lo.SGD([torch.zeros(2)], lr=0.1).param_groups[0]
     ctx = StepContext(group, MODES["nearest"], 1)
-    return variant_source("sgd", native.variant_for(lo.SGD.spec, ctx, (torch.float32, torch.float32, None)))
+    return variant_source("sgd", native_kernel.variant_for(lo.SGD.spec, ctx, (torch.float32, torch.float32, None)))
 
 
 def test_build_cache_is_reused_and_errors_are_clear(tmp_path, monkeypatch):
@@ -281,7 +281,7 @@ def test_build_cache_is_reused_and_errors_are_clear(tmp_path, monkeypatch):
     monkeypatch.setattr(native_build, "_LOADED", {})
     with pytest.raises(RuntimeError, match="compiling step failed"):  # no such dtype code: a static_assert fails
         native_build.step_function(source.replace("#define LOWP_W 0", "#define LOWP_W 7"))
-    monkeypatch.setattr(native, "native_available", lambda: False)
+    monkeypatch.setattr(native_kernel, "native_available", lambda: False)
     with pytest.raises(RuntimeError, match="backend='native'"):
         lo.AdamW([torch.zeros(3)], backend="native")
 
@@ -389,8 +389,9 @@ def test_zero_updates_count_as_stalled_like_the_reference(mode):
 def test_no_new_variant_across_steps_lr_changes_groups_and_sizes(monkeypatch):
     """A variant is one compiled kernel (built once per machine); the step's numbers are data."""
     variants = []
-    source = native.variant_source
-    monkeypatch.setattr(native, "variant_source", lambda name, v: variants.append(source(name, v)) or source(name, v))
+    source = native_kernel.variant_source
+    monkeypatch.setattr(native_kernel, "variant_source",
+                        lambda name, v: variants.append(source(name, v)) or source(name, v))
     params, opt = train(lo.AdamW, "native", "kahan", steps=1, lr=1e-3, weight_decay=0.01)
     first = set(variants)
     extra = [torch.randn(123, 7).bfloat16(), torch.randn(3).bfloat16()]
@@ -444,8 +445,8 @@ def test_fp16_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
 
 def test_fp16_weights_and_states_with_stochastic_rounding_are_fused(monkeypatch):
     variants = []
-    source = native.variant_source
-    monkeypatch.setattr(native, "variant_source", lambda name, v: variants.append(v) or source(name, v))
+    source = native_kernel.variant_source
+    monkeypatch.setattr(native_kernel, "variant_source", lambda name, v: variants.append(v) or source(name, v))
     kw = dict(lr=1e-3, dtype=torch.float16, state_dtype=torch.float16)  # fp16 states, stochastic rounding
     a = train(lo.AdamW, "native", "stochastic", **kw)
     assert any(v.mode == "stochastic" and v.weight == torch.float16 and v.states[0] == torch.float16
@@ -463,7 +464,7 @@ def test_helpers_fail_when_the_kernel_is_refused(monkeypatch):
     and only the backend's element counts tell; every shared helper and check then fails."""
     kw = dict(lr=1e-2, weight_decay=0.1, steps=2, shapes=NATIVE_SHAPES, **FP32_STATES)
     fused = train(lo.AdamW, "native", "kahan", **kw)
-    monkeypatch.setattr(native.NativeKernel, "supports", lambda self, spec: False)
+    monkeypatch.setattr(native_kernel.NativeKernel, "supports", lambda self, spec: False)
     refused = train(lo.AdamW, "native", "kahan", expect_fused=False, **kw)
     assert_same_run(refused, train(lo.AdamW, "foreach", "kahan", **kw))  # equality alone cannot tell
     with pytest.raises(AssertionError, match="elements"):

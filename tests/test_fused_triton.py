@@ -95,7 +95,7 @@ def _assert_helpers_fail_when_refused(mode: str) -> None:
 
 def _main(case: str) -> None:
     from fused_helpers import run_at_index
-    from lowp.optim.kernels.triton_kernel import TritonKernel
+    from lowp.optim.kernels.triton.kernel import TritonKernel
     from lowp.optim.randomness import ElementIndex
 
     launches = []

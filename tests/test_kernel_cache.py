@@ -1,8 +1,9 @@
-"""The native kernel cache (lowp/optim/kernels/native_build.py) loads only what lowp built for
-this user: a private folder, trusted files, a SHA-256 sidecar checked before every load, rebuilds
-instead of crashes, a private temporary folder when the cache is not usable, one build per
-variant when processes race, no temporary files left by interrupted builds, and a precompiled
-prelude of system headers that is verified before use and never changes a library.
+"""The native kernel cache (lowp/build_cache.py, filled by lowp/optim/kernels/native/build.py)
+loads only what lowp built for this user: a private folder, trusted files, a SHA-256 sidecar
+checked before every load, rebuilds instead of crashes, a private temporary folder when the cache
+is not usable, one build per variant when processes race, no temporary files left by interrupted
+builds, and a precompiled prelude of system headers that is verified before use and never
+changes a library.
 
 The path of the cache is checked too: every folder from ``/`` down (symbolic links followed one
 by one) must belong to root or this user and be closed to group and others unless sticky, or the
@@ -14,8 +15,8 @@ Compiling a variant costs about a second of CPU and a fresh interpreter several,
 build the small non-finite check (``finite.cpp``) in this process, copying a build made once for
 the file where they need a valid cache entry; the cases that crashed a process before (a
 truncated library: SIGBUS) or need other processes (an unprivileged user, a race) run in
-subprocesses whose exit status is checked; those that only load the check use cache_loader.py,
-which loads ``native_build.py`` without torch."""
+subprocesses whose exit status is checked; those that only load the check, or a library, use
+cache_loader.py."""
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from lowp.optim.kernels import native_build
-from lowp.optim.kernels.native_build import library_path
+from lowp import build_cache
+from lowp.optim.kernels.native import build as native_build
+from lowp.optim.kernels.native.build import library_path
 from cache_child import cache_warnings, finite_check, sgd_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +64,7 @@ def in_process(monkeypatch, cache: Path) -> None:
     temporary folder yet (so a fallback warns again)."""
     monkeypatch.setenv("LOWP_CACHE_DIR", str(cache))
     monkeypatch.setattr(native_build, "_LOADED", {})
-    monkeypatch.setattr(native_build, "_FALLBACK", [])
+    monkeypatch.setattr(build_cache, "_FALLBACK", [])
     monkeypatch.setattr(native_build, "_PRELUDES", {})
 
 
@@ -368,22 +370,22 @@ def folder(path: Path, mode: int) -> Path:
 
 def test_a_folder_open_to_all_on_the_path_is_refused_and_nothing_is_created_below_it(tmp_path):
     open_to_all = folder(tmp_path / "open", 0o777)
-    reason = native_build._untrusted_path(open_to_all / "cache" / "kernels")
+    reason = build_cache._untrusted_path(open_to_all / "cache" / "kernels")
     assert reason == f"{open_to_all} is writable by group or others without the sticky bit (mode 0777)"
     assert not (open_to_all / "cache").exists()
-    assert native_build._cache_problem(open_to_all / "cache" / "kernels") == reason
+    assert build_cache._cache_problem(open_to_all / "cache" / "kernels") == reason
     group_writable = folder(tmp_path / "group", 0o770)
-    assert str(group_writable) in native_build._untrusted_path(group_writable / "cache")
+    assert str(group_writable) in build_cache._untrusted_path(group_writable / "cache")
 
 
 def test_a_sticky_folder_open_to_all_is_accepted_and_missing_folders_are_made_private(tmp_path):
     sticky = folder(tmp_path / "sticky", 0o1777)
     kernels = sticky / "a" / "cache" / "kernels"
-    assert native_build._untrusted_path(kernels) is None
-    assert native_build._cache_problem(kernels) is None
+    assert build_cache._untrusted_path(kernels) is None
+    assert build_cache._cache_problem(kernels) is None
     for made in (sticky / "a", sticky / "a" / "cache", kernels):
         assert stat.S_IMODE(made.stat().st_mode) == 0o700 and made.stat().st_uid == os.geteuid()
-    assert native_build._untrusted_path(tmp_path / "missing", create=False) == f"{tmp_path / 'missing'} does not exist"
+    assert build_cache._untrusted_path(tmp_path / "missing", create=False) == f"{tmp_path / 'missing'} does not exist"
     assert not (tmp_path / "missing").exists()
 
 
@@ -391,7 +393,7 @@ def test_a_sticky_folder_open_to_all_is_accepted_and_missing_folders_are_made_pr
 def test_a_folder_of_another_user_on_the_path_is_refused(tmp_path):
     theirs = folder(tmp_path / "theirs", 0o755)
     os.chown(theirs, 65534, 65534)
-    reason = native_build._untrusted_path(theirs / "cache")
+    reason = build_cache._untrusted_path(theirs / "cache")
     assert reason == f"{theirs} belongs to uid 65534, neither root nor this user"
     assert not (theirs / "cache").exists()
 
@@ -406,19 +408,19 @@ def test_a_symbolic_link_into_an_untrusted_folder_is_refused(tmp_path):
     link = tmp_path / "link"
     link.symlink_to(open_to_all / "mine")
     reason = f"{open_to_all} is writable by group or others without the sticky bit (mode 0777)"
-    assert native_build._untrusted_path(link / "cache") == reason
-    assert native_build._untrusted_path(link) == reason
+    assert build_cache._untrusted_path(link / "cache") == reason
+    assert build_cache._untrusted_path(link) == reason
     private = folder(tmp_path / "private", 0o700)
     (private / "sub").mkdir()
     (private / "sub" / "up").symlink_to("..")
-    assert native_build._untrusted_path(private / "sub" / "up" / "cache") is None and (private / "cache").is_dir()
+    assert build_cache._untrusted_path(private / "sub" / "up" / "cache") is None and (private / "cache").is_dir()
     (private / "out").symlink_to("../link")
-    assert native_build._untrusted_path(private / "out" / "cache") == reason
+    assert build_cache._untrusted_path(private / "out" / "cache") == reason
     (private / "nested").symlink_to(private / "sub" / "up" / "sub")  # a link through a link, into private
-    assert native_build._untrusted_path(private / "nested" / "x") is None and (private / "sub" / "x").is_dir()
+    assert build_cache._untrusted_path(private / "nested" / "x") is None and (private / "sub" / "x").is_dir()
     (tmp_path / "loop1").symlink_to("loop2")
     (tmp_path / "loop2").symlink_to("loop1")
-    assert "more than 40 symbolic links" in native_build._untrusted_path(tmp_path / "loop1" / "cache")
+    assert "more than 40 symbolic links" in build_cache._untrusted_path(tmp_path / "loop1" / "cache")
 
 
 @ROOT_ONLY
@@ -429,7 +431,7 @@ def test_a_symbolic_link_of_another_user_in_a_sticky_folder_is_refused(tmp_path)
     link = sticky / "link"
     link.symlink_to(tmp_path / "private")
     os.lchown(link, 65534, 65534)
-    assert native_build._untrusted_path(link / "cache") == (f"{link} is a symbolic link of uid 65534, "
+    assert build_cache._untrusted_path(link / "cache") == (f"{link} is a symbolic link of uid 65534, "
                                                             f"neither root nor this user")
 
 
@@ -445,7 +447,7 @@ def test_a_cache_below_a_folder_open_to_all_is_not_used_and_the_warning_names_th
         finite_check()
     [message] = [str(w.message) for w in caught if "kernel cache" in str(w.message)]
     assert f"{open_to_all} is writable by group or others without the sticky bit" in message
-    [private] = native_build._FALLBACK
+    [private] = build_cache._FALLBACK
     assert any(private.glob("finite-*.so")) and {p: p.read_bytes() for p in entries(cache)} == before
 
 
@@ -455,12 +457,12 @@ def test_an_untrusted_temporary_folder_too_raises_and_native_is_not_available(tm
     new process (no crash, no warning, nothing loaded)."""
     open_cache = folder(tmp_path / "open", 0o777)
     open_temporary = folder(tmp_path / "tmp", 0o777)
-    monkeypatch.setattr(native_build, "_FALLBACK", [])
+    monkeypatch.setattr(build_cache, "_FALLBACK", [])
     monkeypatch.setattr(tempfile, "tempdir", str(open_temporary))
     with pytest.raises(OSError, match=f"and neither is the temporary folder {open_temporary} "
                                       f"\\({open_temporary} is writable by group or others"):
-        native_build._fallback_dir(f"{open_cache} is open")
-    assert not native_build._FALLBACK and not list(open_temporary.iterdir())
+        build_cache._fallback_dir(f"{open_cache} is open")
+    assert not build_cache._FALLBACK and not list(open_temporary.iterdir())
     result = loader("available", LOWP_CACHE_DIR=str(open_cache / "cache"), TMPDIR=str(open_temporary))
     assert result == {"available": False, "warnings": []}
     assert not list(open_temporary.iterdir()) and not list(open_cache.iterdir())
@@ -522,7 +524,7 @@ def race(built: Path, tmp_path: Path, loaders: int, waves: int) -> None:
     marker = tmp_path / "marker"
     foreign = foreign_library(tmp_path)
     base = Path(tempfile.gettempdir())  # the attacker must be able to reach W: tmp_path is private to root
-    if native_build._untrusted_path(base, create=False) is not None or not base.stat().st_mode & 0o001:
+    if build_cache._untrusted_path(base, create=False) is not None or not base.stat().st_mode & 0o001:
         pytest.skip(f"the attacker (uid 65534) needs a trusted temporary folder it can enter; {base} is not")
     shared = Path(tempfile.mkdtemp(prefix="lowp-race-", dir=base))
     attacker = None

@@ -26,8 +26,8 @@ import torch
 import lowp.optim as lo
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.kernels import checks
-from lowp.optim.kernels.native import NativeKernel, slice_dtypes, variant_for
-from lowp.optim.kernels.native_build import native_available
+from lowp.optim.kernels.native.kernel import NativeKernel, slice_dtypes, variant_for
+from lowp.optim.kernels.native.build import native_available
 from lowp.optim.kernels.kernel import stream_count
 from lowp.optim.writeback import MODES
 from safety_cases import CASES, OPTIMIZERS

@@ -7,7 +7,7 @@ import re
 
 from lowp.optim.encodings import CODES
 from lowp.optim.encodings.code import HEADERS as CODE_HEADERS
-from lowp.optim.kernels.cpp_source import codec_source
+from lowp.optim.kernels.native.source import codec_source
 from lowp.optim.writeback import MODES
 from lowp.optim.writeback.mode import HEADERS as MODE_HEADERS
 

@@ -16,7 +16,7 @@ with the random bits of its own elements), so the step is the same on every back
 chunk size, bit for bit.
 
 On the CPU the decode and encode passes take the native codec
-(:mod:`lowp.optim.kernels.native_codes`: one C++ call per state and batch, the fp32 copies in the
+(:mod:`lowp.optim.kernels.native.codec`: one C++ call per state and batch, the fp32 copies in the
 step's scratch buffers) where it builds, and a backend may run all three inside its kernel
 (:meth:`~lowp.optim.backends.Backend.run_coded`: ``backend="native"`` for the slices
 :mod:`lowp.optim.kernels.coded_slices` admits, ``backend="triton"`` likewise on CUDA); the
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, Code, decode, encode
-from lowp.optim.kernels import native_codes
+from lowp.optim.kernels.native import codec as native_codec
 from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import ParamSlice, StepContext
@@ -84,7 +84,7 @@ class _Piece:
 def _native(pieces: list[_Piece], coded: list[CodedState], block: int) -> bool:
     """Whether the native codec takes the coded states of ``pieces``: it is available and every
     code and scale tensor is CPU kernel memory (:func:`~lowp.optim.kernels.checks.kernel_memory`)."""
-    if not native_codes.available():
+    if not native_codec.available():
         return False
     for p in pieces:
         for c in coded:
@@ -105,7 +105,7 @@ def _decode(ctx: StepContext, pieces: list[_Piece], coded: list[CodedState], blo
     for c in coded:
         outs = decoded[c.name]
         if native:
-            native_codes.decode_many([native_codes.Decoding(*p.codes(c, block), out) for p, out in zip(pieces, outs)],
+            native_codec.decode_many([native_codec.Decoding(*p.codes(c, block), out) for p, out in zip(pieces, outs)],
                                      c.code, block)
         else:
             for p, out in zip(pieces, outs):
@@ -141,13 +141,13 @@ def _encode(ctx: StepContext, pieces: list[_Piece], plain: list[ParamSlice], cod
                 encode(values, c.code, block, codes, scales, noise)
                 continue
             index = q.index
-            bits: native_codes.Noise = None
+            bits: native_codec.Noise = None
             if stochastic:
-                bits = (native_codes.CountedBits(index.first(), st.key(stream)) if index.contiguous
+                bits = (native_codec.CountedBits(index.first(), st.key(stream)) if index.contiguous
                         else st.bits(stream, (n,), codes.device))
-            jobs.append(native_codes.Encoding(values, codes, scales, bits))
+            jobs.append(native_codec.Encoding(values, codes, scales, bits))
         if jobs:
-            native_codes.encode_many(jobs, c.code, block)
+            native_codec.encode_many(jobs, c.code, block)
 
 
 def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice],

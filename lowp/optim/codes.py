@@ -49,7 +49,7 @@ to nearest, a state whose change per step is below half a code step never moves:
 stops decaying; stochastic rounding keeps it unbiased (``E[R(a)] = a``).
 
 The functions here are the definition, and the path for devices and layouts the native codec
-does not take: the native codec (:mod:`lowp.optim.kernels.native_codes`) and the native step's
+does not take: the native codec (:mod:`lowp.optim.kernels.native.codec`) and the native step's
 in-kernel decode and encode give the same bits, and every backend steps decoded states
 (:mod:`lowp.optim.coded`).
 """

@@ -12,9 +12,9 @@ Python function over *symbols* instead of tensors::
 :func:`trace` calls it once per variant (structural switches ``r.on.<name>`` are plain Python
 bools, so an ``if`` on them picks the code path at trace time) and records a :class:`Program`:
 the operations in order, which numbers they read and what they return. Each backend reads that
-one description: :mod:`lowp.optim.kernels.torch_rule` evaluates it on tensors (the
-``torch.compile`` backend), :mod:`lowp.optim.kernels.cpp_source` writes it as AVX2 C++ and
-:mod:`lowp.optim.kernels.triton_source` as a Triton function.
+one description: :mod:`lowp.optim.kernels.compiled.rule` evaluates it on tensors (the
+``torch.compile`` backend), :mod:`lowp.optim.kernels.native.source` writes it as AVX2 C++ and
+:mod:`lowp.optim.kernels.triton.source` as a Triton function.
 
 Every operation is one fp32 rounding with the meaning of ATen's CPU kernels, so a rule can mirror
 the optimizer's ``torch._foreach_*`` reference rounding by rounding: ``fma(a, b, c)`` is

@@ -7,12 +7,12 @@ same bits:
 - the **reference** (``init_buffer``, ``load``, ``apply``): ``torch`` ops on lists of tensors, the
   definition the ``eager`` and ``foreach`` backends run;
 - the **compiled** fragment (``compiled_load``, ``compiled_write``): elementwise tensor
-  expressions that :func:`lowp.optim.kernels.step.fused_step` composes with an optimizer's rule
+  expressions that :func:`lowp.optim.kernels.compiled.step.fused_step` composes with an optimizer's rule
   and :func:`torch.compile` fuses into one loop;
 - the **Triton** fragment (``triton_load``, ``triton_write``): source lines that
-  :mod:`lowp.optim.kernels.triton_source` puts into the generated kernel;
+  :mod:`lowp.optim.kernels.triton.source` puts into the generated kernel;
 - the **native** fragment: a C++ header beside the module (``native_header``), which the
-  generated translation unit includes (:mod:`lowp.optim.kernels.cpp_source`): ``load_weight``
+  generated translation unit includes (:mod:`lowp.optim.kernels.native.source`): ``load_weight``
   and ``write_back_lanes`` over 16 elements as (even, odd) fp32 vectors.
 
 What the backends must know besides the code (the random streams it draws, whether its buffer is

@@ -1,6 +1,6 @@
 """Roundings written as elementwise tensor expressions, for the ``torch.compile`` kernel.
 
-:func:`lowp.optim.kernels.step.fused_step` and the modes' compiled fragments build one loop from
+:func:`lowp.optim.kernels.compiled.step.fused_step` and the modes' compiled fragments build one loop from
 these; run eagerly they are a (slow) readable reference of the same bits as
 :mod:`lowp.optim.storage`. Every integer is int32, so Inductor keeps 16-wide bf16 vectors on AVX2.
 """

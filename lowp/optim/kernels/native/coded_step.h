@@ -1,5 +1,5 @@
 // lowp fused optimizer step, part 3: a variant whose states include block-scaled codes
-// (LOWP_CODE_KINDS, read by vector.h; NativeKernel.run_coded in lowp/optim/kernels/native.py). Included after
+// (LOWP_CODE_KINDS, read by vector.h; NativeKernel.run_coded in lowp/optim/kernels/native/kernel.py). Included after
 // step.h. The codes are decoded and encoded in registers, next to the rule, in groups of
 // CODED_GROUP (256) elements (whole blocks of every size):
 //

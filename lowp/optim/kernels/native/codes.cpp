@@ -1,11 +1,11 @@
 // lowp: the block-scaled codec (codes.h) over many tensors in one call, on torch's OpenMP threads
-// (backend="native" and every CPU step with coded states; lowp/optim/kernels/native_codes.py
+// (backend="native" and every CPU step with coded states; lowp/optim/kernels/native/codec.py
 // checks every tensor before it calls here).
 //
 // Tensors are cut into units of whole blocks that the threads take from an atomic counter
 // (parallel.h); codes.h's spans do the rest. The translation unit that includes this file first
 // includes every encoding's header (their Storage specializations) and defines LOWP_CODE_KIND_LIST,
-// their kinds (lowp/optim/kernels/native_codes.py writes it from lowp.optim.encodings.CODES).
+// their kinds (lowp/optim/kernels/native/codec.py writes it from lowp.optim.encodings.CODES).
 #include <utility>
 
 #include "codes.h"

@@ -1,5 +1,5 @@
 // lowp native kernels: the system headers of the generated step variants, precompiled once per
-// compiler and flags (lowp/optim/kernels/native_build.py) and passed to every variant's build with
+// compiler and flags (lowp/optim/kernels/native/build.py) and passed to every variant's build with
 // -include. Parsing <immintrin.h> is about half of a variant's build; a precompiled header reads
 // it back instead. The kernel headers include what they use themselves, so they build without it.
 #pragma once

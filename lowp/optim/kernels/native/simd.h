@@ -9,7 +9,7 @@ typedef float vf __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 
-// The dtype of the block scales of coded states (lowp.optim.kernels.native_codes.scale_code).
+// The dtype of the block scales of coded states (lowp.optim.kernels.native.codec.scale_code).
 enum ScaleType { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
 
 static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }

@@ -1,6 +1,6 @@
 // lowp fused optimizer step, part 2: blocks of 16 elements (load, rule, state stores, write-back)
 // and the multi-tensor driver. Included by a generated variant after vector.h and its `rule`
-// (lowp/optim/kernels/cpp_source.py).
+// (lowp/optim/kernels/native/source.py).
 //
 // Driver: tensors are cut into work units of UNIT elements that torch's OpenMP threads take from
 // an atomic counter (parallel.h); within a unit, groups of GROUP elements go through two passes (update_block,

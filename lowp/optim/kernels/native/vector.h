@@ -2,7 +2,7 @@
 // the variant's constants, loads and stores of 16 elements as fp32 vectors, and roundings (the
 // vector types and the random bits are simd.h's).
 //
-// A variant is one generated translation unit (lowp/optim/kernels/cpp_source.py): the LOWP_*
+// A variant is one generated translation unit (lowp/optim/kernels/native/source.py): the LOWP_*
 // macros (write-back mode, every tensor's dtype, state count and roundings, counts of numbers),
 // then this header, then the optimizer's rule written out from its spec as `rule` (and
 // `reduction` for a per-tensor pre-pass), then step.h, the driver. The loop therefore carries no

@@ -24,8 +24,8 @@ import torch
 
 from lowp.optim.codes import CODES, SCALE_DTYPES, Code, check_block, codes_shape, scales_shape
 from lowp.optim.kernels.checks import Span, kernel_memory, overlapping
-from lowp.optim.kernels.cpp_source import codec_source
-from lowp.optim.kernels.native_build import decode_function, encode_function, native_available
+from lowp.optim.kernels.native.source import codec_source
+from lowp.optim.kernels.native.build import decode_function, encode_function, native_available
 
 __all__ = ["CountedBits", "Noise", "Encoding", "Decoding", "CodecCounts", "COUNTS", "available", "scale_code",
            "grid_numbers", "encode_many", "decode_many", "encode", "decode"]

@@ -1,6 +1,6 @@
 """The native CPU kernel (``backend="native"``): every optimizer spec with a rule, in every
-write-back mode, through C++ generated from the spec (:mod:`~lowp.optim.kernels.cpp_source`) and
-compiled once per variant (:mod:`~lowp.optim.kernels.native_build`); one call per step and dtype
+write-back mode, through C++ generated from the spec (:mod:`~lowp.optim.kernels.native.source`) and
+compiled once per variant (:mod:`~lowp.optim.kernels.native.build`); one call per step and dtype
 signature over all parameters (multi-tensor), on torch's OpenMP threads (``torch.get_num_threads()``).
 
 Results are bit-identical to the ``foreach`` reference in every mode (stochastic rounding draws
@@ -23,11 +23,11 @@ import torch
 from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
 from lowp.optim.kernels.coded_slices import CodedSlice, check_coded_args, without
-from lowp.optim.kernels.cpp_source import DTYPE_CODES, CodedLayout, Variant, variant_source
+from lowp.optim.kernels.native.source import DTYPE_CODES, CodedLayout, Variant, variant_source
 from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, slice_keys, stream_count
-from lowp.optim.kernels.native_build import (coded_step_function, finite_function, native_available, step_function,
+from lowp.optim.kernels.native.build import (coded_step_function, finite_function, native_available, step_function,
                                              sums_function)
-from lowp.optim.kernels.native_codes import grid_numbers, scale_code
+from lowp.optim.kernels.native.codec import grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 

@@ -1,4 +1,4 @@
-"""The Triton functions every generated step kernel (:mod:`~lowp.optim.kernels.triton_source`)
+"""The Triton functions every generated step kernel (:mod:`~lowp.optim.kernels.triton.source`)
 calls: the random bits of :mod:`lowp.optim.randomness` on the 64-bit global index, the bf16
 roundings of :mod:`lowp.optim.storage`, and the state stores (imports triton).
 """
@@ -90,7 +90,7 @@ def sign(x):
 
 
 # ---- block-scaled codes (lowp.optim.codes), decoded and encoded inside the step -------------------
-# A code's constants arrive as constexprs (written by lowp.optim.kernels.triton_source.code_constants):
+# A code's constants arrive as constexprs (written by lowp.optim.kernels.triton.source.code_constants):
 # SIGNED, BITS (8 or 4), FLOAT (fp8 storage), M (mantissa bits of the grid), BIAS (fp8 exponent bias),
 # MIN_NORMAL = 2**emin, ULP = 2**-M, SUBNORMAL = 2**(emin - M) and its inverse, LOW (the smallest
 # code magnitude: 0, or 1 for unsigned codes) and TOP (Q); CB is the code block, SC_T the scale type.

@@ -1,6 +1,6 @@
 """The Triton kernel (``backend="triton"``): every spec with an elementwise rule, in every
 write-back mode, through one multi-tensor launch per batch of parameters with the same dtypes.
-The kernel of each rule variant is generated from the spec (:mod:`~lowp.optim.kernels.triton_source`),
+The kernel of each rule variant is generated from the spec (:mod:`~lowp.optim.kernels.triton.source`),
 written to a private temporary folder (Triton compiles from source files) and imported once.
 
 Needs CUDA tensors, or CPU tensors with the Triton interpreter (``TRITON_INTERPRET=1`` set before
@@ -31,7 +31,7 @@ import torch
 from lowp.optim.codes import Code
 from lowp.optim.kernels.coded_slices import CodedSlice, check_coded_args
 from lowp.optim.kernels.kernel import Kernel, by_signature, slice_keys, step_numbers
-from lowp.optim.kernels.triton_source import kernel_source
+from lowp.optim.kernels.triton.source import kernel_source
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
@@ -113,7 +113,7 @@ class TritonKernel(Kernel):
         the block scales of their states named in ``codes`` (blocks of ``block``), all admitted
         (:func:`~lowp.optim.kernels.coded_slices.admitted`); the kernel decodes and encodes those
         states in registers. Returns the stalled count."""
-        from lowp.optim.kernels.triton_ops import tl_dtype  # imports triton
+        from lowp.optim.kernels.triton.ops import tl_dtype  # imports triton
 
         groups = by_signature(items, lambda item: (*_dtypes(item[0]), *(t.dtype for t in item[1].values())))
         for members in groups.values():   # every launch's memory checked before the first

@@ -1,7 +1,7 @@
 """One fused optimizer step on one flat parameter: load, rule, state stores, write-back.
 
 :func:`fused_step` composes an optimizer's traced rule (:class:`~lowp.optim.rule.Program`,
-evaluated by :mod:`~lowp.optim.kernels.torch_rule`) with a write-back mode's compiled fragment
+evaluated by :mod:`~lowp.optim.kernels.compiled.rule`) with a write-back mode's compiled fragment
 (``compiled_load``, ``compiled_write`` of :mod:`lowp.optim.writeback`), written as plain
 tensor expressions that :func:`torch.compile` turns into a
 single loop (Inductor: vectorised C++ on CPU, Triton on CUDA). Nothing here allocates a
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lowp.optim.kernels.torch_rule import evaluate
+from lowp.optim.kernels.compiled.rule import evaluate
 from lowp.optim.randomness import Stream, as_int32, fold_key, hash32
 from lowp.optim.rule import Program
 from lowp.optim.writeback import MODES

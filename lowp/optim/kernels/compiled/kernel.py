@@ -1,5 +1,5 @@
 """The ``torch.compile`` kernel (``backend="compiled"``): the fused step of
-:mod:`lowp.optim.kernels.step` through Inductor, one call per chunk of :data:`CHUNK` elements.
+:mod:`lowp.optim.kernels.compiled.step` through Inductor, one call per chunk of :data:`CHUNK` elements.
 
 Two compiled functions exist per (spec variant, mode, state roundings, count): a static-shape one
 for whole chunks and a dynamic-shape one for the remainders, so every parameter size shares two
@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-from lowp.optim.kernels.inductor_bitcast import vector_bitcasts
+from lowp.optim.kernels.compiled.bitcast import vector_bitcasts
 from lowp.optim.kernels.kernel import Kernel, slice_keys, step_numbers
-from lowp.optim.kernels.step import chunk_keys, fused_step
+from lowp.optim.kernels.compiled.step import chunk_keys, fused_step
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
