@@ -225,7 +225,7 @@ def test_the_step_kernel_with_coded_states_equals_the_decode_step_encode_passes(
     total = 3 * sum(math.prod(s) for s in SHAPES)
     assert native_codec.COUNTS.encoded == 0
     assert (fused[1].backend.fused_elements, fused[1].backend.reference_elements) == (total, 0)
-    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, slices: ([], slices))
     passes = _adamw_run("native", 3, rounding, state_dtype, mode, SHAPES, **extra)
     assert native_codec.COUNTS.encoded == 2 * total
     _same_runs(fused, passes)
@@ -279,7 +279,7 @@ def test_the_step_kernel_codes_odd_blocks_as_the_passes_do(monkeypatch, state_dt
     native_codec.COUNTS.encoded = 0
     fused = run()
     assert native_codec.COUNTS.encoded == 0
-    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, slices: ([], slices))
     passes = run()
     assert native_codec.COUNTS.encoded > 0
     for a, b in zip(fused, passes):   # after each step
@@ -311,7 +311,7 @@ def test_the_step_kernel_decodes_every_code_byte_as_the_passes_do(monkeypatch, s
     fused, opt = run()
     assert native_codec.COUNTS.encoded == 0 and opt.backend.fused_elements == 2 * 1024   # decoded in the kernel
     assert fused[0].isnan().any() == (storage != torch.int8)   # the NaN codes reached the weight
-    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, items, codes, block: ([], items))
+    monkeypatch.setattr(coded_slices, "admitted", lambda kernel, spec, ctx, slices: ([], slices))
     passes, _ = run()
     assert native_codec.COUNTS.encoded == 2 * 2 * 1024
     _same_tensors(fused, passes)
@@ -331,9 +331,9 @@ def _coded_run_at_index(backend: str, index: ElementIndex, n: int = 600) -> list
     for step in (1, 2):
         state["step"] = step
         s = ParamSlice(p, torch.randn(n, generator=gen).bfloat16(), {k: state[k] for k in opt.state_names(group, p)},
-                       state[mode.buffer_name], param_id=0, index=index)
-        coded.run_coded(opt.backend, opt, StepContext(group, mode, step, seed=opt.seed), [s],
-                        [{c.name: state[scale_name(c.name)] for c in states}], states, True)
+                       state[mode.buffer_name], param_id=0, index=index,
+                       scales={c.name: state[scale_name(c.name)] for c in states})
+        coded.run_coded(opt.backend, opt, StepContext(group, mode, step, seed=opt.seed, coded=tuple(states)), [s])
     return [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]
 
 
@@ -367,9 +367,10 @@ def test_the_kernels_last_check_refuses_codes_and_scales_that_do_not_fit():
     codes = {c.name: c.code for c in states}
 
     def item(**scales):
-        s = ParamSlice(p, torch.randn(640, generator=gen).bfloat16(), {k: state[k] for k in opt.state_names(group, p)},
-                       state[mode.buffer_name], param_id=0, index=ElementIndex())
-        return s, {c.name: scales.get(c.name, state[scale_name(c.name)]) for c in states}
+        grad = torch.randn(640, generator=gen).bfloat16()
+        return ParamSlice(p, grad, {k: state[k] for k in opt.state_names(group, p)},
+                          state[mode.buffer_name], param_id=0, index=ElementIndex(),
+                          scales={c.name: scales.get(c.name, state[scale_name(c.name)]) for c in states})
 
     coded_slices.check_coded_args(("cpu",), [item()], codes, 64)
     bad = [[item(exp_avg=state["exp_avg_scale"].float())],                # two scale dtypes in one call

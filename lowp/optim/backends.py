@@ -30,7 +30,7 @@ from lowp.optim.kernels import CompiledKernel, Kernel, NativeKernel, TritonKerne
 from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import partition
-from lowp.optim.codes import Code
+from lowp.optim.coded import run_coded
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
@@ -72,7 +72,8 @@ class LowpOptimizer(Protocol):
 
 
 class Backend(ABC):
-    """Runs one step over a list of slices. Subclasses set ``name`` and implement ``run``.
+    """Runs one step over a list of slices. Subclasses set ``name`` and implement ``run`` (plain
+    states); the optimizer calls :meth:`step`, the one entry for every job.
 
     Args:
         chunk_size: the most elements of one chunk of a parameter of an elementwise optimizer,
@@ -91,9 +92,19 @@ class Backend(ABC):
         """The chunk size for tensors on ``device``: ``chunk_size``, or the device's default."""
         return self.chunk_size if self.chunk_size is not None else default_chunk_size(device)
 
+    def step(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """Apply one job's step to every slice; return the stalled-element count (or ``None``).
+
+        A job whose context names coded states (``ctx.coded``, their block scales on each slice)
+        goes through :func:`lowp.optim.coded.run_coded`: the slices a kernel takes as they are
+        (:meth:`take_coded`), the others decoded, :meth:`run`, encoded; any other job is
+        :meth:`run`."""
+        return run_coded(self, optimizer, ctx, slices) if ctx.coded else self.run(optimizer, ctx, slices)
+
     @abstractmethod
     def run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
-        """Apply the step to every slice; return the stalled-element count (or ``None``)."""
+        """Apply the step to every slice, whose states are all plain tensors; return the
+        stalled-element count (or ``None``)."""
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
         """Per gradient: True when it holds no NaN or infinity; a tensor subclass (e.g. a
@@ -119,13 +130,12 @@ class Backend(ABC):
                 flags[i] = ok
         return flags
 
-    def run_coded(self, optimizer: "LowpOptimizer", ctx: StepContext, items: list[coded_slices.CodedSlice],
-                  codes: dict[str, Code], block: int) -> tuple[torch.Tensor | None, list[coded_slices.CodedSlice]]:
-        """Step the slices with block-scaled states that a kernel decodes and encodes itself
-        (``items``: (slice, block scales by state name); ``codes``: the coded states' codes by
-        name). Returns (their stalled count, ``None`` when none was taken; the items left for the
-        decode-step-encode passes of :mod:`lowp.optim.coded`). Default: none taken."""
-        return None, list(items)
+    def take_coded(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
+                   ) -> tuple[torch.Tensor | None, list[ParamSlice]]:
+        """Step the slices of a job with coded states (``ctx.coded``) that a kernel decodes and
+        encodes itself. Returns (their stalled count, ``None`` when none was taken; the slices
+        left for the decode-run-encode passes of :mod:`lowp.optim.coded`). Default: none taken."""
+        return None, list(slices)
 
     def pieces(self, optimizer: "LowpOptimizer", slices: list[ParamSlice]) -> Iterator[ParamSlice]:
         """The slices, cut into chunks when the optimizer's update is elementwise."""
@@ -259,15 +269,15 @@ class FusedBackend(Backend):
             counts.append(self.kernel.run(spec, ctx, fused))
         return _total(counts)
 
-    def run_coded(self, optimizer, ctx, items, codes, block):
+    def take_coded(self, optimizer, ctx, slices):
         """A kernel with ``steps_codes`` (native, Triton) decodes and encodes block-scaled states
         inside its step for the slices :func:`~lowp.optim.kernels.coded_slices.admitted` lets
         through."""
         spec = optimizer.kernel_spec()
         if spec is None or not optimizer.elementwise or not self.kernel.steps_codes:
-            return None, list(items)
-        taken, rest = coded_slices.admitted(self.kernel, spec, ctx, items, codes, block)
-        return (self.kernel.run_coded(spec, ctx, taken, codes, block) if taken else None), rest
+            return None, list(slices)
+        taken, rest = coded_slices.admitted(self.kernel, spec, ctx, slices)
+        return (self.kernel.run_coded(spec, ctx, taken) if taken else None), rest
 
     def _fallback(self, optimizer, ctx, slices):
         if not isinstance(self.fallback, FusedBackend):

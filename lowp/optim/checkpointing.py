@@ -28,7 +28,7 @@ import torch
 
 from lowp.optim import options, preflight, sharding
 from lowp.optim.codes import code_for, encode, scale_name
-from lowp.optim.coded import CodedState
+from lowp.optim.slices import CodedState
 from lowp.optim.preflight import check_seed
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.state_layout import STATE_DTYPES, asked_dtype, coded_layout

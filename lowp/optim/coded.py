@@ -1,6 +1,8 @@
-"""A step over parameters with block-scaled states (:mod:`lowp.optim.codes`).
+"""A step over parameters with block-scaled states (:mod:`lowp.optim.codes`): the part of
+:meth:`lowp.optim.backends.Backend.step` for a job whose context names coded states.
 
-Every backend updates fp32, bf16 and fp16 states; coded states reach it decoded. The step cuts
+Every backend updates fp32, bf16 and fp16 states; coded states reach it decoded, unless its
+kernel takes them as they are (:meth:`~lowp.optim.backends.Backend.take_coded`). The step cuts
 each parameter into pieces of whole blocks, decodes the coded states of a batch of pieces into
 fp32, runs the backend on the batch (its kernel stores fp32 states exactly), then encodes them
 back, rounding with the state's own random stream (``Stream.STATE + j`` for the ``j``-th state,
@@ -18,43 +20,27 @@ chunk size, bit for bit.
 On the CPU the decode and encode passes take the native codec
 (:mod:`lowp.optim.kernels.native.codec`: one C++ call per state and batch, the fp32 copies in the
 step's scratch buffers) where it builds, and a backend may run all three inside its kernel
-(:meth:`~lowp.optim.backends.Backend.run_coded`: ``backend="native"`` for the slices
+(:meth:`~lowp.optim.backends.Backend.take_coded`: ``backend="native"`` for the slices
 :mod:`lowp.optim.kernels.coded_slices` admits, ``backend="triton"`` likewise on CUDA); the
 torch functions of :mod:`lowp.optim.codes` are the definition and the path for everything else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, Code, decode, encode
+from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, decode, encode
 from lowp.optim.kernels.native import codec as native_codec
 from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
-from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.slices import CodedState, ParamSlice, StepContext
 
 if TYPE_CHECKING:
     from lowp.optim.backends import Backend, LowpOptimizer
 
-__all__ = ["CodedState", "run_coded"]
-
-
-@dataclass(frozen=True)
-class CodedState:
-    """A coded state of a step: its name, its position in the state order (which picks its
-    random stream) and its code.
-
-    Args:
-        name: the state's name.
-        position: its index in the optimizer's state order.
-        code: its :class:`~lowp.optim.codes.Code`.
-    """
-
-    name: str
-    position: int
-    code: Code
+__all__ = ["run_coded"]
 
 
 @dataclass
@@ -150,13 +136,13 @@ def _encode(ctx: StepContext, pieces: list[_Piece], plain: list[ParamSlice], cod
             native_codec.encode_many(jobs, c.code, block)
 
 
-def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice],
-              scales: list[dict[str, torch.Tensor]], coded: list[CodedState], elementwise: bool
+def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
               ) -> torch.Tensor | None:
-    """Run ``backend`` on ``slices`` whose states named in ``coded`` are codes (``scales[i]``:
-    the block scales of slice ``i`` by state name); see the module docstring. A parameter is cut
-    into pieces only when the optimizer is ``elementwise`` and the parameter contiguous. Returns
-    the stalled count (``None`` when ``ctx.count`` is false)."""
+    """Run ``backend`` on ``slices`` whose states named in ``ctx.coded`` are codes (each slice
+    with their block scales); see the module docstring. A parameter is cut into pieces only when
+    the optimizer is elementwise and the parameter contiguous. Returns the stalled count (``None``
+    when ``ctx.count`` is false)."""
+    coded = list(ctx.coded)
     block = ctx.group["state_block"]
     whole_blocks = max(BLOCK_SIZES)
     size = backend.chunk_for(slices[0].param.device) if slices else 1
@@ -164,10 +150,10 @@ def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, 
     counts: list[torch.Tensor] = []
     batch: list[_Piece] = []
     held = 0
-    taken, rest = backend.run_coded(optimizer, ctx, list(zip(slices, scales)), {c.name: c.code for c in coded}, block)
+    taken, slices = backend.take_coded(optimizer, ctx, slices)
     if taken is not None:
         counts.append(taken)
-    slices, scales = [s for s, _ in rest], [sc for _, sc in rest]
+    decoded = replace(ctx, coded=())   # the same scratch: the backend sees plain states
 
     def flush() -> None:
         nonlocal held
@@ -175,18 +161,18 @@ def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, 
             return
         native = _native(batch, coded, block)
         plain = _decode(ctx, batch, coded, block, native)
-        stalled = backend.run(optimizer, ctx, plain)
+        stalled = backend.run(optimizer, decoded, plain)
         if stalled is not None:
             counts.append(stalled)
         _encode(ctx, batch, plain, coded, block, native)
         batch.clear()
         held = 0
 
-    for s, sc in zip(slices, scales):
+    for s in slices:
         n, flat = s.numel, s.param.is_contiguous()
-        bounds = [(a, min(a + chunk, n)) for a in range(0, n, chunk)] if flat and elementwise else [(0, n)]
+        bounds = [(a, min(a + chunk, n)) for a in range(0, n, chunk)] if flat and optimizer.elementwise else [(0, n)]
         for start, end in bounds:
-            batch.append(_Piece(s, sc, start, end, whole=not flat))
+            batch.append(_Piece(s, s.scales, start, end, whole=not flat))
             held += end - start
             if held >= chunk:
                 flush()

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from lowp.optim import options, preflight, sharding
-from lowp.optim.coded import CodedState
+from lowp.optim.slices import CodedState
 from lowp.optim.preflight import check_flag
 from lowp.optim.state_layout import check_options
 from lowp.optim.writeback import get_mode, resolve_mode

@@ -1,6 +1,8 @@
 """What a backend runs: :class:`ParamSlice` (one parameter, or a flat chunk of one, with its
-gradient, states and write-back buffer) and :class:`StepContext` (what all slices of one call
-share: the group, the write-back mode, the step number, the gradient scale and the random seed).
+gradient, states, write-back buffer and the block scales of its coded states) and
+:class:`StepContext` (what all slices of one call share: the group, the write-back mode, the coded
+states, the step number, the gradient scale and the random seed). Together they carry the whole
+storage of a job, so a backend is called one way (:meth:`lowp.optim.backends.Backend.step`).
 """
 from __future__ import annotations
 
@@ -9,11 +11,28 @@ from typing import Any
 
 import torch
 
+from lowp.optim.encodings import Code
 from lowp.optim.randomness import ElementIndex, RandomStreams
 from lowp.optim.scratch import Scratch
 from lowp.optim.writeback import WriteBack
 
-__all__ = ["ParamSlice", "StepContext"]
+__all__ = ["ParamSlice", "StepContext", "CodedState"]
+
+
+@dataclass(frozen=True)
+class CodedState:
+    """A state kept as block-scaled codes (:mod:`lowp.optim.codes`): its name, its position in the
+    state order (which picks its random stream) and its code.
+
+    Args:
+        name: the state's name.
+        position: its index in the optimizer's state order.
+        code: its :class:`~lowp.optim.encodings.code.Code`.
+    """
+
+    name: str
+    position: int
+    code: Code
 
 
 @dataclass
@@ -38,6 +57,8 @@ class ParamSlice:
         param_id: the parameter's position over all groups of the optimizer (default 0).
         index: where the local elements sit in the whole parameter (default: a whole tensor,
             :class:`~lowp.optim.randomness.ElementIndex` ``()``).
+        scales: the block scales of the states kept as codes (:attr:`StepContext.coded`), flat,
+            by state name (default: none); those states hold the codes.
     """
 
     param: torch.Tensor
@@ -46,6 +67,7 @@ class ParamSlice:
     buffer: torch.Tensor | None = None
     param_id: int = 0
     index: ElementIndex = field(default_factory=ElementIndex)
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def numel(self) -> int:
@@ -86,6 +108,8 @@ class StepContext:
             default: a new, empty one).
         update_weights: ``True`` (default) writes the weights back; ``False`` writes the states
             only (a states-only step, :meth:`~lowp.optim.base.LowpOptimizer.step_params`).
+        coded: the states kept as block-scaled codes, the same for every slice of the call
+            (default: none).
     """
 
     group: dict[str, Any]
@@ -96,6 +120,7 @@ class StepContext:
     count: bool = True
     scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
     update_weights: bool = True
+    coded: tuple[CodedState, ...] = ()
 
     def streams(self, s: ParamSlice) -> RandomStreams:
         """The random streams of slice ``s`` at this step."""

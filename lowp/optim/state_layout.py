@@ -28,7 +28,7 @@ import torch
 
 from lowp.optim import preflight, sharding
 from lowp.optim.codes import CODES, SCALE_DTYPES, Code, check_block, code_for, scale_name, stored_shapes
-from lowp.optim.coded import CodedState
+from lowp.optim.slices import CodedState
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import STATE_ROUNDINGS
 from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer

@@ -32,10 +32,9 @@ from lowp.interrupts import deferred_interrupts
 from lowp.optim import backends, preflight, sharding
 from lowp.optim.backends import Backend, get_backend
 from lowp.optim.codes import scale_name
-from lowp.optim.coded import CodedState, run_coded
 from lowp.optim.hyper import real_value
 from lowp.optim.preflight import check_flag
-from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.slices import CodedState, ParamSlice, StepContext
 from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, resolve_mode
 
 __all__ = ["Checked", "StepPlan", "prepare", "prepare_subset", "run", "step_all", "step_some"]
@@ -267,9 +266,9 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
 class StepPlan:
     """The jobs of one step: the parameters of one group, mode, step count, dtype, device, state
     names and diagnostics weight run together. Each job, keyed by those (the group by its id and
-    the mode by its name), has its slices, its coded states (the same for all of them), the flat
-    block scales of each slice and the states whose counters advance with it; gathered DTensor
-    steps are written back with their states and counts after all jobs.
+    the mode by its name), has its slices (each with the flat block scales of its coded states),
+    its coded states (the same for all of them) and the states whose counters advance with it;
+    gathered DTensor steps are written back with their states and counts after all jobs.
 
     Planning creates missing states and buffers (zeros, or a mode switch's folded buffer) and
     makes coded states contiguous; it writes no weight, state value or counter that a step reads,
@@ -285,8 +284,7 @@ class StepPlan:
     def __init__(self, optimizer: LowpOptimizer, todo: list[tuple[Checked, torch.Tensor]]) -> None:
         self.optimizer = optimizer
         self.jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        self.coded: dict[tuple, list[CodedState]] = {}
-        self.scales: dict[tuple, list[dict[str, torch.Tensor]]] = defaultdict(list)
+        self.coded: dict[tuple, tuple[CodedState, ...]] = {}
         self.counters: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
         self.gathered: list[tuple[sharding.Gathered, dict[str, Any], int]] = []
         undo = _Undo()
@@ -304,9 +302,9 @@ class StepPlan:
                                                           state.get(mode.buffer_name) if mode.buffer_name else None,
                                                           param_id, optimizer.elementwise)
                 key = (id(group), mode.name, step, p.dtype, p.device, names, weight)
+                piece.scales = {c.name: sharding.local(state[scale_name(c.name)]).view(-1) for c in p_coded}
                 self.jobs[key].append(piece)
-                self.coded[key] = p_coded
-                self.scales[key].append({c.name: sharding.local(state[scale_name(c.name)]).view(-1) for c in p_coded})
+                self.coded[key] = tuple(p_coded)
                 if full is None:
                     self.counters[key].append(state)
                 else:
@@ -329,12 +327,9 @@ class StepPlan:
             gid, mode_name, step, _, _, _, weight = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
-                              optimizer.diagnostics_enabled and update_weights, update_weights=update_weights)
-            if self.coded[key]:
-                stalled = run_coded(backend, optimizer, ctx, slices, self.scales[key], self.coded[key],
-                                    optimizer.elementwise)
-            else:
-                stalled = backend.run(optimizer, ctx, slices)
+                              optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
+                              coded=self.coded[key])
+            stalled = backend.step(optimizer, ctx, slices)
             for state in self.counters[key]:
                 state["step"] = step
             if update_weights:

@@ -26,10 +26,12 @@ from lowp.optim.kernels.kernel import Kernel, fusable, partition
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["CodedSlice", "admitted", "without", "codes_fit", "check_coded_args"]
+__all__ = ["admitted", "without", "codes_of", "codes_fit", "check_coded_args"]
 
-#: a slice with the block scales of its coded states, by state name
-CodedSlice = tuple[ParamSlice, dict[str, torch.Tensor]]
+
+def codes_of(ctx: StepContext) -> dict[str, Code]:
+    """The codes of a job's coded states, by state name."""
+    return {c.name: c.code for c in ctx.coded}
 
 
 def without(s: ParamSlice, codes: dict[str, Code]) -> ParamSlice:
@@ -38,10 +40,10 @@ def without(s: ParamSlice, codes: dict[str, Code]) -> ParamSlice:
                       s.index)
 
 
-def codes_fit(s: ParamSlice, scales: dict[str, torch.Tensor], codes: dict[str, Code], block: int) -> bool:
+def codes_fit(s: ParamSlice, codes: dict[str, Code], block: int) -> bool:
     """Whether the codes and scales of ``s`` are kernel memory of the right dtypes and sizes on
     the weight's device, with one scale dtype."""
-    n = s.numel
+    n, scales = s.numel, s.scales
     if len({scales[name].dtype for name in codes if name in scales}) != 1:
         return False
     for name, code in codes.items():
@@ -55,42 +57,42 @@ def codes_fit(s: ParamSlice, scales: dict[str, torch.Tensor], codes: dict[str, C
     return True
 
 
-def check_coded_args(devices: tuple[str, ...], items: Sequence[CodedSlice], codes: dict[str, Code],
+def check_coded_args(devices: tuple[str, ...], slices: Sequence[ParamSlice], codes: dict[str, Code],
                      block: int) -> None:
-    """Raise ``RuntimeError`` unless every item's codes and scales fit (:func:`codes_fit`) on one of
-    the device types ``devices``, with one scale dtype over all ``items``: a kernel's last check
+    """Raise ``RuntimeError`` unless every slice's codes and scales fit (:func:`codes_fit`) on one of
+    the device types ``devices``, with one scale dtype over all ``slices``: a kernel's last check
     before it reads them (:func:`admitted` should have sent anything else elsewhere). Nothing to
     check without ``codes``."""
     if not codes:
         return
-    if len({scales[name].dtype for _, scales in items for name in codes if name in scales}) != 1 or not all(
-            s.param.device.type in devices and codes_fit(s, scales, codes, block) for s, scales in items):
+    if len({s.scales[name].dtype for s in slices for name in codes if name in s.scales}) != 1 or not all(
+            s.param.device.type in devices and codes_fit(s, codes, block) for s in slices):
         raise RuntimeError("kernel call: the codes or scales of a coded state are not kernel memory of their dtypes "
                            "and sizes on the weight's device, with one scale dtype per call; the admission should "
                            "have sent them elsewhere")
 
 
-def admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, items: Sequence[CodedSlice],
-             codes: dict[str, Code], block: int) -> tuple[list[CodedSlice], list[CodedSlice]]:
-    """``(the slices ``kernel`` takes with their codes, the others)``; none when the kernel has no
-    form of the spec, the spec a per-tensor reduction, or when written memory overlaps
-    (``codes``: the coded states by name)."""
+def admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, slices: Sequence[ParamSlice]
+             ) -> tuple[list[ParamSlice], list[ParamSlice]]:
+    """``(the slices ``kernel`` takes with their codes, the others)`` of a job with coded states
+    (``ctx.coded``); none when the kernel has no form of the spec, the spec a per-tensor
+    reduction, or when written memory overlaps."""
     if not kernel.supports(spec) or spec.tensor_numbers is not None:
-        return [], list(items)
+        return [], list(slices)
+    codes, block = codes_of(ctx), ctx.group["state_block"]
     expected = tuple(spec.states(ctx.group))
     spans: list[Span] = []
 
-    def admit(item: CodedSlice) -> bool:
-        s, scales = item
+    def admit(s: ParamSlice) -> bool:
         # fusable first: its checks raise for inputs no backend can run, before anything is written
         ok = (fusable(ctx, without(s, codes), kernel.min_numel, kernel.fp16_stochastic, kernel.device_types(), spans)
-              and tuple(s.states) == expected and codes_fit(s, scales, codes, block))
+              and tuple(s.states) == expected and codes_fit(s, codes, block))
         if ok:
-            for t in (*(s.states[name] for name in codes), *(scales[name] for name in codes)):
+            for t in (*(s.states[name] for name in codes), *(s.scales[name] for name in codes)):
                 spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), True))
         return ok
 
-    taken, rest = partition(list(items), admit)
+    taken, rest = partition(list(slices), admit)
     if taken and overlapping(spans):
-        return [], list(items)
+        return [], list(slices)
     return taken, rest

@@ -8,11 +8,10 @@ they updated in ``fused_elements``, so tests and users can see that a kernel rea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Iterable, Sequence, TypeVar
+from typing import Callable, ClassVar, Iterable, TypeVar
 
 import torch
 
-from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES, Span, check_slice
 from lowp.optim.randomness import Stream, stream_keys
 from lowp.optim.rule import Program
@@ -131,13 +130,10 @@ class Kernel(ABC):
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """The step over ``slices`` (all admitted); returns the stalled count when ``ctx.count``."""
 
-    def run_coded(self, spec: OptimizerSpec, ctx: StepContext,
-                  items: Sequence[tuple[ParamSlice, dict[str, torch.Tensor]]], codes: dict[str, Code],
-                  block: int) -> torch.Tensor | None:
-        """The step over slices with block-scaled states (each with its block scales by state
-        name; ``codes``: the coded states' codes by name, blocks of ``block``), all admitted by
-        :func:`lowp.optim.kernels.coded_slices.admitted`; for kernels with ``steps_codes``.
-        Returns the stalled count when ``ctx.count``."""
+    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """The step over slices of a job with block-scaled states (``ctx.coded``; each slice with
+        their block scales), all admitted by :func:`lowp.optim.kernels.coded_slices.admitted`;
+        for kernels with ``steps_codes``. Returns the stalled count when ``ctx.count``."""
         raise NotImplementedError(f"the {self.name} kernel does not step block-scaled states")
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:

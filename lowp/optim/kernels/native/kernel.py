@@ -16,13 +16,13 @@ kept in L1 until its scale is known.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
-from lowp.optim.kernels.coded_slices import CodedSlice, check_coded_args, without
+from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
 from lowp.optim.kernels.native.source import DTYPE_CODES, CodedLayout, Variant, variant_source
 from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, slice_keys, stream_count
 from lowp.optim.kernels.native.build import (coded_step_function, finite_function, native_available, step_function,
@@ -120,27 +120,26 @@ class NativeKernel(Kernel):
         check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
         return _call_step(spec, variant, members, numbers, keys, factor)
 
-    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, items: Sequence[CodedSlice], codes: dict[str, Code],
-                  block: int) -> torch.Tensor | None:
-        """The step over ``items`` (slices with the block scales of their states named in
-        ``codes``, all :func:`~lowp.optim.kernels.coded_slices.admitted`): one kernel call per
-        dtype signature, the scale dtype included; returns the stalled count."""
+    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """The step over ``slices`` of a job with coded states (``ctx.coded``, all
+        :func:`~lowp.optim.kernels.coded_slices.admitted`): one kernel call per dtype signature,
+        the scale dtype included; returns the stalled count."""
         numbers = spec.numbers(ctx.group, ctx.step)
         stalled = 0
+        codes, block = codes_of(ctx), ctx.group["state_block"]
         scale_of = next(iter(codes))
-        groups = by_signature(items, lambda item: (*slice_dtypes(item[0]), item[1][scale_of].dtype))
+        groups = by_signature(slices, lambda s: (*slice_dtypes(s), s.scales[scale_of].dtype))
         for members in groups.values():
             stalled += self.launch_coded(spec, ctx, members, codes, block, numbers)
-        self.fused_elements += sum(s.numel for s, _ in items)
+        self.fused_elements += sum(s.numel for s in slices)
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     @staticmethod
-    def launch_coded(spec: OptimizerSpec, ctx: StepContext, members: list[CodedSlice], codes: dict[str, Code],
+    def launch_coded(spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice], codes: dict[str, Code],
                      block: int, numbers: dict[str, float]) -> int:
-        """One kernel call over ``members`` with coded states (their scales of one dtype): the plain
+        """One kernel call over ``slices`` with coded states (their scales of one dtype): the plain
         states' arguments checked as :meth:`launch` does, the codes and scales by
         :func:`~lowp.optim.kernels.coded_slices.check_coded_args`; returns the stalled count."""
-        slices = [s for s, _ in members]
         names = list(spec.states(ctx.group))
         weight, grad, buffer, *states = slice_dtypes(slices[0])
         dtypes = tuple(torch.float32 if name in codes else dtype for name, dtype in zip(names, states)
@@ -148,16 +147,16 @@ class NativeKernel(Kernel):
         assert len(dtypes) == len(names), "every state of an admitted slice is a tensor"
         check_kernel_args([without(s, codes) for s in slices], [name for name in names if name not in codes],
                           (weight, grad, buffer, *(d for name, d in zip(names, dtypes) if name not in codes)))
-        check_coded_args(NativeKernel.devices, members, codes, block)
-        scale_dtype = members[0][1][next(iter(codes))].dtype
+        check_coded_args(NativeKernel.devices, slices, codes, block)
+        scale_dtype = slices[0].scales[next(iter(codes))].dtype
         layout = CodedLayout(tuple(codes[name].kind if name in codes else -1 for name in names),
                              scale_code(scale_dtype), block)
         variant = variant_for(spec, ctx, (weight, grad, buffer, *dtypes), layout)
-        n = len(members)
+        n = len(slices)
         scale_table = (ctypes.c_void_p * (len(names) * n))()
-        for j, (_, scales) in enumerate(members):
+        for j, s in enumerate(slices):
             for k, name in enumerate(names):
-                scale_table[k * n + j] = scales[name].data_ptr() if name in codes else None
+                scale_table[k * n + j] = s.scales[name].data_ptr() if name in codes else None
         grids = (ctypes.c_double * (4 * len(names)))(*(x for name in names
                                                         for x in (grid_numbers(codes[name]) if name in codes
                                                                   else (0.0, 0.0, 0.0, 0.0))))

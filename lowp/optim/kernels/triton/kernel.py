@@ -24,12 +24,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
 
 import torch
 
 from lowp.optim.codes import Code
-from lowp.optim.kernels.coded_slices import CodedSlice, check_coded_args
+from lowp.optim.kernels.coded_slices import check_coded_args, codes_of
 from lowp.optim.kernels.kernel import Kernel, by_signature, slice_keys, step_numbers
 from lowp.optim.kernels.triton.source import kernel_source
 from lowp.optim.rule import Program
@@ -105,42 +104,41 @@ class TritonKernel(Kernel):
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """One launch per dtype signature."""
-        return self.run_coded(spec, ctx, [(s, {}) for s in slices], {}, 0)
+        return self.run_coded(spec, ctx, slices)
 
-    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, items: Sequence[CodedSlice], codes: dict[str, Code],
-                  block: int) -> torch.Tensor | None:
-        """One launch per dtype signature (the scales' dtype included) over ``items``, slices with
-        the block scales of their states named in ``codes`` (blocks of ``block``), all admitted
+    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """One launch per dtype signature (the scales' dtype included) over ``slices``, with the
+        block scales of the job's coded states (``ctx.coded``; none: a plain step), all admitted
         (:func:`~lowp.optim.kernels.coded_slices.admitted`); the kernel decodes and encodes those
         states in registers. Returns the stalled count."""
         from lowp.optim.kernels.triton.ops import tl_dtype  # imports triton
 
-        groups = by_signature(items, lambda item: (*_dtypes(item[0]), *(t.dtype for t in item[1].values())))
+        codes, block = codes_of(ctx), ctx.group["state_block"]
+        groups = by_signature(slices, lambda s: (*_dtypes(s), *(s.scales[name].dtype for name in codes)))
         for members in groups.values():   # every launch's memory checked before the first
             check_coded_args(self.device_types(), members, codes, block)
         program = spec.program(ctx.group)
         kernel = _module(program, ctx.mode.name, tuple(codes.get(name) for name in program.state_names)).step_kernel
-        h = step_numbers(spec, program, ctx, items[0][0].param.device)
+        h = step_numbers(spec, program, ctx, slices[0].param.device)
         counts = []
         for members in groups.values():
             counts.append(self.launch(kernel, tl_dtype, ctx, members, h, list(codes), block))
-        self.fused_elements += sum(s.numel for s, _ in items)
+        self.fused_elements += sum(s.numel for s in slices)
         present = [c for c in counts if c is not None]
         return torch.stack(present).sum() if present else None
 
     @staticmethod
-    def launch(kernel, tl_dtype, ctx: StepContext, items: list[CodedSlice], h: torch.Tensor, coded: list[str],
+    def launch(kernel, tl_dtype, ctx: StepContext, slices: list[ParamSlice], h: torch.Tensor, coded: list[str],
                block: int) -> torch.Tensor | None:
-        """One kernel launch over ``items`` (of the same dtypes, each slice a contiguous range of its
+        """One kernel launch over ``slices`` (of the same dtypes, each a contiguous range of its
         parameter; ``coded``: the names of the states held as codes); returns the stalled count."""
-        slices = [s for s, _ in items]
         device = slices[0].param.device
         names = list(slices[0].states)
         grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in slices]
         params = [s.param for s in slices]
         buffers = [s.buffer if s.buffer is not None else s.param for s in slices]
         states = [[s.states[name] for s in slices] for name in names]
-        scales = [[sc[name] for _, sc in items] for name in names if name in coded]
+        scales = [[s.scales[name] for s in slices] for name in names if name in coded]
         block_size, warps = (CODED_BLOCK, CODED_WARPS) if scales else (BLOCK, NUM_WARPS)
         tables = launch_tables(device, block_size, [params, grads, buffers, *states, *scales],
                                [s.numel for s in slices],
