@@ -21,6 +21,7 @@ import lowp.optim as lo
 from lowp.optim.codes import decode, encode
 from lowp.optim.encodings import CODES
 from fused_helpers import assert_fused
+from test_optim_codes import _steps as steps_between
 
 NATIVE = lo.backends.native_available()
 HERE = Path(__file__).parent
@@ -62,11 +63,7 @@ def _run(backend: str, steps: int = 4, **kw):
     params = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in SHAPES]
     opt = lo.AdamW(params, lr=1e-2, backend=backend, chunk_size=300, mode="stochastic", seed=7,
                    state_dtype=FOUR_BIT, **kw)
-    for t in range(steps):
-        gen = torch.Generator().manual_seed(1000 + t)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
-        opt.step()
+    steps_between(params, opt, 0, steps)
     return params, opt
 
 
@@ -106,11 +103,7 @@ def test_a_checkpoint_with_int4_moments_resumes_bit_for_bit():
     fresh = lo.AdamW(fresh_params, lr=1e-2, backend="foreach", chunk_size=300, mode="stochastic", seed=99,
                      state_dtype=FOUR_BIT)
     fresh.load_state_dict(saved)
-    for t in range(2, 4):
-        gen = torch.Generator().manual_seed(1000 + t)
-        for p in fresh_params:
-            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
-        fresh.step()
+    steps_between(fresh_params, fresh, 2, 4)
     _same(whole, (fresh_params, fresh))
 
 

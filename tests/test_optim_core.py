@@ -65,29 +65,31 @@ def test_fp32_matches_torch_optim_over_100_steps(ours, theirs, kw, backend):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
 
 
-def _trajectory_errors(steps=300, n=4096):
-    """Relative distance to an fp64 reference of bf16 AdamW weights per mode (same grads)."""
+def trajectory_errors(steps=300, n=4096, dtype=torch.bfloat16, modes=None, held=False):
+    """Relative distance to an fp64 reference of ``dtype`` AdamW weights per mode (same grads):
+    of the visible weights, or (``held``) of what weight and buffer hold together."""
     gen = torch.Generator().manual_seed(0)
-    w0 = (torch.randn(n, generator=gen) * 0.5).bfloat16()
-    grads = [torch.randn(n, generator=gen).bfloat16() for _ in range(steps)]
+    w0 = (torch.randn(n, generator=gen) * 0.5).to(dtype)
+    grads = [torch.randn(n, generator=gen).to(dtype) for _ in range(steps)]
     ref = w0.double().requires_grad_()
     opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.1)
     for g in grads:
         ref.grad = g.double()
         opt.step()
     errors = {}
-    for mode in MODES:
+    for mode in modes or [m for m, wb in MODES.items() if dtype in wb.dtypes]:
         p = w0.clone().requires_grad_()
         opt = lo.AdamW([p], lr=1e-3, weight_decay=0.1, mode=mode, state_dtype=torch.float32)
         for g in grads:
             p.grad = g
             opt.step()
-        errors[mode] = float((p.detach().double() - ref.detach()).norm() / ref.detach().norm())
+        value = lo.convert.full_precision_weights(opt)[0] if held else p.detach()
+        errors[mode] = float((value.double() - ref.detach()).norm() / ref.detach().norm())
     return errors
 
 
 def test_bf16_kahan_and_exact_track_fp64_far_closer_than_nearest():
-    err = _trajectory_errors()
+    err = trajectory_errors()
     # the visible bf16 weight of kahan/exact is the reference rounded once (~2**-9 relative)
     assert err["kahan"] < 2.5e-3 and err["exact"] < 2.5e-3
     assert err["nearest"] > 8 * err["kahan"] and err["nearest"] > 8 * err["exact"]

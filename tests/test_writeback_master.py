@@ -15,6 +15,7 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.writeback import MODES
+from test_optim_core import trajectory_errors
 
 NATIVE = lo.backends.native_available()
 BACKENDS = ["foreach", "native"] if NATIVE else ["foreach"]
@@ -86,26 +87,9 @@ def test_load_full_precision_puts_the_master():
 
 def test_fp16_master_tracks_fp64_as_fp32_does():
     """300 AdamW steps on fp16 weights against an fp64 run: the held value of ``master`` is as
-    close as fp32 arithmetic gets, closer than kahan's fp16 compensation, and the visible weight
-    is the reference rounded once (docs/memory.md has the numbers)."""
-    steps, dtype = 300, torch.float16
-    gen = torch.Generator().manual_seed(0)
-    w0 = (torch.randn(4096, generator=gen) * 0.5).to(dtype)
-    grads = [torch.randn(4096, generator=gen).to(dtype) for _ in range(steps)]
-    ref = w0.double().requires_grad_()
-    reference = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.1)
-    for g in grads:
-        ref.grad = g.double()
-        reference.step()
-    errors = {}
-    for mode in ("nearest", "kahan", "master"):
-        p = w0.clone().requires_grad_()
-        opt = lo.AdamW([p], lr=1e-3, weight_decay=0.1, mode=mode, state_dtype=torch.float32)
-        for g in grads:
-            p.grad = g
-            opt.step()
-        held = lo.convert.full_precision_weights(opt)[0].double()
-        errors[mode] = float((held - ref.detach()).norm() / ref.detach().norm())
+    close as fp32 arithmetic gets, closer than kahan's fp16 compensation (docs/memory.md has the
+    numbers)."""
+    errors = trajectory_errors(dtype=torch.float16, modes=("nearest", "kahan", "master"), held=True)
     assert errors["master"] < 1e-6 < errors["kahan"] < errors["nearest"] / 1000
 
 

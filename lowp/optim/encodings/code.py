@@ -6,7 +6,8 @@ largest code ``Q``, the mantissa bits ``m`` and least exponent ``emin`` of a sma
 signed or square-root) and its **storage** (how codes sit in bytes). One module of this package
 holds each encoding: the ``Code`` with its storage's reference ``pack`` / ``unpack`` and, beside
 it, the C++ header that specializes ``Storage<KIND>`` for the native codec and step (loads and
-stores of 8 and of 16 codes). The Triton kernel reads the grid and storage numbers
+stores of 8 and of 16 codes; ``native/codes.h`` has them for one-byte integers, fp8 bytes and
+nibbles, so a header usually names its base and its flags). The Triton kernel reads the grid and storage numbers
 (``bits``, ``signed``, ``storage``) and needs nothing per encoding. Adding an encoding is one
 module (and its header) plus one entry in :data:`lowp.optim.encodings.CODES`.
 """

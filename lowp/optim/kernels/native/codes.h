@@ -278,6 +278,83 @@ static inline void store16_bytes(void *codes, int64_t i, vi even, vi odd) {
   _mm_storeu_si128((__m128i *)((uint8_t *)codes + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
 }
 
+// One-byte integer codes (int8, uint8): loads sign- or zero-extend the byte.
+template <bool SIGNED_BYTES> struct IntegerBytes {
+  static inline vf load8(const void *codes, int64_t j) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)codes + j));
+    return (vf)_mm256_cvtepi32_ps(SIGNED_BYTES ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  }
+  static inline void store8(void *codes, int64_t j, vi v) { store8_bytes(codes, j, v); }
+  static inline void load16(const void *codes, int64_t i, vf &even, vf &odd) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)codes + i));
+    if constexpr (SIGNED_BYTES) {
+      const vi sx = (vi)_mm256_cvtepi16_epi32(bytes);  // lane l: byte 2l | byte 2l+1 << 8, sign-extended from the odd byte
+      even = (vf)_mm256_cvtepi32_ps((__m256i)((sx << 24) >> 24));
+      odd = (vf)_mm256_cvtepi32_ps((__m256i)(sx >> 8));
+    } else {
+      const vu x = (vu)_mm256_cvtepu16_epi32(bytes);  // lane l: byte 2l | byte 2l+1 << 8
+      even = (vf)_mm256_cvtepi32_ps((__m256i)(x & 0xFFu));
+      odd = (vf)_mm256_cvtepi32_ps((__m256i)(x >> 8));
+    }
+  }
+  static inline void store16(void *codes, int64_t i, vi even, vi odd) { store16_bytes(codes, i, even, odd); }
+};
+
+// One-byte fp8 codes: VALUES gives the fp32 values of 8 codes held in the high bytes of 16-bit lanes.
+template <vf (*VALUES)(__m128i)> struct Fp8Bytes {
+  static inline vf load8(const void *codes, int64_t j) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)codes + j));
+    return VALUES(_mm_unpacklo_epi8(_mm_setzero_si128(), b));  // code k: the high byte of lane k
+  }
+  static inline void store8(void *codes, int64_t j, vi v) { store8_bytes(codes, j, v); }
+  static inline void load16(const void *codes, int64_t i, vf &even, vf &odd) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)codes + i));
+    even = VALUES(_mm_slli_epi16(bytes, 8));
+    odd = VALUES(bytes);
+  }
+  static inline void store16(void *codes, int64_t i, vi even, vi odd) { store16_bytes(codes, i, even, odd); }
+};
+
+// 4-bit codes, two per byte, element 2k in the low nibble of byte k; a signed code is a two's
+// complement nibble (loads sign-extend it, stores keep its low 4 bits).
+template <bool SIGNED_NIBBLES> struct Nibbles {
+  static inline vi extend(vi nibbles) { return SIGNED_NIBBLES ? (nibbles << 28) >> 28 : nibbles; }
+  static inline vf load8(const void *codes, int64_t j) {  // j even: the 4 bytes from j / 2
+    uint32_t w;
+    memcpy(&w, (const uint8_t *)codes + j / 2, 4);
+    __m256i b = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128((int)w));  // byte k in 64-bit lane k
+    __m256i lo = _mm256_and_si256(b, _mm256_set1_epi64x(0xF));
+    __m256i hi = _mm256_and_si256(_mm256_slli_epi64(b, 28), _mm256_set1_epi64x(0xF00000000ll));
+    return (vf)_mm256_cvtepi32_ps((__m256i)extend((vi)_mm256_or_si256(lo, hi)));
+  }
+  static inline void store8(void *codes, int64_t j, vi v) {
+    // byte k = nibble 2k | nibble (2k + 1) << 4, in the low byte of 64-bit lane k
+    uint8_t *p = (uint8_t *)codes;
+    const __m256i n = (__m256i)(v & 15);
+    __m256i pairs = _mm256_or_si256(n, _mm256_srli_epi64(n, 28));
+    __m256i picked = _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 -1, -1, -1, -1));
+    uint16_t a = (uint16_t)_mm_extract_epi16(_mm256_castsi256_si128(picked), 0);
+    uint16_t b = (uint16_t)_mm_extract_epi16(_mm256_extracti128_si256(picked, 1), 0);
+    memcpy(p + j / 2, &a, 2);
+    memcpy(p + j / 2 + 2, &b, 2);
+  }
+  static inline void load16(const void *codes, int64_t i, vf &even, vf &odd) {
+    const vi x = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)codes + i / 2)));
+    even = (vf)_mm256_cvtepi32_ps((__m256i)extend(x & 15));  // lane l: byte l
+    odd = (vf)_mm256_cvtepi32_ps((__m256i)extend((vi)((vu)x >> 4)));
+  }
+  static inline void store16(void *codes, int64_t i, vi even, vi odd) {
+    // byte l = nibble 2l | nibble (2l + 1) << 4: the low byte of each 32-bit lane, gathered
+    const __m256i b = _mm256_shuffle_epi8((__m256i)((even & 15) | ((odd & 15) << 4)),
+                                          _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storel_epi64((__m128i *)((uint8_t *)codes + i / 2),
+                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
+  }
+};
+
 // ---- one block ---------------------------------------------------------------------------------
 // The codes of the ``n`` values t (a multiple of 8) of a block whose scale is ``bs``.
 template <int KIND, bool SR, bool FIXED, typename Noise>
