@@ -1,0 +1,46 @@
+"""``benchmarks/step_vs_torch.py``: its parameter lists are the models they name, and a small run
+in a subprocess prints every row with the baseline at 1.00x and the host time per tensor."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "step_vs_torch.py"
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_vs_torch
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return step_vs_torch
+
+
+def test_gpt2_lists_are_gpt2_small():
+    """148 tensors; 124,439,808 parameters (GPT-2 small with tied output embedding), and the list
+    with every dimension divided by 8."""
+    bench = _script()
+    full, small = bench.gpt2_shapes(1), bench.gpt2_shapes(8)
+    assert len(full) == len(small) == 148
+    assert sum(torch.Size(s).numel() for s in full) == 124_439_808
+    assert sum(torch.Size(s).numel() for s in small) == 1_957_632
+    assert full[0] == (50257, 768) and full[2 + 2] == (768, 2304)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lion"])
+def test_a_small_run_prints_every_row(optimizer):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--optimizer", optimizer, "--lists", "500x1000", "--steps",
+                           "1", "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    baseline, rows = _script().configs(optimizer)
+    lines = done.stdout.splitlines()
+    assert all(name in lines[1] for name in rows)
+    data = next(line for line in lines if line.startswith("500x1000"))
+    assert len(re.findall(r"\d+\.\d+ ms \(\d+\.\d+x\)", data)) == len(rows)
+    assert re.search(r"\(1\.00x\)", data)   # the baseline against itself
+    assert "host time per tensor (500x1000)" in lines[-1] and all(name in lines[-1] for name in rows)
