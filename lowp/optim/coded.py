@@ -27,7 +27,7 @@ torch functions of :mod:`lowp.optim.codes` are the definition and the path for e
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -37,10 +37,22 @@ from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
 
-if TYPE_CHECKING:
-    from lowp.optim.backends import Backend, LowpOptimizer
+__all__ = ["run_coded", "Stepper"]
 
-__all__ = ["run_coded"]
+
+class Stepper(Protocol):
+    """What :func:`run_coded` asks of the backend it runs (:class:`lowp.optim.backends.Backend`,
+    which imports this module)."""
+
+    def chunk_for(self, device: torch.device) -> int:
+        """The chunk size for tensors on ``device``."""
+
+    def take_coded(self, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]
+                   ) -> tuple[torch.Tensor | None, list[ParamSlice]]:
+        """The slices its kernel steps with their codes: (their stalled count, the others)."""
+
+    def run(self, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+        """The step over slices of plain states."""
 
 
 @dataclass
@@ -136,7 +148,7 @@ def _encode(ctx: StepContext, pieces: list[_Piece], plain: list[ParamSlice], cod
             native_codec.encode_many(jobs, c.code, block)
 
 
-def run_coded(backend: "Backend", optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
+def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]
               ) -> torch.Tensor | None:
     """Run ``backend`` on ``slices`` whose states named in ``ctx.coded`` are codes (each slice
     with their block scales); see the module docstring. A parameter is cut into pieces only when
