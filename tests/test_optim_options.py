@@ -68,14 +68,17 @@ def _walk(value):
 @pytest.mark.parametrize("cls", optimizers(), ids=lambda c: c.__name__)
 def test_a_checkpoint_holds_no_dtype(cls):
     model = _model()
-    opt = cls(model.parameters(), lr=1e-3, state_dtype={"exp_avg": torch.bfloat16})
+    kw = {**cls.examples[0], "lr": 1e-3}
+    probe = cls(model.parameters(), **kw)
+    first = next(n for p in model.parameters() for n in probe.state_names(probe.param_groups[0], p))
+    opt = cls(model.parameters(), **kw, state_dtype={first: torch.bfloat16})
     _train(model, opt, 1)
     sd = opt.state_dict()
     assert not [v for v in _walk(sd) if isinstance(v, torch.dtype)]
-    assert sd["param_groups"][0]["state_dtype"] == {"exp_avg": "torch.bfloat16"}
-    again = cls(_model().parameters(), lr=1e-3, state_dtype={"exp_avg": torch.bfloat16})
+    assert sd["param_groups"][0]["state_dtype"] == {first: "torch.bfloat16"}
+    again = cls(_model().parameters(), **kw, state_dtype={first: torch.bfloat16})
     again.load_state_dict(sd)
-    assert again.param_groups[0]["state_dtype"] == {"exp_avg": torch.bfloat16}
+    assert again.param_groups[0]["state_dtype"] == {first: torch.bfloat16}
     assert again.param_groups[0]["state_scale_dtype"] is torch.bfloat16
 
 

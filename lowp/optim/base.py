@@ -38,8 +38,8 @@ from lowp.optim import checkpointing, options, reference, state_layout, step_pla
 from lowp.optim.backends import Backend, backend_for, get_backend
 from lowp.optim.diagnostics import report
 from lowp.optim.hyper import (CONSTRUCTOR_OPTIONS, NONFINITE_POLICIES, check_betas, check_group_values,
-                              check_nonnegative, check_optimizer_options, checked_group, mode_from_kahan_sum,
-                              real_value, warn_if_swapped)
+                              check_nonnegative, check_optimizer_options, check_state_dtype_names, checked_group,
+                              mode_from_kahan_sum, real_value, warn_if_swapped)
 from lowp.optim.migrate import to_lowp_layout
 from lowp.optim.preflight import check_seed
 from lowp.optim.randomness import default_seed
@@ -250,9 +250,11 @@ class LowpOptimizer(torch.optim.Optimizer):
     def check_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError``/``TypeError`` naming the first bad hyper-parameter of ``group``
         (a complete group: defaults merged in): the options every optimizer has
-        (:func:`~lowp.optim.hyper.check_group_values`), then the subclass's ``validate``. Used by
+        (:func:`~lowp.optim.hyper.check_group_values`, a ``state_dtype`` dict naming its states:
+        :func:`~lowp.optim.hyper.check_state_dtype_names`), then the subclass's ``validate``. Used by
         ``add_param_group``, ``load_state_dict`` and before every step."""
         check_group_values(group, self.flag_keys)
+        check_state_dtype_names(self, group)
         self.validate(group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

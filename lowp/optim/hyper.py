@@ -23,7 +23,7 @@ from lowp.optim.writeback import get_mode, resolve_mode
 
 __all__ = ["NONFINITE_POLICIES", "CONSTRUCTOR_OPTIONS", "real_value", "check_nonnegative", "check_betas",
            "warn_if_swapped", "check_optimizer_options", "mode_from_kahan_sum", "check_group_values",
-           "checked_group"]
+           "check_state_dtype_names", "checked_group"]
 
 #: What a non-finite gradient does (the ``nonfinite`` option).
 NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
@@ -47,6 +47,9 @@ class LowpOptimizer(Protocol):
 
     def coded_states(self, group: dict[str, Any], param: torch.Tensor) -> list[CodedState]:
         """The block-scaled states of ``param`` (checks that their codes can hold them)."""
+
+    def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
+        """Names of the optimizer states of ``param``."""
 
 
 def real_value(value: Any, allow_tensor: bool = False) -> float | None:
@@ -137,6 +140,22 @@ def check_group_values(group: dict[str, Any], flag_keys: tuple[str, ...]) -> Non
     for key in flag_keys:
         if key in group:
             check_flag(key, group[key])
+
+
+def check_state_dtype_names(optimizer: LowpOptimizer, group: dict[str, Any]) -> None:
+    """A ``state_dtype`` dict names only states the optimizer keeps (for a parameter of any rank:
+    Adafactor's differ between vectors and matrices); else ``ValueError`` naming the key, the
+    states and the nearest one."""
+    asked = group["state_dtype"]
+    if not isinstance(asked, Mapping):
+        return
+    known = {name for shape in ((), (2,), (2, 2))
+             for name in optimizer.state_names(group, torch.empty(shape, device="meta"))}
+    for key in asked:
+        if key not in known:
+            near = options.nearest_name(key, known)
+            raise ValueError(f"state_dtype: {key!r} is not a state of {type(optimizer).__name__} (its states: "
+                             f"{', '.join(sorted(known)) or 'none'})" + (f"; did you mean {near!r}?" if near else ""))
 
 
 def checked_group(optimizer: LowpOptimizer, param_group: Any) -> dict[str, Any]:

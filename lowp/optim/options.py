@@ -28,7 +28,8 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["OPTIMIZER_WIDE", "DTYPE_KEYS", "EXTRAS_KEY", "unknown_keywords", "group_options", "plain_betas",
+__all__ = ["OPTIMIZER_WIDE", "DTYPE_KEYS", "EXTRAS_KEY", "unknown_keywords", "nearest_name", "group_options",
+           "plain_betas",
            "saved_group", "loaded_group", "dtype_value"]
 
 #: Options of the whole optimizer (constructor keywords, not group keys).
@@ -61,7 +62,7 @@ _EQUIVALENTS = {
 }
 
 
-def _nearest(name: str, known: Iterable[str]) -> str | None:
+def nearest_name(name: str, known: Iterable[str]) -> str | None:
     """The known name ``name`` is most probably a misspelling of (two letters off at most)."""
     close = [k for k in difflib.get_close_matches(name, list(known), n=3, cutoff=0.8) if abs(len(k) - len(name)) <= 2]
     return close[0] if close else None
@@ -73,7 +74,7 @@ def unknown_keywords(owner: str, given: Mapping[str, Any], known: Iterable[str])
     name = next(iter(given))
     if name in _EQUIVALENTS:
         return TypeError(f"{name}: {owner} takes no such keyword; {_EQUIVALENTS[name]}")
-    near = _nearest(name, known)
+    near = nearest_name(name, known)
     hint = f"; did you mean {near!r}?" if near else ""
     return TypeError(f"{name}: {owner} got an unexpected keyword argument{hint}")
 
@@ -104,7 +105,7 @@ def group_options(group: Mapping[str, Any], wide: Mapping[str, Any], known: Iter
     for key in out:
         if key in known or key in _ALWAYS or not isinstance(key, str):
             continue
-        near = _nearest(key, known)
+        near = nearest_name(key, known)
         if near is not None:
             raise ValueError(f"{where}[{key!r}]: not an option of this optimizer; did you mean {near!r}?")
     return out

@@ -206,6 +206,8 @@ def common_error_inputs(cls: type[LowpOptimizer]) -> tuple[ErrorInput, ...]:
             state_dtype=torch.float64),
         bad("fp64 state by name", r"state_dtype: expected None, .* got \{'exp_avg': torch\.float64\}",
             state_dtype={"exp_avg": torch.float64}),
+        bad("unknown state name", rf"state_dtype: 'bogus' is not a state of {cls.__name__} \(its states: ",
+            state_dtype={"bogus": torch.int8}),
         bad("block of 48", r"state_block: expected one of 32, 64, 128, 256, got 48", state_block=48),
         bad("int8 block scales", r"state_scale_dtype: expected one of torch\.bfloat16", state_scale_dtype=torch.int8),
         bad("int maximize", r"maximize: " + flag + "1", maximize=1),
