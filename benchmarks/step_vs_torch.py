@@ -61,8 +61,12 @@ Maker = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def _deepspeed_adam() -> Callable | None:
+    """DeepSpeed's CPUAdam when it imports and its extension builds here (a first use builds it)."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+        probe = torch.nn.Parameter(torch.zeros(8))
+        probe.grad = torch.zeros(8)
+        DeepSpeedCPUAdam([probe], lr=LR).step()
     except Exception:   # not installed, or its extension does not build here
         return None
     return DeepSpeedCPUAdam
