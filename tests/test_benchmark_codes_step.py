@@ -11,18 +11,10 @@ import torch
 
 import lowp.optim as lo
 from lowp.optim.kernels.native import codec as native_codec
+from benchmark_helpers import benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "codes_step.py"
-
-
-def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import codes_step
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return codes_step
 
 
 @pytest.mark.parametrize("state_dtype, expected", [
@@ -36,7 +28,7 @@ def test_moved_bytes_counts_every_state_read_and_written(state_dtype, expected):
     p.grad = torch.randn(numel).bfloat16()
     opt = lo.AdamW([p], lr=1e-3, backend="foreach", **({} if state_dtype is None else {"state_dtype": state_dtype}))
     opt.step()
-    assert _script().moved_bytes(p, opt.state[p]) == expected * numel
+    assert benchmark("codes_step").moved_bytes(p, opt.state[p]) == expected * numel
 
 
 @pytest.mark.skipif(not native_codec.available(), reason="the CPU table times the native backend (x86-64, AVX2)")
@@ -47,7 +39,7 @@ def test_small_run_prints_every_configuration_against_its_floor():
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| 64K | 1 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 3 + len(_script().CONFIGS) + 1
+    assert len(cells) == 3 + len(benchmark("codes_step").CONFIGS) + 1
     assert float(re.match(r"([\d.]+) GB/s", cells[2]).group(1)) > 0
     per_param = [float(re.search(r"([\d.]+) B/param", c).group(1)) for c in cells[3:-1]]
     assert per_param == [18.0, 14.12, 14.12, 13.12]               # printed to two decimals

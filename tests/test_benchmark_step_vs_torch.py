@@ -7,24 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmark_helpers import benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "step_vs_torch.py"
 
 
-def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_vs_torch
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return step_vs_torch
-
-
 def test_gpt2_lists_are_gpt2_small():
     """148 tensors; 124,439,808 parameters (GPT-2 small with tied output embedding), and the list
     with every dimension divided by 8."""
-    bench = _script()
+    bench = benchmark("step_vs_torch")
     full, small = bench.gpt2_shapes(1), bench.gpt2_shapes(8)
     assert len(full) == len(small) == 148
     assert sum(torch.Size(s).numel() for s in full) == 124_439_808
@@ -37,7 +29,7 @@ def test_a_small_run_prints_every_row(optimizer):
     done = subprocess.run([sys.executable, str(SCRIPT), "--optimizer", optimizer, "--lists", "500x1000", "--steps",
                            "1", "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    baseline, rows = _script().configs(optimizer)
+    baseline, rows = benchmark("step_vs_torch").configs(optimizer)
     lines = [line for line in done.stdout.splitlines() if not line.startswith("[")]   # DeepSpeed logs "[date] ..."
     header = next(line for line in lines if line.startswith("parameter list"))
     assert all(name in header for name in rows)
