@@ -3,7 +3,7 @@
 Each optimizer is one module with its spec (:mod:`lowp.optim.spec`: states, numbers, switches and
 the elementwise rule every fused kernel is generated from) and its reference update
 (:mod:`lowp.optim.adamw`, ...); one shared write-back mode stores the update into the weights
-(:mod:`lowp.optim.writeback`: kahan, stochastic, nearest, exact, exact8); one shared backend runs the
+(:mod:`lowp.optim.writeback`: kahan, stochastic, nearest, exact, exact8, master); one shared backend runs the
 step (:mod:`lowp.optim.backends`: eager, foreach, or a fused kernel with a fallback). Bookkeeping
 lives in :class:`lowp.optim.base.LowpOptimizer`. The imports of optimizer modules below are the
 registry (:mod:`lowp.optim.registry`): one line per optimizer.

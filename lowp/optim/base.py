@@ -78,21 +78,22 @@ class LowpOptimizer(torch.optim.Optimizer):
         mode (group): how the fp32 update is written back into bf16/fp16 weights
             (:mod:`lowp.optim.writeback`): ``"auto"`` (default: ``"kahan"``), ``"kahan"``,
             ``"stochastic"``, ``"nearest"``, ``"exact"`` (bf16 weight + int16 remainder: the fp32
-            master weight exactly, 4 bytes) or ``"exact8"`` (bf16 weight + int8 remainder, 16
-            significant bits in 3 bytes, the remainder rounded stochastically); the last two
-            take bf16 weights only (a ``TypeError`` for fp16). fp32/fp64 weights are always
-            updated plainly, whatever the mode. Another name raises ``ValueError``.
+            master weight exactly, 4 bytes), ``"exact8"`` (bf16 weight + int8 remainder, 16
+            significant bits in 3 bytes, the remainder rounded stochastically), both for bf16
+            weights only (a ``TypeError`` for fp16), or ``"master"`` (an fp32 master weight beside
+            a bf16 or fp16 weight, 4 extra bytes). fp32/fp64 weights are always updated plainly,
+            whatever the mode. Another name raises ``ValueError``.
         state_dtype (group): the dtype new optimizer states are created in: ``None`` (default:
             the parameter's dtype, but bf16 for fp16 parameters, see :func:`default_state_dtype`),
             ``torch.float32``, ``torch.bfloat16``, ``torch.float16``, or a dict
             ``{state name: dtype or None}``. fp64 parameters always keep fp64 states; float64
             and other dtypes raise ``ValueError``. Block-scaled codes (:mod:`lowp.optim.codes`):
-            ``torch.int8``, ``torch.float8_e4m3fn`` and ``torch.float8_e5m2`` for any state,
-            ``torch.uint8`` and ``torch.uint4`` (stored as square roots) for the states the
-            optimizer's spec declares nonnegative (Adam's ``exp_avg_sq``); elementwise states
-            only, else ``ValueError``. DTensor parameters keep the codes of whole blocks sharded
-            like themselves, replicated where their shards split blocks
-            (:func:`lowp.optim.sharding.coded_placements`).
+            ``torch.int8``, ``torch.int4``, ``torch.float8_e4m3fn`` and ``torch.float8_e5m2`` for
+            any state, ``torch.uint8`` and ``torch.uint4`` (stored as square roots) for the
+            states the optimizer's spec declares nonnegative (Adam's ``exp_avg_sq``); elementwise
+            states only, else ``ValueError`` (:mod:`lowp.optim.encodings`: one module per code).
+            DTensor parameters keep the codes of whole blocks sharded like themselves, replicated
+            where their shards split blocks (:func:`lowp.optim.sharding.coded_placements`).
         state_block (group): elements per scale of block-scaled states: 32, 64 (default), 128 or
             256.
         state_scale_dtype (group): the dtype of the block scales: ``torch.bfloat16`` (default:
