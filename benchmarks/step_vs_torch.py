@@ -132,9 +132,10 @@ def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Ten
     return out
 
 
-def measure(shapes: list[tuple[int, ...]], rows: dict[str, tuple[torch.dtype, Maker]], steps: int
-            ) -> dict[str, float]:
-    """Median seconds per step of every row on ``shapes``, the rows' steps interleaved."""
+def measure(shapes: list[tuple[int, ...]], rows: dict[str, tuple[torch.dtype, Maker]], steps: int,
+            cached: dict[str, int] | None = None) -> dict[str, float]:
+    """Median seconds per step of every row on ``shapes``, the rows' steps interleaved; ``cached``
+    collects, per lowp row, how many of its steps took the cached plan (lowp.optim.cached_step)."""
     built = {}
     for name, (dtype, make) in rows.items():
         params = _params(shapes, dtype)
@@ -148,6 +149,10 @@ def measure(shapes: list[tuple[int, ...]], rows: dict[str, tuple[torch.dtype, Ma
             start = time.perf_counter()
             opt.step()
             times[name].append(time.perf_counter() - start)
+    if cached is not None:
+        for name, opt in built.items():
+            if isinstance(opt, lo.LowpOptimizer):
+                cached[name] = cached.get(name, 0) + opt._plans.cached_steps
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -166,19 +171,29 @@ def main(argv: list[str] | None = None) -> None:
     header = ["parameter list", *rows]
     table = []
     per_tensor = {}
+    cached: dict[str, int] = {}
     for name in args.lists:
         shapes = LISTS[name]()
-        medians = measure(shapes, rows, args.steps)
+        medians = measure(shapes, rows, args.steps, cached)
         base = medians[baseline]
         table.append([f"{name} ({len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes) / 1e6:.2f}M)",
                       *(f"{medians[r] * 1e3:.2f} ms ({base / medians[r]:.2f}x)" for r in rows)])
         if name == "500x1000":
             per_tensor = {r: medians[r] / len(shapes) * 1e6 for r in rows}
     print(f"{args.optimizer} step, median ms (baseline {baseline} / row); {torch.get_num_threads()} thread(s), "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
+          f"torch {torch.__version__}, {platform.processor() or platform.machine()}, lowp's native kernel: "
+          f"{native_isa()} build")
     print((markdown_table if args.markdown else text_table)(header, table))
     if per_tensor:
         print("host time per tensor (500x1000): " + ", ".join(f"{r} {us:.1f} us" for r, us in per_tensor.items()))
+    steps = len(args.lists) * (args.steps + 2)
+    print("steps taken from the cached plan: " + ", ".join(f"{r} {n} of {steps}" for r, n in cached.items()))
+
+
+def native_isa() -> str:
+    """The instruction set of lowp's native kernel builds here (``none`` without the kernel)."""
+    from lowp.optim.kernels.native.build import isa, native_available
+    return isa() if native_available() else "none"
 
 
 if __name__ == "__main__":

@@ -385,8 +385,7 @@ def test_the_kernels_last_check_refuses_codes_and_scales_that_do_not_fit():
         before = [p.clone(), *(v.clone() for v in state.values() if isinstance(v, torch.Tensor))]
         kernel = lo.backends.get_backend("native").kernel
         with pytest.raises(RuntimeError, match="the codes or scales of a coded state"):
-            kernel.launch_coded(opt.spec, StepContext(group, mode, 1, seed=opt.seed), bad[0], codes, 64,
-                                opt.spec.numbers(group, 1))
+            kernel.coded_launch(opt.spec, StepContext(group, mode, 1, seed=opt.seed, coded=tuple(states)), bad[0])
         after = [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]
         assert all(torch.equal(x, y) for x, y in zip(before, after))
 

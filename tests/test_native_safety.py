@@ -28,7 +28,6 @@ from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.kernels import checks
 from lowp.optim.kernels.native.kernel import NativeKernel, slice_dtypes, variant_for
 from lowp.optim.kernels.native.build import native_available
-from lowp.optim.kernels.kernel import stream_count
 from lowp.optim.writeback import MODES
 from safety_cases import CASES, OPTIMIZERS
 
@@ -180,15 +179,12 @@ def test_native_launch_guard_raises_instead_of_passing_a_bad_pointer():
     good = ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), states, buf)
     variant = variant_for(spec, ctx, slice_dtypes(good))
     numbers = spec.numbers(ctx.group, 1)
-    keys = [0] * stream_count(2)   # the stream keys of one tensor
     bad = [ParamSlice(p, torch.ones(16, dtype=torch.bfloat16), states, buf),
            ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), states, None),
            ParamSlice(TwoTensor(p, p.clone()), torch.ones(64, dtype=torch.bfloat16), states, buf),
            ParamSlice(p, torch.ones(64, dtype=torch.bfloat16), {"exp_avg": states["exp_avg"]}, buf)]
     for s in bad:
         with pytest.raises(RuntimeError, match="kernel call"):
-            NativeKernel.launch(spec, variant, [s], numbers, keys, 1.0)
+            NativeKernel.launch(spec, variant, [s], numbers, 0, 1, 1.0)
     assert torch.equal(p, torch.ones(64, dtype=torch.bfloat16)) and not buf.any()
-    with pytest.raises(RuntimeError, match="stream keys"):
-        NativeKernel.launch(spec, variant, [good], numbers, keys[:-1], 1.0)
-    assert NativeKernel.launch(spec, variant, [good], numbers, keys, 1.0) >= 0  # the guard passes good input
+    assert NativeKernel.launch(spec, variant, [good], numbers, 0, 1, 1.0) >= 0  # the guard passes good input

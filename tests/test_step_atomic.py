@@ -53,6 +53,7 @@ def _setup(backend: str, states: str, mode: str = "kahan"):
         grads(step)
         opt.step()
     grads(2)
+    opt._plans.drop()   # the next step is a full one (the cached plan's: test_cached_step_*)
     return opt, params
 
 
@@ -240,3 +241,26 @@ def test_a_real_ctrl_c_from_outside_never_leaves_half_a_step():
         child.send_signal(signal.SIGINT)
         out, _ = child.communicate(timeout=120)
         assert child.returncode == 0, out
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the cached plan runs the native kernel")
+def test_a_fault_in_a_cached_step_leaves_whole_parameters(monkeypatch):
+    """A cached step whose second job fails before its kernel call: the first job's parameters
+    are stepped whole (weights, states, step counts), the second's untouched, as in a full step."""
+    from lowp.optim.kernels.native.kernel import Launch
+    opt, params = _setup("native", "bf16")
+    opt.step()                    # a full step, which keeps its plan
+    grads = [p.grad.clone() for p in params]
+    before = snapshot(opt, params)
+    assert len(opt._plans.current.jobs) == 2   # the two groups
+    calls = _fail_on_call(monkeypatch, Launch, "call", call=1)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    with pytest.raises(Injected):
+        opt.step()
+    assert calls[0] == 2
+    after = snapshot(opt, params)
+    assert [opt.state[p]["step"] for p in params] == [4, 4, 3, 3]
+    assert same_snapshot(after["weights"][2:], before["weights"][2:])
+    assert same_snapshot({i: after["state"][i] for i in (2, 3)}, {i: before["state"][i] for i in (2, 3)})
+    assert not same_snapshot(after["weights"][:2], before["weights"][:2])

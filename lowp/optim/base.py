@@ -36,6 +36,7 @@ import torch
 
 from lowp.optim import checkpointing, options, reference, state_layout, step_plan
 from lowp.optim.backends import Backend, backend_for, get_backend
+from lowp.optim.cached_step import Plans
 from lowp.optim.diagnostics import report
 from lowp.optim.hyper import (CONSTRUCTOR_OPTIONS, NONFINITE_POLICIES, check_betas, check_group_values,
                               check_nonnegative, check_optimizer_options, check_state_dtype_names, checked_group,
@@ -189,6 +190,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         # parameter -> (group index, index in the group, position over all groups), a cache of
         # lowp.optim.step_plan.prepare_subset
         self._positions: dict[torch.Tensor, tuple[int, int, int]] = {}
+        # the plan of the last full step, reused while it matches (lowp.optim.cached_step)
+        self._plans = Plans()
         # what a group may repeat of the optimizer-wide options (lowp.optim.options.group_options)
         self._wide = dict(seed=seed, nonfinite=nonfinite, backend=backend, chunk_size=chunk_size,
                           diagnostics=diagnostics, foreach=foreach, fused=fused, capturable=capturable,
@@ -366,6 +369,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         if backend is not None:
             self.backend = get_backend(*backend)
             self._last_stalled, self._positions, self._released_by = {}, {}, None
+        self._plans = Plans()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a checkpoint of this optimizer, of ``torch.optim`` or of optimi

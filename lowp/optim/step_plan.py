@@ -31,6 +31,7 @@ import torch
 from lowp.interrupts import deferred_interrupts
 from lowp.optim import backends, preflight, sharding
 from lowp.optim.backends import Backend, get_backend
+from lowp.optim.cached_step import Plans
 from lowp.optim.codes import scale_name
 from lowp.optim.hyper import real_value
 from lowp.optim.preflight import check_flag
@@ -55,6 +56,7 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
     _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]]
     _positions: dict[torch.Tensor, tuple[int, int, int]]
     _released_by: Any
+    _plans: Plans
 
     def check_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyper-parameters."""
@@ -226,7 +228,9 @@ def step_all(optimizer: LowpOptimizer) -> None:
     inv_scale = None if grad_scale is None else float(grad_scale.double().reciprocal())
     # GradScaler hands over found_inf only after checking every gradient of this optimizer:
     # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
-    run(optimizer, prepare(optimizer), inv_scale, checked=found_inf is not None, new_step=True)
+    if optimizer._plans.try_step(optimizer, inv_scale, checked=found_inf is not None):
+        return
+    run(optimizer, prepare(optimizer), inv_scale, checked=found_inf is not None, new_step=True, keep_plan=True)
 
 
 def step_some(optimizer: LowpOptimizer, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool,
@@ -244,12 +248,15 @@ def step_some(optimizer: LowpOptimizer, params: Sequence[torch.Tensor], grad_sca
 
 
 def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, checked: bool, new_step: bool,
-        force_check: bool = False, update_weights: bool = True) -> bool:
+        force_check: bool = False, update_weights: bool = True, keep_plan: bool = False) -> bool:
     """Step the checked ``todo`` (:func:`prepare`): the non-finite policy (skipped when the
     gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
     ``nonfinite="off"``), then a :class:`StepPlan` (states created, nothing written) and its
-    :meth:`~StepPlan.execute` (the writes, with Ctrl-C held until they are done). Returns whether
-    every checked gradient was finite."""
+    :meth:`~StepPlan.execute` (the writes, with Ctrl-C held until they are done). ``keep_plan``
+    (a whole ``step()``): keep the plan for the next steps
+    (:meth:`lowp.optim.cached_step.Plans.after_full_step`). Returns whether every checked
+    gradient was finite."""
+    optimizer._plans.drop()
     params = [t.param for t in todo]
     grads = [sharding.local_grad(p) for p in params]
     finite = [True] * len(todo) if checked else optimizer._finite_flags(grads, params, force_check)
@@ -260,6 +267,8 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
     with deferred_interrupts():
         plan.execute(inv_scale, new_step, update_weights)
         optimizer.skipped_params += finite.count(False)
+    if keep_plan and all(finite):
+        optimizer._plans.after_full_step(optimizer, plan)
     return all(finite)
 
 

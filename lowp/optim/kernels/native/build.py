@@ -42,7 +42,7 @@ from lowp.optim.writeback.mode import HEADERS as MODE_HEADERS
 
 __all__ = ["native_available", "step_function", "coded_step_function", "sums_function", "finite_function",
            "encode_function",
-           "decode_function", "library_path", "FLAGS"]
+           "decode_function", "library_path", "FLAGS", "ISAS", "isa", "flags"]
 
 #: the hand-written C++ sources: this module's folder
 SOURCES = Path(__file__).parent
@@ -55,6 +55,15 @@ HEADER_FOLDERS = (MODE_HEADERS, CODE_HEADERS)
 FLAGS = ("-std=c++17", "-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 _NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
+#: The instruction sets a kernel is built for, best first: the compiler flags each adds to
+#: :data:`FLAGS` and the CPU features (``/proc/cpuinfo``) it needs. Every build computes the same
+#: bits (the tests compare them); AVX-512 gives the compiler 32 vector registers, masked and
+#: three-input logic operations and 512-bit vectors (``simd.h``).
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512": (("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"),
+               ("avx512f", "avx512vl", "avx512bw", "avx512dq")),
+    "avx2": ((), ()),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,15 +72,39 @@ def _compiler() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_supported() -> bool:
+def _cpu_features() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); empty off x86-64 or without it."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return False
-    return all(flag in flags for flag in _NEEDED_CPU_FLAGS)
+        return frozenset()
+
+
+def _cpu_supported() -> bool:
+    return all(flag in _cpu_features() for flag in _NEEDED_CPU_FLAGS)
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for: the best of :data:`ISAS` this CPU has, or
+    the one the environment variable ``LOWP_NATIVE_ISA`` names (``avx2`` or ``avx512``; read at
+    each build, so a test or a user can compare builds); ``ValueError`` for another name or one
+    this CPU lacks."""
+    forced = os.environ.get("LOWP_NATIVE_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"LOWP_NATIVE_ISA: expected one of {', '.join(ISAS)}, got {forced!r}")
+        if not all(flag in _cpu_features() for flag in ISAS[forced][1]):
+            raise ValueError(f"LOWP_NATIVE_ISA: this CPU lacks {forced} (needs {', '.join(ISAS[forced][1])})")
+        return forced
+    return next(name for name, (_, needed) in ISAS.items() if all(flag in _cpu_features() for flag in needed))
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of a build for :func:`isa`."""
+    return (*FLAGS, *ISAS[isa()][0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,7 +146,7 @@ def _compile(source: str | None, name: str, target: Path) -> None:
         else:
             text = input_file = temp_name(target.with_suffix(".cpp"))
             write_atomically(input_file, source.encode())
-        arguments = [*FLAGS, f"-I{SOURCES}", *(f"-I{folder}" for folder in HEADER_FOLDERS), "-x", "c++",
+        arguments = [*flags(), f"-I{SOURCES}", *(f"-I{folder}" for folder in HEADER_FOLDERS), "-x", "c++",
                      str(input_file)]
         prelude = _prelude(target.parent) if source is not None and target.parent == kernels_dir() else None
         if prelude is not None:
@@ -141,7 +174,7 @@ _PRELUDES: dict[Path, bool] = {}
 def _prelude_path(folder: Path) -> Path:
     """Where ``folder`` keeps its copy of ``native/prelude.h``, named by a hash of the header, the
     flags and the compiler version (its precompiled form is the same path plus ``.gch``)."""
-    text = repr(((SOURCES / "prelude.h").read_bytes(), FLAGS, _compiler_version(_compiler() or "")))
+    text = repr(((SOURCES / "prelude.h").read_bytes(), flags(), _compiler_version(_compiler() or "")))
     return folder / f"prelude-{hashlib.sha256(text.encode()).hexdigest()[:24]}.h"
 
 
@@ -179,7 +212,7 @@ def _prelude(folder: Path) -> Path | None:
                 with contextlib.suppress(RuntimeError, OSError):
                     write_atomically(header, (SOURCES / "prelude.h").read_bytes())
                     _compile_into(_precompiled(header), "the prelude",
-                                  [*FLAGS, "-x", "c++-header", str(header)])
+                                  [*flags(), "-x", "c++-header", str(header)])
                 usable = _prelude_verified(header)
         _PRELUDES[header] = usable
     return header if _PRELUDES[header] else None
@@ -194,7 +227,7 @@ def _discard_prelude(header: Path) -> None:
             os.unlink(path)
 
 
-_LOADED: dict[tuple[str, str | None], ctypes.CDLL] = {}
+_LOADED: dict[tuple[str, str | None, str], ctypes.CDLL] = {}
 
 
 def _library(name: str, source: str | None = None) -> ctypes.CDLL:
@@ -207,7 +240,7 @@ def _library(name: str, source: str | None = None) -> ctypes.CDLL:
             does not load.
         RuntimeError: no compiler, or the source does not compile.
     """
-    key = (name, source)
+    key = (name, source, isa())
     if key not in _LOADED:
         _LOADED[key] = load_library(library_path(name, source), functools.partial(_compile, source, name))
     return _LOADED[key]
@@ -224,27 +257,34 @@ def library_path(name: str, source: str | None = None) -> Path:
     """Where the cache keeps the library of ``source`` (see :func:`_library`; its SHA-256 sidecar
     is the same path plus ``.sha256``): named by a hash of the sources, flags and compiler version."""
     compiler = _compiler() or ""
-    text = repr((name, source, _hand_written(), FLAGS, _compiler_version(compiler)))
+    text = repr((name, source, _hand_written(), flags(), _compiler_version(compiler)))
     return kernels_dir() / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
 
 
+#: The arguments of ``lowp_step`` (``native/step.h``): tensors, pointer table, numel, offsets, h,
+#: tensor numbers, seed, step, parameter ids, check, finite flags out (then ``lowp_coded_step``'s
+#: scales and grids), threads.
+_STEP_ARGS: list[Any] = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int,
+                         ctypes.c_void_p]
+
+
 def step_function(source: str) -> Callable[..., Any]:
-    """``lowp_step(tensors, pointer table, numel, offsets, h, tensor numbers, keys, threads) ->
-    stalled count`` of the generated variant ``source`` (:func:`~lowp.optim.kernels.native.source.variant_source`)."""
+    """``lowp_step(tensors, pointer table, numel, offsets, h, tensor numbers, seed, step, parameter
+    ids, check, finite flags out, threads) -> stalled count`` of the generated variant ``source``
+    (:func:`~lowp.optim.kernels.native.source.variant_source`)."""
     fn = _library("step", source).lowp_step
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.argtypes = [*_STEP_ARGS, ctypes.c_int]
     return fn
 
 
 def coded_step_function(source: str) -> Callable[..., Any]:
-    """``lowp_coded_step(tensors, pointer table, numel, offsets, h, tensor numbers, keys, scales,
-    grids, threads) -> stalled count`` of a variant with coded states (``native/coded_step.h``)."""
+    """``lowp_coded_step(...)``: ``lowp_step``'s arguments with the scales and grids before the
+    thread count, of a variant with coded states (``native/coded_step.h``)."""
     fn = _library("step", source).lowp_coded_step
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.argtypes = [*_STEP_ARGS, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return fn
 
 

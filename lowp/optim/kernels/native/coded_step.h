@@ -212,13 +212,15 @@ static void coded_tail(const Pointers &p, int64_t i, int64_t count, void *const 
 // ``scales[k * tensors + j]``: their block scales (null for a plain state); ``grids[4 * k ...]``:
 // the code's signed, Q, m and emin.
 extern "C" int64_t lowp_coded_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
-                                   const double *h, const double *tensor_numbers, const uint32_t *keys,
-                                   void *const *scales, const double *grids, int threads) {
-  Task t(tensors, ptrs, numel, h, offset, tensor_numbers, keys);
+                                   const double *h, const double *tensor_numbers, uint64_t seed, uint64_t step,
+                                   const int64_t *param_ids, int check, uint8_t *finite, void *const *scales,
+                                   const double *grids, int threads) {
+  Task t(tensors, ptrs, numel, h, offset, tensor_numbers);
+  t.set_keys(seed, step, param_ids);
   std::vector<Grid> grid;
   for (int k = 0; k < NSTATES; k++)
     grid.emplace_back((int)grids[4 * k], (float)grids[4 * k + 1], (int)grids[4 * k + 2], (int)grids[4 * k + 3]);
-  return run_units(t, threads, [&](int64_t tensor, const Pointers &p, int64_t start, int64_t end, uint64_t base,
+  return run_units(t, threads, check, finite, [&](int64_t tensor, const Pointers &p, int64_t start, int64_t end, uint64_t base,
                                    TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
     void *own[NSTATES + 1] = {};
     for (int j = 0; j < NSTATES; j++) own[j] = scales[j * tensors + tensor];

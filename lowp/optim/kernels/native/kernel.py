@@ -20,18 +20,17 @@ from typing import Any
 
 import torch
 
-from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
 from lowp.optim.kernels.native.source import DTYPE_CODES, CodedLayout, Variant, variant_source
-from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, slice_keys, stream_count
+from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor
 from lowp.optim.kernels.native.build import (coded_step_function, finite_function, native_available, step_function,
                                              sums_function)
 from lowp.optim.kernels.native.codec import grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["NativeKernel", "slice_dtypes", "variant_for"]
+__all__ = ["NativeKernel", "Launch", "CHECKS", "slice_dtypes", "variant_for", "by_coded_signature"]
 
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
 
@@ -106,19 +105,18 @@ class NativeKernel(Kernel):
         stalled = 0
         for dtypes, members in by_signature(slices, slice_dtypes).items():
             variant = variant_for(spec, ctx, dtypes)
-            stalled += self.launch(spec, variant, members, numbers, [k for s in members for k in slice_keys(ctx, s)],
-                                   grad_factor(ctx))
+            stalled += self.launch(spec, variant, members, numbers, ctx.seed, ctx.step, grad_factor(ctx))
         self.fused_elements += sum(s.numel for s in slices)
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     @staticmethod
     def launch(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
-               keys: list[int], factor: float) -> int:
+               seed: int, step: int, factor: float) -> int:
         """One kernel call (two with a reduction) over ``members`` (slices of one variant, each a
-        contiguous range of its parameter) with their stream keys (:func:`slice_keys` of each,
-        concatenated); returns the stalled count."""
+        contiguous range of its parameter) at ``step`` with the optimizer's ``seed`` (the random
+        streams of each slice's parameter); returns the stalled count."""
         check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-        return _call_step(spec, variant, members, numbers, keys, factor)
+        return Launch(spec, variant, members).call(numbers, factor, seed, step)
 
     def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """The step over ``slices`` of a job with coded states (``ctx.coded``, all
@@ -126,20 +124,17 @@ class NativeKernel(Kernel):
         the scale dtype included; returns the stalled count."""
         numbers = spec.numbers(ctx.group, ctx.step)
         stalled = 0
-        codes, block = codes_of(ctx), ctx.group["state_block"]
-        scale_of = next(iter(codes))
-        groups = by_signature(slices, lambda s: (*slice_dtypes(s), s.scales[scale_of].dtype))
-        for members in groups.values():
-            stalled += self.launch_coded(spec, ctx, members, codes, block, numbers)
+        for members in by_coded_signature(ctx, slices).values():
+            stalled += self.coded_launch(spec, ctx, members).call(numbers, grad_factor(ctx), ctx.seed, ctx.step)
         self.fused_elements += sum(s.numel for s in slices)
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     @staticmethod
-    def launch_coded(spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice], codes: dict[str, Code],
-                     block: int, numbers: dict[str, float]) -> int:
-        """One kernel call over ``slices`` with coded states (their scales of one dtype): the plain
-        states' arguments checked as :meth:`launch` does, the codes and scales by
-        :func:`~lowp.optim.kernels.coded_slices.check_coded_args`; returns the stalled count."""
+    def coded_launch(spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Launch:
+        """The kernel call over ``slices`` with coded states (their scales of one dtype), checked:
+        the plain states' arguments as :meth:`launch` does, the codes and scales by
+        :func:`~lowp.optim.kernels.coded_slices.check_coded_args`."""
+        codes, block = codes_of(ctx), ctx.group["state_block"]
         names = list(spec.states(ctx.group))
         weight, grad, buffer, *states = slice_dtypes(slices[0])
         dtypes = tuple(torch.float32 if name in codes else dtype for name, dtype in zip(names, states)
@@ -160,54 +155,91 @@ class NativeKernel(Kernel):
         grids = (ctypes.c_double * (4 * len(names)))(*(x for name in names
                                                         for x in (grid_numbers(codes[name]) if name in codes
                                                                   else (0.0, 0.0, 0.0, 0.0))))
-        return _call_step(spec, variant, slices, numbers, [k for s in slices for k in slice_keys(ctx, s)],
-                         grad_factor(ctx), (scale_table, grids))
+        return Launch(spec, variant, slices, (scale_table, grids))
 
 
-def _call_step(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
-              keys: list[int], factor: float, coded: tuple[Any, ...] = ()) -> int:
-    """One step call over ``members``: ``lowp_step``, or ``lowp_coded_step`` for a variant with coded states.
+def by_coded_signature(ctx: StepContext, slices: list[ParamSlice]) -> dict[tuple, list[ParamSlice]]:
+    """The slices of a job with coded states grouped by what selects a coded variant: their dtypes
+    and their block scales' dtype."""
+    scale_of = next(iter(codes_of(ctx)))
+    return by_signature(slices, lambda s: (*slice_dtypes(s), s.scales[scale_of].dtype))
 
-    The caller has checked the tensors (:func:`check_kernel_args`); returns the stalled count.
-    With ``n`` members of ``S`` states, the arguments are (``native/step.h``):
+
+#: ``check`` of ``lowp_step`` (``enum Check`` of ``native/step.h``) per ``nonfinite`` policy.
+CHECKS = {"off": 0, "skip_param": 1, "skip_step": 2}
+
+
+class Launch:
+    """One kernel call over ``members`` (checked slices of one variant, each a contiguous range of
+    its parameter), prepared once: its entry point, pointer table, sizes, offsets and parameter
+    ids (and a coded variant's scales and grids, ``coded``). A step reuses it while nothing of
+    the slices changed but their gradients (:meth:`set_grads`).
+
+    The arguments of ``lowp_step`` (``native/step.h``), with ``n`` members of ``S`` states:
 
     - ``n``;
     - ``ptrs[role * n + j]``: member j's weight (role 0), gradient (1; a contiguous copy if it is
       not contiguous), mode buffer or null (2), state k (3 + k; a coded state: its codes);
     - ``numel[j]``, and ``offset[j]``: the global index of member j's element 0 in its parameter;
-    - ``h``: ``factor`` (the gradient's), then the variant's numbers (:meth:`OptimizerSpec.pick`);
+    - ``h``: the gradient's factor, then the variant's numbers (:meth:`OptimizerSpec.pick`);
     - ``tensor_numbers[j * T + k]``: per-tensor number k of member j, made by the spec from the
       sums of a first call (``lowp_sums``) when it has a per-tensor reduction (else zeros);
-    - ``keys[j * stream_count(S) + s]``: the stream keys (``RuntimeError`` for another count);
-    - ``coded``: a coded variant's arguments (scales and grids; ``native/coded_step.h``);
+    - the optimizer's ``seed``, the ``step`` and ``param_ids[j]``, from which the kernel makes the
+      stream keys (:func:`lowp.optim.randomness.stream_keys`, bit for bit);
+    - ``check`` (:data:`CHECKS`) and ``finite[j]``, set to whether member j's gradient was finite;
+    - a coded variant's scales and grids (``native/coded_step.h``);
     - the thread count, ``torch.get_num_threads()``.
+
+    Args:
+        spec: the optimizer's spec (its numbers, and a per-tensor reduction's numbers).
+        variant: the compiled variant of every member.
+        members: the slices, checked (:func:`check_kernel_args`, :func:`check_coded_args`).
+        coded: a coded variant's (scale table, grids); default none.
     """
-    names = variant.program.state_names
-    n = len(members)
-    if len(keys) != n * stream_count(len(names)):
-        raise RuntimeError(f"kernel call: {len(keys)} stream keys for {n} tensors")
-    if (variant.coded is None) == bool(coded) or (coded and spec.tensor_numbers is not None):
-        raise RuntimeError("kernel call: a variant with coded states takes their arguments, and no per-tensor "
-                           "reduction (whose pre-pass reads the states); others take neither")
-    source = variant_source(spec.name, variant)
-    grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in members]  # alive until the call
-    roles = 3 + len(names)
-    table = (ctypes.c_void_p * (roles * n))()
-    for j, (s, g) in enumerate(zip(members, grads)):
-        for role, t in enumerate([s.param, g, s.buffer, *(s.states[k] for k in names)]):
-            table[role * n + j] = t.data_ptr() if t is not None else None
-    numel = (ctypes.c_int64 * n)(*(s.numel for s in members))
-    h = (ctypes.c_double * (1 + len(variant.numbers)))(factor, *spec.pick(variant.numbers, numbers))
-    per_tensor = variant.program.tensor_numbers
-    tensor_numbers = (ctypes.c_double * max(1, n * len(per_tensor)))()
-    if spec.tensor_numbers is not None:
-        sums = (ctypes.c_double * n)()
-        sums_function(source)(n, table, numel, h, sums, torch.get_num_threads())
+
+    def __init__(self, spec: OptimizerSpec, variant: Variant, members: list[ParamSlice],
+                 coded: tuple[Any, ...] = ()) -> None:
+        if (variant.coded is None) == bool(coded) or (coded and spec.tensor_numbers is not None):
+            raise RuntimeError("kernel call: a variant with coded states takes their arguments, and no per-tensor "
+                               "reduction (whose pre-pass reads the states); others take neither")
+        self.spec, self.variant, self.coded = spec, variant, coded
+        names = variant.program.state_names
+        n = self.n = len(members)
+        self.source = variant_source(spec.name, variant)
+        self.entry = coded_step_function(self.source) if coded else step_function(self.source)
+        roles = 3 + len(names)
+        self.table = (ctypes.c_void_p * (roles * n))()
         for j, s in enumerate(members):
-            made = spec.tensor_numbers(numbers, sums[j], s.numel)
-            for k, name in enumerate(per_tensor):
-                tensor_numbers[j * len(per_tensor) + k] = made[name]
-    offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in members))
-    entry = coded_step_function(source) if coded else step_function(source)
-    return entry(n, table, numel, offsets, h, tensor_numbers, (ctypes.c_uint32 * len(keys))(*keys), *coded,
-                 torch.get_num_threads())
+            for role, t in enumerate([s.param, None, s.buffer, *(s.states[k] for k in names)]):
+                self.table[role * n + j] = t.data_ptr() if t is not None else None
+        self.numel = (ctypes.c_int64 * n)(*(s.numel for s in members))
+        self.offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in members))
+        self.param_ids = (ctypes.c_int64 * n)(*(s.param_id for s in members))
+        self.finite = (ctypes.c_uint8 * n)()
+        self.numbers = (ctypes.c_double * (1 + len(variant.numbers)))()
+        self.tensor_numbers = (ctypes.c_double * max(1, n * len(variant.program.tensor_numbers)))()
+        self.grads: list[torch.Tensor] = []
+        self.set_grads([s.grad for s in members])
+
+    def set_grads(self, grads: list[torch.Tensor], contiguous: bool = False) -> None:
+        """The members' gradients, kept alive until the next call (a strided one as a contiguous
+        copy, unless the caller knows them ``contiguous``)."""
+        self.grads = grads if contiguous else [g if g.is_contiguous() else g.contiguous() for g in grads]
+        self.table[self.n:2 * self.n] = [g.data_ptr() for g in self.grads]
+
+    def call(self, numbers: dict[str, float], factor: float, seed: int, step: int, check: int = 0) -> int:
+        """The step with the spec's ``numbers`` and the gradient ``factor``, after the non-finite
+        ``check`` (:data:`CHECKS`; the flags land in :attr:`finite`); returns the stalled count."""
+        spec, n = self.spec, self.n
+        values = spec.pick(self.variant.numbers, numbers)
+        self.numbers[:] = [factor, *values]
+        if spec.tensor_numbers is not None:
+            per_tensor = self.variant.program.tensor_numbers
+            sums = (ctypes.c_double * n)()
+            sums_function(self.source)(n, self.table, self.numel, self.numbers, sums, torch.get_num_threads())
+            for j in range(n):
+                made = spec.tensor_numbers(numbers, sums[j], self.numel[j])
+                for k, name in enumerate(per_tensor):
+                    self.tensor_numbers[j * len(per_tensor) + k] = made[name]
+        return self.entry(n, self.table, self.numel, self.offsets, self.numbers, self.tensor_numbers, seed, step,
+                          self.param_ids, check, self.finite, *self.coded, torch.get_num_threads())

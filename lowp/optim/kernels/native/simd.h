@@ -30,6 +30,21 @@ static inline uint32_t scalar_hash32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
+// The stream keys of one parameter at one step, as lowp/optim/randomness.py's stream_keys (bit for
+// bit): x = splitmix64 of the seed, then of x ^ step, then of x ^ param_id; key s = the low 32 bits
+// of splitmix64(x ^ s) (Steele, Lea and Flood, "Fast splittable pseudorandom number generators",
+// OOPSLA 2014).
+static inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+static inline void stream_keys(uint64_t seed, uint64_t step, uint64_t param_id, int streams, uint32_t *keys) {
+  const uint64_t x = splitmix64(splitmix64(splitmix64(seed) ^ step) ^ param_id);
+  for (int s = 0; s < streams; s++) keys[s] = (uint32_t)splitmix64(x ^ (uint64_t)s);
+}
+
 // hash32's first step, x ^ (x >> 16), is linear over xor: mix(lo ^ key) = mix(lo) ^ mix(key). A
 // caller hashing one index under several keys mixes the index once and each key once.
 static inline vu mix16(vu x) { return x ^ (x >> 16); }

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "finite.h"
 #include "parallel.h"
 
 // Run `f(std::integral_constant<int, J>{})` for every state J (J is a compile-time constant, so
@@ -168,21 +169,34 @@ static constexpr int ROLES = 3 + NSTATES;  // weight, gradient, buffer, states
 
 static int itemsize(int dt) { return dt == F32 ? 4 : dt == I8 ? 1 : 2; }
 
+// What a step call does about non-finite gradients (lowp.optim's ``nonfinite``): nothing (the host
+// checked them, or "off"), skip the tensors whose gradient holds a NaN or infinity ("skip_param"),
+// or skip the whole call when any does ("skip_step").
+enum Check { CHECK_OFF = 0, CHECK_SKIP_PARAM = 1, CHECK_SKIP_STEP = 2 };
+
 // One call: the tensors' pointers, sizes and numbers (the arguments of lowp_step) and their units.
 struct Task {
   Units<UNIT> units;
   void *const *ptrs;              // [role][tensor]
   const int64_t *offset;          // [tensor] global index of element 0 (random streams)
   const double *tensor_numbers;   // [tensor][TENSOR_NUMBERS]
-  const uint32_t *keys;           // [tensor][stream] stream keys
+  std::vector<uint32_t> keys;     // [tensor][stream] stream keys
+  std::vector<std::atomic<uint8_t>> bad;  // [tensor] its gradient holds a non-finite value
+  bool check_small = false;       // a one-unit tensor's gradient is checked by the unit that steps it
   Numbers n;
   float factor;
 
   Task(int64_t count, void *const *p, const int64_t *sizes, const double *h, const int64_t *offsets = nullptr,
-       const double *per_tensor = nullptr, const uint32_t *stream_keys = nullptr)
-      : units(count, sizes), ptrs(p), offset(offsets), tensor_numbers(per_tensor), keys(stream_keys) {
+       const double *per_tensor = nullptr)
+      : units(count, sizes), ptrs(p), offset(offsets), tensor_numbers(per_tensor), bad(count) {
     factor = (float)h[0];
     n.set(h + 1);
+    for (auto &b : bad) b.store(0, std::memory_order_relaxed);
+  }
+  // The stream keys of every tensor at ``step`` (tensor j is parameter ``param_ids[j]``).
+  void set_keys(uint64_t seed, uint64_t step, const int64_t *param_ids) {
+    keys.resize(units.tensors * STREAMS);
+    for (int64_t j = 0; j < units.tensors; j++) stream_keys(seed, step, (uint64_t)param_ids[j], STREAMS, &keys[j * STREAMS]);
   }
   Pointers at(int64_t tensor) const {
     const int64_t tensors = units.tensors;
@@ -264,7 +278,7 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
 
 // The units of ``t`` taken from its counter until none is left, each through ``unit(tensor, p,
 // start, end, base, streams, r, factor, stalled)`` (step_unit's arguments after the tensor's
-// index); returns the stalled count.
+// index), skipping the tensors whose gradient is non-finite; returns the stalled count.
 template <typename F> static int64_t work_units(Task *t, F &&unit) {
   const vf factor = bc(t->factor);
   int64_t total = 0;
@@ -273,25 +287,59 @@ template <typename F> static int64_t work_units(Task *t, F &&unit) {
   for (Unit u; t->units.take(u);) {
     const int64_t tensor = u.tensor;
     const Pointers p = t->at(tensor);
+    if (t->bad[tensor].load(std::memory_order_relaxed)) continue;
+    if (t->check_small && t->units.numel[tensor] <= UNIT && any_nonfinite(p.g, GT, 0, t->units.numel[tensor])) {
+      t->bad[tensor].store(1, std::memory_order_relaxed);  // its only unit: nothing of it was written
+      continue;
+    }
     for (int j = 0; j < TENSOR_NUMBERS; j++) tn[j] = bc((float)t->tensor_numbers[tensor * TENSOR_NUMBERS + j]);
     rule_uniform r;  // the rule's values that are the same for every element: once per unit
     rule_prepare(n, tn, r);
     vi stalled = {};
-    TensorStreams streams{t->keys + tensor * STREAMS};
+    TensorStreams streams{&t->keys[tensor * STREAMS]};
     unit(tensor, p, u.start, u.end, (uint64_t)t->offset[tensor], streams, r, factor, stalled);
     for (int l = 0; l < 8; l++) total -= stalled[l];
   }
   return total;
 }
 
-// The whole step of ``t`` on ``threads`` OpenMP threads, each unit through ``unit`` (work_units);
-// returns the stalled count. OpenMP, so that the work runs on torch's own thread pool (the libgomp
-// torch loaded): a pool of our own would compete with torch's workers, which spin for a while
-// after each parallel op.
-template <typename F> static int64_t run_units(Task &t, int threads, F &&unit) {
+// The non-finite pre-pass of ``check`` (CHECK_SKIP_PARAM: the tensors of more than one unit, whose
+// units may run on several threads, all before any is written; CHECK_SKIP_STEP: every tensor),
+// marking ``t.bad``; then whether the step goes on (under CHECK_SKIP_STEP: every gradient finite).
+static bool check_gradients(Task &t, int check, int threads) {
+  if (check == CHECK_OFF) return true;
+  const int64_t tensors = t.units.tensors;
+  std::vector<int64_t> sizes(tensors);
+  for (int64_t j = 0; j < tensors; j++)
+    sizes[j] = check == CHECK_SKIP_STEP || t.units.numel[j] > UNIT ? t.units.numel[j] : 0;
+  Units<UNIT> pre(tensors, sizes.data());
+  if (pre.count() > 0) {
+#pragma omp parallel num_threads(thread_count(threads, pre.count()))
+    for (Unit u; pre.take(u);)
+      if (!t.bad[u.tensor].load(std::memory_order_relaxed) &&
+          any_nonfinite(t.ptrs[tensors + u.tensor], GT, u.start, u.end - u.start))
+        t.bad[u.tensor].store(1, std::memory_order_relaxed);
+  }
+  t.check_small = check == CHECK_SKIP_PARAM;
+  if (check == CHECK_SKIP_STEP)
+    for (int64_t j = 0; j < tensors; j++)
+      if (t.bad[j].load()) return false;
+  return true;
+}
+
+// The whole step of ``t`` on ``threads`` OpenMP threads, each unit through ``unit`` (work_units),
+// after the non-finite ``check`` (check_gradients); ``finite[j]`` (when not null) is set to whether
+// tensor j's gradient was finite (1 under CHECK_OFF). Returns the stalled count. OpenMP, so that
+// the work runs on torch's own thread pool (the libgomp torch loaded): a pool of our own would
+// compete with torch's workers, which spin for a while after each parallel op.
+template <typename F> static int64_t run_units(Task &t, int threads, int check, uint8_t *finite, F &&unit) {
   int64_t total = 0;
+  if (check_gradients(t, check, threads)) {
 #pragma omp parallel num_threads(thread_count(threads, t.units.count())) reduction(+ : total)
-  total += work_units(&t, unit);
+    total += work_units(&t, unit);
+  }
+  if (finite)
+    for (int64_t j = 0; j < t.units.tensors; j++) finite[j] = !t.bad[j].load();
   return total;
 }
 
@@ -299,12 +347,17 @@ template <typename F> static int64_t run_units(Task &t, int threads, F &&unit) {
 // ``ptrs[role * tensors + j]``: role 0 weight, 1 gradient, 2 buffer (or null), 3 + k state k;
 // ``offset[j]``: global element index of tensor j's element 0 (its elements are a contiguous range
 // of the parameter); ``h``: the gradient factor, then the spec's numbers; ``tensor_numbers[j * T +
-// k]``: per-tensor number k of tensor j; ``keys[j * STREAMS + s]``: stream_key of stream s of tensor j.
+// k]``: per-tensor number k of tensor j; ``seed``, ``step`` and ``param_ids[j]`` (tensor j's
+// parameter) make the stream keys (stream_keys); ``check`` (enum Check) and ``finite`` (null, or
+// one flag per tensor) as run_units.
 extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *offset,
-                             const double *h, const double *tensor_numbers, const uint32_t *keys, int threads) {
-  Task t(tensors, ptrs, numel, h, offset, tensor_numbers, keys);
-  return run_units(t, threads, [](int64_t, const Pointers &p, int64_t start, int64_t end, uint64_t base,
-                                  TensorStreams &streams, const rule_uniform &r, const vf &factor, vi &stalled) {
+                             const double *h, const double *tensor_numbers, uint64_t seed, uint64_t step,
+                             const int64_t *param_ids, int check, uint8_t *finite, int threads) {
+  Task t(tensors, ptrs, numel, h, offset, tensor_numbers);
+  t.set_keys(seed, step, param_ids);
+  return run_units(t, threads, check, finite, [](int64_t, const Pointers &p, int64_t start, int64_t end, uint64_t base,
+                                                 TensorStreams &streams, const rule_uniform &r, const vf &factor,
+                                                 vi &stalled) {
     step_unit(p, start, end, base, streams, r, factor, stalled);
   });
 }

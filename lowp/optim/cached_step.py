@@ -1,0 +1,383 @@
+"""A step plan kept across steps: the native kernel's calls prepared once, reused while nothing
+they rely on changed.
+
+A full step (:mod:`lowp.optim.step_plan`) checks every parameter, gradient, state and buffer,
+plans the jobs and admits each slice into a kernel: tens of microseconds of Python per tensor,
+the whole step on a model of many small tensors. After a full step whose every slice took the
+native kernel, :meth:`CachedStep.build` keeps what that step established: per job its
+:class:`~lowp.optim.kernels.native.kernel.Launch` objects (entry point, pointer tables, sizes,
+parameter ids, coded scales), and a *signature* of everything the checks read. The next
+``step()`` compares the signature (:meth:`CachedStep.matches`) and, when it holds, runs the
+launches with the new gradients: one native call per variant, the non-finite check folded into
+it (``nonfinite="skip_param"``: a tensor with a NaN or infinity in its gradient is left
+untouched; ``"skip_step"``: nothing is written), and the stream keys made by the kernel.
+
+The signature, compared before anything is written (any difference: the full step, which
+checks again and builds a new plan):
+
+- the optimizer: its ``state`` mapping, ``param_groups`` and backend objects, and whether it
+  keeps diagnostics (the kernel variants that count stalled elements);
+- each group: its parameters (the same objects), and every option that is not a number
+  (mode, state dtypes, block size, rounding, ...) and the spec's switches, equal; the numbers
+  (learning rate, betas, ...) are read anew and checked (``check_group``) every step;
+- each stepped parameter, state, buffer and block-scale tensor: the same object, at the same
+  data pointer, with the same dtype, shape and version counter (``set_``, ``resize_`` or
+  ``as_strided_`` bump it; the native kernel writes without bumping it), and the step count
+  the plan advanced it to;
+- which parameters have a gradient, and for each gradient (a new tensor every step after
+  ``zero_grad()``): a plain CPU tensor, strided and contiguous, with the dtype and shape of the
+  plan, aligned, inside its storage, on a storage the step does not write.
+
+Values never enter the signature: a step reads them, and a weight changed in place under
+``torch.no_grad()`` only bumps its version counter (the next step then plans anew).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Protocol
+
+import torch
+
+from lowp.interrupts import deferred_interrupts
+from lowp.optim import backends
+from lowp.optim.backends import FusedBackend
+from lowp.optim.codes import scale_name
+from lowp.optim.kernels import coded_slices
+from lowp.optim.kernels.checks import Span, check_kernel_args, overlapping
+from lowp.optim.kernels.kernel import by_signature, grad_factor
+from lowp.optim.kernels.native.kernel import CHECKS, Launch, NativeKernel, by_coded_signature, slice_dtypes, \
+    variant_for
+from lowp.optim.slices import CodedState, ParamSlice, StepContext
+from lowp.optim.spec import OptimizerSpec
+from lowp.optim.writeback import MODES
+
+
+
+class LowpOptimizer(backends.LowpOptimizer, Protocol):
+    """What a cached plan reads and writes of the optimizer (:class:`lowp.optim.base.LowpOptimizer`)."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+    backend: Any
+    seed: int
+    nonfinite: str
+    diagnostics_enabled: bool
+    skipped_params: int
+    skipped_steps: int
+    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]]
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Check a group's hyper-parameters."""
+
+
+class StepPlan(Protocol):
+    """What a cached plan reads of a full step's plan (:class:`lowp.optim.step_plan.StepPlan`)."""
+
+    jobs: dict[tuple, list[ParamSlice]]
+    coded: dict[tuple, tuple[CodedState, ...]]
+    counters: dict[tuple, list[dict[str, Any]]]
+    gathered: list[Any]
+
+__all__ = ["CachedStep", "Plans", "structure"]
+
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
+
+
+def _plain(t: Any) -> bool:
+    """A plain tensor (or parameter): its memory is its own storage."""
+    return type(t) is _TENSOR or type(t) is torch.nn.Parameter
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a hashable, comparable snapshot (dicts and lists by content)."""
+    if isinstance(value, dict):
+        return tuple(sorted(((repr(k), _frozen(v)) for k, v in value.items()), key=operator.itemgetter(0)))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return value
+
+
+def structure(spec: OptimizerSpec | None, group: dict[str, Any]) -> tuple[Any, ...]:
+    """What of ``group`` a step plan relies on: every option but ``params`` that is not a real
+    number (or a tensor holding one), and the spec's variant (state names and switches, which
+    may depend on numbers: a weight decay of 0 or not)."""
+    options = tuple((k, _frozen(v)) for k, v in group.items()
+                    if k != "params" and (isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor))))
+    return options, spec.variant(group) if spec is not None else None
+
+
+class _Job:
+    """One job of the plan: its group, mode, coded states and step, its launches (each with the
+    positions of its members among the plan's stepped parameters) and the diagnostics entry."""
+
+    def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, weight: float,
+                 launches: list[tuple[Launch, list[int]]], numel: int) -> None:
+        self.group, self.index, self.mode, self.coded, self.step = group, index, mode, coded, step
+        self.weight, self.launches, self.numel = weight, launches, numel
+
+
+class CachedStep:
+    """The plan of the last full step, kept for the next ones (module docstring).
+
+    Made by :meth:`build`; :meth:`run` takes a step from it when :meth:`matches` holds.
+
+    Args:
+        optimizer: the optimizer whose step it plans (its state, groups and backend are kept).
+        kernel: the native kernel of its backend.
+        spec: the optimizer's spec.
+        jobs: the jobs, each with its launches.
+        stepped: the parameters stepped, in the order of the launches' member positions.
+        states: their state entries (whose ``"step"`` each step advances).
+        owned: (state entry, name, tensor) of every state, buffer and block-scale tensor read.
+        grad_dtypes: each stepped parameter's gradient dtype (which chose its variant).
+    """
+
+    def __init__(self, optimizer: LowpOptimizer, kernel: NativeKernel, spec: OptimizerSpec, jobs: list[_Job],
+                 stepped: list[torch.Tensor], states: list[dict[str, Any]], owned: list[tuple[dict, str, torch.Tensor]],
+                 grad_dtypes: list[torch.dtype]) -> None:
+        self.kernel, self.spec, self.jobs = kernel, spec, jobs
+        self.state_map, self.groups, self.backend = optimizer.state, optimizer.param_groups, optimizer.backend
+        self.count = optimizer.diagnostics_enabled
+        self.group_params = [list(g["params"]) for g in self.groups]
+        self.structures = [structure(spec, g) for g in self.groups]
+        self.all_params = [p for g in self.groups for p in g["params"]]
+        self.has_grad = [p.grad is not None for p in self.all_params]
+        self.stepped, self.states = stepped, states
+        self.steps = [st["step"] for st in states]
+        self.shapes = [p.shape for p in stepped]
+        self.numels = [p.numel() for p in stepped]
+        self.grad_dtypes = grad_dtypes
+        self.grad_sizes = [torch.empty((), dtype=d).element_size() for d in grad_dtypes]
+        self.owned = owned
+        self.owned_tensors = [t for _, _, t in owned]
+        self.stepped_at = [i for i, p in enumerate(self.all_params) if p.grad is not None]
+        self.params_signature = [(p.dtype, p.shape) for p in stepped]
+        self.ptrs = [t.data_ptr() for t in stepped + self.owned_tensors]
+        self.versions = [t._version for t in stepped + self.owned_tensors]
+        self.written = {t.untyped_storage().data_ptr() for t in stepped + self.owned_tensors}
+        self.total = sum(self.numels)
+        self.taken = 0
+
+    @classmethod
+    def build(cls, optimizer: LowpOptimizer, plan: StepPlan) -> CachedStep | None:
+        """The cached plan of ``plan``, a full step just executed, when every slice of it is a
+        whole plain parameter of the groups, with plain states, that took the native kernel
+        (no DTensor, no reference pipeline); else ``None``. Never raises: a plan that cannot be
+        made is no plan (the step it follows is done)."""
+        try:
+            return cls._build(optimizer, plan)
+        except Exception:   # noqa: BLE001 - only an optimization: the next step is a full one
+            return None
+
+    @classmethod
+    def _build(cls, optimizer: LowpOptimizer, plan: StepPlan) -> CachedStep | None:
+        backend = optimizer.backend
+        if not (type(backend) is FusedBackend and isinstance(backend.kernel, NativeKernel)) or plan.gathered:
+            return None
+        spec = optimizer.kernel_spec()
+        if spec is None or not backend.kernel.supports(spec):
+            return None
+        groups = {id(g): (i, g) for i, g in enumerate(optimizer.param_groups)}
+        members = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        stepped: list[torch.Tensor] = []
+        states: list[dict[str, Any]] = []
+        owned: list[tuple[dict, str, torch.Tensor]] = []
+        grad_dtypes: list[torch.dtype] = []
+        jobs = []
+        for key, slices in plan.jobs.items():
+            gid, mode, step, _, _, _, weight = key
+            index, group = groups[gid]
+            coded = plan.coded[key]
+            if len(plan.counters[key]) != len(slices) \
+                    or not all(id(s.param) in members and _plain(s.param) and s.numel == s.param.numel()
+                               and s.index.first() == 0 for s in slices):
+                return None
+            ctx = StepContext(group, MODES[mode], step, None, optimizer.seed, optimizer.diagnostics_enabled,
+                              coded=coded)
+            launches = _launches(backend.kernel, spec, ctx, slices)
+            if launches is None:
+                return None
+            first = len(stepped)
+            position = {id(s): first + j for j, s in enumerate(slices)}
+            for s, state in zip(slices, plan.counters[key]):
+                names = [*s.states, *(n for n in (MODES[mode].buffer_name,) if n),
+                         *(scale_name(c.name) for c in coded)]
+                if not all(_plain(state[name]) for name in names):
+                    return None
+                stepped.append(s.param)
+                states.append(state)
+                grad_dtypes.append(s.grad.dtype)
+                owned.extend((state, name, state[name]) for name in names)
+            jobs.append(_Job(group, index, mode, coded, step, weight,
+                             [(launch, [position[id(s)] for s in part]) for launch, part in launches],
+                             sum(s.numel for s in slices)))
+        return cls(optimizer, backend.kernel, spec, jobs, stepped, states, owned, grad_dtypes)
+
+    def matches(self, optimizer: LowpOptimizer) -> list[torch.Tensor] | None:
+        """The gradients of the stepped parameters when the signature holds (module docstring),
+        else ``None``. Checks each group's numbers (``check_group``), which raises as a full
+        step would."""
+        if optimizer.state is not self.state_map or optimizer.param_groups is not self.groups \
+                or optimizer.backend is not self.backend or optimizer.diagnostics_enabled != self.count \
+                or len(self.groups) != len(self.group_params):
+            return None
+        for group, params, shape in zip(self.groups, self.group_params, self.structures):
+            now = group["params"]
+            if len(now) != len(params) or not all(map(operator.is_, now, params)):
+                return None
+            optimizer.check_group(group)
+            if structure(self.spec, group) != shape:
+                return None
+        every = [p.grad for p in self.all_params]
+        if [g is not None for g in every] != self.has_grad:
+            return None
+        grads = [every[i] for i in self.stepped_at]
+        written = self.written
+        for g, dtype, shape, n, size in zip(grads, self.grad_dtypes, self.shapes, self.numels, self.grad_sizes):
+            if type(g) is not _TENSOR or g.dtype is not dtype or g.layout is not _STRIDED or not g.is_cpu \
+                    or g.shape != shape or not g.is_contiguous() or g.is_neg():
+                return None
+            storage = g.untyped_storage()
+            start = g.data_ptr()
+            if (g.storage_offset() + n) * size > storage.nbytes() or start == 0 or start % size \
+                    or storage.data_ptr() in written:
+                return None
+        owned = self.owned_tensors
+        if not all(map(operator.is_, (st.get(name) for st, name, _ in self.owned), owned)) \
+                or [st.get("step") for st in self.states] != self.steps \
+                or not all(map(operator.is_, map(optimizer.state.get, self.stepped), self.states)) \
+                or [(p.dtype, p.shape) for p in self.stepped] != self.params_signature:
+            return None
+        tensors = self.stepped + owned
+        if [t.data_ptr() for t in tensors] != self.ptrs or [t._version for t in tensors] != self.versions:
+            return None
+        return grads
+
+    def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
+            checked: bool) -> bool:
+        """One step from the plan with ``grads`` (from :meth:`matches`): each job's launches at
+        the next step count, with Ctrl-C held until all are done; the non-finite policy as the
+        full step applies it (``checked``: the gradients are known to be finite). A skipped
+        parameter keeps its step count, which ends this plan (its jobs no longer agree). Returns
+        whether the plan still holds."""
+        policy = "off" if checked else optimizer.nonfinite
+        check = CHECKS[policy]
+        launches = [launch for job in self.jobs for launch, _ in job.launches]
+        if policy == "skip_step" and len(launches) > 1:   # one call checks its own tensors only
+            if not all(optimizer.backend.finite_flags(grads)):
+                optimizer.skipped_steps += 1
+                return True
+            check = CHECKS["off"]
+        finite = [True] * len(grads)
+        seed = optimizer.seed
+        stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
+        with deferred_interrupts():
+            for job in self.jobs:   # each job's counters advance right after its writes (step_plan)
+                step = job.step + 1
+                ctx = StepContext(job.group, MODES[job.mode], step, inv_scale, seed, self.count, coded=job.coded)
+                numbers = self.spec.numbers(job.group, step)
+                factor = grad_factor(ctx)
+                count = 0
+                for launch, members in job.launches:
+                    launch.set_grads([grads[i] for i in members], contiguous=True)
+                    count += launch.call(numbers, factor, seed, step, check)
+                    if check != CHECKS["off"]:
+                        for i, ok in zip(members, launch.finite):
+                            finite[i] = bool(ok)
+                if policy == "skip_step" and not all(finite):
+                    optimizer.skipped_steps += 1   # the only call wrote nothing
+                    return True
+                for _, members in job.launches:
+                    for i in members:
+                        if finite[i]:
+                            self.states[i]["step"] = step
+                job.step = step
+                stalled.setdefault(job.index, []).append(
+                    (torch.tensor(count, dtype=torch.int64) if self.count else None, job.numel, job.weight))
+            everything = all(finite)
+            self.steps = [st["step"] for st in self.states]
+            optimizer._last_stalled = stalled
+            optimizer.skipped_params += finite.count(False)
+            self.kernel.fused_elements += self.total if everything else \
+                sum(n for n, ok in zip(self.numels, finite) if ok)
+            self.taken += 1
+        return everything
+
+
+class Plans:
+    """An optimizer's cached plan (:class:`CachedStep`) and when to make one.
+
+    A plan is made after a full step (:meth:`after_full_step`) and taken while it matches
+    (:meth:`try_step`). A plan dropped before it was ever taken (something changes every step:
+    a strided gradient, parameters that get a gradient every other step) doubles the number of
+    full steps before the next one is made (at most :attr:`MAX_WAIT`), so such a loop pays for
+    a plan's making (about one full step's checks) rarely; a plan taken resets the wait.
+
+    Attributes:
+        cached_steps: the steps taken from a cached plan (a test's proof that they ran).
+    """
+
+    MAX_WAIT = 64
+
+    def __init__(self) -> None:
+        self.current: CachedStep | None = None
+        self.cached_steps = 0
+        self._backoff = 0
+        self._wait = 0
+
+    def try_step(self, optimizer: LowpOptimizer, inv_scale: float | None, checked: bool) -> bool:
+        """Take the step from the cached plan when it matches; ``False``: the caller takes a full step."""
+        plan = self.current
+        if plan is None:
+            return False
+        grads = plan.matches(optimizer)
+        if grads is None:
+            self.current = None
+            if plan.taken == 0:
+                self._backoff = min(2 * self._backoff + 1, self.MAX_WAIT)
+                self._wait = self._backoff
+            return False
+        if not plan.run(optimizer, grads, inv_scale, checked):
+            self.current = None
+        self.cached_steps += 1
+        self._backoff = 0
+        return True
+
+    def after_full_step(self, optimizer: LowpOptimizer, plan: StepPlan) -> None:
+        """Keep the plan of a whole full step just executed (all gradients finite), unless waiting."""
+        if self._wait > 0:
+            self._wait -= 1
+            return
+        self.current = CachedStep.build(optimizer, plan)
+
+    def drop(self) -> None:
+        """Forget the cached plan (the next step is a full one)."""
+        self.current = None
+
+
+def _launches(kernel: NativeKernel, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+              ) -> list[tuple[Launch, list[ParamSlice]]] | None:
+    """The native kernel's launches for a job's ``slices``, after its admission checks; ``None``
+    when any slice would not take it."""
+    if ctx.coded:
+        if not spec.elementwise:
+            return None
+        taken, rest = coded_slices.admitted(kernel, spec, ctx, slices)
+        if rest:
+            return None
+        return [(NativeKernel.coded_launch(spec, ctx, members), members)
+                for members in by_coded_signature(ctx, taken).values()]
+    spans: list[Span] = []
+    if not all(kernel.admits(spec, ctx, s, spans) for s in slices) or overlapping(spans):
+        return None
+    out = []
+    for dtypes, members in by_signature(slices, slice_dtypes).items():
+        variant = variant_for(spec, ctx, dtypes)
+        check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
+        out.append((Launch(spec, variant, members), members))
+    return out
