@@ -1,5 +1,6 @@
 """``benchmarks/step_vs_torch.py``: its parameter lists are the models they name, and a small run
-in a subprocess prints every row with the baseline at 1.00x and the host time per tensor."""
+in a subprocess prints every row with the baseline at 1.00x, the host time per tensor and the steps
+lowp took from its cached plan."""
 import re
 import subprocess
 import sys
@@ -36,4 +37,9 @@ def test_a_small_run_prints_every_row(optimizer):
     data = next(line for line in lines if line.startswith("500x1000"))
     assert len(re.findall(r"\d+\.\d+ ms \(\d+\.\d+x\)", data)) == len(rows)
     assert re.search(r"\(1\.00x\)", data)   # the baseline against itself
-    assert "host time per tensor (500x1000)" in lines[-1] and all(name in lines[-1] for name in rows)
+    host = next(line for line in lines if line.startswith("host time per tensor (500x1000)"))
+    assert all(name in host for name in rows)
+    cached = next(line for line in lines if line.startswith("steps taken from the cached plan"))
+    lowp_rows = [name for name in rows if name.startswith("lowp")]
+    # every step of a lowp row after its first took the cached plan (the fast path ran)
+    assert all(f"{name} 2 of 3" in cached for name in lowp_rows) and lowp_rows

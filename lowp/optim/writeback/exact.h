@@ -4,8 +4,8 @@ static_assert(WT == BF16 && BT == I16, "exact mode: bf16 weights and an int16 re
 
 static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
   vu top, rem;
-  memcpy(&top, (const uint16_t *)p.w + i, 32);
-  memcpy(&rem, (const uint16_t *)p.b + i, 32);
+  memcpy(&top, (const uint16_t *)p.w + i, sizeof(vu));
+  memcpy(&rem, (const uint16_t *)p.b + i, sizeof(vu));
   w[0] = (vf)((top << 16) + (vu)(((vi)rem << 16) >> 16));
   w[1] = (vf)((top & 0xFFFF0000u) + (vu)((vi)rem >> 16));
 }
@@ -21,6 +21,6 @@ static inline void write_back_lanes(const Pointers &p, int64_t i, const Rng &rng
     still[h] = (vi){};
   }
   vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu), pr = ((vu)rem[1] << 16) | ((vu)rem[0] & 0xFFFFu);
-  memcpy((uint16_t *)p.w + i, &pw, 32);
-  memcpy((uint16_t *)p.b + i, &pr, 32);
+  memcpy((uint16_t *)p.w + i, &pw, sizeof(vu));
+  memcpy((uint16_t *)p.b + i, &pr, sizeof(vu));
 }

@@ -6,9 +6,9 @@ static_assert(WT == BF16 && BT == I8, "exact8 mode: bf16 weights and an int8 rem
 
 static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
   vu top;
-  memcpy(&top, (const uint16_t *)p.w + i, 32);
+  memcpy(&top, (const uint16_t *)p.w + i, sizeof(vu));
   vh pairs;
-  memcpy(&pairs, (const int8_t *)p.b + i, 16);
+  memcpy(&pairs, (const int8_t *)p.b + i, sizeof(vh));
   const vu rem = __builtin_convertvector(pairs, vu);  // odd byte << 8 | even byte
   w[0] = (vf)((top << 16) + (vu)((vi)(rem << 24) >> 16));
   w[1] = (vf)((top & 0xFFFF0000u) + ((vu)((vi)(rem << 16) >> 16) & ~0xFFu));
@@ -27,6 +27,6 @@ static inline void write_back_lanes(const Pointers &p, int64_t i, const Rng &rng
   }
   vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu);
   vh pr = __builtin_convertvector((((vu)rem[1] & 0xFFu) << 8) | ((vu)rem[0] & 0xFFu), vh);
-  memcpy((uint16_t *)p.w + i, &pw, 32);
-  memcpy((int8_t *)p.b + i, &pr, 16);
+  memcpy((uint16_t *)p.w + i, &pw, sizeof(vu));
+  memcpy((int8_t *)p.b + i, &pr, sizeof(vh));
 }

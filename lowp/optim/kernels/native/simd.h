@@ -1,21 +1,37 @@
-// lowp native kernels: the fp32 vectors of 8 lanes (GCC vector extensions over AVX2) and the
+// lowp native kernels: the fp32 vectors of 8 or 16 lanes (GCC vector extensions over AVX2 or AVX-512) and the
 // counter-based random bits that every kernel shares (the step of vector.h/step.h and the codec
 // of codes.h). Nothing here depends on a variant's macros.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
 
-typedef float vf __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
+// Lanes per fp32 vector: 16 (512 bits) in an AVX-512 build of a translation unit that asks for wide
+// vectors (LOWP_WIDE: the plain step variants), else 8 (256 bits: the AVX2 build, the codec and the
+// coded step, whose 16-element code groups are two 8-lane vectors). A block of a kernel is 2 * LANES
+// elements, held as its even- and odd-indexed elements; each element's arithmetic is the same at
+// either width, so both give the same bits.
+#if defined(__AVX512F__) && defined(LOWP_WIDE)
+#define LOWP_LANES 16
+#else
+#define LOWP_LANES 8
+#endif
+constexpr int LANES = LOWP_LANES;
+typedef float vf __attribute__((vector_size(4 * LOWP_LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LOWP_LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LOWP_LANES)));
 
 // The dtype of the block scales of coded states (lowp.optim.kernels.native.codec.scale_code).
 enum ScaleType { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
 
-static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
-static inline vu bcu(uint32_t x) { return (vu)_mm256_set1_epi32((int)x); }
+static inline vf bc(float x) { return (vf){} + x; }
+static inline vu bcu(uint32_t x) { return (vu){} + x; }
+#if LOWP_LANES == 16
+static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+static inline vf sqrt_(vf a) { return (vf)_mm512_sqrt_ps((__m512)a); }  // correctly rounded
+#else
 static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 static inline vf sqrt_(vf a) { return (vf)_mm256_sqrt_ps((__m256)a); }  // correctly rounded
+#endif
 static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
 
 // ---- counter-based random bits (lowp/optim/randomness.py) ---------------------------------------

@@ -1,4 +1,4 @@
-// lowp fused optimizer step, part 2: blocks of 16 elements (load, rule, state stores, write-back)
+// lowp fused optimizer step, part 2: blocks of BLOCK elements (load, rule, state stores, write-back)
 // and the multi-tensor driver. Included by a generated variant after vector.h and its `rule`
 // (lowp/optim/kernels/native/source.py).
 //
@@ -45,7 +45,7 @@ struct StreamKeys {
   vu key[2][STREAMS];
 };
 
-// The random streams of one block of 16 elements: the low 32 bits of the global index of the
+// The random streams of one block of BLOCK elements: the low 32 bits of the global index of the
 // even and odd lanes, and the StreamKeys of the block, which many blocks share (an Rng holds them
 // by pointer: copying them with every block cost the step 2-4% of its instructions).
 struct Rng {
@@ -64,9 +64,10 @@ struct TensorStreams {
   inline Rng at(uint64_t first, StreamKeys &out) {
     folded.fold(keys, first);
     const uint32_t lo = (uint32_t)first;
-    const vu even = {0, 2, 4, 6, 8, 10, 12, 14};
+    vu even;
+    for (int l = 0; l < LANES; l++) even[l] = 2 * l;
     const Rng r{{even + lo, even + (lo + 1u)}, &out};
-    if (__builtin_expect(lo <= 0xFFFFFFF0u, 1)) {  // the block stays below the next multiple of 2^32
+    if (__builtin_expect(lo <= 0xFFFFFFFFu - (BLOCK - 1), 1)) {  // the block stays below the next multiple of 2^32
       for (int h = 0; h < 2; h++)
         for (int s = 0; s < STREAMS; s++)
           if (used_stream(s)) out.key[h][s] = bcu(mix16(folded.k0[s]));
@@ -114,12 +115,12 @@ template <int J> static inline vf state_value(vf x, const Rng &rng, int h) {
   else return round_to<ST[J]>(x);
 }
 
-// The write-back mode: load_weight(p, i, w), the weight of 16 elements as (even, odd) fp32 vectors
+// The write-back mode: load_weight(p, i, w), the weight of a block as (even, odd) fp32 vectors
 // (with the mode's remainder, if it keeps one), and write_back_lanes(p, i, rng, w, u, still), which
 // stores w + u (and the mode's buffer) and sets the lanes whose stored weight did not change.
 #include LOWP_MODE_HEADER
 
-// Weight and gradient (times ``factor``) of 16 elements, as (even, odd) fp32 vectors.
+// Weight and gradient (times ``factor``) of a block, as (even, odd) fp32 vectors.
 static inline void load_weight_and_grad(const Pointers &p, int64_t i, const vf &factor, vf w[2], vf g[2]) {
   load<GT>(p.g, i, g[0], g[1]);
   g[0] *= factor;
@@ -127,7 +128,7 @@ static inline void load_weight_and_grad(const Pointers &p, int64_t i, const vf &
   load_weight(p, i, w);
 }
 
-// Weight, gradient (times ``factor``) and states of 16 elements, as (even, odd) fp32 vectors.
+// Weight, gradient (times ``factor``) and states of a block, as (even, odd) fp32 vectors.
 static inline void load_inputs(const Pointers &p, int64_t i, const vf &factor, vf w[2], vf g[2],
                                vf s[2][NSTATES + 1]) {
   load_weight_and_grad(p, i, factor, w, g);
@@ -137,7 +138,7 @@ static inline void load_inputs(const Pointers &p, int64_t i, const vf &factor, v
   });
 }
 
-// Pass 1 over 16 elements: load, rule, state stores; returns the update ``u`` (even, odd).
+// Pass 1 over a block: load, rule, state stores; returns the update ``u`` (even, odd).
 static inline void update_block(const Pointers &p, int64_t i, const rule_uniform &r, const vf &factor,
                                 const Rng &rng, vf u[2]) {
   vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
@@ -149,7 +150,7 @@ static inline void update_block(const Pointers &p, int64_t i, const rule_uniform
   });
 }
 
-// Pass 2 over 16 elements: the write-back mode (lowp/optim/writeback). A lane is stalled when its
+// Pass 2 over a block: the write-back mode (lowp/optim/writeback). A lane is stalled when its
 // stored weight did not change (the update was lost to rounding, or zero); ``valid`` marks the
 // lanes inside the tensor (all but a tail block's padding), the only ones that may count; a
 // stalled lane adds -1 to ``stalled``.
@@ -164,7 +165,7 @@ static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng
 
 // ---- the driver: tensors cut into units, units shared by threads -------------------------------
 static constexpr int64_t UNIT = 1 << 15;  // elements per work unit
-static constexpr int64_t GROUP = 256;     // elements per two-pass group (a multiple of 16)
+static constexpr int64_t GROUP = 256;     // elements per two-pass group (a multiple of BLOCK)
 static constexpr int ROLES = 3 + NSTATES;  // weight, gradient, buffer, states
 
 static int itemsize(int dt) { return dt == F32 ? 4 : dt == I8 ? 1 : 2; }
@@ -223,10 +224,10 @@ static inline void role_table(const Pointers &p, Pointers &q, void *orig[ROLES],
   for (int j = 0; j < NSTATES; j++) dst[3 + j] = &q.s[j], orig[3 + j] = p.s[j];
 }
 
-// The last ``count`` (< 16) elements of a tensor: copied into zero-padded local blocks, run
+// The last ``count`` (< BLOCK) elements of a tensor: copied into zero-padded local blocks, run
 // through ``fn(local pointers, valid lanes)``, and (WRITE) the written ones copied back.
 template <bool WRITE, typename Fn> static void tail(const Pointers &p, int64_t i, int64_t count, Fn fn) {
-  alignas(32) unsigned char local[ROLES][64] = {};
+  alignas(64) unsigned char local[ROLES][4 * BLOCK] = {};
   Pointers q;
   void **dst[ROLES];
   void *orig[ROLES];
@@ -237,7 +238,7 @@ template <bool WRITE, typename Fn> static void tail(const Pointers &p, int64_t i
   }
   vi valid[2] = {};
   for (int h = 0; h < 2; h++)
-    for (int l = 0; l < 8; l++) valid[h][l] = (2 * l + h < count) ? -1 : 0;
+    for (int l = 0; l < LANES; l++) valid[h][l] = (2 * l + h < count) ? -1 : 0;
   fn(q, valid);
   for (int r = 0; r < ROLES && WRITE; r++)
     if (orig[r] && r != 1) memcpy((char *)orig[r] + i * itemsize(role_type(r)), local[r], count * itemsize(role_type(r)));
@@ -254,12 +255,12 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
   // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
   // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
   for (; i + GROUP <= end; i += GROUP) {
-    vf u[GROUP / 16][2];
+    vf u[GROUP / BLOCK][2];
     GroupRng rng(streams, base + i, GROUP);  // for both passes
-    for (int64_t j = 0; j < GROUP; j += 16) update_block(p, i + j, r, factor, rng.at(j), u[j / 16]);
-    for (int64_t j = 0; j < GROUP; j += 16) write_back_block(p, i + j, rng.at(j), u[j / 16], valid, stalled);
+    for (int64_t j = 0; j < GROUP; j += BLOCK) update_block(p, i + j, r, factor, rng.at(j), u[j / BLOCK]);
+    for (int64_t j = 0; j < GROUP; j += BLOCK) write_back_block(p, i + j, rng.at(j), u[j / BLOCK], valid, stalled);
   }
-  for (; i + 16 <= end; i += 16) {
+  for (; i + BLOCK <= end; i += BLOCK) {
     vf u[2];
     StreamKeys keys;
     const Rng rng = streams.at(base + i, keys);
@@ -298,7 +299,7 @@ template <typename F> static int64_t work_units(Task *t, F &&unit) {
     vi stalled = {};
     TensorStreams streams{&t->keys[tensor * STREAMS]};
     unit(tensor, p, u.start, u.end, (uint64_t)t->offset[tensor], streams, r, factor, stalled);
-    for (int l = 0; l < 8; l++) total -= stalled[l];
+    for (int l = 0; l < LANES; l++) total -= stalled[l];
   }
   return total;
 }
@@ -374,7 +375,7 @@ static inline double reduction_block(const Pointers &p, int64_t i, const reducti
   vf sum = {};
   for (int h = 0; h < 2; h++) sum += select(valid[h], reduction(r, w[h], g[h], s[h]), bc(0.0f));
   double total = 0;
-  for (int l = 0; l < 8; l++) total += sum[l];
+  for (int l = 0; l < LANES; l++) total += sum[l];
   return total;
 }
 
@@ -391,7 +392,7 @@ extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *num
       const Pointers p = t.at(u.tensor);
       double sum = 0;
       int64_t i = u.start;
-      for (; i + 16 <= u.end; i += 16) sum += reduction_block(p, i, r, factor, ALL_VALID);
+      for (; i + BLOCK <= u.end; i += BLOCK) sum += reduction_block(p, i, r, factor, ALL_VALID);
       if (i < u.end)
         tail<false>(p, i, u.end - i, [&](const Pointers &q, const vi *valid) { sum += reduction_block(q, 0, r, factor, valid); });
       partial[u.index] = sum;

@@ -45,9 +45,31 @@ constexpr bool states_known() {
 }
 static_assert(WT <= F16 && GT <= F16 && BT <= I8 && states_known(), "unknown dtype");
 
-typedef uint16_t vh __attribute__((vector_size(16)));  // 8 lanes of 16 bits (exact8's remainder pairs)
+typedef uint16_t vh __attribute__((vector_size(2 * LOWP_LANES)));  // LANES lanes of 16 bits (exact8's pairs)
+constexpr int BLOCK = 2 * LANES;  // elements per block: the even and the odd lanes
 
-// ---- loads and stores of 16 elements as (even, odd) fp32 vectors ------------------------------
+// ---- loads and stores of a block as (even, odd) fp32 vectors ---------------------------------
+// The fp16 conversions (F16C, AVX-512F) and the lane shuffles of fp32 and fp16 tensors at each width.
+#if LOWP_LANES == 16
+static inline void deinterleave(vf a, vf b, vf &even, vf &odd) {
+  // a = elements 0..15, b = 16..31 -> even = 0,2,..,30 and odd = 1,3,..,31
+  const __m512i e = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  even = (vf)_mm512_permutex2var_ps((__m512)a, e, (__m512)b);
+  odd = (vf)_mm512_permutex2var_ps((__m512)a, _mm512_add_epi32(e, _mm512_set1_epi32(1)), (__m512)b);
+}
+static inline void interleave(vf even, vf odd, vf &a, vf &b) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  a = (vf)_mm512_permutex2var_ps((__m512)even, lo, (__m512)odd);
+  b = (vf)_mm512_permutex2var_ps((__m512)even, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), (__m512)odd);
+}
+typedef __m256i half_vector;  // LANES fp16 values
+static inline vf from_f16(const void *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+template <int ROUNDING> static inline half_vector to_f16(vf x) { return _mm512_cvtps_ph((__m512)x, ROUNDING); }
+static inline vf f16_to_f32(half_vector h) { return (vf)_mm512_cvtph_ps(h); }
+static inline void store_f16(void *p, half_vector h) { _mm256_storeu_si256((__m256i *)p, h); }
+static inline vf floor_(vf x) { return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline vf int_to_float(vu x) { return (vf)_mm512_cvtepi32_ps((__m512i)x); }
+#else
 static inline void deinterleave(vf a, vf b, vf &even, vf &odd) {
   // a = elements 0..7, b = 8..15 -> even = 0,2,..,14 and odd = 1,3,..,15
   even = (vf)_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps((__m256)a, (__m256)b, 0x88)), 0xD8));
@@ -60,20 +82,28 @@ static inline void interleave(vf even, vf odd, vf &a, vf &b) {
   a = (vf)_mm256_unpacklo_ps(e, o);
   b = (vf)_mm256_unpackhi_ps(e, o);
 }
+typedef __m128i half_vector;  // LANES fp16 values
+static inline vf from_f16(const void *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+template <int ROUNDING> static inline half_vector to_f16(vf x) { return _mm256_cvtps_ph((__m256)x, ROUNDING); }
+static inline vf f16_to_f32(half_vector h) { return (vf)_mm256_cvtph_ps(h); }
+static inline void store_f16(void *p, half_vector h) { _mm_storeu_si128((__m128i *)p, h); }
+static inline vf floor_(vf x) { return (vf)_mm256_floor_ps((__m256)x); }
+static inline vf int_to_float(vu x) { return (vf)_mm256_cvtepi32_ps((__m256i)x); }
+#endif
 
 template <int DT> static inline void load(const void *base, int64_t i, vf &lo, vf &hi) {
   if constexpr (DT == BF16) {
     vu x;
-    memcpy(&x, (const uint16_t *)base + i, 32);
+    memcpy(&x, (const uint16_t *)base + i, sizeof(vu));
     lo = (vf)(x << 16);
     hi = (vf)(x & 0xFFFF0000u);
   } else if constexpr (DT == F16) {
-    const __m128i *p = (const __m128i *)((const uint16_t *)base + i);
-    deinterleave((vf)_mm256_cvtph_ps(_mm_loadu_si128(p)), (vf)_mm256_cvtph_ps(_mm_loadu_si128(p + 1)), lo, hi);
+    const uint16_t *p = (const uint16_t *)base + i;
+    deinterleave(from_f16(p), from_f16(p + LANES), lo, hi);
   } else {
     vf a, b;
-    memcpy(&a, (const float *)base + i, 32);
-    memcpy(&b, (const float *)base + i + 8, 32);
+    memcpy(&a, (const float *)base + i, sizeof(vf));
+    memcpy(&b, (const float *)base + i + LANES, sizeof(vf));
     deinterleave(a, b, lo, hi);
   }
 }
@@ -126,9 +156,7 @@ static inline vf stochastic_bf16(vf x, vu noise) {
   else return (vf)rounded;
 }
 
-static inline vf round_f16(vf x) {
-  return (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+static inline vf round_f16(vf x) { return f16_to_f32(to_f16<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(x)); }
 
 // fp32 -> fp16 with stochastic rounding, 16 random bits: with t = x truncated toward zero and
 // ulp the fp16 spacing above |t| (2^(e-10), at least 2^-24 in the subnormal range), round away
@@ -137,12 +165,12 @@ static inline vf round_f16(vf x) {
 // 65504 + ulp the result is +-inf (65536 stores as inf), and inf and NaN stay themselves.
 static inline vf stochastic_f16(vf x, vu noise) {
   const vu sign_bit = bcu(0x80000000u);
-  vf t = (vf)_mm256_cvtph_ps(_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+  vf t = f16_to_f32(to_f16<_MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC>(x));
   vf at = (vf)((vu)t & ~sign_bit), ax = (vf)((vu)x & ~sign_bit);
   vf spacing = (vf)((vu)at & 0x7F800000u) * bc(0x1p-10f);
   vf ulp = select(spacing > bc(0x1p-24f), spacing, bc(0x1p-24f));
   vf frac = (ax - at) / ulp;
-  vf drawn = (vf)_mm256_floor_ps((__m256)(frac * bc(65536.0f))) + (vf)_mm256_cvtepi32_ps((__m256i)noise);
+  vf drawn = floor_(frac * bc(65536.0f)) + int_to_float(noise);
   vf r = select(drawn >= bc(65536.0f), at + ulp, at);
   return select(x != x, x, (vf)((vu)r | ((vu)x & sign_bit)));
 }
@@ -158,17 +186,17 @@ template <int DT> static inline vf round_to(vf x) {
 template <int DT> static inline void store(void *base, int64_t i, vf lo, vf hi) {
   if constexpr (DT == BF16) {
     vu x = ((vu)hi & 0xFFFF0000u) | ((vu)lo >> 16);
-    memcpy((uint16_t *)base + i, &x, 32);
+    memcpy((uint16_t *)base + i, &x, sizeof(vu));
   } else {
     vf a, b;
     interleave(lo, hi, a, b);
     if constexpr (DT == F16) {
-      __m128i *p = (__m128i *)((uint16_t *)base + i);
-      _mm_storeu_si128(p, _mm256_cvtps_ph((__m256)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      _mm_storeu_si128(p + 1, _mm256_cvtps_ph((__m256)b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      uint16_t *p = (uint16_t *)base + i;
+      store_f16(p, to_f16<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(a));
+      store_f16(p + LANES, to_f16<_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC>(b));
     } else {
-      memcpy((float *)base + i, &a, 32);
-      memcpy((float *)base + i + 8, &b, 32);
+      memcpy((float *)base + i, &a, sizeof(vf));
+      memcpy((float *)base + i + LANES, &b, sizeof(vf));
     }
   }
 }
