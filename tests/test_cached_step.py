@@ -344,3 +344,25 @@ def test_an_instruction_set_the_cpu_lacks_is_refused(monkeypatch):
         build.isa()
     monkeypatch.delenv("LOWP_NATIVE_ISA")
     assert build.isa() == "avx2"
+
+
+@pytest.mark.parametrize("where", [(0, 0), (1, -1), (2, 70_000), (1, 0)], ids=["first, first", "second, last",
+                                                                              "third, middle", "second, first"])
+def test_the_pre_pass_skips_exactly_the_tensors_with_a_nan(where):
+    """Three tensors of several work units (checked in the call's pre-pass) and a small one: a NaN
+    anywhere skips exactly its tensor (the reference's bits)."""
+    results = []
+    for backend in ("native", "foreach"):
+        gen = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen).bfloat16()) for n in (100_000, 150_001, 90_000)]
+        params.append(torch.nn.Parameter(torch.randn(77, generator=gen).bfloat16()))
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=0)
+        for t in range(3):
+            set_grads(params, t)
+            if t == 2:
+                params[where[0]].grad[where[1]] = float("nan")
+            opt.step()
+        results.append((opt, params))
+    (native, p1), (reference, p2) = results
+    assert native._plans.cached_steps == 2 and native.skipped_params == 1 == reference.skipped_params
+    assert same(bits(native, p1), bits(reference, p2))
