@@ -165,10 +165,14 @@ def _bad_inputs():
     def freed_weight(params):
         params[2].untyped_storage().resize_(0)
 
+    def shrunk_state(params):
+        params[0]._lowp_opt.state[params[0]]["exp_avg"].untyped_storage().resize_(2)
+
     return [("gradient of another shape", wrong_shape, ValueError, "grad of params\\[0\\]"),
             ("gradient is the weight", shares_weight, ValueError, "shares memory"),
             ("gradient storage freed", freed, ValueError, "storage"),
-            ("weight storage freed", freed_weight, ValueError, "storage")]
+            ("weight storage freed", freed_weight, ValueError, "storage"),
+            ("state storage shrunk", shrunk_state, ValueError, "storage")]
 
 
 @pytest.mark.parametrize("name,change,error,match", _bad_inputs(), ids=[c[0] for c in _bad_inputs()])
@@ -181,6 +185,7 @@ def test_bad_inputs_after_cached_steps_raise_as_the_full_step(name, change, erro
         opt.step()
     assert opt._plans.cached_steps == 2
     set_grads(params, 3)
+    params[0]._lowp_opt = opt
     change(params)
     before = [p.detach().clone() for p in params[:1]]
     with pytest.raises(error, match=match):

@@ -21,8 +21,9 @@ checks again and builds a new plan):
   (mode, state dtypes, block size, rounding, ...) and the spec's switches, equal; the numbers
   (learning rate, betas, ...) are read anew and checked (``check_group``) every step;
 - each stepped parameter, state, buffer and block-scale tensor: the same object, at the same
-  data pointer, with the same dtype, shape and version counter (``set_``, ``resize_`` or
-  ``as_strided_`` bump it; the native kernel writes without bumping it), and the step count
+  data pointer, on a storage of the same size (a storage freed and allocated again may return
+  at the same address), with the same dtype, shape and version counter (``set_``, ``resize_``
+  or ``as_strided_`` bump it; the native kernel writes without bumping it), and the step count
   the plan advanced it to;
 - which parameters have a gradient, and for each gradient (a new tensor every step after
   ``zero_grad()``): a plain CPU tensor, strided and contiguous, with the dtype and shape of the
@@ -154,11 +155,15 @@ class CachedStep:
         self.grad_dtypes = grad_dtypes
         self.grad_sizes = [torch.empty((), dtype=d).element_size() for d in grad_dtypes]
         self.owned = owned
+        self.owned_keys = [(st, name) for st, name, _ in owned]
         self.owned_tensors = [t for _, _, t in owned]
+        self.state_values = list(optimizer.state.values())
+        self.grad_specs = list(zip(self.grad_dtypes, self.shapes, self.numels, self.grad_sizes))
+        self.dtypes = [p.dtype for p in stepped]
         self.stepped_at = [i for i, p in enumerate(self.all_params) if p.grad is not None]
-        self.params_signature = [(p.dtype, p.shape) for p in stepped]
         self.ptrs = [t.data_ptr() for t in stepped + self.owned_tensors]
         self.versions = [t._version for t in stepped + self.owned_tensors]
+        self.nbytes = [t.untyped_storage().nbytes() for t in stepped + self.owned_tensors]
         self.written = {t.untyped_storage().data_ptr() for t in stepped + self.owned_tensors}
         self.total = sum(self.numels)
         self.taken = 0
@@ -238,7 +243,7 @@ class CachedStep:
             return None
         grads = [every[i] for i in self.stepped_at]
         written = self.written
-        for g, dtype, shape, n, size in zip(grads, self.grad_dtypes, self.shapes, self.numels, self.grad_sizes):
+        for g, (dtype, shape, n, size) in zip(grads, self.grad_specs):
             if type(g) is not _TENSOR or g.dtype is not dtype or g.layout is not _STRIDED or not g.is_cpu \
                     or g.shape != shape or not g.is_contiguous() or g.is_neg():
                 return None
@@ -247,14 +252,22 @@ class CachedStep:
             if (g.storage_offset() + n) * size > storage.nbytes() or start == 0 or start % size \
                     or storage.data_ptr() in written:
                 return None
-        owned = self.owned_tensors
-        if not all(map(operator.is_, (st.get(name) for st, name, _ in self.owned), owned)) \
-                or [st.get("step") for st in self.states] != self.steps \
-                or not all(map(operator.is_, map(optimizer.state.get, self.stepped), self.states)) \
-                or [(p.dtype, p.shape) for p in self.stepped] != self.params_signature:
+        values = self.state_values
+        if len(optimizer.state) != len(values) or not all(map(operator.is_, optimizer.state.values(), values)):
             return None
-        tensors = self.stepped + owned
-        if [t.data_ptr() for t in tensors] != self.ptrs or [t._version for t in tensors] != self.versions:
+        try:
+            entries = [st[name] for st, name in self.owned_keys]
+            steps = [st["step"] for st in self.states]
+        except KeyError:
+            return None
+        owned = self.owned_tensors
+        stepped = self.stepped
+        if not all(map(operator.is_, entries, owned)) or steps != self.steps \
+                or [p.dtype for p in stepped] != self.dtypes or [p.shape for p in stepped] != self.shapes:
+            return None
+        tensors = stepped + owned
+        if [t.data_ptr() for t in tensors] != self.ptrs or [t._version for t in tensors] != self.versions \
+                or [t.untyped_storage().nbytes() for t in tensors] != self.nbytes:
             return None
         return grads
 
