@@ -371,3 +371,18 @@ def test_the_pre_pass_skips_exactly_the_tensors_with_a_nan(where):
     (native, p1), (reference, p2) = results
     assert native._plans.cached_steps == 2 and native.skipped_params == 1 == reference.skipped_params
     assert same(bits(native, p1), bits(reference, p2))
+
+
+def test_a_kept_plan_holds_no_gradient_between_steps():
+    """After a cached step and zero_grad(), the step's gradients are freed: the plan keeps
+    pointers to weights and states only (peak memory as without it)."""
+    import weakref
+    params = make_params()
+    opt = lo.AdamW(params, lr=1e-2, backend="native", seed=0)
+    for t in range(3):
+        set_grads(params, t)
+        refs = [weakref.ref(p.grad) for p in params]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(r() is None for r in refs), f"step {t}: a gradient outlived zero_grad"
+    assert opt._plans.cached_steps == 2

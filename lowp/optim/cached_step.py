@@ -297,8 +297,7 @@ class CachedStep:
                 factor = grad_factor(ctx)
                 count = 0
                 for launch, members in job.launches:
-                    launch.set_grads([grads[i] for i in members], contiguous=True)
-                    count += launch.call(numbers, factor, seed, step, check)
+                    count += launch.call([grads[i] for i in members], numbers, factor, seed, step, check)
                     if check != CHECKS["off"]:
                         for i, ok in zip(members, launch.finite):
                             finite[i] = bool(ok)

@@ -116,7 +116,7 @@ class NativeKernel(Kernel):
         contiguous range of its parameter) at ``step`` with the optimizer's ``seed`` (the random
         streams of each slice's parameter); returns the stalled count."""
         check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-        return Launch(spec, variant, members).call(numbers, factor, seed, step)
+        return Launch(spec, variant, members).call([s.grad for s in members], numbers, factor, seed, step)
 
     def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """The step over ``slices`` of a job with coded states (``ctx.coded``, all
@@ -125,7 +125,8 @@ class NativeKernel(Kernel):
         numbers = spec.numbers(ctx.group, ctx.step)
         stalled = 0
         for members in by_coded_signature(ctx, slices).values():
-            stalled += self.coded_launch(spec, ctx, members).call(numbers, grad_factor(ctx), ctx.seed, ctx.step)
+            stalled += self.coded_launch(spec, ctx, members).call([s.grad for s in members], numbers, grad_factor(ctx),
+                                                                  ctx.seed, ctx.step)
         self.fused_elements += sum(s.numel for s in slices)
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
@@ -173,7 +174,7 @@ class Launch:
     """One kernel call over ``members`` (checked slices of one variant, each a contiguous range of
     its parameter), prepared once: its entry point, pointer table, sizes, offsets and parameter
     ids (and a coded variant's scales and grids, ``coded``). A step reuses it while nothing of
-    the slices changed but their gradients (:meth:`set_grads`).
+    the slices changed but their gradients, which each :meth:`call` takes.
 
     The arguments of ``lowp_step`` (``native/step.h``), with ``n`` members of ``S`` states:
 
@@ -218,28 +219,31 @@ class Launch:
         self.finite = (ctypes.c_uint8 * n)()
         self.numbers = (ctypes.c_double * (1 + len(variant.numbers)))()
         self.tensor_numbers = (ctypes.c_double * max(1, n * len(variant.program.tensor_numbers)))()
-        self.grads: list[torch.Tensor] = []
-        self.set_grads([s.grad for s in members])
 
-    def set_grads(self, grads: list[torch.Tensor], contiguous: bool = False) -> None:
-        """The members' gradients, kept alive until the next call (a strided one as a contiguous
-        copy, unless the caller knows them ``contiguous``)."""
-        self.grads = grads if contiguous else [g if g.is_contiguous() else g.contiguous() for g in grads]
-        self.table[self.n:2 * self.n] = [g.data_ptr() for g in self.grads]
-
-    def call(self, numbers: dict[str, float], factor: float, seed: int, step: int, check: int = 0) -> int:
-        """The step with the spec's ``numbers`` and the gradient ``factor``, after the non-finite
-        ``check`` (:data:`CHECKS`; the flags land in :attr:`finite`); returns the stalled count."""
+    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+             check: int = 0) -> int:
+        """The step with the members' ``grads`` (checked; a strided one is copied contiguous), the
+        spec's ``numbers`` and the gradient ``factor``, after the non-finite ``check``
+        (:data:`CHECKS`; the flags land in :attr:`finite`); returns the stalled count. The table
+        holds the gradients' pointers for the call only: a kept launch holds no gradient between
+        steps."""
         spec, n = self.spec, self.n
+        if len(grads) != n:
+            raise RuntimeError(f"kernel call: {len(grads)} gradients for {n} tensors")
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]   # alive until the call returns
+        self.table[n:2 * n] = [g.data_ptr() for g in grads]
         values = spec.pick(self.variant.numbers, numbers)
         self.numbers[:] = [factor, *values]
-        if spec.tensor_numbers is not None:
-            per_tensor = self.variant.program.tensor_numbers
-            sums = (ctypes.c_double * n)()
-            sums_function(self.source)(n, self.table, self.numel, self.numbers, sums, torch.get_num_threads())
-            for j in range(n):
-                made = spec.tensor_numbers(numbers, sums[j], self.numel[j])
-                for k, name in enumerate(per_tensor):
-                    self.tensor_numbers[j * len(per_tensor) + k] = made[name]
-        return self.entry(n, self.table, self.numel, self.offsets, self.numbers, self.tensor_numbers, seed, step,
-                          self.param_ids, check, self.finite, *self.coded, torch.get_num_threads())
+        try:
+            if spec.tensor_numbers is not None:
+                per_tensor = self.variant.program.tensor_numbers
+                sums = (ctypes.c_double * n)()
+                sums_function(self.source)(n, self.table, self.numel, self.numbers, sums, torch.get_num_threads())
+                for j in range(n):
+                    made = spec.tensor_numbers(numbers, sums[j], self.numel[j])
+                    for k, name in enumerate(per_tensor):
+                        self.tensor_numbers[j * len(per_tensor) + k] = made[name]
+            return self.entry(n, self.table, self.numel, self.offsets, self.numbers, self.tensor_numbers, seed, step,
+                              self.param_ids, check, self.finite, *self.coded, torch.get_num_threads())
+        finally:
+            self.table[n:2 * n] = [None] * n

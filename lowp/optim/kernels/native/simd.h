@@ -23,12 +23,15 @@ typedef int32_t vi __attribute__((vector_size(4 * LOWP_LANES)));
 // The dtype of the block scales of coded states (lowp.optim.kernels.native.codec.scale_code).
 enum ScaleType { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
 
-static inline vf bc(float x) { return (vf){} + x; }
-static inline vu bcu(uint32_t x) { return (vu){} + x; }
+// Broadcasts (exact: -0.0 stays -0.0, which adding x to a zero vector would not keep).
 #if LOWP_LANES == 16
+static inline vf bc(float x) { return (vf)_mm512_set1_ps(x); }
+static inline vu bcu(uint32_t x) { return (vu)_mm512_set1_epi32((int)x); }
 static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 static inline vf sqrt_(vf a) { return (vf)_mm512_sqrt_ps((__m512)a); }  // correctly rounded
 #else
+static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
+static inline vu bcu(uint32_t x) { return (vu)_mm256_set1_epi32((int)x); }
 static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 static inline vf sqrt_(vf a) { return (vf)_mm256_sqrt_ps((__m256)a); }  // correctly rounded
 #endif
