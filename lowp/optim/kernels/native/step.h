@@ -365,18 +365,22 @@ extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *
 #endif
 
 #if LOWP_REDUCTION
-// The per-tensor pre-pass: ``sums[j]`` = the sum over tensor j of the spec's reduction term. Lanes
-// add in fp32 within a 16-element block, blocks in float64 per unit, units in unit order per tensor
-// (so the result does not depend on the thread count).
-static inline double reduction_block(const Pointers &p, int64_t i, const reduction_uniform &r, const vf &factor,
-                                     const vi *valid) {
+// The per-tensor pre-pass: ``sums[j]`` = the sum over tensor j of the spec's reduction term, in the
+// order of lowp/optim/ordered_sum.py: the two elements of a lane (even, odd) add in fp32, the 8 lanes
+// of a 16-element block in float64 into the block's total, the blocks' totals in float64 per unit,
+// units in unit order per tensor (so the result depends neither on the thread count nor on the
+// vector width: a 32-element block of the 512-bit build adds as two 16-element ones).
+static inline void reduction_block(const Pointers &p, int64_t i, const reduction_uniform &r, const vf &factor,
+                                   const vi *valid, double &sum) {
   vf w[2], g[2], s[2][NSTATES + 1];
   load_inputs(p, i, factor, w, g, s);
-  vf sum = {};
-  for (int h = 0; h < 2; h++) sum += select(valid[h], reduction(r, w[h], g[h], s[h]), bc(0.0f));
-  double total = 0;
-  for (int l = 0; l < LANES; l++) total += sum[l];
-  return total;
+  vf pairs = {};
+  for (int h = 0; h < 2; h++) pairs += select(valid[h], reduction(r, w[h], g[h], s[h]), bc(0.0f));
+  for (int first = 0; first < LANES && valid[0][first]; first += 8) {  // each 16 elements holding one of the tensor
+    double total = 0;
+    for (int l = first; l < first + 8; l++) total += pairs[l];
+    sum += total;
+  }
 }
 
 extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *numel, const double *h, double *sums,
@@ -392,9 +396,9 @@ extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *num
       const Pointers p = t.at(u.tensor);
       double sum = 0;
       int64_t i = u.start;
-      for (; i + BLOCK <= u.end; i += BLOCK) sum += reduction_block(p, i, r, factor, ALL_VALID);
+      for (; i + BLOCK <= u.end; i += BLOCK) reduction_block(p, i, r, factor, ALL_VALID, sum);
       if (i < u.end)
-        tail<false>(p, i, u.end - i, [&](const Pointers &q, const vi *valid) { sum += reduction_block(q, 0, r, factor, valid); });
+        tail<false>(p, i, u.end - i, [&](const Pointers &q, const vi *valid) { reduction_block(q, 0, r, factor, valid, sum); });
       partial[u.index] = sum;
     }
   }
