@@ -305,9 +305,9 @@ def test_a_plan_dropped_every_step_waits_before_the_next():
     opt = lo.AdamW(params, lr=1e-2, backend="native")
     original = type(opt._plans).after_full_step
 
-    def counting(self, optimizer, plan):
-        made.append(self._wait == 0)
-        original(self, optimizer, plan)
+    def counting(self, optimizer, plan, subset=None):
+        made.append(self._waits.get(None, (0, 0))[1] == 0)
+        original(self, optimizer, plan, subset)
     opt._plans.after_full_step = counting.__get__(opt._plans)
     for t in range(40):
         set_grads(params, t)
@@ -398,3 +398,85 @@ def test_a_kept_plan_holds_no_gradient_between_steps():
         opt.zero_grad(set_to_none=True)
         assert all(r() is None for r in refs), f"step {t}: a gradient outlived zero_grad"
     assert opt._plans.cached_steps == 2
+
+
+def _release_run(backend: str, steps: int = 4, nan_at: int | None = None, grad_scale: float | None = None,
+                 nonfinite: str = "skip_param"):
+    """step_params over one parameter at a time, as gradient release does, with new gradients
+    every step; the optimizer and its parameters."""
+    params = make_params()
+    opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=0, nonfinite=nonfinite)
+    finite = []
+    for t in range(steps):
+        set_grads(params, t)
+        if nan_at is not None and t == nan_at:
+            params[2].grad[3] = float("nan")
+        for i, p in enumerate(params):
+            if grad_scale is not None:
+                p.grad.mul_(grad_scale)
+            finite.append(opt.step_params([p], grad_scale=grad_scale, new_step=i == 0))
+    return opt, params, finite
+
+
+@pytest.mark.parametrize("case", ["plain", "grad_scale", "nan, skip_param", "nan, off with grad_scale",
+                                  "nan, skip_step"])
+def test_step_params_takes_a_cached_plan_per_parameter(case):
+    """Gradient release's step_params([p]) calls take a cached plan per parameter after their first
+    full step: the reference's bits, return values, counters and diagnostics."""
+    kwargs = {"plain": {}, "grad_scale": {"grad_scale": 256.0}, "nan, skip_param": {"nan_at": 2},
+              "nan, off with grad_scale": {"nan_at": 2, "grad_scale": 256.0, "nonfinite": "off"},
+              "nan, skip_step": {"nan_at": 2, "nonfinite": "skip_step"}}[case]
+    native, p1, f1 = _release_run("native", **kwargs)
+    reference, p2, f2 = _release_run("foreach", **kwargs)
+    assert native._plans.cached_steps >= 8
+    assert f1 == f2
+    assert (native.skipped_params, native.skipped_steps) == (reference.skipped_params, reference.skipped_steps)
+    assert same(bits(native, p1), bits(reference, p2))
+    assert native.diagnostics() == reference.diagnostics()
+
+
+def test_release_gradients_steps_from_cached_plans():
+    """release_gradients on a small model: every parameter's step after the first from its
+    cached plan, the bits of the foreach backend."""
+    results = []
+    for backend in ("native", "foreach"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).bfloat16()
+        opt = lo.AdamW(model.parameters(), lr=1e-2, backend=backend, seed=0)
+        handle = lo.release_gradients(opt)
+        for t in range(4):
+            gen = torch.Generator().manual_seed(t)
+            x, y = torch.randn(8, 16, generator=gen).bfloat16(), torch.randn(8, 4, generator=gen)
+            ((model(x).float() - y) ** 2).mean().backward()
+        handle.remove()
+        results.append((opt, list(model.parameters())))
+    (native, p1), (reference, p2) = results
+    assert native._plans.cached_steps == 3 * len(p1)
+    assert same(bits(native, p1), bits(reference, p2))
+
+
+def test_step_params_between_states_only_steps_makes_plans_rarely():
+    """Gradient release with accumulate="states": each parameter's whole step follows states-only
+    steps that advance its count, so its plan never matches; plans are then made ever more rarely
+    (and the bits stay the reference's)."""
+    results = []
+    for backend in ("native", "foreach"):
+        params = make_params()
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=0)
+        built = [0]
+        original = opt._plans.after_full_step
+
+        def counting(optimizer, plan, subset=None, original=original, built=built):
+            before = len(optimizer._plans.subsets)
+            original(optimizer, plan, subset)
+            built[0] += len(optimizer._plans.subsets) > before
+        opt._plans.after_full_step = counting
+        for t in range(40):
+            set_grads(params, t)
+            for p in params:
+                opt.step_params([p], update_weights=t % 2 == 0)
+        results.append((opt, params, built[0]))
+    (native, p1, built), (reference, p2, _) = results
+    assert native._plans.cached_steps == 0
+    assert built <= 4 * 6   # per parameter at most 6 plans over its 20 whole steps (waits 1, 3, 7, 15...)
+    assert same(bits(native, p1), bits(reference, p2))

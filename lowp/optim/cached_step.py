@@ -35,7 +35,7 @@ Values never enter the signature: a step reads them, and a weight changed in pla
 from __future__ import annotations
 
 import operator
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence, cast
 
 import torch
 
@@ -136,17 +136,24 @@ class CachedStep:
         states: their state entries (whose ``"step"`` each step advances).
         owned: (state entry, name, tensor) of every state, buffer and block-scale tensor read.
         grad_dtypes: each stepped parameter's gradient dtype (which chose its variant).
+        subset: the parameters of a ``step_params`` call (gradient release) whose plan this is,
+            in their order; default ``None``: a whole ``step()``'s plan.
     """
 
     def __init__(self, optimizer: LowpOptimizer, kernel: NativeKernel, spec: OptimizerSpec, jobs: list[_Job],
                  stepped: list[torch.Tensor], states: list[dict[str, Any]], owned: list[tuple[dict, str, torch.Tensor]],
-                 grad_dtypes: list[torch.dtype]) -> None:
-        self.kernel, self.spec, self.jobs = kernel, spec, jobs
+                 grad_dtypes: list[torch.dtype], subset: list[torch.Tensor] | None = None) -> None:
+        self.kernel, self.spec, self.jobs, self.subset = kernel, spec, jobs, subset
         self.state_map, self.groups, self.backend = optimizer.state, optimizer.param_groups, optimizer.backend
         self.count = optimizer.diagnostics_enabled
         self.group_params = [list(g["params"]) for g in self.groups]
         self.structures = [structure(spec, g) for g in self.groups]
-        self.all_params = [p for g in self.groups for p in g["params"]]
+        self.group_sizes = [len(g["params"]) for g in self.groups]
+        if subset is not None:   # each parameter's place (group, index), which fixes its position over all groups
+            where = {id(p): (gi, i) for gi, g in enumerate(self.groups) for i, p in enumerate(g["params"])}
+            self.places = [where[id(p)] for p in subset]
+            self.involved = [(self.groups[gi], self.structures[gi]) for gi in sorted({gi for gi, _ in self.places})]
+        self.all_params = list(subset) if subset is not None else [p for g in self.groups for p in g["params"]]
         self.has_grad = [p.grad is not None for p in self.all_params]
         self.stepped, self.states = stepped, states
         self.steps = [st["step"] for st in states]
@@ -169,18 +176,20 @@ class CachedStep:
         self.taken = 0
 
     @classmethod
-    def build(cls, optimizer: LowpOptimizer, plan: StepPlan) -> CachedStep | None:
-        """The cached plan of ``plan``, a full step just executed, when every slice of it is a
-        whole plain parameter of the groups, with plain states, that took the native kernel
-        (no DTensor, no reference pipeline); else ``None``. Never raises: a plan that cannot be
-        made is no plan (the step it follows is done)."""
+    def build(cls, optimizer: LowpOptimizer, plan: StepPlan,
+              subset: list[torch.Tensor] | None = None) -> CachedStep | None:
+        """The cached plan of ``plan``, a full step just executed (of the ``step_params`` call over
+        ``subset``, when given), when every slice of it is a whole plain parameter of the groups,
+        with plain states, that took the native kernel (no DTensor, no reference pipeline); else
+        ``None``. Never raises: a plan that cannot be made is no plan (the step it follows is done)."""
         try:
-            return cls._build(optimizer, plan)
+            return cls._build(optimizer, plan, subset)
         except Exception:   # noqa: BLE001 - only an optimization: the next step is a full one
             return None
 
     @classmethod
-    def _build(cls, optimizer: LowpOptimizer, plan: StepPlan) -> CachedStep | None:
+    def _build(cls, optimizer: LowpOptimizer, plan: StepPlan, subset: list[torch.Tensor] | None
+               ) -> CachedStep | None:
         backend = optimizer.backend
         if not (type(backend) is FusedBackend and isinstance(backend.kernel, NativeKernel)) or plan.gathered:
             return None
@@ -221,23 +230,31 @@ class CachedStep:
             jobs.append(_Job(group, index, mode, coded, step, weight,
                              [(launch, [position[id(s)] for s in part]) for launch, part in launches],
                              sum(s.numel for s in slices)))
-        return cls(optimizer, backend.kernel, spec, jobs, stepped, states, owned, grad_dtypes)
+        return cls(optimizer, backend.kernel, spec, jobs, stepped, states, owned, grad_dtypes, subset)
 
     def matches(self, optimizer: LowpOptimizer) -> list[torch.Tensor] | None:
         """The gradients of the stepped parameters when the signature holds (module docstring),
         else ``None``. Checks each group's numbers (``check_group``), which raises as a full
         step would."""
-        if optimizer.state is not self.state_map or optimizer.param_groups is not self.groups \
+        groups = self.groups
+        if optimizer.state is not self.state_map or optimizer.param_groups is not groups \
                 or optimizer.backend is not self.backend or optimizer.diagnostics_enabled != self.count \
-                or len(self.groups) != len(self.group_params):
+                or [len(g["params"]) for g in groups] != self.group_sizes:
             return None
-        for group, params, shape in zip(self.groups, self.group_params, self.structures):
-            now = group["params"]
-            if len(now) != len(params) or not all(map(operator.is_, now, params)):
+        if self.subset is None:
+            for group, params, shape in zip(groups, self.group_params, self.structures):
+                if not all(map(operator.is_, group["params"], params)):
+                    return None
+                optimizer.check_group(group)
+                if structure(self.spec, group) != shape:
+                    return None
+        else:   # the parameters at their places (their positions pick their random streams), their groups
+            if not all(groups[gi]["params"][i] is p for (gi, i), p in zip(self.places, self.subset)):
                 return None
-            optimizer.check_group(group)
-            if structure(self.spec, group) != shape:
-                return None
+            for group, shape in self.involved:
+                optimizer.check_group(group)
+                if structure(self.spec, group) != shape:
+                    return None
         every = [p.grad for p in self.all_params]
         if [g is not None for g in every] != self.has_grad:
             return None
@@ -252,8 +269,11 @@ class CachedStep:
             if (g.storage_offset() + n) * size > storage.nbytes() or start == 0 or start % size \
                     or storage.data_ptr() in written:
                 return None
-        values = self.state_values
-        if len(optimizer.state) != len(values) or not all(map(operator.is_, optimizer.state.values(), values)):
+        if self.subset is None:
+            values = self.state_values
+            if len(optimizer.state) != len(values) or not all(map(operator.is_, optimizer.state.values(), values)):
+                return None
+        elif not all(map(operator.is_, map(optimizer.state.get, self.stepped), self.states)):
             return None
         try:
             entries = [st[name] for st, name in self.owned_keys]
@@ -269,26 +289,30 @@ class CachedStep:
         if [t.data_ptr() for t in tensors] != self.ptrs or [t._version for t in tensors] != self.versions \
                 or [t.untyped_storage().nbytes() for t in tensors] != self.nbytes:
             return None
-        return grads
+        return cast(list[torch.Tensor], grads)   # each checked to be a tensor above
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
-            checked: bool) -> bool:
+            checked: bool, new_step: bool = True, force_check: bool = False) -> tuple[bool, bool]:
         """One step from the plan with ``grads`` (from :meth:`matches`): each job's launches at
         the next step count, with Ctrl-C held until all are done; the non-finite policy as the
-        full step applies it (``checked``: the gradients are known to be finite). A skipped
-        parameter keeps its step count, which ends this plan (its jobs no longer agree). Returns
-        whether the plan still holds."""
+        full step applies it (``checked``: the gradients are known to be finite; ``force_check``:
+        a non-finite gradient is skipped even under ``nonfinite="off"``, as ``step_params`` with a
+        ``grad_scale``). ``new_step``: this step starts the one ``diagnostics()`` reports (else it
+        adds to it). A skipped parameter keeps its step count, which ends this plan (its jobs no
+        longer agree). Returns (whether every gradient was finite, whether the plan still holds)."""
         policy = "off" if checked else optimizer.nonfinite
+        if force_check and policy == "off":
+            policy = "skip_param"
         check = CHECKS[policy]
         launches = [launch for job in self.jobs for launch, _ in job.launches]
         if policy == "skip_step" and len(launches) > 1:   # one call checks its own tensors only
             if not all(optimizer.backend.finite_flags(grads)):
                 optimizer.skipped_steps += 1
-                return True
+                return False, True
             check = CHECKS["off"]
         finite = [True] * len(grads)
         seed = optimizer.seed
-        stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
+        stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {} if new_step else optimizer._last_stalled
         with deferred_interrupts():
             for job in self.jobs:   # each job's counters advance right after its writes (step_plan)
                 step = job.step + 1
@@ -303,7 +327,7 @@ class CachedStep:
                             finite[i] = bool(ok)
                 if policy == "skip_step" and not all(finite):
                     optimizer.skipped_steps += 1   # the only call wrote nothing
-                    return True
+                    return False, True
                 for _, members in job.launches:
                     for i in members:
                         if finite[i]:
@@ -318,58 +342,100 @@ class CachedStep:
             self.kernel.fused_elements += self.total if everything else \
                 sum(n for n, ok in zip(self.numels, finite) if ok)
             self.taken += 1
-        return everything
+        return everything, everything
 
 
 class Plans:
-    """An optimizer's cached plan (:class:`CachedStep`) and when to make one.
+    """An optimizer's cached plans (:class:`CachedStep`) and when to make them: one for a whole
+    ``step()`` and one per parameter list of ``step_params`` (gradient release steps one
+    parameter at a time).
 
     A plan is made after a full step (:meth:`after_full_step`) and taken while it matches
-    (:meth:`try_step`). A plan dropped before it was ever taken (something changes every step:
-    a strided gradient, parameters that get a gradient every other step) doubles the number of
-    full steps before the next one is made (at most :attr:`MAX_WAIT`), so such a loop pays for
+    (:meth:`try_step`, :meth:`try_step_params`). A plan dropped before it was ever taken
+    (something changes every step: a strided gradient, parameters that get a gradient every other
+    step, states-only steps between a parameter's whole ones) doubles the number of full steps
+    before the next one of its kind is made (at most :attr:`MAX_WAIT`), so such a loop pays for
     a plan's making (about one full step's checks) rarely; a plan taken resets the wait.
 
     Attributes:
-        cached_steps: the steps taken from a cached plan (a test's proof that they ran).
+        cached_steps: the steps (and ``step_params`` calls) taken from a cached plan (a test's
+            proof that they ran).
     """
 
     MAX_WAIT = 64
+    #: the most ``step_params`` plans kept (one per distinct parameter list)
+    MAX_SUBSETS = 1 << 16
 
     def __init__(self) -> None:
         self.current: CachedStep | None = None
+        self.subsets: dict[tuple[int, ...], CachedStep] = {}
         self.cached_steps = 0
-        self._backoff = 0
-        self._wait = 0
+        self._waits: dict[tuple[int, ...] | None, tuple[int, int]] = {}   # key -> (backoff, full steps left)
+
+    def _take(self, key: tuple[int, ...] | None, plan: CachedStep, optimizer: LowpOptimizer
+              ) -> list[torch.Tensor] | None:
+        """The gradients when ``plan`` (of ``key``: ``None`` for a whole step) matches; else the
+        plan is dropped, and when it was never taken its kind waits longer before the next."""
+        grads = plan.matches(optimizer)
+        if grads is None:
+            if key is None:
+                self.current = None
+            else:
+                del self.subsets[key]
+            if plan.taken == 0:
+                backoff = min(2 * self._waits.get(key, (0, 0))[0] + 1, self.MAX_WAIT)
+                self._waits[key] = (backoff, backoff)
+            return None
+        self._waits.pop(key, None)
+        self.cached_steps += 1
+        return grads
 
     def try_step(self, optimizer: LowpOptimizer, inv_scale: float | None, checked: bool) -> bool:
         """Take the step from the cached plan when it matches; ``False``: the caller takes a full step."""
         plan = self.current
-        if plan is None:
+        grads = None if plan is None else self._take(None, plan, optimizer)
+        if plan is None or grads is None:
             return False
-        grads = plan.matches(optimizer)
-        if grads is None:
+        if not plan.run(optimizer, grads, inv_scale, checked)[1]:
             self.current = None
-            if plan.taken == 0:
-                self._backoff = min(2 * self._backoff + 1, self.MAX_WAIT)
-                self._wait = self._backoff
-            return False
-        if not plan.run(optimizer, grads, inv_scale, checked):
-            self.current = None
-        self.cached_steps += 1
-        self._backoff = 0
         return True
 
-    def after_full_step(self, optimizer: LowpOptimizer, plan: StepPlan) -> None:
-        """Keep the plan of a whole full step just executed (all gradients finite), unless waiting."""
-        if self._wait > 0:
-            self._wait -= 1
+    def try_step_params(self, optimizer: LowpOptimizer, params: Sequence[torch.Tensor], inv_scale: float | None,
+                        new_step: bool, force_check: bool) -> bool | None:
+        """``step_params(params)`` from its cached plan when one matches: whether every gradient
+        was finite; ``None``: the caller takes a full step."""
+        key = tuple(map(id, params))
+        plan = self.subsets.get(key)
+        grads = None if plan is None else self._take(key, plan, optimizer)
+        if plan is None or grads is None:
+            return None
+        finite, holds = plan.run(optimizer, grads, inv_scale, False, new_step, force_check)
+        if not holds:
+            del self.subsets[key]
+        return finite
+
+    def after_full_step(self, optimizer: LowpOptimizer, plan: StepPlan,
+                        subset: Sequence[torch.Tensor] | None = None) -> None:
+        """Keep the plan of a full step just executed (all gradients finite): a whole ``step()``'s
+        or that of ``step_params(subset)``, unless its kind waits."""
+        key = None if subset is None else tuple(map(id, subset))
+        backoff, wait = self._waits.get(key, (0, 0))
+        if wait > 0:
+            self._waits[key] = (backoff, wait - 1)
             return
-        self.current = CachedStep.build(optimizer, plan)
+        if subset is None:
+            self.current = CachedStep.build(optimizer, plan)
+            return
+        if len(self.subsets) >= self.MAX_SUBSETS:
+            self.subsets.clear()
+        made = CachedStep.build(optimizer, plan, list(subset))
+        if made is not None:
+            self.subsets[key] = made   # type: ignore[index]
 
     def drop(self) -> None:
-        """Forget the cached plan (the next step is a full one)."""
+        """Forget the cached plans (the next steps are full ones)."""
         self.current = None
+        self.subsets.clear()
 
 
 def _launches(kernel: NativeKernel, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]

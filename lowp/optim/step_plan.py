@@ -243,20 +243,33 @@ def step_some(optimizer: LowpOptimizer, params: Sequence[torch.Tensor], grad_sca
         grad_scale = 1.0 / v
     check_flag("new_step", new_step)
     check_flag("update_weights", update_weights)
+    if not isinstance(params, (list, tuple)):   # a generator is read once, by the plan's key or by the checks
+        try:
+            params = list(params)
+        except TypeError:
+            raise TypeError(f"params: expected a sequence of parameters of this optimizer, got "
+                            f"{type(params).__name__}") from None
+    if update_weights:
+        finite = optimizer._plans.try_step_params(optimizer, params, grad_scale, new_step, grad_scale is not None)
+        if finite is not None:
+            return finite
     return run(optimizer, prepare_subset(optimizer, params), grad_scale, checked=False, new_step=new_step,
-               force_check=grad_scale is not None, update_weights=update_weights)
+               force_check=grad_scale is not None, update_weights=update_weights,
+               keep_plan=update_weights, subset=params)
 
 
 def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, checked: bool, new_step: bool,
-        force_check: bool = False, update_weights: bool = True, keep_plan: bool = False) -> bool:
+        force_check: bool = False, update_weights: bool = True, keep_plan: bool = False,
+        subset: Sequence[torch.Tensor] | None = None) -> bool:
     """Step the checked ``todo`` (:func:`prepare`): the non-finite policy (skipped when the
     gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
     ``nonfinite="off"``), then a :class:`StepPlan` (states created, nothing written) and its
-    :meth:`~StepPlan.execute` (the writes, with Ctrl-C held until they are done). ``keep_plan``
-    (a whole ``step()``): keep the plan for the next steps
-    (:meth:`lowp.optim.cached_step.Plans.after_full_step`). Returns whether every checked
-    gradient was finite."""
-    optimizer._plans.drop()
+    :meth:`~StepPlan.execute` (the writes, with Ctrl-C held until they are done). ``keep_plan``:
+    keep the plan for the next steps (:meth:`lowp.optim.cached_step.Plans.after_full_step`), of a
+    whole ``step()`` or of ``step_params(subset)``. Returns whether every checked gradient was
+    finite."""
+    if subset is None:
+        optimizer._plans.current = None
     params = [t.param for t in todo]
     grads = [sharding.local_grad(p) for p in params]
     finite = [True] * len(todo) if checked else optimizer._finite_flags(grads, params, force_check)
@@ -268,7 +281,7 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
         plan.execute(inv_scale, new_step, update_weights)
         optimizer.skipped_params += finite.count(False)
     if keep_plan and all(finite):
-        optimizer._plans.after_full_step(optimizer, plan)
+        optimizer._plans.after_full_step(optimizer, plan, subset)
     return all(finite)
 
 
