@@ -480,3 +480,27 @@ def test_step_params_between_states_only_steps_makes_plans_rarely():
     assert native._plans.cached_steps == 0
     assert built <= 4 * 6   # per parameter at most 6 plans over its 20 whole steps (waits 1, 3, 7, 15...)
     assert same(bits(native, p1), bits(reference, p2))
+
+
+@pytest.mark.parametrize("layout", ["dtypes interleaved", "step counts interleaved"])
+def test_jobs_in_another_order_than_the_parameters_get_their_own_gradients(layout):
+    """Jobs group parameters by dtype and step count, so the launches' order differs from the
+    groups' (a bf16, an fp32, a bf16 parameter; or equal tensors whose step counts differ after a
+    skipped NaN): every cached step hands each parameter its own gradient (the reference's bits)."""
+    results = []
+    for backend in ("native", "foreach"):
+        gen = torch.Generator().manual_seed(9)
+        dtypes = [torch.bfloat16, torch.float32, torch.bfloat16] if layout == "dtypes interleaved" else \
+            [torch.bfloat16] * 3
+        params = [torch.nn.Parameter(torch.randn(64, generator=gen).to(d)) for d in dtypes]
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=0)
+        for t in range(6):
+            set_grads(params, t)
+            if layout == "step counts interleaved" and t == 1:
+                params[1].grad[0] = float("nan")   # skipped: its step count falls one behind
+            opt.step()
+        results.append((opt, params))
+    (native, p1), (reference, p2) = results
+    assert native._plans.cached_steps >= 3
+    assert [native.state[p]["step"] for p in p1] == [reference.state[p]["step"] for p in p2]
+    assert same(bits(native, p1), bits(reference, p2))

@@ -8,6 +8,7 @@ left behind."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallbac
                           TrainingArguments, get_linear_schedule_with_warmup)
 
 from lowp.optim import AdamW  # noqa: E402
+from lowp.optim import backends as lo_backends  # noqa: E402
 from lowp.optim.convert import cast_model  # noqa: E402
 from lowp.threads import single_thread  # noqa: E402
 from nested_equal import assert_nested_equal  # noqa: E402
@@ -201,3 +203,14 @@ def test_bf16_autocast_flag_with_bf16_weights(trained):
     assert {p.dtype for p in autocast.model.parameters()} == {torch.bfloat16, torch.float32}
     assert autocast.losses() == {s: x for s, x in plain.losses().items() if s <= SAVE_AT}
 
+
+
+@pytest.mark.skipif(not lo_backends.native_available(), reason="the cached step plan runs the native kernel")
+def test_native_steps_take_the_cached_plan_inside_trainer(tmp_path, monkeypatch):
+    """In Trainer's loop (gradient clipping, a scheduler, bf16 and fp32 parameters interleaved in
+    one group) every step after the first takes the cached plan of the native kernel."""
+    monkeypatch.setattr(sys.modules[__name__], "_options", lambda mode, options=_options: {**options(mode),
+                                                                                            "backend": "native"})
+    run = _train(tmp_path, "kahan", steps=6)
+    assert run.optimizer.backend.name == "native"
+    assert run.optimizer._plans.cached_steps == 5

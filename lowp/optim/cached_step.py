@@ -12,6 +12,10 @@ launches with the new gradients: one native call per variant, the non-finite che
 it (``nonfinite="skip_param"``: a tensor with a NaN or infinity in its gradient is left
 untouched; ``"skip_step"``: nothing is written), and the stream keys made by the kernel.
 
+``step_params`` (gradient release steps one parameter at a time) keeps a plan per parameter
+list (:class:`Plans`), whose signature checks the listed parameters at their places in the
+groups and the groups holding them instead of every group.
+
 The signature, compared before anything is written (any difference: the full step, which
 checks again and builds a new plan):
 
@@ -51,7 +55,6 @@ from lowp.optim.kernels.native.kernel import CHECKS, Launch, NativeKernel, by_co
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.writeback import MODES
-
 
 
 class LowpOptimizer(backends.LowpOptimizer, Protocol):
@@ -161,13 +164,13 @@ class CachedStep:
         self.numels = [p.numel() for p in stepped]
         self.grad_dtypes = grad_dtypes
         self.grad_sizes = [torch.empty((), dtype=d).element_size() for d in grad_dtypes]
-        self.owned = owned
         self.owned_keys = [(st, name) for st, name, _ in owned]
         self.owned_tensors = [t for _, _, t in owned]
         self.state_values = list(optimizer.state.values())
         self.grad_specs = list(zip(self.grad_dtypes, self.shapes, self.numels, self.grad_sizes))
         self.dtypes = [p.dtype for p in stepped]
-        self.stepped_at = [i for i, p in enumerate(self.all_params) if p.grad is not None]
+        place = {id(p): i for i, p in enumerate(self.all_params)}
+        self.stepped_at = [place[id(p)] for p in stepped]   # in the launches' order (jobs), not the groups
         self.ptrs = [t.data_ptr() for t in stepped + self.owned_tensors]
         self.versions = [t._version for t in stepped + self.owned_tensors]
         self.nbytes = [t.untyped_storage().nbytes() for t in stepped + self.owned_tensors]
