@@ -21,9 +21,9 @@ checks again and builds a new plan):
 
 - the optimizer: its ``state`` mapping, ``param_groups`` and backend objects, and whether it
   keeps diagnostics (the kernel variants that count stalled elements);
-- each group: its parameters (the same objects), and every option that is not a number
-  (mode, state dtypes, block size, rounding, ...) and the spec's switches, equal; the numbers
-  (learning rate, betas, ...) are read anew and checked (``check_group``) every step;
+- each group: its parameters (the same objects), and every option that is not a float (mode,
+  state dtypes, block size, rounding, ...) and the spec's switches, equal; the floats (learning
+  rate, weight decay, ...) are read anew and checked (``check_group``) every step;
 - each stepped parameter, state, buffer and block-scale tensor: the same object, at the same
   data pointer, on a storage of the same size (a storage freed and allocated again may return
   at the same address), with the same dtype, shape and version counter (``set_``, ``resize_``
@@ -107,11 +107,12 @@ def _frozen(value: Any) -> Any:
 
 
 def structure(spec: OptimizerSpec | None, group: dict[str, Any]) -> tuple[Any, ...]:
-    """What of ``group`` a step plan relies on: every option but ``params`` that is not a real
-    number (or a tensor holding one), and the spec's variant (state names and switches, which
-    may depend on numbers: a weight decay of 0 or not)."""
+    """What of ``group`` a step plan relies on: every option but ``params`` that is not a float
+    (or a tensor: the hyper-parameters a step reads anew, learning rate, betas' entries, ...),
+    integers included (``state_block`` sets the coded states' layout), and the spec's variant
+    (state names and switches, which may depend on numbers: a weight decay of 0 or not)."""
     options = tuple((k, _frozen(v)) for k, v in group.items()
-                    if k != "params" and (isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor))))
+                    if k != "params" and not isinstance(v, (float, torch.Tensor)))
     return options, spec.variant(group) if spec is not None else None
 
 
