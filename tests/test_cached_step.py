@@ -51,6 +51,12 @@ def same(a, b) -> bool:
                                                                        if y.dim() else y) for x, y in zip(a, b))
 
 
+def on_both(train):
+    """``train(backend)`` -> (optimizer, parameters), on the native backend and on the foreach
+    reference: the pairs a test compares."""
+    return train("native"), train("foreach")
+
+
 def run(backend: str, steps: int = 5, cls=lo.AdamW, fresh: bool = True, between=None, **options):
     params = make_params()
     opt = cls(params, **{"lr": 1e-2, "backend": backend, "seed": 0, **options})
@@ -226,16 +232,16 @@ def test_nonfinite_policies_folded_into_the_native_call(policy, mixed):
             params.append(torch.nn.Parameter(torch.randn(40, generator=torch.Generator().manual_seed(3))))
         return params
 
-    results = []
-    for backend in ("native", "foreach"):
+    def train(backend):
         params = build()
         opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=0, nonfinite=policy)
         for t in range(5):
             set_grads(params, t)
             poison(opt, params, t)
             opt.step()
-        results.append((opt, params))
-    (native, p1), (reference, p2) = results
+        return opt, params
+
+    (native, p1), (reference, p2) = on_both(train)
     assert native._plans.cached_steps >= 2
     assert (native.skipped_params, native.skipped_steps) == (reference.skipped_params, reference.skipped_steps)
     assert [native.state[p]["step"] for p in p1] == [reference.state[p]["step"] for p in p2]
@@ -491,8 +497,7 @@ def test_jobs_in_another_order_than_the_parameters_get_their_own_gradients(layou
     """Jobs group parameters by dtype and step count, so the launches' order differs from the
     groups' (a bf16, an fp32, a bf16 parameter; or equal tensors whose step counts differ after a
     skipped NaN): every cached step hands each parameter its own gradient (the reference's bits)."""
-    results = []
-    for backend in ("native", "foreach"):
+    def train(backend):
         gen = torch.Generator().manual_seed(9)
         dtypes = [torch.bfloat16, torch.float32, torch.bfloat16] if layout == "dtypes interleaved" else \
             [torch.bfloat16] * 3
@@ -503,8 +508,9 @@ def test_jobs_in_another_order_than_the_parameters_get_their_own_gradients(layou
             if layout == "step counts interleaved" and t == 1:
                 params[1].grad[0] = float("nan")   # skipped: its step count falls one behind
             opt.step()
-        results.append((opt, params))
-    (native, p1), (reference, p2) = results
+        return opt, params
+
+    (native, p1), (reference, p2) = on_both(train)
     assert native._plans.cached_steps >= 3
     assert [native.state[p]["step"] for p in p1] == [reference.state[p]["step"] for p in p2]
     assert same(bits(native, p1), bits(reference, p2))
