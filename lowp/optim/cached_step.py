@@ -49,7 +49,7 @@ from lowp.optim.backends import FusedBackend
 from lowp.optim.codes import scale_name
 from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, check_kernel_args, overlapping
-from lowp.optim.kernels.kernel import by_signature, grad_factor
+from lowp.optim.kernels.kernel import by_signature, gradient_factor
 from lowp.optim.kernels.native.kernel import CHECKS, Launch, NativeKernel, by_coded_signature, slice_dtypes, \
     variant_for
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
@@ -320,9 +320,8 @@ class CachedStep:
         with deferred_interrupts():
             for job in self.jobs:   # each job's counters advance right after its writes (step_plan)
                 step = job.step + 1
-                ctx = StepContext(job.group, MODES[job.mode], step, inv_scale, seed, self.count, coded=job.coded)
                 numbers = self.spec.numbers(job.group, step)
-                factor = grad_factor(ctx)
+                factor = gradient_factor(job.group, inv_scale)
                 count = 0
                 for launch, members in job.launches:
                     count += launch.call([grads[i] for i in members], numbers, factor, seed, step, check)

@@ -18,8 +18,8 @@ from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["Kernel", "fusable", "partition", "grad_factor", "slice_keys", "by_signature", "stream_count",
-           "step_numbers"]
+__all__ = ["Kernel", "fusable", "partition", "grad_factor", "gradient_factor", "slice_keys", "by_signature",
+           "stream_count", "step_numbers"]
 
 _LOW16 = (torch.bfloat16, torch.float16)
 _KERNEL_FLOATS = (torch.float32, *_LOW16)
@@ -62,7 +62,12 @@ def partition(items: list[T], keep: Callable[[T], bool]) -> tuple[list[T], list[
 
 def grad_factor(ctx: StepContext) -> float:
     """What the gradient is multiplied by: -1 for ``maximize``, times the GradScaler's 1/scale."""
-    return (-1.0 if ctx.group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
+    return gradient_factor(ctx.group, ctx.inv_scale)
+
+
+def gradient_factor(group: dict, inv_scale: float | None) -> float:
+    """:func:`grad_factor` of a step of ``group`` with the GradScaler's ``inv_scale`` (or ``None``)."""
+    return (-1.0 if group["maximize"] else 1.0) * (1.0 if inv_scale is None else inv_scale)
 
 
 def stream_count(states: int) -> int:
