@@ -48,10 +48,9 @@ from lowp.optim import backends
 from lowp.optim.backends import FusedBackend
 from lowp.optim.codes import scale_name
 from lowp.optim.kernels import coded_slices
-from lowp.optim.kernels.checks import Span, check_kernel_args, overlapping
-from lowp.optim.kernels.kernel import by_signature, gradient_factor
-from lowp.optim.kernels.native.kernel import CHECKS, Launch, NativeKernel, by_coded_signature, slice_dtypes, \
-    variant_for
+from lowp.optim.kernels.checks import Span, overlapping
+from lowp.optim.kernels.kernel import gradient_factor
+from lowp.optim.kernels.native.kernel import CHECKS, Launch, NativeKernel
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.writeback import MODES
@@ -163,20 +162,21 @@ class CachedStep:
         self.steps = [st["step"] for st in states]
         self.shapes = [p.shape for p in stepped]
         self.numels = [p.numel() for p in stepped]
-        self.grad_dtypes = grad_dtypes
-        self.grad_sizes = [torch.empty((), dtype=d).element_size() for d in grad_dtypes]
         self.owned_keys = [(st, name) for st, name, _ in owned]
         self.owned_tensors = [t for _, _, t in owned]
         self.state_values = list(optimizer.state.values())
-        self.grad_specs = list(zip(self.grad_dtypes, self.shapes, self.numels, self.grad_sizes))
+        self.grad_specs = list(zip(grad_dtypes, self.shapes, self.numels,
+                                   (torch.empty((), dtype=d).element_size() for d in grad_dtypes)))
         self.dtypes = [p.dtype for p in stepped]
         place = {id(p): i for i, p in enumerate(self.all_params)}
         self.stepped_at = [place[id(p)] for p in stepped]   # in the launches' order (jobs), not the groups
-        self.ptrs = [t.data_ptr() for t in stepped + self.owned_tensors]
-        self.versions = [t._version for t in stepped + self.owned_tensors]
-        self.nbytes = [t.untyped_storage().nbytes() for t in stepped + self.owned_tensors]
-        self.written = {t.untyped_storage().data_ptr() for t in stepped + self.owned_tensors}
+        self.tensors = stepped + self.owned_tensors   # every planned tensor (pointers, versions, sizes)
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.versions = [t._version for t in self.tensors]
+        self.nbytes = [t.untyped_storage().nbytes() for t in self.tensors]
+        self.written = {t.untyped_storage().data_ptr() for t in self.tensors}
         self.total = sum(self.numels)
+        self.calls = sum(len(job.launches) for job in jobs)
         self.taken = 0
 
     @classmethod
@@ -289,7 +289,7 @@ class CachedStep:
         if not all(map(operator.is_, entries, owned)) or steps != self.steps \
                 or [p.dtype for p in stepped] != self.dtypes or [p.shape for p in stepped] != self.shapes:
             return None
-        tensors = stepped + owned
+        tensors = self.tensors
         if [t.data_ptr() for t in tensors] != self.ptrs or [t._version for t in tensors] != self.versions \
                 or [t.untyped_storage().nbytes() for t in tensors] != self.nbytes:
             return None
@@ -308,8 +308,7 @@ class CachedStep:
         if force_check and policy == "off":
             policy = "skip_param"
         check = CHECKS[policy]
-        launches = [launch for job in self.jobs for launch, _ in job.launches]
-        if policy == "skip_step" and len(launches) > 1:   # one call checks its own tensors only
+        if policy == "skip_step" and self.calls > 1:   # one call checks its own tensors only
             if not all(optimizer.backend.finite_flags(grads)):
                 optimizer.skipped_steps += 1
                 return False, True
@@ -436,29 +435,21 @@ class Plans:
             self.subsets[key] = made   # type: ignore[index]
 
     def drop(self) -> None:
-        """Forget the cached plans (the next steps are full ones)."""
+        """Forget the whole step's plan (the next ``step()`` is a full one); the ``step_params``
+        plans check their own signatures."""
         self.current = None
-        self.subsets.clear()
 
 
 def _launches(kernel: NativeKernel, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
               ) -> list[tuple[Launch, list[ParamSlice]]] | None:
-    """The native kernel's launches for a job's ``slices``, after its admission checks; ``None``
-    when any slice would not take it."""
+    """The native kernel's calls for a job's ``slices`` (:meth:`NativeKernel.launches`) when its
+    admission takes every slice (the same checks as :class:`~lowp.optim.backends.FusedBackend`);
+    ``None`` when any slice would not take it."""
     if ctx.coded:
-        if not spec.elementwise:
+        if not spec.elementwise or coded_slices.admitted(kernel, spec, ctx, slices)[1]:
             return None
-        taken, rest = coded_slices.admitted(kernel, spec, ctx, slices)
-        if rest:
+    else:
+        spans: list[Span] = []
+        if not all(kernel.admits(spec, ctx, s, spans) for s in slices) or overlapping(spans):
             return None
-        return [(NativeKernel.coded_launch(spec, ctx, members), members)
-                for members in by_coded_signature(ctx, taken).values()]
-    spans: list[Span] = []
-    if not all(kernel.admits(spec, ctx, s, spans) for s in slices) or overlapping(spans):
-        return None
-    out = []
-    for dtypes, members in by_signature(slices, slice_dtypes).items():
-        variant = variant_for(spec, ctx, dtypes)
-        check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-        out.append((Launch(spec, variant, members), members))
-    return out
+    return kernel.launches(spec, ctx, slices)

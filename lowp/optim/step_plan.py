@@ -269,7 +269,7 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
     whole ``step()`` or of ``step_params(subset)``. Returns whether every checked gradient was
     finite."""
     if subset is None:
-        optimizer._plans.current = None
+        optimizer._plans.drop()
     params = [t.param for t in todo]
     grads = [sharding.local_grad(p) for p in params]
     finite = [True] * len(todo) if checked else optimizer._finite_flags(grads, params, force_check)

@@ -100,35 +100,48 @@ class NativeKernel(Kernel):
         return flags
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
-        """One kernel call per dtype signature."""
-        numbers = spec.numbers(ctx.group, ctx.step)
-        stalled = 0
-        for dtypes, members in by_signature(slices, slice_dtypes).items():
-            variant = variant_for(spec, ctx, dtypes)
-            stalled += self.launch(spec, variant, members, numbers, ctx.seed, ctx.step, grad_factor(ctx))
-        self.fused_elements += sum(s.numel for s in slices)
-        return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
-
-    @staticmethod
-    def launch(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
-               seed: int, step: int, factor: float) -> int:
-        """One kernel call (two with a reduction) over ``members`` (slices of one variant, each a
-        contiguous range of its parameter) at ``step`` with the optimizer's ``seed`` (the random
-        streams of each slice's parameter); returns the stalled count."""
-        check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-        return Launch(spec, variant, members).call([s.grad for s in members], numbers, factor, seed, step)
+        """One kernel call per dtype signature (:meth:`launches`); returns the stalled count."""
+        return self._run_launches(spec, ctx, slices)
 
     def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """The step over ``slices`` of a job with coded states (``ctx.coded``, all
         :func:`~lowp.optim.kernels.coded_slices.admitted`): one kernel call per dtype signature,
-        the scale dtype included; returns the stalled count."""
+        the scale dtype included (:meth:`launches`); returns the stalled count."""
+        return self._run_launches(spec, ctx, slices)
+
+    def _run_launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         numbers = spec.numbers(ctx.group, ctx.step)
-        stalled = 0
-        for members in by_coded_signature(ctx, slices).values():
-            stalled += self.coded_launch(spec, ctx, members).call([s.grad for s in members], numbers, grad_factor(ctx),
-                                                                  ctx.seed, ctx.step)
+        factor = grad_factor(ctx)
+        stalled = sum(launch.call([s.grad for s in members], numbers, factor, ctx.seed, ctx.step)
+                      for launch, members in self.launches(spec, ctx, slices))
         self.fused_elements += sum(s.numel for s in slices)
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
+
+    @staticmethod
+    def launches(spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+                 ) -> list[tuple[Launch, list[ParamSlice]]]:
+        """The checked kernel calls over admitted ``slices`` of one job, each with its members: one
+        per dtype signature (with coded states, ``ctx.coded``, the scales' dtype too:
+        :meth:`coded_launch`). A step runs them once; a cached plan
+        (:mod:`lowp.optim.cached_step`) keeps them for the next steps."""
+        if ctx.coded:
+            return [(NativeKernel.coded_launch(spec, ctx, members), members)
+                    for members in by_coded_signature(ctx, slices).values()]
+        out = []
+        for dtypes, members in by_signature(slices, slice_dtypes).items():
+            variant = variant_for(spec, ctx, dtypes)
+            check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
+            out.append((Launch(spec, variant, members), members))
+        return out
+
+    @staticmethod
+    def launch(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
+               seed: int, step: int, factor: float) -> int:
+        """One checked kernel call (two with a reduction) over ``members`` (slices of one
+        ``variant``, each a contiguous range of its parameter) at ``step`` with the optimizer's
+        ``seed`` (the random streams of each slice's parameter); returns the stalled count."""
+        check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
+        return Launch(spec, variant, members).call([s.grad for s in members], numbers, factor, seed, step)
 
     @staticmethod
     def coded_launch(spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Launch:
