@@ -21,8 +21,16 @@ summation when ``optimi`` is importable. ``--optimizer sgd`` (momentum 0.9) and 
 same table for SGD (torch's fused SGD the baseline) and Lion (optimi's the baseline: torch has
 none). Host time per tensor is the ``500x1000`` row's time divided by its 500 tensors.
 
+``--device cuda`` runs the same lists on a GPU (lowp's Triton backend; DeepSpeed's CPUAdam left
+out, torch's fused AdamW on bf16 weights added as a second baseline); each step is followed by a
+synchronization, so a row's time is the whole step, host and device. ``--profile`` adds, per row,
+the time of the step's GPU kernels (``torch.profiler``: one profiled step after the timed ones)
+and the bandwidth they reach: the bytes a step must move at least (each weight read and written,
+its gradient read, each state tensor read and written) over the kernels' time, against the
+card's copy bandwidth measured in the same run.
+
     python benchmarks/step_vs_torch.py [--optimizer adamw|sgd|lion] [--lists 16x8M gpt2 ...]
-        [--steps 9] [--threads N] [--markdown]
+        [--steps 9] [--threads N] [--device cpu|cuda] [--profile] [--markdown]
 """
 from __future__ import annotations
 
@@ -80,15 +88,19 @@ def _optimi(name: str) -> Callable | None:
     return getattr(optimi, name)
 
 
-def configs(optimizer: str) -> tuple[str, dict[str, tuple[torch.dtype, Maker]]]:
-    """(the baseline's name, every row: weight dtype and how to build it) for ``optimizer``."""
+def configs(optimizer: str, device: str = "cpu") -> tuple[str, dict[str, tuple[torch.dtype, Maker]]]:
+    """(the baseline's name, every row: weight dtype and how to build it) for ``optimizer`` on
+    ``device`` (``"cpu"`` or ``"cuda"``)."""
     rows: dict[str, tuple[torch.dtype, Maker]] = {}
     if optimizer == "adamw":
         rows["torch AdamW fp32 fused"] = (torch.float32, lambda ps: torch.optim.AdamW(ps, LR, weight_decay=WD,
                                                                                        fused=True))
+        if device == "cuda":
+            rows["torch AdamW bf16 fused"] = (torch.bfloat16, lambda ps: torch.optim.AdamW(
+                ps, LR, weight_decay=WD, fused=True))
         rows["torch AdamW fp32 foreach"] = (torch.float32, lambda ps: torch.optim.AdamW(ps, LR, weight_decay=WD,
                                                                                          foreach=True))
-        cpu_adam = _deepspeed_adam()
+        cpu_adam = _deepspeed_adam() if device == "cpu" else None
         if cpu_adam is not None:
             rows["DeepSpeed CPUAdam fp32"] = (torch.float32, lambda ps: cpu_adam(ps, lr=LR, weight_decay=WD))
         rows["lowp bf16 defaults"] = (torch.bfloat16, lambda ps: lo.AdamW(ps, LR, weight_decay=WD, seed=0))
@@ -122,38 +134,98 @@ def configs(optimizer: str) -> tuple[str, dict[str, tuple[torch.dtype, Maker]]]:
     return next(iter(rows)), rows
 
 
-def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     out = []
     for shape in shapes:
-        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(dtype))
-        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(dtype)
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device, dtype))
+        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(device, dtype)
         out.append(p)
     return out
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def measure(shapes: list[tuple[int, ...]], rows: dict[str, tuple[torch.dtype, Maker]], steps: int,
-            cached: dict[str, int] | None = None) -> dict[str, float]:
+            cached: dict[str, int] | None = None, device: str = "cpu",
+            profile: dict[str, tuple[float, int]] | None = None) -> dict[str, float]:
     """Median seconds per step of every row on ``shapes``, the rows' steps interleaved; ``cached``
-    collects, per lowp row, how many of its steps took the cached plan (lowp.optim.cached_step)."""
+    collects, per lowp row, how many of its steps took the cached plan (lowp.optim.cached_step);
+    ``profile`` (CUDA only) receives per row the GPU kernels' seconds in one step and the bytes
+    that step moves at least (:func:`min_bytes`)."""
     built = {}
     for name, (dtype, make) in rows.items():
-        params = _params(shapes, dtype)
+        params = _params(shapes, dtype, device)
         opt = make(params)
         for _ in range(2):   # states created, kernels built
             opt.step()
         built[name] = opt
+    _sync(device)
     times: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(steps):
         for name, opt in built.items():
             start = time.perf_counter()
             opt.step()
+            _sync(device)
             times[name].append(time.perf_counter() - start)
     if cached is not None:
         for name, opt in built.items():
             if isinstance(opt, lo.LowpOptimizer):
                 cached[name] = cached.get(name, 0) + opt._plans.cached_steps
+    if profile is not None:
+        for name, opt in built.items():
+            try:
+                seconds, longest = kernel_seconds(opt)
+            except RuntimeError as err:   # a profiler that cannot read the device keeps the timings
+                print(f"{name}: no kernel profile ({err})")
+                seconds, longest = 0.0, []
+            profile[name] = (seconds, min_bytes(opt))
+            if longest and isinstance(opt, lo.LowpOptimizer):
+                print(f"{len(shapes)} tensors, {name}: " + ", ".join(f"{k[:40]} {t * 1e6:.0f} us" for k, t in longest))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def min_bytes(opt: torch.optim.Optimizer) -> int:
+    """The bytes one step of ``opt`` must move at least: every weight read and written, its
+    gradient read, every state tensor of more than one element read and written."""
+    total = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            total += 2 * p.nbytes + p.grad.nbytes
+            total += sum(2 * t.nbytes for t in opt.state[p].values() if torch.is_tensor(t) and t.numel() > 1)
+    return total
+
+
+def kernel_seconds(opt: torch.optim.Optimizer) -> tuple[float, list[tuple[str, float]]]:
+    """The summed time of the GPU kernels (and device copies) that one step of ``opt`` runs, and
+    the four longest (name, seconds), read from ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key, e.self_device_time_total * 1e-6) for e in prof.key_averages()
+                      if e.self_device_time_total > 0), key=lambda kv: -kv[1])
+    return sum(t for _, t in kernels), kernels[:4]
+
+
+def copy_bandwidth(device: str, numel: int = 1 << 28) -> float:
+    """Bytes per second of a device-to-device copy of ``numel`` fp32 elements (read + written)."""
+    src = torch.empty(numel, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,31 +235,50 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lists", nargs="+", choices=list(LISTS), default=list(LISTS))
     ap.add_argument("--steps", type=int, default=9, help="timed steps per row and list (the median counts)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--profile", action="store_true", help="CUDA: kernel time and bandwidth per row")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if args.profile and args.device != "cuda":
+        ap.error("--profile needs --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
-    baseline, rows = configs(args.optimizer)
+    baseline, rows = configs(args.optimizer, args.device)
     header = ["parameter list", *rows]
-    table = []
+    table, kernel_table = [], []
     per_tensor = {}
     cached: dict[str, int] = {}
     for name in args.lists:
         shapes = LISTS[name]()
-        medians = measure(shapes, rows, args.steps, cached)
+        profiled: dict[str, tuple[float, int]] | None = {} if args.profile else None
+        medians = measure(shapes, rows, args.steps, cached, args.device, profiled)
         base = medians[baseline]
-        table.append([f"{name} ({len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes) / 1e6:.2f}M)",
-                      *(f"{medians[r] * 1e3:.2f} ms ({base / medians[r]:.2f}x)" for r in rows)])
+        label = f"{name} ({len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes) / 1e6:.2f}M)"
+        table.append([label, *(f"{medians[r] * 1e3:.2f} ms ({base / medians[r]:.2f}x)" for r in rows)])
+        if profiled:
+            kernel_table.append([label, *(_kernel_cell(*profiled[r]) for r in rows)])
         if name == "500x1000":
             per_tensor = {r: medians[r] / len(shapes) * 1e6 for r in rows}
-    print(f"{args.optimizer} step, median ms (baseline {baseline} / row); {torch.get_num_threads()} thread(s), "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}, lowp's native kernel: "
-          f"{native_isa()} build")
-    print((markdown_table if args.markdown else text_table)(header, table))
+    where = (f"{torch.cuda.get_device_name()}, one synchronized step at a time" if args.device == "cuda"
+             else f"{platform.processor() or platform.machine()}, lowp's native kernel: {native_isa()} build")
+    print(f"{args.optimizer} step on {args.device}, median ms (baseline {baseline} / row); "
+          f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, {where}")
+    render = markdown_table if args.markdown else text_table
+    print(render(header, table))
+    if kernel_table:
+        print(f"GPU kernels of one step (torch.profiler) and the bandwidth of the bytes it must move; "
+              f"device-to-device copy here: {copy_bandwidth(args.device) / 1e9:.0f} GB/s")
+        print(render(header, kernel_table))
     if per_tensor:
         print("host time per tensor (500x1000): " + ", ".join(f"{r} {us:.1f} us" for r, us in per_tensor.items()))
     steps = len(args.lists) * (args.steps + 2)
     print("steps taken from the cached plan: " + ", ".join(f"{r} {n} of {steps}" for r, n in cached.items()))
+
+
+def _kernel_cell(seconds: float, moved: int) -> str:
+    return f"{seconds * 1e3:.2f} ms, {moved / seconds / 1e9:.0f} GB/s" if seconds > 0 else "no kernels"
 
 
 def native_isa() -> str:

@@ -1,16 +1,21 @@
-"""A step plan kept across steps: the native kernel's calls prepared once, reused while nothing
+"""A step plan kept across steps: a fused kernel's launches prepared once, reused while nothing
 they rely on changed.
 
 A full step (:mod:`lowp.optim.step_plan`) checks every parameter, gradient, state and buffer,
 plans the jobs and admits each slice into a kernel: tens of microseconds of Python per tensor,
 the whole step on a model of many small tensors. After a full step whose every slice took the
-native kernel, :meth:`CachedStep.build` keeps what that step established: per job its
-:class:`~lowp.optim.kernels.native.kernel.Launch` objects (entry point, pointer tables, sizes,
-parameter ids, coded scales), and a *signature* of everything the checks read. The next
-``step()`` compares the signature (:meth:`CachedStep.matches`) and, when it holds, runs the
-launches with the new gradients: one native call per variant, the non-finite check folded into
-it (``nonfinite="skip_param"``: a tensor with a NaN or infinity in its gradient is left
-untouched; ``"skip_step"``: nothing is written), and the stream keys made by the kernel.
+kernel of a backend that keeps plans (``native``, ``triton``: :attr:`Kernel.keeps_plans
+<lowp.optim.kernels.kernel.Kernel.keeps_plans>`), :meth:`CachedStep.build` keeps what that step
+established: per job its prepared launches (:class:`~lowp.optim.kernels.native.kernel.Launch`:
+entry point, pointer tables, sizes, parameter ids, coded scales;
+:class:`~lowp.optim.kernels.triton.kernel.TritonLaunch`: the same tables on the device and the
+block map), and a *signature* of everything the checks read. The next ``step()`` compares the
+signature (:meth:`CachedStep.matches`) and, when it holds, runs the launches with the new
+gradients: one call per variant, the non-finite check folded into it
+(``nonfinite="skip_param"``: a tensor with a NaN or infinity in its gradient is left untouched;
+``"skip_step"``: nothing is written; on the GPU a check kernel before the step kernel and one
+read of its flags), and the stream keys made by the kernel (native) or in one vectorized pass
+on the host (Triton).
 
 ``step_params`` (gradient release steps one parameter at a time) keeps a plan per parameter
 list (:class:`Plans`), whose signature checks the listed parameters at their places in the
@@ -27,11 +32,11 @@ checks again and builds a new plan):
 - each stepped parameter, state, buffer and block-scale tensor: the same object, at the same
   data pointer, on a storage of the same size (a storage freed and allocated again may return
   at the same address), with the same dtype, shape and version counter (``set_``, ``resize_``
-  or ``as_strided_`` bump it; the native kernel writes without bumping it), and the step count
+  or ``as_strided_`` bump it; the kernels write without bumping it), and the step count
   the plan advanced it to;
 - which parameters have a gradient, and for each gradient (a new tensor every step after
-  ``zero_grad()``): a plain CPU tensor, strided and contiguous, with the dtype and shape of the
-  plan, aligned, inside its storage, on a storage the step does not write.
+  ``zero_grad()``): a plain tensor on its parameter's device, strided and contiguous, with the
+  dtype and shape of the plan, aligned, inside its storage, on a storage the step does not write.
 
 Values never enter the signature: a step reads them, and a weight changed in place under
 ``torch.no_grad()`` only bumps its version counter (the next step then plans anew).
@@ -39,6 +44,7 @@ Values never enter the signature: a step reads them, and a weight changed in pla
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from typing import Any, Protocol, Sequence, cast
 
 import torch
@@ -49,8 +55,7 @@ from lowp.optim.backends import FusedBackend
 from lowp.optim.codes import scale_name
 from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
-from lowp.optim.kernels.kernel import gradient_factor
-from lowp.optim.kernels.native.kernel import CHECKS, Launch, NativeKernel
+from lowp.optim.kernels.kernel import CHECKS, Kernel, KernelLaunch, gradient_factor
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.writeback import MODES
@@ -84,7 +89,23 @@ class StepPlan(Protocol):
 __all__ = ["CachedStep", "Plans", "structure"]
 
 _TENSOR = torch.Tensor
-_STRIDED = torch.strided
+_TENSOR_TYPE = {torch.Tensor}
+_STRIDED_LAYOUT = {torch.strided}
+# property and method readers for the signature's maps (:meth:`CachedStep.matches`)
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_LAYOUT = operator.attrgetter("layout")
+_VERSION = operator.attrgetter("_version")
+_STEP = operator.itemgetter("step")
+_GET_DEVICE = torch.Tensor.get_device
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_IS_NEG = torch.Tensor.is_neg
+_DATA_PTR = torch.Tensor.data_ptr
+_STORAGE_OFFSET = torch.Tensor.storage_offset
+_UNTYPED_STORAGE = torch.Tensor.untyped_storage
+_NBYTES = torch.UntypedStorage.nbytes
+_STORAGE_PTR = torch.UntypedStorage.data_ptr
 
 
 def _plain(t: Any) -> bool:
@@ -120,7 +141,7 @@ class _Job:
     positions of its members among the plan's stepped parameters) and the diagnostics entry."""
 
     def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, weight: float,
-                 launches: list[tuple[Launch, list[int]]], numel: int) -> None:
+                 launches: list[tuple[KernelLaunch, list[int]]], numel: int) -> None:
         self.group, self.index, self.mode, self.coded, self.step = group, index, mode, coded, step
         self.weight, self.launches, self.numel = weight, launches, numel
 
@@ -132,7 +153,7 @@ class CachedStep:
 
     Args:
         optimizer: the optimizer whose step it plans (its state, groups and backend are kept).
-        kernel: the native kernel of its backend.
+        kernel: the fused kernel of its backend (one that keeps plans).
         spec: the optimizer's spec.
         jobs: the jobs, each with its launches.
         stepped: the parameters stepped, in the order of the launches' member positions.
@@ -143,7 +164,7 @@ class CachedStep:
             in their order; default ``None``: a whole ``step()``'s plan.
     """
 
-    def __init__(self, optimizer: LowpOptimizer, kernel: NativeKernel, spec: OptimizerSpec, jobs: list[_Job],
+    def __init__(self, optimizer: LowpOptimizer, kernel: Kernel, spec: OptimizerSpec, jobs: list[_Job],
                  stepped: list[torch.Tensor], states: list[dict[str, Any]], owned: list[tuple[dict, str, torch.Tensor]],
                  grad_dtypes: list[torch.dtype], subset: list[torch.Tensor] | None = None) -> None:
         self.kernel, self.spec, self.jobs, self.subset = kernel, spec, jobs, subset
@@ -162,11 +183,14 @@ class CachedStep:
         self.steps = [st["step"] for st in states]
         self.shapes = [p.shape for p in stepped]
         self.numels = [p.numel() for p in stepped]
-        self.owned_keys = [(st, name) for st, name, _ in owned]
+        self.owned_states = [st for st, _, _ in owned]
+        self.owned_names = [name for _, name, _ in owned]
         self.owned_tensors = [t for _, _, t in owned]
         self.state_values = list(optimizer.state.values())
-        self.grad_specs = list(zip(grad_dtypes, self.shapes, self.numels,
-                                   (torch.empty((), dtype=d).element_size() for d in grad_dtypes)))
+        self.grad_dtypes = grad_dtypes
+        self.grad_devices = [p.get_device() for p in stepped]   # -1: the CPU
+        self.grad_sizes = [torch.empty((), dtype=d).element_size() for d in grad_dtypes]
+        self.grad_align = [size - 1 for size in self.grad_sizes]   # a pointer's low bits that must be 0
         self.dtypes = [p.dtype for p in stepped]
         place = {id(p): i for i, p in enumerate(self.all_params)}
         self.stepped_at = [place[id(p)] for p in stepped]   # in the launches' order (jobs), not the groups
@@ -184,7 +208,7 @@ class CachedStep:
               subset: list[torch.Tensor] | None = None) -> CachedStep | None:
         """The cached plan of ``plan``, a full step just executed (of the ``step_params`` call over
         ``subset``, when given), when every slice of it is a whole plain parameter of the groups,
-        with plain states, that took the native kernel (no DTensor, no reference pipeline); else
+        with plain states, that took a kernel that keeps plans (no DTensor, no reference pipeline); else
         ``None``. Never raises: a plan that cannot be made is no plan (the step it follows is done)."""
         try:
             return cls._build(optimizer, plan, subset)
@@ -195,7 +219,7 @@ class CachedStep:
     def _build(cls, optimizer: LowpOptimizer, plan: StepPlan, subset: list[torch.Tensor] | None
                ) -> CachedStep | None:
         backend = optimizer.backend
-        if not (type(backend) is FusedBackend and isinstance(backend.kernel, NativeKernel)) or plan.gathered:
+        if not (type(backend) is FusedBackend and backend.kernel.keeps_plans) or plan.gathered:
             return None
         spec = optimizer.kernel_spec()
         if spec is None or not backend.kernel.supports(spec):
@@ -259,20 +283,24 @@ class CachedStep:
                 optimizer.check_group(group)
                 if structure(self.spec, group) != shape:
                     return None
-        every = [p.grad for p in self.all_params]
-        if [g is not None for g in every] != self.has_grad:
+        every = list(map(_GRAD, self.all_params))
+        if list(map(operator.is_not, every, repeat(None))) != self.has_grad:
             return None
-        grads = [every[i] for i in self.stepped_at]
-        written = self.written
-        for g, (dtype, shape, n, size) in zip(grads, self.grad_specs):
-            if type(g) is not _TENSOR or g.dtype is not dtype or g.layout is not _STRIDED or not g.is_cpu \
-                    or g.shape != shape or not g.is_contiguous() or g.is_neg():
-                return None
-            storage = g.untyped_storage()
-            start = g.data_ptr()
-            if (g.storage_offset() + n) * size > storage.nbytes() or start == 0 or start % size \
-                    or storage.data_ptr() in written:
-                return None
+        grads = list(map(every.__getitem__, self.stepped_at))
+        # each property read over all gradients in one map (a C loop): the checks of a full step's
+        # admission cost a tenth of their per-tensor form here
+        if set(map(type, grads)) != _TENSOR_TYPE or set(map(_LAYOUT, grads)) != _STRIDED_LAYOUT \
+                or list(map(_DTYPE, grads)) != self.grad_dtypes or list(map(_GET_DEVICE, grads)) != self.grad_devices \
+                or list(map(_SHAPE, grads)) != self.shapes or not all(map(_IS_CONTIGUOUS, grads)) \
+                or any(map(_IS_NEG, grads)):
+            return None
+        starts = list(map(_DATA_PTR, grads))
+        storages = list(map(_UNTYPED_STORAGE, grads))
+        ends = map(operator.mul, map(operator.add, map(_STORAGE_OFFSET, grads), self.numels), self.grad_sizes)
+        if not all(starts) or any(map(operator.and_, starts, self.grad_align)) \
+                or not all(map(operator.le, ends, map(_NBYTES, storages))) \
+                or not self.written.isdisjoint(map(_STORAGE_PTR, storages)):
+            return None
         if self.subset is None:
             values = self.state_values
             if len(optimizer.state) != len(values) or not all(map(operator.is_, optimizer.state.values(), values)):
@@ -280,18 +308,17 @@ class CachedStep:
         elif not all(map(operator.is_, map(optimizer.state.get, self.stepped), self.states)):
             return None
         try:
-            entries = [st[name] for st, name in self.owned_keys]
-            steps = [st["step"] for st in self.states]
+            entries = list(map(operator.getitem, self.owned_states, self.owned_names))
+            steps = list(map(_STEP, self.states))
         except KeyError:
             return None
-        owned = self.owned_tensors
         stepped = self.stepped
-        if not all(map(operator.is_, entries, owned)) or steps != self.steps \
-                or [p.dtype for p in stepped] != self.dtypes or [p.shape for p in stepped] != self.shapes:
+        if not all(map(operator.is_, entries, self.owned_tensors)) or steps != self.steps \
+                or list(map(_DTYPE, stepped)) != self.dtypes or list(map(_SHAPE, stepped)) != self.shapes:
             return None
         tensors = self.tensors
-        if [t.data_ptr() for t in tensors] != self.ptrs or [t._version for t in tensors] != self.versions \
-                or [t.untyped_storage().nbytes() for t in tensors] != self.nbytes:
+        if list(map(_DATA_PTR, tensors)) != self.ptrs or list(map(_VERSION, tensors)) != self.versions \
+                or list(map(_NBYTES, map(_UNTYPED_STORAGE, tensors))) != self.nbytes:
             return None
         return cast(list[torch.Tensor], grads)   # each checked to be a tensor above
 
@@ -321,9 +348,9 @@ class CachedStep:
                 step = job.step + 1
                 numbers = self.spec.numbers(job.group, step)
                 factor = gradient_factor(job.group, inv_scale)
-                count = 0
+                counts = []
                 for launch, members in job.launches:
-                    count += launch.call([grads[i] for i in members], numbers, factor, seed, step, check)
+                    counts.append(launch.call([grads[i] for i in members], numbers, factor, seed, step, check))
                     if check != CHECKS["off"]:
                         for i, ok in zip(members, launch.finite):
                             finite[i] = bool(ok)
@@ -335,8 +362,8 @@ class CachedStep:
                         if finite[i]:
                             self.states[i]["step"] = step
                 job.step = step
-                stalled.setdefault(job.index, []).append(
-                    (torch.tensor(count, dtype=torch.int64) if self.count else None, job.numel, job.weight))
+                stalled.setdefault(job.index, []).append((_total(counts) if self.count else None, job.numel,
+                                                          job.weight))
             everything = all(finite)
             self.steps = [st["step"] for st in self.states]
             optimizer._last_stalled = stalled
@@ -440,9 +467,19 @@ class Plans:
         self.current = None
 
 
-def _launches(kernel: NativeKernel, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
-              ) -> list[tuple[Launch, list[ParamSlice]]] | None:
-    """The native kernel's calls for a job's ``slices`` (:meth:`NativeKernel.launches`) when its
+def _total(counts: list[int | torch.Tensor | None]) -> torch.Tensor:
+    """The stalled count of a job's launches (host ints from the native kernel, device tensors
+    from Triton's) as one int64 tensor."""
+    present = [c for c in counts if c is not None]
+    if len(present) == 1 and isinstance(present[0], torch.Tensor):
+        return present[0]
+    total = sum(present)
+    return total if isinstance(total, torch.Tensor) else torch.tensor(total, dtype=torch.int64)
+
+
+def _launches(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+              ) -> Sequence[tuple[KernelLaunch, list[ParamSlice]]] | None:
+    """The kernel's launches for a job's ``slices`` (:meth:`Kernel.launches`) when its
     admission takes every slice (the same checks as :class:`~lowp.optim.backends.FusedBackend`);
     ``None`` when any slice would not take it."""
     if ctx.coded:

@@ -34,6 +34,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lowp.optim.scratch import Scratch
@@ -124,6 +125,24 @@ def stream_keys(seed: int, step: int, param_id: int, streams: int) -> list[int]:
     inputs once."""
     x = _parameter_mix(seed, step, param_id)
     return [_splitmix64(x ^ s) & _MASK32 for s in range(streams)]
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`_splitmix64` elementwise on ``uint64`` values (numpy arrays wrap modulo 2**64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def stream_key_table(seed: int, step: int, param_ids: np.ndarray, streams: int) -> np.ndarray:
+    """``table[j, s] = stream_key(seed, step, param_ids[j], s)`` as ``uint64`` (each below
+    2**32): the keys of many parameters at one step in a few vectorized passes, for kernels whose
+    host prepares the keys (``param_ids``: ``uint64``)."""
+    base = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    x = _splitmix64_array(param_ids ^ np.uint64(base))
+    table = x[:, None] ^ np.arange(streams, dtype=np.uint64)[None, :]
+    return _splitmix64_array(table) & np.uint64(_MASK32)
 
 
 def fold_key(key: int, hi: int) -> int:

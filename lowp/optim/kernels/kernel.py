@@ -8,7 +8,7 @@ they updated in ``fused_elements``, so tests and users can see that a kernel rea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Iterable, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -18,8 +18,12 @@ from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["Kernel", "fusable", "partition", "grad_factor", "gradient_factor", "slice_keys", "by_signature",
-           "stream_count", "step_numbers"]
+__all__ = ["CHECKS", "Kernel", "KernelLaunch", "fusable", "partition", "grad_factor", "gradient_factor", "slice_keys",
+           "by_signature", "stream_count", "step_numbers"]
+
+#: the non-finite check a prepared launch runs (:meth:`KernelLaunch.call`): none, skip the
+#: parameters whose gradient holds a NaN or an infinity, skip the whole launch
+CHECKS = {"off": 0, "skip_param": 1, "skip_step": 2}
 
 _LOW16 = (torch.bfloat16, torch.float16)
 _KERNEL_FLOATS = (torch.float32, *_LOW16)
@@ -96,6 +100,21 @@ def step_numbers(spec: OptimizerSpec, program: Program, ctx: StepContext, device
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+class KernelLaunch(Protocol):
+    """A kernel's launch over the slices of one job, prepared once (:meth:`Kernel.launches`) and
+    kept by a cached step plan (:mod:`lowp.optim.cached_step`)."""
+
+    @property
+    def finite(self) -> Iterable[Any]:
+        """Per member, whether its gradient was finite at the last checked call."""
+
+    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+             check: int = 0) -> int | torch.Tensor | None:
+        """The step with the members' gradients, the spec's numbers, the gradient factor, the
+        optimizer's seed and the step count, after the non-finite ``check`` (:data:`CHECKS`);
+        returns the stalled count."""
+
+
 class Kernel(ABC):
     """One way of running fused steps. Subclasses set ``name`` and the admission limits and
     implement :meth:`run`; ``fused_elements`` counts the elements they updated (summed over
@@ -109,6 +128,8 @@ class Kernel(ABC):
     min_numel: ClassVar[int] = 2
     fp16_stochastic: ClassVar[bool] = False
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    #: whether :meth:`launches` prepares launches a cached step plan can keep
+    keeps_plans: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.fused_elements = 0
@@ -140,6 +161,12 @@ class Kernel(ABC):
         their block scales), all admitted by :func:`lowp.optim.kernels.coded_slices.admitted`;
         for kernels with ``steps_codes``. Returns the stalled count when ``ctx.count``."""
         raise NotImplementedError(f"the {self.name} kernel does not step block-scaled states")
+
+    def launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+                 ) -> Sequence[tuple[KernelLaunch, list[ParamSlice]]]:
+        """The checked launches over admitted ``slices`` of one job, each with its members (for
+        kernels with :attr:`keeps_plans`)."""
+        raise NotImplementedError(f"the {self.name} kernel prepares no launches")
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
         """Per gradient: finite (``True``/``False``) as this kernel checks it, ``None`` for the

@@ -30,7 +30,7 @@ from lowp.optim.kernels.native.codec import grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["NativeKernel", "Launch", "CHECKS", "slice_dtypes", "variant_for", "by_coded_signature"]
+__all__ = ["NativeKernel", "Launch", "slice_dtypes", "variant_for", "by_coded_signature"]
 
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
 
@@ -57,6 +57,7 @@ class NativeKernel(Kernel):
 
     name = "native"
     steps_codes = True
+    keeps_plans = True
     min_numel = 1
     fp16_stochastic = True
     devices = ("cpu",)
@@ -117,8 +118,7 @@ class NativeKernel(Kernel):
         self.fused_elements += sum(s.numel for s in slices)
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
-    @staticmethod
-    def launches(spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+    def launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
                  ) -> list[tuple[Launch, list[ParamSlice]]]:
         """The checked kernel calls over admitted ``slices`` of one job, each with its members: one
         per dtype signature (with coded states, ``ctx.coded``, the scales' dtype too:
@@ -180,7 +180,6 @@ def by_coded_signature(ctx: StepContext, slices: list[ParamSlice]) -> dict[tuple
 
 
 #: ``check`` of ``lowp_step`` (``enum Check`` of ``native/step.h``) per ``nonfinite`` policy.
-CHECKS = {"off": 0, "skip_param": 1, "skip_step": 2}
 
 
 class Launch:
@@ -200,7 +199,8 @@ class Launch:
       sums of a first call (``lowp_sums``) when it has a per-tensor reduction (else zeros);
     - the optimizer's ``seed``, the ``step`` and ``param_ids[j]``, from which the kernel makes the
       stream keys (:func:`lowp.optim.randomness.stream_keys`, bit for bit);
-    - ``check`` (:data:`CHECKS`) and ``finite[j]``, set to whether member j's gradient was finite;
+    - ``check`` (:data:`~lowp.optim.kernels.kernel.CHECKS`) and ``finite[j]``, set to whether
+      member j's gradient was finite;
     - a coded variant's scales and grids (``native/coded_step.h``);
     - the thread count, ``torch.get_num_threads()``.
 
@@ -237,9 +237,9 @@ class Launch:
              check: int = 0) -> int:
         """The step with the members' ``grads`` (checked; a strided one is copied contiguous), the
         spec's ``numbers`` and the gradient ``factor``, after the non-finite ``check``
-        (:data:`CHECKS`; the flags land in :attr:`finite`); returns the stalled count. The table
-        holds the gradients' pointers for the call only: a kept launch holds no gradient between
-        steps."""
+        (:data:`~lowp.optim.kernels.kernel.CHECKS`; the flags land in :attr:`finite`); returns
+        the stalled count. The table holds the gradients' pointers for the call only: a kept
+        launch holds no gradient between steps."""
         spec, n = self.spec, self.n
         if len(grads) != n:
             raise RuntimeError(f"kernel call: {len(grads)} gradients for {n} tensors")

@@ -24,19 +24,23 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import numpy as np
 import torch
 
 from lowp.optim.codes import Code
+from lowp.optim.kernels.checks import PLAIN_TYPES
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of
-from lowp.optim.kernels.kernel import Kernel, by_signature, slice_keys, step_numbers
+from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, stream_count
 from lowp.optim.kernels.triton.source import kernel_source
+from lowp.optim.randomness import stream_key_table
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["TritonKernel", "triton_available", "BLOCK", "NUM_WARPS", "CODED_BLOCK", "CODED_WARPS", "LaunchTables",
-           "launch_tables"]
+__all__ = ["TritonKernel", "TritonLaunch", "triton_available", "BLOCK", "NUM_WARPS", "CODED_BLOCK", "CODED_WARPS",
+           "LaunchTables", "launch_tables"]
 
 #: Elements per Triton program and its warps, without and with block-scaled states: on an H100 an
 #: AdamW step over 256M elements with bf16 states took 2.5 ms at (512, 4), 3.1 ms at (1024, 8) and
@@ -87,11 +91,19 @@ def _dtypes(s: ParamSlice) -> tuple[torch.dtype, ...]:
     return (s.grad.dtype, *(t.dtype for t in s.states.values()))
 
 
+def _plain_grad(g: torch.Tensor, devices: tuple[str, ...]) -> bool:
+    """A gradient the check kernel reads: plain, strided, contiguous, of a kernel float dtype, in
+    memory of one of ``devices``."""
+    return type(g) in PLAIN_TYPES and g.layout is torch.strided and g.is_contiguous() \
+        and g.dtype in (torch.float32, torch.bfloat16, torch.float16) and g.device.type in devices
+
+
 class TritonKernel(Kernel):
     """Fused steps through generated Triton kernels; see the module docstring."""
 
     name = "triton"
     steps_codes = True
+    keeps_plans = True
 
     def device_types(self) -> tuple[str, ...]:
         """CUDA memory, and CPU memory under the interpreter."""
@@ -111,51 +123,162 @@ class TritonKernel(Kernel):
         block scales of the job's coded states (``ctx.coded``; none: a plain step), all admitted
         (:func:`~lowp.optim.kernels.coded_slices.admitted`); the kernel decodes and encodes those
         states in registers. Returns the stalled count."""
-        from lowp.optim.kernels.triton.ops import tl_dtype  # imports triton
+        numbers = spec.numbers(ctx.group, ctx.step)
+        factor = grad_factor(ctx)
+        counts = [launch.call([s.grad for s in members], numbers, factor, ctx.seed, ctx.step)
+                  for launch, members in self.launches(spec, ctx, slices)]
+        self.fused_elements += sum(s.numel for s in slices)
+        present = [c for c in counts if c is not None]
+        return torch.stack(present).sum() if present else None
 
+    def launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+                 ) -> list[tuple[TritonLaunch, list[ParamSlice]]]:
+        """The checked launches over admitted ``slices`` of one job, each with its members: one
+        per dtype signature (the scales' dtype included). A step runs them once; a cached plan
+        (:mod:`lowp.optim.cached_step`) keeps them for the next steps."""
         codes, block = codes_of(ctx), ctx.group["state_block"]
         groups = by_signature(slices, lambda s: (*_dtypes(s), *(s.scales[name].dtype for name in codes)))
         for members in groups.values():   # every launch's memory checked before the first
             check_coded_args(self.device_types(), members, codes, block)
         program = spec.program(ctx.group)
         kernel = _module(program, ctx.mode.name, tuple(codes.get(name) for name in program.state_names)).step_kernel
-        h = step_numbers(spec, program, ctx, slices[0].param.device)
-        counts = []
-        for members in groups.values():
-            counts.append(self.launch(kernel, tl_dtype, ctx, members, h, list(codes), block))
-        self.fused_elements += sum(s.numel for s in slices)
-        present = [c for c in counts if c is not None]
-        return torch.stack(present).sum() if present else None
-
-    @staticmethod
-    def launch(kernel, tl_dtype, ctx: StepContext, slices: list[ParamSlice], h: torch.Tensor, coded: list[str],
-               block: int) -> torch.Tensor | None:
-        """One kernel launch over ``slices`` (of the same dtypes, each a contiguous range of its
-        parameter; ``coded``: the names of the states held as codes); returns the stalled count."""
-        device = slices[0].param.device
-        names = list(slices[0].states)
-        grads = [s.grad if s.grad.is_contiguous() else s.grad.contiguous() for s in slices]
-        params = [s.param for s in slices]
-        buffers = [s.buffer if s.buffer is not None else s.param for s in slices]
-        states = [[s.states[name] for s in slices] for name in names]
-        scales = [[s.scales[name] for s in slices] for name in names if name in coded]
-        block_size, warps = (CODED_BLOCK, CODED_WARPS) if scales else (BLOCK, NUM_WARPS)
-        tables = launch_tables(device, block_size, [params, grads, buffers, *states, *scales],
-                               [s.numel for s in slices],
-                               [s.index.first() for s in slices], [k for s in slices for k in slice_keys(ctx, s)])
         stochastic = ctx.group["state_rounding"] == "stochastic"
-        stalled = torch.empty(tables.blocks if ctx.count else 1, dtype=torch.int32, device=device)
-        codes = {"SC_T": tl_dtype(scales[0][0].dtype), "CB": block} if scales else {}
-        kernel[(tables.blocks,)](
-            *tables.pointers, tables.sizes, tables.offsets, tables.block_tensor, tables.block_start,
-            h, tables.keys, stalled, P_T=tl_dtype(params[0].dtype), G_T=tl_dtype(grads[0].dtype),
-            B_T=tl_dtype(buffers[0].dtype),
+        return [(TritonLaunch(kernel, spec, program, members, list(codes), block, stochastic, ctx.count), members)
+                for members in groups.values()]
+
+    def finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
+        """Per gradient: finite, by the check kernel (:mod:`~lowp.optim.kernels.triton.finite`:
+        one launch per device and dtype, one read of all flags) for plain contiguous gradients
+        in this kernel's memory; ``None`` (the generic check) for the others."""
+        from lowp.optim.kernels.triton.finite import finite_kernel
+        from lowp.optim.kernels.triton.ops import tl_dtype
+
+        devices = self.device_types()
+        taken = by_signature([i for i, g in enumerate(grads) if _plain_grad(g, devices)],
+                             lambda i: (grads[i].device, grads[i].dtype))
+        flags: list[bool | None] = [None] * len(grads)
+        read = []
+        for (device, dtype), members in taken.items():
+            tables = launch_tables(device, BLOCK, [[grads[i] for i in members]], [grads[i].numel() for i in members],
+                                   [0] * len(members))
+            found = torch.zeros(1 + len(members), dtype=torch.int32, device=device)
+            if tables.blocks:
+                finite_kernel[(tables.blocks,)](tables.pointers[0], tables.sizes, tables.block_tensor,
+                                                tables.block_start, found, G_T=tl_dtype(dtype), BLOCK=BLOCK,
+                                                num_warps=NUM_WARPS)
+            read.append((members, found[1:]))
+        if read:
+            values = torch.cat([found for _, found in read]).tolist()   # one device-to-host read
+            at = 0
+            for members, _ in read:
+                for i in members:
+                    flags[i] = values[at] == 0
+                    at += 1
+        return flags
+
+
+class TritonLaunch:
+    """One kernel launch over ``members`` (checked slices of one dtype signature, each a
+    contiguous range of its parameter), prepared once: its tables of the weights', buffers',
+    states' and block scales' pointers, sizes, offsets and block map on the device
+    (:func:`launch_tables`), the parameter ids and the kernel's type arguments. A step reuses it
+    while nothing of the slices changed but their gradients, which each :meth:`call` takes.
+
+    What changes from step to step (the gradients' pointers, the stream keys, made on the host
+    from the seed, the step and the parameter ids by
+    :func:`~lowp.optim.randomness.stream_key_table`, the non-finite flags, zeroed, and the
+    numbers ``H``) goes to the device in one copy per call.
+
+    Args:
+        kernel: the generated step kernel (:func:`~lowp.optim.kernels.triton.source.kernel_source`).
+        spec: the optimizer's spec (which picks the variant's numbers).
+        program: the traced rule of the variant.
+        members: the slices, checked (:func:`~lowp.optim.kernels.coded_slices.check_coded_args`).
+        coded: the names of the states held as block-scaled codes.
+        block: the code block (``state_block``).
+        stochastic: whether 16-bit and coded states round stochastically.
+        count: whether the launch counts stalled weights.
+    """
+
+    def __init__(self, kernel: Any, spec: OptimizerSpec, program: Program, members: list[ParamSlice],
+                 coded: list[str], block: int, stochastic: bool, count: bool) -> None:
+        from lowp.optim.kernels.triton.ops import tl_dtype  # imports triton
+
+        self.kernel, self.spec, self.numbers, self.count = kernel, spec, program.numbers, count
+        self.device = members[0].param.device
+        names = list(members[0].states)
+        n = self.n = len(members)
+        params = [s.param for s in members]
+        buffers = [s.buffer if s.buffer is not None else s.param for s in members]
+        states = [[s.states[name] for s in members] for name in names]
+        scales = [[s.scales[name] for s in members] for name in names if name in coded]
+        self.block_size, warps = (CODED_BLOCK, CODED_WARPS) if scales else (BLOCK, NUM_WARPS)
+        # the gradients' pointers are the call's (its one copy to the device)
+        self.tables = launch_tables(self.device, self.block_size, [params, buffers, *states, *scales],
+                                    [s.numel for s in members], [s.index.first() for s in members])
+        self.param_ids = np.array([s.param_id for s in members], dtype=np.uint64)
+        self.streams = stream_count(len(names))
+        grad_dtype = members[0].grad.dtype
+        self.grad_type = tl_dtype(grad_dtype)
+        self.types: dict[str, Any] = dict(
+            P_T=tl_dtype(params[0].dtype), G_T=self.grad_type, B_T=tl_dtype(buffers[0].dtype),
             **{f"S{j}_T": tl_dtype(torch.uint8 if name in coded else st[0].dtype)
                for j, (name, st) in enumerate(zip(names, states))},
             **{f"SR{j}": stochastic and (name in coded or st[0].dtype == torch.bfloat16)
                for j, (name, st) in enumerate(zip(names, states))},
-            **codes, COUNT=ctx.count, BLOCK=block_size, num_warps=warps, enable_fp_fusion=False)
-        return stalled.sum(dtype=torch.int64) if ctx.count else None
+            **({"SC_T": tl_dtype(scales[0][0].dtype), "CB": block} if scales else {}),
+            COUNT=count, BLOCK=self.block_size, num_warps=warps, enable_fp_fusion=False)
+        keys_at = 8 * n
+        flags_at = keys_at + 8 * n * self.streams
+        numbers_at = flags_at + 8 * (1 + (n + 1) // 2)   # n + 1 int32 flags, padded to 8 bytes
+        self._layout = (keys_at, flags_at, numbers_at, numbers_at + 4 * (1 + len(self.numbers)))
+        self.finite = [True] * n
+        # on a GPU the check's flags come back through pinned memory, read once an event says
+        # they arrived, while the step kernel already runs
+        on_gpu = self.device.type == "cuda"
+        self._found = torch.empty(n + 1, dtype=torch.int32, pin_memory=True) if on_gpu else None
+        self._arrived = torch.cuda.Event() if on_gpu else None
+
+    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+             check: int = 0) -> torch.Tensor | None:
+        """The step with the members' ``grads`` (checked; a strided one is copied contiguous), the
+        spec's ``numbers`` and the gradient ``factor``, after the non-finite ``check``
+        (:data:`~lowp.optim.kernels.kernel.CHECKS`: the check kernel first, its flags read back
+        into :attr:`finite`); returns the stalled count (a device tensor) when counting. No
+        gradient is held after the call."""
+        from lowp.optim.kernels.triton.finite import finite_kernel
+
+        n, tables = self.n, self.tables
+        if len(grads) != n:
+            raise RuntimeError(f"kernel call: {len(grads)} gradients for {n} tensors")
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]   # alive until the launch is queued
+        keys_at, flags_at, numbers_at, end = self._layout
+        host = np.zeros(end, dtype=np.uint8)
+        host[:keys_at].view(np.int64)[:] = [g.data_ptr() for g in grads]
+        host[keys_at:flags_at].view(np.uint64)[:] = stream_key_table(seed, step, self.param_ids,
+                                                                     self.streams).reshape(-1)
+        host[numbers_at:end].view(np.float32)[:] = [factor, *self.spec.pick(self.numbers, numbers)]
+        sent = torch.from_numpy(host).to(self.device)
+        pointers, keys = sent[:keys_at].view(torch.int64), sent[keys_at:flags_at].view(torch.int64)
+        flags, h = sent[flags_at:flags_at + 4 * (n + 1)].view(torch.int32), sent[numbers_at:end].view(torch.float32)
+        blocks = tables.blocks
+        found = flags
+        if check:
+            finite_kernel[(blocks,)](pointers, tables.sizes, tables.block_tensor, tables.block_start, flags,
+                                     G_T=self.grad_type, BLOCK=self.block_size, num_warps=self.types["num_warps"])
+            if self._found is not None and self._arrived is not None:
+                found = self._found
+                found.copy_(flags, non_blocking=True)
+                self._arrived.record()
+        stalled = torch.empty(blocks if self.count else 1, dtype=torch.int32, device=self.device)
+        weights, *rest = tables.pointers
+        self.kernel[(blocks,)](weights, pointers, *rest, tables.sizes, tables.offsets, tables.block_tensor,
+                               tables.block_start, h, keys, stalled, flags, CHECK=check, **self.types)
+        if check:
+            if self._arrived is not None:
+                self._arrived.synchronize()
+            self.finite = [bad == 0 for bad in found[1:n + 1].tolist()]
+        return stalled.sum(dtype=torch.int64) if self.count else None
 
 
 @dataclass(frozen=True)
@@ -163,11 +286,10 @@ class LaunchTables:
     """The int64 tables of one launch (views into one device buffer).
 
     Args:
-        pointers: one table of data pointers per role (weight, gradient, buffer, each state, the
-            scales of each coded state), a pointer per tensor.
+        pointers: one table of data pointers per role (a step's: weight, buffer, each state, the
+            scales of each coded state; the check's: gradient), a pointer per tensor.
         sizes: the element count of each tensor.
         offsets: the global index of each tensor's first element.
-        keys: the stream keys of each tensor, concatenated.
         block_tensor: the tensor of each program.
         block_start: the first element (in its tensor) of each program.
         blocks: the number of programs.
@@ -176,20 +298,19 @@ class LaunchTables:
     pointers: tuple[torch.Tensor, ...]
     sizes: torch.Tensor
     offsets: torch.Tensor
-    keys: torch.Tensor
     block_tensor: torch.Tensor
     block_start: torch.Tensor
     blocks: int
 
 
 def launch_tables(device: torch.device, block: int, roles: list[list[torch.Tensor]], sizes: list[int],
-                  offsets: list[int], keys: list[int]) -> LaunchTables:
+                  offsets: list[int]) -> LaunchTables:
     """The tables of one launch of programs of ``block`` elements, sent in one host-to-device
     copy; the block map is built on the device (a host loop over blocks cost more than the step
     itself on a GPU: 250,000 blocks for 256M elements)."""
     n = len(sizes)
     counts = [-(-size // block) for size in sizes]
-    packed = [t.data_ptr() for tensors in roles for t in tensors] + sizes + offsets + counts + keys
+    packed = [t.data_ptr() for tensors in roles for t in tensors] + sizes + offsets + counts
     table = torch.tensor(packed, dtype=torch.int64, device=device)
     pointers = tuple(table[i * n:(i + 1) * n] for i in range(len(roles)))
     at = len(roles) * n
@@ -198,4 +319,4 @@ def launch_tables(device: torch.device, block: int, roles: list[list[torch.Tenso
     block_tensor = torch.repeat_interleave(torch.arange(n, device=device), counts_t, output_size=blocks)
     first_block = torch.cumsum(counts_t, 0) - counts_t
     block_start = (torch.arange(blocks, device=device) - first_block[block_tensor]) * block
-    return LaunchTables(pointers, sizes_t, offsets_t, table[at + 3 * n:], block_tensor, block_start, blocks)
+    return LaunchTables(pointers, sizes_t, offsets_t, block_tensor, block_start, blocks)

@@ -14,7 +14,10 @@ through per-launch tables (data pointers of each role, sizes, the global index o
 first element, the stream keys of each tensor, and a block list mapping program ids to
 (tensor, start)), so small tensors do not pay a launch each. ``H`` holds the gradient factor,
 then the rule's numbers; ``STALLED`` receives each program's count of weights that did not
-move (summed on the host side by torch: no atomics on one address).
+move (summed on the host side by torch: no atomics on one address). With ``CHECK`` (1: a
+parameter's, 2: the whole launch's), the flags ``FLAGS`` of the non-finite check
+(:mod:`~lowp.optim.kernels.triton.finite`), launched just before, give a skipped tensor no
+elements: every load and store is masked by ``offs < n``, so nothing of it is written.
 """
 from __future__ import annotations
 
@@ -132,13 +135,17 @@ def kernel_source(program: Program, mode: str, codes: tuple[Code | None, ...] = 
         "",
         "@triton.jit",
         "def step_kernel(P, G, B, " + "".join(f"{s}, " for s in states)
-        + "SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, H, KEYS, STALLED, P_T: tl.constexpr, G_T: tl.constexpr, "
-        + "B_T: tl.constexpr, " + "".join(f"{t}, " for t in types + rounding)
-        + "COUNT: tl.constexpr, BLOCK: tl.constexpr):",
+        + "SIZES, OFFSETS, BLOCK_TENSOR, BLOCK_START, H, KEYS, STALLED, FLAGS, P_T: tl.constexpr, "
+        + "G_T: tl.constexpr, B_T: tl.constexpr, " + "".join(f"{t}, " for t in types + rounding)
+        + "COUNT: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):",
         "    pid = tl.program_id(0)",
         "    t = tl.load(BLOCK_TENSOR + pid)",
         "    start = tl.load(BLOCK_START + pid)",
         "    n = tl.load(SIZES + t)",
+        "    if CHECK == 1:  # skip_param: a tensor whose gradient holds a NaN or an infinity has no elements",
+        "        n = tl.where(tl.load(FLAGS + 1 + t) != 0, 0, n)",
+        "    if CHECK == 2:  # skip_step: no tensor has elements when one gradient does",
+        "        n = tl.where(tl.load(FLAGS) != 0, 0, n)",
         ("    offs = start + tl.arange(0, BLOCK // CB)[:, None] * CB + tl.arange(0, CB)[None, :]  # a row per block"
          if coded else "    offs = start + tl.arange(0, BLOCK)"),
         "    mask = offs < n",
