@@ -8,18 +8,15 @@ imported: a subprocess); on a GPU by the ``gpu``-marked tests."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from lowp.optim.randomness import stream_key_table, stream_keys
 
-HERE = Path(__file__).parent
 EIGHT_BIT = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 #: per configuration: the options, and how many of its 6 steps take the plan (the NaN of step 3
 #: and the infinity of step 5 each end a plan under skip_param; a skipped step keeps it)
@@ -38,19 +35,11 @@ def test_stream_key_table_is_stream_keys():
             assert [[int(k) for k in row] for row in table] == [stream_keys(seed, step, int(i), 5) for i in ids]
 
 
-def _interpret(case: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    done = subprocess.run([sys.executable, str(Path(__file__)), case], env=env, capture_output=True, text=True,
-                          timeout=540)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "OK" in done.stdout
-
-
 @pytest.mark.parametrize("case", ["cached", "finite"])
 def test_through_the_interpreter(case):
     """``cached``: :func:`check_cached` on CPU tensors; ``finite``: :func:`check_finite_flags`."""
     pytest.importorskip("triton")
-    _interpret(case)
+    assert "OK" in run_interpreted(__file__, case)
 
 
 @pytest.mark.gpu

@@ -9,10 +9,6 @@ its interpreter, in a subprocess), and a checkpoint of it resuming bit for bit.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,11 +16,11 @@ import torch
 import lowp.optim as lo
 from lowp.optim.codes import decode, encode
 from lowp.optim.encodings import CODES
+from interpreted import run_interpreted
 from fused_helpers import assert_fused
 from test_optim_codes import _steps as steps_between
 
 NATIVE = lo.backends.native_available()
-HERE = Path(__file__).parent
 INT4 = CODES[torch.int4]  # type: ignore[attr-defined]
 FOUR_BIT = {"exp_avg": torch.int4, "exp_avg_sq": torch.uint4}  # type: ignore[attr-defined]
 SHAPES = [(1,), (33,), (64,), (65, 7), (3000,)]
@@ -111,9 +107,7 @@ def test_triton_step_with_int4_moments_is_the_reference():
     """The generated Triton kernel through its interpreter (in a subprocess: TRITON_INTERPRET is
     read at import)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout[-3000:] + done.stderr[-3000:]
+    assert run_interpreted(__file__).strip().endswith("OK")
 
 
 if __name__ == "__main__":

@@ -4,25 +4,14 @@ before triton is imported, hence a subprocess), and a real GPU by the ``gpu``-ma
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
+
 pytest.importorskip("triton")
-
-HERE = Path(__file__).parent
-
-
-def _interpret(case: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    done = subprocess.run([sys.executable, str(Path(__file__)), case], env=env, capture_output=True, text=True,
-                          timeout=540)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "OK" in done.stdout
 
 
 @pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8", "coded-stochastic",
@@ -30,7 +19,7 @@ def _interpret(case: str) -> None:
 def test_triton_stochastic_rounding_bit_identical_to_reference(case):
     """The ``index`` cases also check that the shared helpers fail when the fusing predicate
     refuses every slice (:func:`_assert_helpers_fail_when_refused`; no kernel runs there)."""
-    _interpret(case)
+    assert "OK" in run_interpreted(__file__, case)
 
 
 @pytest.mark.gpu

@@ -6,10 +6,6 @@ from __future__ import annotations
 import copy
 import io
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +14,7 @@ import lowp.optim as lo
 from lowp.arith import sqrt_rn
 from lowp.optim.codes import CODES, SCALE_DTYPES, code_for, codes_shape, decode, encode, scales_shape
 from lowp.optim.registry import optimizers
+from interpreted import run_interpreted
 from fused_helpers import assert_fused
 
 NATIVE = lo.backends.native_available()
@@ -214,10 +211,7 @@ def test_triton_kernel_with_coded_states_through_the_interpreter():
     """The Triton kernel on decoded pieces (interpreted on the CPU, in a subprocess: TRITON_INTERPRET
     must be set before triton is imported)."""
     pytest.importorskip("triton")
-    here = Path(__file__).parent
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "OK" in run_interpreted(__file__, timeout=300)
 
 
 def _triton_case() -> None:

@@ -9,12 +9,9 @@ kernel runs through its interpreter in a subprocess per optimizer; torch.compile
 """
 from __future__ import annotations
 
-import os
 import platform
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +19,9 @@ import torch
 import lowp.optim as lo
 from lowp.optim.registry import optimizers
 from lowp.optim.writeback import MODES
+from interpreted import run_interpreted
 from fused_helpers import SHAPES, assert_same_run, train
 
-HERE = Path(__file__).parent
 #: awkward sizes: a 1-element tensor, a block of exactly 16, tails of 1 and 15, one across two work units
 SHAPES_NATIVE = [*SHAPES, (1,), (16,), (17,), (31,), (40000,)]
 STEPS = 7  # RAdam takes its rectified step from step 6 on (beta2 = 0.999)
@@ -114,11 +111,7 @@ def test_triton_bit_identical_through_the_interpreter(cls):
     """Every mode and example of one optimizer through the generated Triton kernel (interpreted
     on CPU, in a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    done = subprocess.run([sys.executable, __file__, cls.__name__], env=env, capture_output=True, text=True,
-                          timeout=540)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("OK") == len(cls.examples) * len(MODES)
+    assert run_interpreted(__file__, cls.__name__).count("OK") == len(cls.examples) * len(MODES)
 
 
 def _compiled_case(cls, kw, mode):

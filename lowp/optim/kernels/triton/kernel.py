@@ -148,8 +148,8 @@ class TritonKernel(Kernel):
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
         """Per gradient: finite, by the check kernel (:mod:`~lowp.optim.kernels.triton.finite`:
-        one launch per device and dtype, one read of all flags) for plain contiguous gradients
-        in this kernel's memory; ``None`` (the generic check) for the others."""
+        one launch per device and dtype, one read of the flags per device) for plain contiguous
+        gradients in this kernel's memory; ``None`` (the generic check) for the others."""
         from lowp.optim.kernels.triton.finite import finite_kernel
         from lowp.optim.kernels.triton.ops import tl_dtype
 
@@ -157,7 +157,7 @@ class TritonKernel(Kernel):
         taken = by_signature([i for i, g in enumerate(grads) if _plain_grad(g, devices)],
                              lambda i: (grads[i].device, grads[i].dtype))
         flags: list[bool | None] = [None] * len(grads)
-        read = []
+        read: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
         for (device, dtype), members in taken.items():
             tables = launch_tables(device, BLOCK, [[grads[i] for i in members]], [grads[i].numel() for i in members],
                                    [0] * len(members))
@@ -166,14 +166,12 @@ class TritonKernel(Kernel):
                 finite_kernel[(tables.blocks,)](tables.pointers[0], tables.sizes, tables.block_tensor,
                                                 tables.block_start, found, G_T=tl_dtype(dtype), BLOCK=BLOCK,
                                                 num_warps=NUM_WARPS)
-            read.append((members, found[1:]))
-        if read:
-            values = torch.cat([found for _, found in read]).tolist()   # one device-to-host read
-            at = 0
-            for members, _ in read:
+            read.setdefault(device, []).append((members, found[1:]))
+        for launched in read.values():
+            values = iter(torch.cat([found for _, found in launched]).tolist())   # one read per device
+            for members, _ in launched:
                 for i in members:
-                    flags[i] = values[at] == 0
-                    at += 1
+                    flags[i] = next(values) == 0
         return flags
 
 
