@@ -5,15 +5,21 @@
 - :mod:`lowp.distributed.model` — closed-form error model (why the bf16 ring error of that post does
   not grow with R) and the regimes where it does hurt.
 - :mod:`lowp.distributed.hooks` — DDP communication hooks for ``torch.distributed``.
+- :mod:`lowp.distributed.wire` — 8-bit wire formats with block scales (:class:`WireFormat`).
+- :mod:`lowp.distributed.compressed` — a DDP hook with an 8-bit wire, fp32 accumulation and error
+  feedback (:class:`CompressedState`, :func:`compressed_hook`).
 - :mod:`lowp.distributed.advisor` — per-bucket statistics in, predicted error and warnings out.
 - :mod:`lowp.distributed.checkpoint` — crash-safe DCP checkpoints: one folder per step, published
   atomically when complete, loaded only when a marker proves it whole (import it by name).
 - :func:`shutdown` (:mod:`lowp.distributed.shutdown`) — end a run: barrier, destroy the process
   groups, free them before the interpreter exits.
 """
+from lowp.distributed.compressed import CompressedState, compressed_hook, register_compressed_hook
 from lowp.distributed.shutdown import shutdown
 from lowp.distributed.simulator import (ALGORITHMS, AVERAGING, ErrorStats, GaussianGrads, ReduceConfig, accumulate,
                                         exact_reduce, measure_error, reduce)
+from lowp.distributed.wire import WireFormat
 
-__all__ = ["ALGORITHMS", "AVERAGING", "ErrorStats", "GaussianGrads", "ReduceConfig", "accumulate", "exact_reduce",
-           "measure_error", "reduce", "shutdown"]
+__all__ = ["ALGORITHMS", "AVERAGING", "CompressedState", "ErrorStats", "GaussianGrads", "ReduceConfig", "WireFormat",
+           "accumulate", "compressed_hook", "exact_reduce", "measure_error", "reduce", "register_compressed_hook",
+           "shutdown"]

@@ -145,15 +145,24 @@ def _checked(state: Any, bucket: Any, hook: str, sparse: bool) -> torch.Tensor:
         raise TypeError(f"state: expected a lowp.distributed.hooks.ReduceState, got {type(state).__name__} "
                         f"(ddp.register_comm_hook(ReduceState(...), {hook}))")
     _check_fields(state, "state.")
-    if not (callable(getattr(bucket, "buffer", None)) and callable(getattr(bucket, "index", None))):
+    return check_bucket(state.process_group, bucket, hook, _BUCKET_DTYPES, sparse)
+
+
+def check_bucket(group: Any, bucket: Any, hook: str, dtypes: tuple[torch.dtype, ...], sparse: bool,
+                 methods: tuple[str, ...] = ("buffer", "index")) -> torch.Tensor:
+    """The checks of a DDP bucket every hook makes before any collective (``TypeError`` naming
+    ``bucket``; ``RuntimeError`` naming ``process_group`` when ``group`` is ``None`` and no default
+    group is initialized): a ``GradBucket`` with ``methods``, whose buffer is a tensor of one of
+    ``dtypes`` with data, dense (or sparse COO when ``sparse``). Returns the buffer."""
+    if not all(callable(getattr(bucket, name, None)) for name in methods):
         raise TypeError(f"bucket: expected a torch.distributed.GradBucket (what DistributedDataParallel's "
                         f"register_comm_hook passes to {hook}), got {type(bucket).__name__}")
     buffer = bucket.buffer()
     if not isinstance(buffer, torch.Tensor):
         raise TypeError(f"bucket: its buffer() is a {type(buffer).__name__}, expected a tensor")
-    if buffer.dtype not in _BUCKET_DTYPES:
-        raise TypeError(f"bucket: gradients of dtype {buffer.dtype}; expected floating point (torch.bfloat16, "
-                        f"torch.float16, torch.float32 or torch.float64)")
+    if buffer.dtype not in dtypes:
+        raise TypeError(f"bucket: gradients of dtype {buffer.dtype}; {hook} reduces "
+                        f"{', '.join(map(str, dtypes))} buckets")
     if buffer.is_meta:
         raise TypeError("bucket: on the meta device, without data to reduce")
     if buffer.layout == torch.sparse_coo and not sparse:
@@ -163,7 +172,7 @@ def _checked(state: Any, bucket: Any, hook: str, sparse: bool) -> torch.Tensor:
         raise TypeError(f"bucket: a {buffer.layout} tensor; expected a dense (strided) or sparse COO tensor")
     if _integer(bucket.index()) is None:
         raise TypeError(f"bucket: index() is {bucket.index()!r}, expected an int")
-    if state.process_group is None and not (dist.is_available() and dist.is_initialized()):
+    if group is None and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("process_group: None means torch.distributed's default group, which is not initialized; "
                            "call torch.distributed.init_process_group first (DistributedDataParallel needs it too)")
     return buffer
@@ -177,7 +186,7 @@ def _renamed(exc: BaseException, message: str) -> BaseException:
         return RuntimeError(message)
 
 
-def _collective(state: ReduceState, hook: str, index: int, op: Callable[..., Any], *args: torch.Tensor) -> None:
+def _collective(state: Any, hook: str, index: int, op: Callable[..., Any], *args: torch.Tensor) -> None:
     """Run collective ``op(*args, group=...)``; a failure raises naming ``hook``, the collective
     and the bucket, chained to the backend's error."""
     try:
@@ -189,30 +198,60 @@ def _collective(state: ReduceState, hook: str, index: int, op: Callable[..., Any
                             f"{exc}") from exc
 
 
-_HOOK_NAMES = ("fp32_reduce_hook", "alltoall_fp32_hook", "stochastic_rounding_hook", "sum_then_divide_hook")
+_HOOK_NAMES = ("fp32_reduce_hook", "alltoall_fp32_hook", "stochastic_rounding_hook", "sum_then_divide_hook",
+               "compressed_hook")     # the last: lowp.distributed.compressed
+#: one compared setting: its name in the error, its value as an int, how to show a value
+Setting = tuple[str, int, Callable[[int], str]]
 _LAYOUTS = (torch.strided, torch.sparse_coo)
 
 
-def _agree(state: ReduceState, hook: str, index: int, buffer: torch.Tensor, uses: tuple[str, ...]) -> None:
+def _agree(state: Any, hook: str, index: int, buffer: torch.Tensor, uses: tuple[str, ...],
+           settings: Optional[tuple[Setting, Setting, Setting]] = None) -> None:
     """All ranks compare what decides their collectives for this bucket (one all-gather of a few
     int64); on a difference every rank raises ``ValueError`` naming it. ``uses``: the settings of
-    ``state`` that ``hook`` reads (the others may differ harmlessly)."""
-    gather = state.gather_dtype or state.wire_dtype
-    fields: list[tuple[str, int, Callable[[int], str]]] = [
-        ("hook", _HOOK_NAMES.index(hook), lambda v: _HOOK_NAMES[v]),
-        ("state.collect_stats", int(state.collect_stats), lambda v: str(bool(v))),
-        ("state.wire_dtype", _WIRE_DTYPES.index(state.wire_dtype) if "wire_dtype" in uses else -1,
-         lambda v: str(_WIRE_DTYPES[v])),
-        ("state.gather_dtype", _WIRE_DTYPES.index(gather) if "gather_dtype" in uses else -1,
-         lambda v: str(_WIRE_DTYPES[v])),
-        ("bucket dtype", _BUCKET_DTYPES.index(buffer.dtype), lambda v: str(_BUCKET_DTYPES[v])),
-        ("bucket layout", _LAYOUTS.index(buffer.layout), lambda v: str(_LAYOUTS[v])),
-        ("bucket size", buffer.numel(), str),
-    ]
+    ``state`` that ``hook`` reads (the others may differ harmlessly). ``settings``: three settings
+    compared instead of a ``ReduceState``'s ``collect_stats``, ``wire_dtype`` and ``gather_dtype``
+    (so every hook sends the same number of integers, and two ranks running different hooks are
+    told so instead of aborting inside the backend)."""
+    _agreement_check(state, hook, index, _agreement_table(state, hook, index, buffer, uses, settings, None))
+
+
+def _agreement_fields(state: Any, hook: str, buffer: torch.Tensor, uses: tuple[str, ...],
+                      settings: Optional[tuple[Setting, Setting, Setting]]) -> list[Setting]:
+    if settings is None:
+        gather = state.gather_dtype or state.wire_dtype
+        settings = (("state.collect_stats", int(state.collect_stats), lambda v: str(bool(v))),
+                    ("state.wire_dtype", _WIRE_DTYPES.index(state.wire_dtype) if "wire_dtype" in uses else -1,
+                     lambda v: str(_WIRE_DTYPES[v])),
+                    ("state.gather_dtype", _WIRE_DTYPES.index(gather) if "gather_dtype" in uses else -1,
+                     lambda v: str(_WIRE_DTYPES[v])))
+    return [("hook", _HOOK_NAMES.index(hook), lambda v: _HOOK_NAMES[v]), *settings,
+            ("bucket dtype", _BUCKET_DTYPES.index(buffer.dtype), lambda v: str(_BUCKET_DTYPES[v])),
+            ("bucket layout", _LAYOUTS.index(buffer.layout), lambda v: str(_LAYOUTS[v])),
+            ("bucket size", buffer.numel(), str)]
+
+
+def _agreement_table(state: Any, hook: str, index: int, buffer: torch.Tensor, uses: tuple[str, ...],
+                     settings: Optional[tuple[Setting, Setting, Setting]], async_op: Optional[list[Any]]
+                     ) -> tuple[list[Setting], torch.Tensor]:
+    """Start (``async_op`` is a list: the work is appended to it) or run the agreement's
+    all-gather; return the fields and the gathered ``(R * fields)`` int64 tensor."""
+    fields = _agreement_fields(state, hook, buffer, uses, settings)
     mine = torch.tensor([v for _, v, _ in fields], dtype=torch.int64, device=buffer.device)
     R = state.world_size
     every = torch.empty(R * len(fields), dtype=torch.int64, device=buffer.device)
-    _collective(state, hook, index, _all_gather, every, mine)
+    if async_op is None:
+        _collective(state, hook, index, _all_gather, every, mine)
+    else:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        async_op.append(gather(every, mine, group=state.process_group, async_op=True))
+    return fields, every
+
+
+def _agreement_check(state: Any, hook: str, index: int, gathered: tuple[list[Setting], torch.Tensor]) -> None:
+    """Raise ``ValueError`` on every rank when the gathered settings differ."""
+    fields, every = gathered
+    R = state.world_size
     table = every.view(R, len(fields)).tolist()
     for column, (name, _, show) in enumerate(fields):
         first: dict[int, int] = {}
