@@ -10,7 +10,7 @@ from lowp.cli_args import check_at_most, check_memory, int_at_least, output_dir,
 
 HELP = "simulate bf16/fp16/fp8 gradient all-reduce (ring, tree, all-to-all): error tables and plots"
 
-SECTIONS = ("seed", "mean", "microbatch", "fp16", "fp8", "premultiply", "outlier")
+SECTIONS = ("seed", "mean", "microbatch", "fp16", "fp8", "premultiply", "outlier", "wire")
 TITLES = {
     "seed": "The grid of \"Why reduction precision matters\": error std / sigma of a bf16 reduction of "
             "N(0, sigma^2) pre-divided by R (measured vs model); ring/noise = ring error / (sigma / sqrt(R))",
@@ -20,6 +20,9 @@ TITLES = {
     "fp8": "fp8 per-hop rounding vs sending fp8 and accumulating in fp32",
     "premultiply": "NCCL-style averaging (premultiply by fl(1/R)): bias R*fl(1/R) - 1 in percent",
     "outlier": "One outlier rank with gradients `scale` times larger (bf16)",
+    "wire": "8-bit wire (blocks of 32, e8m0 scales) with fp32 accumulation, with and without error feedback (EF), "
+            "beside fp32 and the bf16 ring: error / noise of one reduction of a fixed gradient and of the average "
+            "of T reductions",
 }
 #: the plot each section writes (besides its ``<section>.csv``), unless --no-plots
 PLOTS = {"seed": "seed003_error_vs_R.png", "mean": "stagnation_bias.png", "fp16": "fp16_underflow.png"}
@@ -35,6 +38,12 @@ def output_files(sections: list[str], plots: bool) -> list[str]:
     return [f"{s}.csv" for s in sections] + [PLOTS[s] for s in sections if plots and s in PLOTS]
 
 
+def wire_steps(largest: int) -> list[int]:
+    """The ``T`` columns of the wire section: 4, 16, 64, ... below ``largest``, then ``largest``."""
+    steps = [4**i for i in range(1, 32) if 4**i < largest]
+    return steps + [largest]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``lowp reduce-sim`` to ``parser``."""
     parser.add_argument("--out", type=output_dir, default=os.path.join("lowp-report", "reduce-sim"),
@@ -45,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="elements per simulated tensor (default 4096)")
     parser.add_argument("--max-world-size", type=int_at_least(2), default=1024,
                         help="largest R in the seed grid (powers of two from 2; default 1024, at most 65536)")
+    parser.add_argument("--wire-steps", type=int_at_least(1), default=16,
+                        help="wire section: average the reductions of a fixed gradient over T = 4, 16, ... up to "
+                             "this many steps (default 16)")
     parser.add_argument("--no-plots", action="store_true", help="print the tables only")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
 
@@ -132,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     writable_folder("reduce-sim", "--out", args.out, output_files(sections, not args.no_plots))
     seed_sizes = [2**i for i in range(1, args.max_world_size.bit_length()) if 2**i <= args.max_world_size]
     n = args.elements
+    wire_sizes = [R for R in ex.WIRE_WORLD_SIZES if R <= args.max_world_size] or [2]
     runners = {
         "seed": lambda tick: ex.seed_grid(seed_sizes, elements=n, progress=tick),
         "mean": lambda tick: ex.mean_bias_table(elements=max(n // 2, 1), progress=tick),
@@ -140,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         "fp8": lambda tick: ex.fp8_table(elements=n, progress=tick),
         "premultiply": lambda tick: ex.premultiply_table(elements=2 * n, progress=tick),
         "outlier": lambda tick: ex.outlier_table(elements=n, progress=tick),
+        "wire": lambda tick: ex.wire_table(wire_sizes, elements=max(n // 4, 32), steps=wire_steps(args.wire_steps),
+                                           progress=tick),
     }
     # every file goes to a staging folder, moved into --out only when all sections are done
     with single_thread(), staged_folder(args.out) as stage:

@@ -19,11 +19,12 @@ import torch
 
 from lowp.distributed import model
 from lowp.distributed.simulator import (GaussianGrads, ReduceConfig, accumulate, check_size, exact_reduce,
-                                        measure_error, reduce)
+                                        measure_error, reduce, wire_reduce)
 from lowp.rounding import quantize
 
 __all__ = ["SEED_WORLD_SIZES", "SEED_SIGMAS", "seed_grid", "mean_bias_table", "microbatch_table", "fp16_table",
-           "fp8_table", "premultiply_table", "outlier_table"]
+           "fp8_table", "premultiply_table", "outlier_table", "WIRE_WORLD_SIZES", "WIRE_METHODS", "wire_grads",
+           "wire_table"]
 
 SEED_WORLD_SIZES: tuple[int, ...] = tuple(2**i for i in range(1, 11))
 SEED_SIGMAS: tuple[float, ...] = tuple(2.0**-i for i in range(8, 3, -1))
@@ -195,5 +196,100 @@ def outlier_table(world_sizes: Sequence[int] = (16, 256, 1024), scales: Sequence
             grads = GaussianGrads(2**-6, fmt=fmt, outlier_ranks=(0,), outlier_scale=scale)
             rows.append([R, scale] + [measure_error(R, elements, grads, ReduceConfig(alg, fmt)).error_to_noise
                                       for alg in ("ring", "tree", "alltoall")])
+            _tick(progress)
+    return headers, rows
+
+
+WIRE_WORLD_SIZES: tuple[int, ...] = (2, 8, 64, 256, 1024)
+#: the rows of :func:`wire_table` per case and R: name -> (wire element or None, error feedback,
+#: stochastic); ``None`` rows are the fp32 reduce and the bf16 ring of :func:`reduce`
+WIRE_METHODS: dict[str, tuple[str | None, bool, bool]] = {
+    "fp32": (None, False, False),
+    "bf16_ring": (None, False, False),
+    "fp8_e4m3": ("fp8_e4m3", False, False),
+    "fp8_e5m2": ("fp8_e5m2", False, False),
+    "int8": ("int8", False, False),
+    "fp8_e4m3/SR": ("fp8_e4m3", False, True),
+    "fp8_e4m3+EF": ("fp8_e4m3", True, False),
+    "fp8_e5m2+EF": ("fp8_e5m2", True, False),
+    "int8+EF": ("int8", True, False),
+}
+_WIRE_CASES = ("gaussian", "heavy")
+
+
+def wire_grads(case: str, world_size: int, elements: int, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """``[R, N]`` fp32 gradients of :func:`wire_table`'s ``case``: ``"gaussian"`` is
+    ``N(0, sigma**2)``; ``"heavy"`` is biased and heavy-tailed, ``sigma * (1 + t_3 / sqrt(3))``
+    (Student's t with 3 degrees of freedom scaled to unit variance: the same spread ``sigma``
+    across ranks, a mean of ``sigma``, and rare values many sigma out that set their blocks' scales)."""
+    if case not in _WIRE_CASES:
+        raise ValueError(f"case: expected one of {_WIRE_CASES}, got {case!r}")
+    z = torch.randn(world_size, elements, generator=generator)
+    if case == "gaussian":
+        return z * sigma
+    chi2 = torch.randn(3, world_size, elements, generator=generator).pow(2).sum(0)
+    return sigma * (1 + z / (chi2 / 3).sqrt() / math.sqrt(3))
+
+
+def wire_table(world_sizes: Sequence[int] = WIRE_WORLD_SIZES, elements: int = 1024, steps: Sequence[int] = (4, 16),
+               cases: Sequence[str] = _WIRE_CASES, block: int = 32, scale: str = "e8m0", sigma: float = 2**-6,
+               seed: int = 0, progress: "Progress | None" = None) -> Table:
+    """8-bit wire formats with fp32 accumulation, with and without error feedback, beside the fp32
+    reduce and the bf16 ring (:data:`WIRE_METHODS`), for each case of :func:`wire_grads` and R.
+
+    One fixed gradient ``x`` (``[R, elements]``) is reduced ``max(steps)`` times; every error is
+    against the exact fp64 mean of ``x``, in units of the sampling noise ``sigma / sqrt(R)``:
+
+    - ``err/noise``: rms error of one reduction (the first step: feedback has nothing to add yet);
+    - ``bias/noise``: mean error of that reduction;
+    - ``avgT/noise``: rms error of the average of the first ``T`` results. A deterministic
+      reduction gives the same result every step, so its average stays at ``err/noise``;
+      stochastic rounding's falls as ``1/sqrt(T)``; error feedback's as ``1/T`` (the T results
+      add up to ``T x`` minus the last residual, which stays bounded).
+
+    The 8-bit rows use :func:`lowp.distributed.simulator.wire_reduce` (:mod:`lowp.distributed.wire`'s
+    encode/decode; blocks of ``block`` elements with ``scale`` scales, nearest rounding unless SR;
+    fp32 sum in rank order, fp32 divide). Deterministic for a given ``seed``.
+    """
+    from lowp.distributed.wire import WireFormat
+
+    _check_sizes(world_sizes, elements)
+    if not steps or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in steps):
+        raise ValueError(f"steps: expected positive ints, got {list(steps)!r}")
+    for case in cases:
+        if case not in _WIRE_CASES:
+            raise ValueError(f"case: expected one of {_WIRE_CASES}, got {case!r}")
+    WireFormat(block=block, scale=scale)          # ValueError naming block / scale
+    horizon = max(steps)
+    headers = ["case", "R", "method", "err/noise", "bias/noise"] + [f"avg{t}/noise" for t in steps]
+    rows: list[list[Any]] = []
+    for case in cases:
+        for R in world_sizes:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + R)
+            x = wire_grads(case, R, elements, sigma, gen)
+            exact = exact_reduce(x)
+            noise = sigma / math.sqrt(R)
+
+            def rms(v: torch.Tensor, exact: torch.Tensor = exact, noise: float = noise) -> float:
+                return float((v - exact).pow(2).mean().sqrt()) / noise
+
+            for name, (element, feedback, stochastic) in WIRE_METHODS.items():
+                if element is None:
+                    config = ReduceConfig("alltoall", "fp32", average="post_divide") if name == "fp32" \
+                        else ReduceConfig("ring", "bf16")
+                    first = reduce(x, config)
+                    averages = [rms(first)] * len(steps)     # deterministic: the same result every step
+                else:
+                    fmt = WireFormat(element, block, scale, "stochastic" if stochastic else "nearest")
+                    residual, total, first = None, torch.zeros_like(exact), exact
+                    marks: dict[int, float] = {}
+                    for t in range(1, (horizon if feedback or stochastic else 1) + 1):
+                        got, new = wire_reduce(x, fmt, residual, random=seed * 7919 + t if stochastic else None)
+                        residual = new if feedback else None
+                        first = got if t == 1 else first
+                        total += got
+                        marks[t] = rms(total / t)
+                    averages = [marks.get(t, marks[1]) for t in steps]   # nearest without feedback: every step alike
+                rows.append([case, R, name, rms(first), float((first - exact).mean()) / noise, *averages])
             _tick(progress)
     return headers, rows

@@ -25,10 +25,13 @@ FSDP's ``PREMUL_SUM`` op (a gradient divide factor other than R) is not supporte
 
 The collective runs to completion inside the call (no ``async_op``): simple and
 deterministic, not overlapped with the backward pass.
+
+:class:`lowp.distributed.compressed_fsdp.CompressedReduceScatter` shares steps 2-4
+(:class:`FP32SumReduceScatter`) with an 8-bit wire and error feedback instead of step 1.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +42,8 @@ from lowp.rounding import quantize
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["FP32ReduceScatter", "set_fp32_reduce_scatter", "fsdp_modules", "param_groups", "has_custom_reduce_scatter"]
+__all__ = ["FP32ReduceScatter", "FP32SumReduceScatter", "set_fp32_reduce_scatter", "fsdp_modules", "param_groups",
+           "has_custom_reduce_scatter", "install"]
 
 try:   # the interface FSDPModule.set_custom_reduce_scatter takes; without it there is no hook
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
@@ -55,7 +59,49 @@ def has_custom_reduce_scatter() -> bool:
     return _ReduceScatterBase is not object and hasattr(FSDPModule, "set_custom_reduce_scatter")
 
 
-class FP32ReduceScatter(_ReduceScatterBase):
+class FP32SumReduceScatter(_ReduceScatterBase):
+    """What every lowp FSDP2 reduce-scatter shares: the argument checks, the all-to-all of one
+    piece per rank, and the fp32 division and write-out (subclassed by :class:`FP32ReduceScatter`
+    and :class:`lowp.distributed.compressed_fsdp.CompressedReduceScatter`)."""
+
+    #: read by :func:`lowp.distributed.advisor.advise_fsdp`
+    accumulates_in_fp32 = True
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised buffer for FSDP to gather the gradient input into."""
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    def _begin(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+               op: object) -> tuple[int, bool]:
+        """``(R, average)`` after checking the sizes and ``op`` (``ValueError`` naming them), before
+        anything is sent."""
+        R = dist.get_world_size(group)
+        n = input_tensor.numel()
+        if n != R * output_tensor.numel():
+            raise ValueError(f"input_tensor: expected {R} x the output's {output_tensor.numel()} elements, got {n}")
+        if op == dist.ReduceOp.SUM:
+            return R, False
+        if op == dist.ReduceOp.AVG:
+            return R, True
+        raise ValueError(f"op: {type(self).__name__} supports SUM and AVG, got {op}; with a gradient divide "
+                         "factor call set_force_sum_reduction_for_comms(True)")
+
+    @staticmethod
+    def _exchange(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """``all_to_all_single`` of ``send`` (R equal pieces): rank r receives every rank's r-th piece."""
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        return received
+
+    @staticmethod
+    def _write(output_tensor: torch.Tensor, total: torch.Tensor, R: int, average: bool) -> None:
+        """``total`` (the fp32 sum), divided by R in fp32 when averaging, into ``output_tensor`` in its dtype."""
+        if average:
+            total = total.div_(R)
+        output_tensor.view(-1).copy_(total)
+
+
+class FP32ReduceScatter(FP32SumReduceScatter):
     """FSDP2 reduce-scatter: ``wire_dtype`` on the wire, fp32 sum (see the module docstring).
 
     Install it with :func:`set_fp32_reduce_scatter`; one instance may serve every FSDP module.
@@ -72,9 +118,6 @@ class FP32ReduceScatter(_ReduceScatterBase):
             raises for a value it cannot convert). The same seed gives the same bits on every run.
     """
 
-    #: read by :func:`lowp.distributed.advisor.advise_fsdp`
-    accumulates_in_fp32 = True
-
     def __init__(self, wire_dtype: torch.dtype = torch.bfloat16, stochastic: bool = False, seed: int = 0) -> None:
         if wire_dtype not in _WIRE_DTYPES:
             raise ValueError(f"wire_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {wire_dtype}")
@@ -82,10 +125,6 @@ class FP32ReduceScatter(_ReduceScatterBase):
         self.stochastic = bool(stochastic)
         self.seed = int(seed)
         self.calls = 0
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised buffer for FSDP to gather the gradient input into."""
-        return torch.empty(tuple(size), dtype=dtype, device=device)
 
     def _compress(self, values: torch.Tensor, rank: int) -> torch.Tensor:
         if not self.stochastic or self.wire_dtype == torch.float32:
@@ -99,24 +138,10 @@ class FP32ReduceScatter(_ReduceScatterBase):
         ``group``: shard r of the fp32 sum (``op=AVG``: mean) of every rank's input goes to rank r.
         Synchronous whatever ``async_op`` says; ``op`` other than SUM/AVG and a size mismatch
         raise ``ValueError`` before anything is sent."""
-        R = dist.get_world_size(group)
-        n = input_tensor.numel()
-        if n != R * output_tensor.numel():
-            raise ValueError(f"input_tensor: expected {R} x the output's {output_tensor.numel()} elements, got {n}")
-        if op == dist.ReduceOp.SUM:
-            average = False
-        elif op == dist.ReduceOp.AVG:
-            average = True
-        else:
-            raise ValueError(f"op: FP32ReduceScatter supports SUM and AVG, got {op}; with a gradient divide "
-                             "factor call set_force_sum_reduction_for_comms(True)")
+        R, average = self._begin(output_tensor, input_tensor, group, op)
         send = self._compress(input_tensor.reshape(-1), dist.get_rank(group))
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
-        total = received.view(R, -1).to(torch.float32).sum(dim=0)
-        if average:
-            total.div_(R)
-        output_tensor.view(-1).copy_(total)
+        received = self._exchange(send, group)
+        self._write(output_tensor, received.view(R, -1).to(torch.float32).sum(dim=0), R, average)
         self.calls += 1
         return None
 
@@ -131,18 +156,30 @@ def set_fp32_reduce_scatter(model: torch.nn.Module, comm: FP32ReduceScatter | No
     """Install ``comm`` (default: a new :class:`FP32ReduceScatter`) on every FSDP module of
     ``model`` that owns parameters; returns it. Raises ``RuntimeError`` when this torch has no
     custom reduce-scatter hook, ``ValueError`` when ``model`` has no FSDP module."""
-    if not has_custom_reduce_scatter():
-        raise RuntimeError(f"torch {torch.__version__}: FSDP2 has no set_custom_reduce_scatter / ReduceScatter")
     comm = FP32ReduceScatter() if comm is None else comm
     if not isinstance(comm, FP32ReduceScatter):
         raise TypeError(f"comm: expected an FP32ReduceScatter, got {type(comm).__name__}")
+    install(model, lambda name, module: comm)
+    return comm
+
+
+def install(model: torch.nn.Module, make: Callable[[str, FSDPModule], FP32SumReduceScatter]) -> list[str]:
+    """``module.set_custom_reduce_scatter(make(name, module))`` for every FSDP module of ``model``
+    that owns parameters (``name``: its name in ``model.named_modules()``, ``""`` for ``model``
+    itself); returns the names. ``RuntimeError`` when this torch has no custom reduce-scatter hook,
+    ``ValueError`` when ``model`` has no FSDP module."""
+    if not has_custom_reduce_scatter():
+        raise RuntimeError(f"torch {torch.__version__}: FSDP2 has no set_custom_reduce_scatter / ReduceScatter")
+    names = {m: n for n, m in model.named_modules()}
     modules = fsdp_modules(model)
     if not modules:
         raise ValueError("model: no module of it was sharded with fully_shard")
+    done = []
     for m in modules:
         if param_groups(m):
-            m.set_custom_reduce_scatter(comm)
-    return comm
+            m.set_custom_reduce_scatter(make(names[m], m))
+            done.append(names[m])
+    return done
 
 
 def param_groups(module: FSDPModule) -> list:

@@ -19,6 +19,12 @@ format, so the result carries exactly the rounding errors of the real collective
 ``exact``
     fp64 sum with no rounding: the reference.
 
+:func:`wire_reduce` simulates the 8-bit wire of :mod:`lowp.distributed.compressed_fsdp` (and the
+reduce-scatter half of :mod:`lowp.distributed.compressed`): every rank encodes its row with
+:func:`lowp.distributed.wire.encode` (after adding its error-feedback residual), the owner
+decodes the R rows and adds them in fp32 in rank order, then divides by R in fp32; it returns the
+new residuals too, so a loop over steps shows what error feedback does.
+
 Averaging (``average``): ``"sum"``; ``"pre_divide"`` (each rank computes ``fl(x / R)`` in the
 wire format, then the sum; what torch's DDP default hook and the post "Why reduction precision
 matters" do); ``"post_divide"`` (sum, then ``fl(S / R)``; for ``alltoall`` the division is in fp32, which is bias-free);
@@ -43,15 +49,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import _native_cast_matches, canonical_mode, quantize
 
+if TYPE_CHECKING:
+    from lowp.distributed.wire import WireFormat
+
 __all__ = ["ALGORITHMS", "AVERAGING", "Rounder", "ReduceConfig", "reduce", "accumulate", "exact_reduce",
            "GaussianGrads", "ErrorStats", "measure_error", "MAX_WORLD_SIZE", "MAX_SIMULATED_VALUES", "check_size",
-           "check_number"]
+           "check_number", "wire_reduce"]
 
 ALGORITHMS: tuple[str, ...] = ("ring", "tree", "alltoall", "exact")
 AVERAGING: tuple[str, ...] = ("sum", "pre_divide", "post_divide", "premultiply")
@@ -407,3 +417,41 @@ def measure_error(world_size: int, elements: int, grads: GaussianGrads, config: 
     return ErrorStats(world_size=world_size, elements=elements, std=math.sqrt(max(e2 / n - (e1 / n) ** 2, 0.0)),
                       bias=e1 / n, rms=math.sqrt(e2 / n), seed_std=math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)),
                       exact_mean=ex / n, noise=noise, zero_fraction=zero_count / n)
+
+
+def wire_reduce(x: torch.Tensor, fmt: "WireFormat", residual: torch.Tensor | None = None, *,
+                random: int | None = None, average: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One reduction of the rows of ``x`` (``[R, N]``, fp32) through the wire format ``fmt``.
+
+    Rank ``r`` sends ``encode(v_r)`` with ``v_r = x_r + residual_r`` (``residual``: ``[R, N]``
+    fp32, or ``None`` for zeros); the result is ``fl32(sum_r decode(...)_r)`` added in rank order,
+    divided by R in fp32 when ``average``, as float64. Returns ``(result, v - decoded)``: the
+    second is every rank's new residual under error feedback. Each row is encoded on its own
+    (blocks start at its first element; when ``N`` is a multiple of the block, all rows go
+    through one :func:`~lowp.distributed.wire.encode` call, which is the same thing). ``random``:
+    the int key of stochastic rounding (row ``r``, element ``j`` draws the counter-based bits of
+    index ``r * N + j``); required when ``fmt.rounding == "stochastic"``.
+    """
+    from lowp.distributed.wire import WireFormat, decode, encode
+
+    _check_grads(x)
+    if not isinstance(fmt, WireFormat):
+        raise TypeError(f"fmt: expected a lowp.distributed.wire.WireFormat, got {type(fmt).__name__}")
+    R, n = x.shape
+    v = x.to(torch.float32)
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (R, n):
+            got = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+            raise ValueError(f"residual: expected a tensor of shape {(R, n)}, got {got}")
+        v = v + residual.to(torch.float32)
+    if not fmt.blocked or n % fmt.block == 0:
+        flat = v.reshape(-1)
+        sent = decode(encode(flat, fmt, random), fmt, flat.numel()).view(R, n)
+    else:
+        sent = torch.stack([decode(encode(v[r], fmt, random, first=r * n), fmt, n) for r in range(R)])
+    total = sent[0].clone()
+    for r in range(1, R):
+        total = total + sent[r]
+    if average:
+        total = total / R
+    return total.to(torch.float64), v - sent
