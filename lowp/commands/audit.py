@@ -19,6 +19,8 @@ KINDS = ("unary", "binary", "reductions")
 BYTES_PER_PAIR = 96
 BYTES_PER_REDUCTION_ELEMENT = 256
 MAX_THREADS = 1024
+#: the largest K of ``--gemm`` (the emulation loops over K; 2**20 takes minutes)
+MAX_GEMM_K = 2 ** 20
 #: the files written into --out
 OUTPUT_FILES = ("audit.csv", "audit.json", "audit.md")
 
@@ -63,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads (default 1: the audit's tensors are small and extra OpenMP threads "
                              "only help on an idle machine)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument("--gemm", action="store_true",
+                        help="print only the GEMM accumulation table instead: error vs K of an fp8 (e4m3) matmul "
+                             "with a 14-bit tensor-core accumulator, with and without promotion to fp32 every 128, "
+                             "and with fp32 accumulation (docs/audit.md, 'GEMM accumulation')")
+    parser.add_argument("--gemm-ks", type=int_list(1), default="512,1024,2048,4096,8192",
+                        help="--gemm: comma-separated inner dimensions K (default 512,1024,2048,4096,8192; "
+                             f"at most {MAX_GEMM_K:,})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
     from lowp.audit.unary import METHODS
 
+    if args.gemm:
+        return run_gemm(args)
     kinds = _csv_list(args.kinds)
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -134,6 +145,26 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         write_outputs(rows, Path(args.out))
         print(f"\nwrote {Path(args.out) / 'audit.csv'}, audit.json, audit.md")
+    return 0
+
+
+def run_gemm(args: argparse.Namespace) -> int:
+    """``lowp audit --gemm``: the GEMM accumulation table (:func:`lowp.audit.gemm.gemm_error_table`)."""
+    import torch
+
+    from lowp.audit.gemm import gemm_error_table
+    from lowp.report import text_table
+
+    check_at_most("audit", "--gemm-ks", max(args.gemm_ks), MAX_GEMM_K, "the emulation's loop over K")
+    check_at_most("audit", "--threads", args.threads, MAX_THREADS, "torch's thread pool")
+    torch.set_num_threads(args.threads)
+    heads, rows = gemm_error_table(args.gemm_ks)
+    print("GEMM accumulation: C = A B, A (16 x K) and B (K x 16) rounded to fp8 e4m3, products exact.\n"
+          "14-bit: the h800_fp8 accumulator model (14 fraction bits, 32 products per step aligned to the largest "
+          "exponent, truncated); fp32 every 128: its partial sums added into fp32 every 128 products; fp32: a "
+          "sequential fp32 FMA chain.\n"
+          "U(0,1): largest |C - C_exact| / |C_exact| over the 256 outputs; N(0,1): ||C - C_exact|| / ||C_exact||.")
+    print(text_table(heads, rows))
     return 0
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["CharLM"]
+__all__ = ["Block", "CharLM"]
 
 
 class _Linear(nn.Linear):
@@ -27,7 +27,14 @@ class _LayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
-class _Block(nn.Module):
+class Block(nn.Module):
+    """A pre-norm causal transformer block: attention and a 4x MLP, each added back.
+
+    Args:
+        dim: width (a multiple of ``heads``).
+        heads: attention heads.
+    """
+
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -36,6 +43,7 @@ class _Block(nn.Module):
         self.fc, self.out = _Linear(dim, 4 * dim), _Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + attention(norm1(x))``, then plus ``mlp(norm2(.))``; ``x`` of shape ``(batch, t, dim)``."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -68,7 +76,7 @@ class CharLM(nn.Module):
         self.compute_dtype = compute_dtype
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(seq_len, dim))
-        self.blocks = nn.ModuleList(_Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm = _LayerNorm(dim)
         for name, p in self.named_parameters():
             if p.dim() == 2 and name != "pos":
