@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from lowp.distributed.hooks import (Setting, _agree, _agreement_check, _agreement_table, _all_gather, _collective,
-                                    _done, _integer, _renamed, check_bucket)
+                                    _done, _renamed, check_bucket, check_seed_and_calls)
 from lowp.distributed.wire import ELEMENTS, ROUNDINGS, SCALES, WireFormat, decode, encode, wire_bytes
 
 __all__ = ["CompressedState", "compressed_hook", "register_compressed_hook"]
@@ -207,11 +207,7 @@ def _check_fields(state: CompressedState, prefix: str = "") -> None:
     if state.residual_dtype not in _RESIDUAL_DTYPES:
         raise ValueError(f"{prefix}residual_dtype: expected torch.float32 or torch.bfloat16, got "
                          f"{state.residual_dtype!r}")
-    if _integer(state.seed) is None:
-        raise ValueError(f"{prefix}seed: expected an int, got {state.seed!r}")
-    calls = _integer(state.calls)
-    if calls is None or calls < 0:
-        raise ValueError(f"{prefix}calls: expected an int >= 0, got {state.calls!r}")
+    check_seed_and_calls(state, prefix)
     if state.module is not None and not isinstance(state.module, torch.nn.Module):
         raise TypeError(f"{prefix}module: expected the DDP model's torch.nn.Module (ddp.module) or None, got "
                         f"{type(state.module).__name__}")

@@ -127,15 +127,21 @@ def _check_fields(state: ReduceState, prefix: str) -> None:
         if (value is not None or name == "wire_dtype") and value not in _WIRE_DTYPES:
             raise ValueError(f"{prefix}{name}: expected torch.bfloat16, torch.float16 or torch.float32"
                              f"{' (or None)' if name == 'gather_dtype' else ''}, got {value}")
+    check_seed_and_calls(state, prefix)
+    if not isinstance(state.collect_stats, bool):
+        raise ValueError(f"{prefix}collect_stats: expected True or False, got {state.collect_stats!r}")
+    if not isinstance(state.stats, dict):
+        raise TypeError(f"{prefix}stats: expected a dict, got {type(state.stats).__name__}")
+
+
+def check_seed_and_calls(state: Any, prefix: str) -> None:
+    """``ValueError`` naming ``prefix + "seed"`` or ``prefix + "calls"`` unless ``state.seed`` is an
+    int (not a bool) and ``state.calls`` an int >= 0 (the hook states' stream inputs)."""
     if _integer(state.seed) is None:
         raise ValueError(f"{prefix}seed: expected an int, got {state.seed!r}")
     calls = _integer(state.calls)
     if calls is None or calls < 0:
         raise ValueError(f"{prefix}calls: expected an int >= 0, got {state.calls!r}")
-    if not isinstance(state.collect_stats, bool):
-        raise ValueError(f"{prefix}collect_stats: expected True or False, got {state.collect_stats!r}")
-    if not isinstance(state.stats, dict):
-        raise TypeError(f"{prefix}stats: expected a dict, got {type(state.stats).__name__}")
 
 
 def _checked(state: Any, bucket: Any, hook: str, sparse: bool) -> torch.Tensor:
