@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print only the GEMM accumulation table instead: error vs K of an fp8 (e4m3) matmul "
                              "with a 14-bit tensor-core accumulator, with and without promotion to fp32 every 128, "
                              "and with fp32 accumulation (docs/audit.md, 'GEMM accumulation')")
+    parser.add_argument("--blocks", action="store_true",
+                        help="print only the block-format table instead: SQNR of MXFP8/6/4 and NVFP4 x scale rounding, "
+                             "with and without the random Hadamard transform, on Gaussian, heavy-tailed and "
+                             "outlier-channel tensors (docs/audit.md, 'Block formats')")
     parser.add_argument("--gemm-ks", type=int_list(1), default="512,1024,2048,4096,8192",
                         help="--gemm: comma-separated inner dimensions K (default 512,1024,2048,4096,8192; "
                              f"at most {MAX_GEMM_K:,})")
@@ -88,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gemm:
         return run_gemm(args)
+    if args.blocks:
+        return run_blocks(args)
     kinds = _csv_list(args.kinds)
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -164,6 +170,23 @@ def run_gemm(args: argparse.Namespace) -> int:
           "exponent, truncated); fp32 every 128: its partial sums added into fp32 every 128 products; fp32: a "
           "sequential fp32 FMA chain.\n"
           "U(0,1): largest |C - C_exact| / |C_exact| over the 256 outputs; N(0,1): ||C - C_exact|| / ||C_exact||.")
+    print(text_table(heads, rows))
+    return 0
+
+
+def run_blocks(args: argparse.Namespace) -> int:
+    """``lowp audit --blocks``: the block-format table (:func:`lowp.audit.blocks.block_format_table`)."""
+    import torch
+
+    from lowp.audit.blocks import block_format_table
+    from lowp.report import text_table
+
+    check_at_most("audit", "--threads", args.threads, MAX_THREADS, "torch's thread pool")
+    torch.set_num_threads(args.threads)
+    heads, rows = block_format_table()
+    print("Block formats: SQNR = 10 log10(sum x^2 / sum (x - q)^2) in dB (higher is better; 6.02 dB per bit) of "
+          "q = fake_quantize(x) on 128 x 1024 tensors: N(0,1); Student t(3); N(0,1) with 1% of the channels x100 "
+          "(and its other channels alone). hadamard: the random Hadamard transform over one block first.")
     print(text_table(heads, rows))
     return 0
 
