@@ -334,6 +334,14 @@ def _isas() -> list[str]:
 
 ISA_CONFIGS = {**{name: (lo.AdamW, options) for name, options in CONFIGS.items()},
                "fp16 stochastic": (lo.AdamW, dict(mode="stochastic", state_dtype=torch.float16)),
+               "e4m3 / uint4, fp32 scales per 32": (lo.AdamW, dict(
+                   state_dtype={"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": torch.uint4}, state_block=32,
+                   state_scale_dtype=torch.float32)),
+               "e5m2 / uint8 to nearest, fp16 scales per 256": (lo.AdamW, dict(
+                   mode="stochastic", state_dtype={"exp_avg": torch.float8_e5m2, "exp_avg_sq": torch.uint8},
+                   state_rounding="nearest", state_block=256, state_scale_dtype=torch.float16)),
+               "int4 / uint8, per 128": (lo.AdamW, dict(state_dtype={"exp_avg": torch.int4, "exp_avg_sq": torch.uint8},
+                                                         state_block=128)),
                "StableAdamW (per-tensor sums)": (lo.StableAdamW, dict(state_dtype=torch.float32))}
 
 

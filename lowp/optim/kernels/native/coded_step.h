@@ -3,7 +3,8 @@
 // step.h. The codes are decoded and encoded in registers, next to the rule, in groups of
 // CODED_GROUP (256) elements (whole blocks of every size):
 //
-//   pass 1, block by block (the block's scales and running peaks in registers), per 16 elements:
+//   pass 1, block by block (the block's scales and running peaks in registers), per BLOCK (2 * LANES)
+//           elements:
 //           load weight, gradient, plain states and the codes of the coded states; decode them
 //           (q * s, squared for unsigned codes; fp8 codes through their fp16 patterns, codes.h's
 //           fp8_values); the rule; store the plain states; keep the coded states' new values t
@@ -12,15 +13,15 @@
 //           the bit patterns);
 //   pass 2: the scales and reciprocals of all the group's blocks of a state at once, from the peaks
 //           (codes.h's block_scales: one vector division for up to 8 blocks instead of a scalar
-//           chain per block); then per block, per 16 elements, step.h's write-back and the codes of
+//           chain per block); then per block, per BLOCK elements, step.h's write-back and the codes of
 //           t with the random bits of the state's own stream (the Rng of step.h, as for 16-bit
 //           states; one key fold per group, GroupRng); a block where every coded state takes its
 //           fixed path (the common case) runs code without the general path's checks.
 //
 // Every block is encoded from its own values with the bits of its own elements, so the result is
 // that of lowp/optim/coded.py's decode / step / encode passes bit for bit. The decoded states use
-// step.h's (even, odd) lanes: 16 one-byte codes are one 16-byte load whose 16-bit halves split
-// into the two vectors with shifts (4-bit codes: 8 bytes, low and high nibbles). The last group
+// step.h's (even, odd) lanes: 2 * LANES one-byte codes are one load whose 16-bit halves split
+// into the two vectors with shifts (4-bit codes: LANES bytes, low and high nibbles). The last group
 // of a tensor (fewer than CODED_GROUP elements) runs on zero-padded local copies, its padding
 // lanes masked out of the block peaks.
 #pragma once
@@ -31,9 +32,9 @@
 
 constexpr int64_t CODE_BLOCK = LOWP_CODE_BLOCK;
 constexpr int64_t CODED_GROUP = MAX_BLOCK;           // elements per group: whole blocks of every size
-constexpr int SUBS = CODED_GROUP / 16;               // 16-element steps per group
-constexpr int BLOCK_SUBS = CODE_BLOCK / 16;          // 16-element steps per block
-static_assert(CODE_BLOCK % 16 == 0 && CODE_BLOCK <= MAX_BLOCK && UNIT % CODED_GROUP == 0,
+constexpr int SUBS = CODED_GROUP / BLOCK;            // steps of BLOCK elements per group
+constexpr int BLOCK_SUBS = CODE_BLOCK / BLOCK;       // steps of BLOCK elements per code block
+static_assert(CODE_BLOCK % BLOCK == 0 && CODE_BLOCK <= MAX_BLOCK && UNIT % CODED_GROUP == 0,
               "a group holds whole blocks, a unit whole groups");
 static_assert(CODED_GROUP / CODE_BLOCK <= 8, "a group's scales are computed in one vector");
 static_assert(!REDUCTION, "a per-tensor reduction would read the codes as states");
@@ -59,13 +60,14 @@ template <size_t... J> constexpr std::array<int, NSTATES + 1> code_bits_table(st
 }
 constexpr std::array<int, NSTATES + 1> CODE_BITS = code_bits_table(std::make_index_sequence<NSTATES + 1>{});
 
-// The lanes of 16 elements from group element ``e`` that are inside the tensor's ``count`` (MASKED).
+// The lanes of BLOCK elements from group element ``e`` that are inside the tensor's ``count`` (MASKED).
 static inline void valid_lanes(int64_t e, int64_t count, vi valid[2]) {
-  const vi even = {0, 2, 4, 6, 8, 10, 12, 14};
+  vi even;
+  for (int l = 0; l < LANES; l++) even[l] = 2 * l;
   for (int h = 0; h < 2; h++) valid[h] = even + (int)(e + h) < (int)count;
 }
 
-// One group: ``subs`` steps of 16 elements (whole blocks) from element ``i`` of the memory at
+// One group: ``subs`` steps of BLOCK elements (whole blocks) from element ``i`` of the memory at
 // ``p`` (coded states: their codes), whose first block is scale ``block0`` of ``scales[J]`` and
 // whose first element has global index ``index``. MASKED: only the first ``count`` elements are
 // the tensor's (the tail's local copies). Always inlined: GCC kept the full-group instantiation
@@ -77,10 +79,10 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
                                                               const vf &factor, const Grid *grid, vi &stalled) {
   vf u[SUBS][2];
   vf t[NSTATES + 1][SUBS][2];
-  vu peak[NSTATES + 1][8];  // per block (lane_maxima's 8 vectors; those past the group's blocks are 0)
+  vu8 peak[NSTATES + 1][8];  // per block (lane_maxima's 8 vectors; those past the group's blocks are 0)
   vi valid[2];
   const int blocks = subs / BLOCK_SUBS;
-  GroupRng rngs(streams, index, 16 * subs);  // for both passes
+  GroupRng rngs(streams, index, BLOCK * subs);  // for both passes
   for (int b = 0; b < blocks; b++) {
     // the block's scales and running peaks, in registers for its BLOCK_SUBS steps
     vf scale[NSTATES + 1];
@@ -93,14 +95,14 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
       }
     });
     for (int k = b * BLOCK_SUBS; k < (b + 1) * BLOCK_SUBS; k++) {
-      const int64_t e = i + 16 * k;
-      if constexpr (MASKED) valid_lanes(16 * k, count, valid);
+      const int64_t e = i + BLOCK * k;
+      if constexpr (MASKED) valid_lanes(BLOCK * k, count, valid);
       vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
       load_weight_and_grad(p, e, factor, w, g);
       for_states([&](auto j) {
         constexpr int J = decltype(j)::value;
         if constexpr (coded_state(J)) {
-          Storage<CODE_KINDS[J]>::load16(p.s[J], e, s[0][J], s[1][J]);
+          Storage<CODE_KINDS[J]>::load_lanes(p.s[J], e, s[0][J], s[1][J]);
           for (int h = 0; h < 2; h++) {
             s[h][J] *= scale[J];
             if constexpr (unsigned_kind<CODE_KINDS[J]>()) s[h][J] *= s[h][J];
@@ -111,7 +113,7 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
       });
       for (int h = 0; h < 2; h++) u[k][h] = rule(r, w[h], g[h], s[h], out[h]);
       Rng rng;
-      if constexpr (plain_states_draw()) rng = rngs.at(16 * k);
+      if constexpr (plain_states_draw()) rng = rngs.at(BLOCK * k);
       for_states([&](auto j) {
         constexpr int J = decltype(j)::value;
         if constexpr (coded_state(J)) {
@@ -128,13 +130,13 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
     }
     for_states([&](auto j) {
       constexpr int J = decltype(j)::value;
-      if constexpr (coded_state(J)) peak[J][b] = most[J];
+      if constexpr (coded_state(J)) peak[J][b] = peak8(most[J]);
     });
   }
   for_states([&](auto j) {
     constexpr int J = decltype(j)::value;
     if constexpr (coded_state(J))
-      for (int b = blocks; b < 8; b++) peak[J][b] = vu{};
+      for (int b = blocks; b < 8; b++) peak[J][b] = vu8{};
   });
   BlockScales group_scales[NSTATES + 1];
   for_states([&](auto j) {
@@ -155,9 +157,9 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
     auto run = [&](auto all_fixed) {
       constexpr bool ALL_FIXED = decltype(all_fixed)::value;
       for (int k = b * BLOCK_SUBS; k < (b + 1) * BLOCK_SUBS; k++) {
-        const int64_t e = i + 16 * k;
-        const Rng rng = rngs.at(16 * k);
-        if constexpr (MASKED) valid_lanes(16 * k, count, valid);
+        const int64_t e = i + BLOCK * k;
+        const Rng rng = rngs.at(BLOCK * k);
+        if constexpr (MASKED) valid_lanes(BLOCK * k, count, valid);
         write_back_block(p, e, rng, u[k], MASKED ? valid : ALL_VALID, stalled);
         for_states([&](auto j) {
           constexpr int J = decltype(j)::value;
@@ -168,7 +170,7 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
             for (int h = 0; h < 2; h++)
               c[h] = code_lanes<KIND, SR, FIXED>(t[J][k][h], bs[J], grid[J],
                                                  SR ? rng.template bits<STATE_STREAM + J>(h) : vu{});
-            Storage<KIND>::store16(p.s[J], e, c[0], c[1]);
+            Storage<KIND>::store_lanes(p.s[J], e, c[0], c[1]);
           }
         });
       }

@@ -3,9 +3,10 @@
 // checks every tensor before it calls here).
 //
 // Tensors are cut into units of whole blocks that the threads take from an atomic counter
-// (parallel.h); codes.h's spans do the rest. The translation unit that includes this file first
-// includes every encoding's header (their Storage specializations) and defines LOWP_CODE_KIND_LIST,
-// their kinds (lowp/optim/kernels/native/codec.py writes it from lowp.optim.encodings.CODES).
+// (parallel.h); the spans below do the rest, block by block, 8 values at a time. The translation
+// unit that includes this file first includes every encoding's header (their Storage
+// specializations) and defines LOWP_CODE_KIND_LIST, their kinds (lowp/optim/kernels/native/codec.py
+// writes it from lowp.optim.encodings.CODES).
 #include <utility>
 
 #include "codes.h"
@@ -15,6 +16,140 @@
 #error "the codec's translation unit defines LOWP_CODE_KIND_LIST after including the encodings' headers"
 #endif
 
+static_assert(LANES == 8, "the codec runs on 8 lanes (the storages' load8 and store8)");
+
+// ---- random bits of the elements of a block ------------------------------------------------------
+// Stochastic rounding draws random16(i, key) for global element index i = first + j (the element's
+// index in its whole parameter: lowp.optim.randomness), or reads bits the caller drew.
+struct CountedNoise {
+  uint64_t first;
+  uint32_t key;
+  FoldedKeys<1> folded;
+
+  // the bits of elements j .. j + 7
+  inline vu at(int64_t j) {
+    const uint64_t g = first + (uint64_t)j;
+    folded.fold(&key, g);
+    const uint32_t lo = (uint32_t)g;
+    const vu lanes = (vu){0, 1, 2, 3, 4, 5, 6, 7} + lo;
+    if (__builtin_expect(lo <= 0xFFFFFFF8u, 1)) return random16(lanes ^ bcu(folded.k0[0]));
+    return random16(lanes ^ folded.wrapped(0, lanes, lo));
+  }
+  // the noise of a block of ``n`` elements padded to a multiple of 8 (the bits are computed: no read)
+  inline CountedNoise &padded(int64_t, int32_t *) { return *this; }
+};
+
+struct DrawnNoise {
+  const int32_t *bits;
+  inline vu at(int64_t j) const {
+    vu v;
+    memcpy(&v, bits + j, 32);
+    return v;
+  }
+  // the bits of a block of ``n`` elements padded to a multiple of 8: copied into ``local``
+  inline DrawnNoise padded(int64_t n, int32_t *local) const {
+    memset(local, 0, sizeof(int32_t) * MAX_BLOCK);
+    memcpy(local, bits, sizeof(int32_t) * n);
+    return DrawnNoise{local};
+  }
+};
+
+// ---- one block ---------------------------------------------------------------------------------
+// The codes of the ``n`` values t (a multiple of 8) of a block whose scale is ``bs``.
+template <int KIND, bool SR, bool FIXED, typename Noise>
+static inline void encode_values(const float *t, int64_t n, void *codes, const BlockScale &bs, const Grid &g,
+                                 Noise &noise) {
+  for (int64_t j = 0; j < n; j += 8) {
+    vf v;
+    memcpy(&v, t + j, 32);
+    Storage<KIND>::store8(codes, j, code_lanes<KIND, SR, FIXED>(v, bs, g, SR ? noise.at(j) : vu{}));
+  }
+}
+
+// Encode ``n`` values (a multiple of 8, at most MAX_BLOCK) from ``x`` into the codes from
+// ``codes`` (byte offset of element 0 of the block) and scale ``b``.
+template <int KIND, int S, bool SR, typename Noise>
+static inline void encode_block(const float *x, int64_t n, void *codes, void *scales, int64_t b, const Grid &g,
+                                Noise &noise) {
+  alignas(32) float roots[MAX_BLOCK];
+  const float *t = x;
+  vu peak = {};
+  for (int64_t j = 0; j < n; j += 8) {
+    vf v;
+    memcpy(&v, x + j, 32);
+    if constexpr (unsigned_kind<KIND>()) {
+      v = sqrt_(v);
+      memcpy(roots + j, &v, 32);
+    }
+    peak = peak_of(peak, v);
+  }
+  if constexpr (unsigned_kind<KIND>()) t = roots;
+  const vu peaks[8] = {peak};
+  const BlockScale bs = block_scales<S>(scales, b, 1, lane_maxima(peaks), g)[0];
+  if (bs.fixed && (!fp8_kind<KIND>() || SR)) encode_values<KIND, SR, !fp8_kind<KIND>() || SR>(t, n, codes, bs, g, noise);
+  else encode_values<KIND, SR, false>(t, n, codes, bs, g, noise);
+}
+
+// Decode ``n`` values (a multiple of 8) of scale ``b`` into ``out``.
+template <int KIND, int S>
+static inline void decode_block(const void *codes, int64_t n, const void *scales, int64_t b, float *out) {
+  const vf s = bc(scale_at<S>(scales, b));
+  for (int64_t j = 0; j < n; j += 8) {
+    vf y = Storage<KIND>::load8(codes, j) * s;
+    if constexpr (unsigned_kind<KIND>()) y = y * y;
+    memcpy(out + j, &y, 32);
+  }
+}
+
+// ---- a range of whole blocks ---------------------------------------------------------------------
+// Elements [start, end) of a tensor (start at a block boundary; end at one or at the tensor's end),
+// with ``values`` holding element ``start`` first, ``codes`` and ``scales`` the tensor's own. The
+// tensor's last block may be short and need not hold a multiple of 8 elements: it goes through
+// zero-padded local buffers (zeros do not change a block's maximum; an odd uint4 tail's unused
+// high nibble is cleared to 0, as _pack4 pads). ``noise(i)``: the random bits of the block from
+// element i (unused to nearest).
+template <int KIND, int S, bool SR, typename NoiseAt>
+static inline void encode_span(const float *values, int64_t start, int64_t end, void *codes, void *scales,
+                               int64_t block, const Grid &g, NoiseAt noise) {
+  uint8_t *c = (uint8_t *)codes;
+  for (int64_t i = start; i < end; i += block) {
+    const int64_t n = end - i < block ? end - i : block;
+    auto bits = noise(i);
+    if (n % 8 == 0) {
+      encode_block<KIND, S, SR>(values + (i - start), n, c + code_offset<KIND>(i), scales, i / block, g, bits);
+      continue;
+    }
+    alignas(32) float x[MAX_BLOCK] = {};
+    alignas(32) int32_t local_bits[MAX_BLOCK];
+    alignas(32) uint8_t out[MAX_BLOCK];
+    memcpy(x, values + (i - start), sizeof(float) * n);
+    auto &&tail_bits = bits.padded(n, local_bits);
+    encode_block<KIND, S, SR>(x, (n + 7) / 8 * 8, out, scales, i / block, g, tail_bits);
+    if (Storage<KIND>::BITS == 4 && n % 2) out[n / 2] &= 0x0F;  // the unused high nibble is 0, as pack4 pads
+    memcpy(c + code_offset<KIND>(i), out, code_bytes<KIND>(n));
+  }
+}
+
+// Decode elements [start, end) (as encode_span) into ``out`` (element ``start`` first).
+template <int KIND, int S>
+static inline void decode_span(const void *codes, const void *scales, int64_t start, int64_t end, int64_t block,
+                               float *out) {
+  const uint8_t *c = (const uint8_t *)codes;
+  for (int64_t i = start; i < end; i += block) {
+    const int64_t n = end - i < block ? end - i : block;
+    if (n % 8 == 0) {
+      decode_block<KIND, S>(c + code_offset<KIND>(i), n, scales, i / block, out + (i - start));
+      continue;
+    }
+    alignas(32) uint8_t local[MAX_BLOCK] = {};
+    alignas(32) float y[MAX_BLOCK];
+    memcpy(local, c + code_offset<KIND>(i), code_bytes<KIND>(n));
+    decode_block<KIND, S>(local, (n + 7) / 8 * 8, scales, i / block, y);
+    memcpy(out + (i - start), y, sizeof(float) * n);
+  }
+}
+
+// ---- many tensors ------------------------------------------------------------------------------
 static constexpr int64_t UNIT = 1 << 14;  // elements per work unit (a multiple of every block size)
 
 // ptrs[role * tensors + k]: 0 the fp32 values, 1 the codes, 2 the scales, 3 the drawn random bits

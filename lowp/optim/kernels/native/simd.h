@@ -6,10 +6,10 @@
 #include <stdint.h>
 
 // Lanes per fp32 vector: 16 (512 bits) in an AVX-512 build of a translation unit that asks for wide
-// vectors (LOWP_WIDE: the plain step variants), else 8 (256 bits: the AVX2 build, the codec and the
-// coded step, whose 16-element code groups are two 8-lane vectors). A block of a kernel is 2 * LANES
-// elements, held as its even- and odd-indexed elements; each element's arithmetic is the same at
-// either width, so both give the same bits.
+// vectors (LOWP_WIDE: every step variant, coded ones included), else 8 (256 bits: the AVX2 build and
+// the codec of codes.cpp). A block of a kernel is 2 * LANES elements, held as its even- and
+// odd-indexed elements; each element's arithmetic is the same at either width, so both give the
+// same bits.
 #if defined(__AVX512F__) && defined(LOWP_WIDE)
 #define LOWP_LANES 16
 #else
@@ -23,17 +23,39 @@ typedef int32_t vi __attribute__((vector_size(4 * LOWP_LANES)));
 // The dtype of the block scales of coded states (lowp.optim.kernels.native.codec.scale_code).
 enum ScaleType { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
 
-// Broadcasts (exact: -0.0 stays -0.0, which adding x to a zero vector would not keep).
+typedef uint16_t vh __attribute__((vector_size(2 * LOWP_LANES)));  // LANES lanes of 16 bits
+typedef int16_t vhs __attribute__((vector_size(2 * LOWP_LANES)));  // the same, signed
+
+// Vectors of 8 lanes at either width: the scales of up to 8 blocks (codes.h's block_scales).
+typedef float vf8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+static inline vf8 bc8(float x) { return (vf8)_mm256_set1_ps(x); }
+static inline vu8 bcu8(uint32_t x) { return (vu8)_mm256_set1_epi32((int)x); }
+
+// Broadcasts (exact: -0.0 stays -0.0, which adding x to a zero vector would not keep), and the
+// conversions at each width: fp16 -> fp32 (exact), int32 -> fp32 (signed lanes, rounded to nearest),
+// fp32 -> int32 truncated (cvtt: 0x80000000 out of range), fp32 rounded to an integer, ties to even.
 #if LOWP_LANES == 16
 static inline vf bc(float x) { return (vf)_mm512_set1_ps(x); }
 static inline vu bcu(uint32_t x) { return (vu)_mm512_set1_epi32((int)x); }
 static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 static inline vf sqrt_(vf a) { return (vf)_mm512_sqrt_ps((__m512)a); }  // correctly rounded
+typedef __m256i half_vector;  // LANES fp16 values
+static inline vf f16_to_f32(half_vector h) { return (vf)_mm512_cvtph_ps(h); }
+static inline vf int_to_float(vu x) { return (vf)_mm512_cvtepi32_ps((__m512i)x); }
+static inline vi truncate_(vf x) { return (vi)_mm512_cvttps_epi32((__m512)x); }
+static inline vf round_even_(vf x) { return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #else
 static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
 static inline vu bcu(uint32_t x) { return (vu)_mm256_set1_epi32((int)x); }
 static inline vf fma_(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 static inline vf sqrt_(vf a) { return (vf)_mm256_sqrt_ps((__m256)a); }  // correctly rounded
+typedef __m128i half_vector;  // LANES fp16 values
+static inline vf f16_to_f32(half_vector h) { return (vf)_mm256_cvtph_ps(h); }
+static inline vf int_to_float(vu x) { return (vf)_mm256_cvtepi32_ps((__m256i)x); }
+static inline vi truncate_(vf x) { return (vi)_mm256_cvttps_epi32((__m256)x); }
+static inline vf round_even_(vf x) { return (vf)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #endif
 static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
 

@@ -45,7 +45,6 @@ constexpr bool states_known() {
 }
 static_assert(WT <= F16 && GT <= F16 && BT <= I8 && states_known(), "unknown dtype");
 
-typedef uint16_t vh __attribute__((vector_size(2 * LOWP_LANES)));  // LANES lanes of 16 bits (exact8's pairs)
 constexpr int BLOCK = 2 * LANES;  // elements per block: the even and the odd lanes
 
 // ---- loads and stores of a block as (even, odd) fp32 vectors ---------------------------------
@@ -62,13 +61,10 @@ static inline void interleave(vf even, vf odd, vf &a, vf &b) {
   a = (vf)_mm512_permutex2var_ps((__m512)even, lo, (__m512)odd);
   b = (vf)_mm512_permutex2var_ps((__m512)even, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), (__m512)odd);
 }
-typedef __m256i half_vector;  // LANES fp16 values
 static inline vf from_f16(const void *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 template <int ROUNDING> static inline half_vector to_f16(vf x) { return _mm512_cvtps_ph((__m512)x, ROUNDING); }
-static inline vf f16_to_f32(half_vector h) { return (vf)_mm512_cvtph_ps(h); }
 static inline void store_f16(void *p, half_vector h) { _mm256_storeu_si256((__m256i *)p, h); }
 static inline vf floor_(vf x) { return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-static inline vf int_to_float(vu x) { return (vf)_mm512_cvtepi32_ps((__m512i)x); }
 #else
 static inline void deinterleave(vf a, vf b, vf &even, vf &odd) {
   // a = elements 0..7, b = 8..15 -> even = 0,2,..,14 and odd = 1,3,..,15
@@ -82,13 +78,10 @@ static inline void interleave(vf even, vf odd, vf &a, vf &b) {
   a = (vf)_mm256_unpacklo_ps(e, o);
   b = (vf)_mm256_unpackhi_ps(e, o);
 }
-typedef __m128i half_vector;  // LANES fp16 values
 static inline vf from_f16(const void *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 template <int ROUNDING> static inline half_vector to_f16(vf x) { return _mm256_cvtps_ph((__m256)x, ROUNDING); }
-static inline vf f16_to_f32(half_vector h) { return (vf)_mm256_cvtph_ps(h); }
 static inline void store_f16(void *p, half_vector h) { _mm_storeu_si128((__m128i *)p, h); }
 static inline vf floor_(vf x) { return (vf)_mm256_floor_ps((__m256)x); }
-static inline vf int_to_float(vu x) { return (vf)_mm256_cvtepi32_ps((__m256i)x); }
 #endif
 
 template <int DT> static inline void load(const void *base, int64_t i, vf &lo, vf &hi) {
