@@ -12,7 +12,9 @@ import torch
 from lowp.blocks import (BLOCK_PRESETS, BlockFormat, dequantize_blocks, e8m0_decode, e8m0_encode, fake_quantize,
                          get_block_format, get_scale_format, hadamard_matrix, inverse_random_hadamard,
                          quantize_blocks, random_hadamard, register_block_format)
+from lowp.blocks import core
 from lowp.codec import all_values
+from lowp.rounding import quantize
 from lowp.formats import custom_format, get_format
 
 MX = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4"]
@@ -169,6 +171,42 @@ def test_against_exact_fraction_reference(preset, rounding):
         s, elems = reference_block(block, fmt, t)
         assert Fraction(float(q.scales[i, 0])) == s, (i, block)
         assert [Fraction(v) for v in q.elements[i].tolist()] == elems, i
+
+
+@pytest.mark.parametrize("t", [0.75, 1.0 + 2.0**-20, 3.0 * 2.0**-30],
+                         ids=["m d in fp32", "m d between fp32s", "small t"])
+def test_nvfp4_rounds_midpoints_exactly_by_counting(t, monkeypatch):
+    """NVFP4's elements come from counting midpoints (no division): at every e2m1 midpoint m times
+    the block's divisor d = S t, and one fp32 step either side, the result is the exact quotient's
+    nearest-even value (Fraction reference) and the fp64-division path's; the counting path ran."""
+    fmt = get_block_format("nvfp4")
+    calls = []
+    real = core._round_by_midpoints
+    monkeypatch.setattr(core, "_round_by_midpoints", lambda *a: calls.append(1) or real(*a))
+    blocks = []
+    for scale in (1.0, 0.0390625, 448.0):                   # e4m3 scales: S = amax / (6 t) exactly
+        amax = 6.0 * scale * t
+        d = scale * t
+        near = []
+        for m in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):
+            v = torch.tensor(m * d, dtype=torch.float64).float()
+            near += [v, torch.nextafter(v, torch.tensor(math.inf)), torch.nextafter(v, torch.tensor(-math.inf))]
+        values = torch.stack(near)
+        for part in values.split(15):
+            block = torch.zeros(16)
+            block[0] = amax
+            block[1:1 + len(part)] = part * torch.tensor([1.0, -1.0]).repeat(8)[:len(part)]
+            blocks.append(block)
+    x = torch.stack(blocks)
+    assert torch.equal(x.abs().amax(-1), x[:, 0])
+    q = quantize_blocks(x, fmt, tensor_scale=t)
+    assert calls == [1]
+    for i, block in enumerate(x.tolist()):
+        s, elems = reference_block(block, fmt, Fraction(t))
+        assert Fraction(float(q.scales[i, 0])) == s
+        assert [Fraction(v) for v in q.elements[i].tolist()] == elems, i
+    divided = quantize(x.double() / (q.scales.double() * t), fmt.element_format, "nearest_even").float()
+    assert torch.equal(divided, q.elements)
 
 
 # ---- NVFP4 against torchao -------------------------------------------------------------------

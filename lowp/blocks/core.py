@@ -16,7 +16,12 @@ Quantization, for each block (formulas of the scale roundings in :mod:`lowp.bloc
    the element format's overflow policy (``saturate``: clamp to ±max as the OCP MX spec asks;
    ``nan`` / ``inf`` where the element format has those codes). Power-of-two scales divide exactly
    in fp32; other scales divide in fp64, where the quotient's rounding error cannot move it across
-   a rounding boundary of the element format (see :mod:`lowp.blocks.scales`).
+   a rounding boundary of the element format (see :mod:`lowp.blocks.scales`). An element format
+   with at most :data:`MIDPOINT_VALUES` nonnegative values (fp4 e2m1: NVFP4), rounded to nearest
+   with saturation, divides nothing: ``e_i`` counts the midpoints ``m_k`` between neighbouring
+   values that ``|x_i|`` reaches, ``|x_i| >= m_k S t`` where the tie goes up to the even code and
+   ``|x_i| > m_k S t`` where it stays, each compare made exactly in fp32 against ``m_k S t``
+   (exact in fp64) rounded up, respectively down, to fp32 (:func:`_round_by_midpoints`).
 
 Stochastic rounding with ``random_bits = r`` adds an ``r``-bit uniform random integer at the top of
 the discarded bits and truncates, so it rounds up with probability ``floor(f * 2**r) / 2**r``
@@ -28,6 +33,7 @@ OCP Microscaling Formats (MX) v1.0 specification, Open Compute Project, 2023, se
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,6 +42,7 @@ import torch
 
 from lowp.blocks.hadamard import _check_size, inverse_random_hadamard, random_hadamard
 from lowp.blocks.scales import SCALE_ROUNDINGS, ScaleFormat, block_scales, get_scale_format
+from lowp.codec import all_values, encode
 from lowp.formats import FloatFormat, get_format
 from lowp.rounding import check_float_tensor, fits_in, quantize
 
@@ -43,6 +50,10 @@ __all__ = ["BlockFormat", "BlockQuantized", "BLOCK_PRESETS", "register_block_for
            "quantize_blocks", "dequantize_blocks", "fake_quantize"]
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: element formats with at most this many nonnegative values round by counting midpoints
+#: (:func:`_round_by_midpoints`) when rounded to nearest with saturation under a non-power-of-two scale
+MIDPOINT_VALUES = 16
 
 
 @dataclass(frozen=True)
@@ -314,6 +325,8 @@ def quantize_blocks(x: torch.Tensor, fmt: "str | BlockFormat", rounding: str = "
     if fmt.scale_format.power_of_two:
         inverse = (1.0 / scales).float().unsqueeze(-1)   # 2**-k, exact in fp32 for |k| <= 127
         elements = quantize(blocks * inverse, efmt, mode, generator=generator, rand_bits=random_bits)
+    elif mode == "nearest_even" and _midpoints(efmt) is not None:
+        elements = _round_by_midpoints(blocks, scales * t, efmt)
     else:
         scaled = blocks.double() / (scales * t).unsqueeze(-1)
         elements = quantize(scaled, efmt, mode, generator=generator, rand_bits=random_bits).float()
@@ -323,6 +336,47 @@ def quantize_blocks(x: torch.Tensor, fmt: "str | BlockFormat", rounding: str = "
         scales32 = scales32.masked_fill(~finite, math.nan)
     return BlockQuantized(_from_blocks(elements, xf.shape, fmt), scales32, t if fmt.tensor_scale else None, fmt,
                           hadamard_seed if fmt.hadamard else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _midpoints(efmt: FloatFormat) -> tuple[tuple[float, ...], tuple[bool, ...], tuple[float, ...]] | None:
+    """For an element format :func:`_round_by_midpoints` takes (subnormals, saturation, at most
+    :data:`MIDPOINT_VALUES` nonnegative values ``v_0 = 0 < v_1 < ...``): the midpoints ``m_k =
+    (v_k + v_(k+1)) / 2``, whether a tie at ``m_k`` rounds up (``v_(k+1)``'s code is even), and the
+    values; None for any other format."""
+    if efmt.overflow != "saturate" or not efmt.subnormals:
+        return None
+    values = all_values(efmt)
+    values = values[values >= 0]
+    if values.numel() > MIDPOINT_VALUES:
+        return None
+    codes = encode(values, efmt)
+    mids = tuple(float(m) for m in (values[:-1] + values[1:]) / 2)   # exact: neighbours differ by one ulp
+    return mids, tuple(bool(c % 2 == 0) for c in codes[1:].tolist()), tuple(values.tolist())
+
+
+def _round_by_midpoints(blocks: torch.Tensor, divisors: torch.Tensor, efmt: FloatFormat) -> torch.Tensor:
+    """``blocks / divisors`` (fp32 blocks over their last dimension; fp64 divisors ``S t``, one per
+    block) rounded to nearest-even in ``efmt`` and saturated, as fp32, without dividing: the count of
+    midpoints reached picks the value (module docstring). ``m_k * d`` is exact in fp64 (at most
+    ``p + 1`` significand bits times a scale's and a tensor scale's, <= 50 bits by
+    :class:`BlockFormat`'s check), and for fp32 ``a``, ``a >= m`` exactly when ``a >= up32(m)`` and
+    ``a > m`` exactly when ``a > down32(m)``. NaN and inf blocks give garbage the caller masks."""
+    mids, tie_up, values = _midpoints(efmt)  # type: ignore[misc]
+    magnitude = blocks.abs()
+    count = torch.zeros(blocks.shape, dtype=torch.uint8, device=blocks.device)
+    up, down = torch.tensor(math.inf), torch.tensor(-math.inf)
+    for m, tie in zip(mids, tie_up):
+        exact = divisors * m
+        nearest = exact.float()
+        if tie:   # |x| >= m d: against m d rounded up to fp32
+            bound = torch.where(nearest.double() < exact, torch.nextafter(nearest, up), nearest)
+            count += magnitude >= bound.unsqueeze(-1)
+        else:     # |x| > m d: against m d rounded down to fp32
+            bound = torch.where(nearest.double() > exact, torch.nextafter(nearest, down), nearest)
+            count += magnitude > bound.unsqueeze(-1)
+    table = torch.tensor(values, dtype=torch.float32, device=blocks.device)
+    return torch.copysign(table[count.long()], blocks)
 
 
 def dequantize_blocks(elements: torch.Tensor, scales: torch.Tensor, fmt: "str | BlockFormat", *,
