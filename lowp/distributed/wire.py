@@ -55,6 +55,7 @@ from typing import Union
 
 import torch
 
+from lowp.blocks.scales import e8m0_decode, e8m0_encode
 from lowp.rounding import quantize
 
 __all__ = ["WireFormat", "ELEMENTS", "SCALES", "ROUNDINGS", "encode", "decode", "wire_bytes", "RandomSource"]
@@ -256,9 +257,8 @@ def encode(x: torch.Tensor, fmt: WireFormat, random: RandomSource = None, *, fir
         padded_noise[:n] = noise
         noise = padded_noise
     codes = _round_element(y.reshape(-1), fmt, noise)[:n]
-    if fmt.scale == "e8m0":
-        _, e = torch.frexp(s.double())                          # s = 2**(e - 1)
-        scale_bytes = torch.where(finite, torch.where(amax > 0, e - 1 + 127, 0), 255).to(torch.uint8)
+    if fmt.scale == "e8m0":   # a zero block: the byte 0 (2**-127 times codes 0); a NaN block: 0xFF
+        scale_bytes = e8m0_encode(torch.where(finite, torch.where(amax > 0, s, 2.0**-127), math.nan))
     else:
         s = torch.where(finite, torch.where(amax > 0, s, 0.0), float("nan"))
         scale_bytes = s.to(torch.float32 if fmt.scale == "fp32" else torch.bfloat16).view(torch.uint8)
@@ -282,9 +282,7 @@ def decode(buffer: torch.Tensor, fmt: WireFormat, n: int) -> torch.Tensor:
     nb = -(-n // fmt.block)
     raw = buffer[size:].clone()
     if fmt.scale == "e8m0":
-        e = raw.to(torch.int32) - 127
-        s = torch.where(raw == 255, float("nan"), torch.ldexp(torch.ones(nb, dtype=torch.float64), e))
-        s = s.to(torch.float32)
+        s = e8m0_decode(raw).to(torch.float32)
     else:
         s = raw.view(torch.float32 if fmt.scale == "fp32" else torch.bfloat16).to(torch.float32)
     padded = torch.zeros(nb * fmt.block, dtype=torch.float32, device=buffer.device)
