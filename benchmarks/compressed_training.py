@@ -10,8 +10,11 @@ only difference (see :mod:`lowp.distributed.training_runs`). Prints one line per
 then the table (final validation loss = mean of the last three evaluations, its gap against the
 fp32 reduction, bytes per step and rank and their ratio to a bf16 ring all-reduce of the same
 buckets) and the targets' verdicts; writes the plot to ``--out`` and the raw results to ``--json``.
+With several seeds (``--seeds 0,1,2``, or several ``--from-json`` files of one seed each) it also
+prints the gaps paired by seed (mean and standard error over seeds), judges the targets on the
+mean, and plots them beside ``--out`` (``*_seeds.png``).
 
-Runs are sequential (one process group at a time). Defaults: about 20 minutes on 2 vCPUs.
+Runs are sequential (one process group at a time). Defaults: about 20 minutes per seed on 2 vCPUs.
 
 Run: ``PYTHONPATH=. python benchmarks/compressed_training.py --out docs/img/compressed_training.png``.
 """
@@ -22,7 +25,8 @@ import json
 import time
 from dataclasses import asdict
 
-from lowp.distributed.training_runs import MODELS, REDUCTIONS, RunResult, RunSpec, plot, run, summarize, table
+from lowp.distributed.training_runs import (MODELS, REDUCTIONS, RunResult, RunSpec, plot, plot_seeds, run,
+                                            seed_table, summarize, summarize_seeds, table)
 
 TARGET_GAP = 0.5          # % of fp32's final validation loss
 TARGET_BYTES = 0.55       # x a bf16 ring all-reduce's bytes
@@ -37,32 +41,51 @@ def _names(text: str, allowed: dict[str, str] | None, what: str) -> list[str]:
     return names
 
 
-def verdicts(rows: list[dict]) -> list[str]:
-    """One line per (model, R): the error-feedback wires' gaps and byte ratios against the targets."""
-    lines = []
-    for row in rows:
-        if row["reduction"] not in ("fp8-ef", "int8-ef") or row["gap vs fp32 %"] is None:
-            continue
-        gap, ratio = row["gap vs fp32 %"], row["vs bf16 ring"]
-        lines.append(f"{row['model']} R={row['R']} {row['reduction']}: gap {gap:+.3f}% "
-                     f"({'met' if abs(gap) <= TARGET_GAP else 'NOT met'}: |gap| <= {TARGET_GAP}%"
-                     f"{'; lower than fp32' if gap < -TARGET_GAP else ''}), bytes {ratio:.3f}x bf16 ring "
-                     f"({'met' if ratio <= TARGET_BYTES else 'NOT met'}: <= {TARGET_BYTES}x)")
-    return lines
+def _verdict(label: str, gap: float, ratio: float) -> str:
+    return (f"{label}: gap {gap:+.3f}% ({'met' if abs(gap) <= TARGET_GAP else 'NOT met'}: |gap| <= {TARGET_GAP}%"
+            f"{'; lower than fp32' if gap < -TARGET_GAP else ''}), bytes {ratio:.3f}x bf16 ring "
+            f"({'met' if ratio <= TARGET_BYTES else 'NOT met'}: <= {TARGET_BYTES}x)")
+
+
+def verdicts(rows: list[dict], seed_rows: list[dict] | None = None) -> list[str]:
+    """One line per (model, R) and error-feedback wire: its gap against the targets (with
+    ``seed_rows``: the mean of the gaps paired by seed) and its byte ratio (the largest over seeds)."""
+    feedback = ("fp8-ef", "int8-ef")
+    if seed_rows is None:
+        return [_verdict(f"{r['model']} R={r['R']} {r['reduction']}", r["gap vs fp32 %"], r["vs bf16 ring"])
+                for r in rows if r["reduction"] in feedback and r["gap vs fp32 %"] is not None]
+    ratios: dict[tuple, float] = {}
+    for r in rows:
+        key = (r["model"], r["R"], r["reduction"])
+        ratios[key] = max(ratios.get(key, 0.0), r["vs bf16 ring"])
+    return [_verdict(f"{r['model']} R={r['R']} {r['reduction']} (mean of {r['seeds']} seeds, s.e. {r['s.e. %']:.2f}%)",
+                     r["mean gap vs fp32 %"], ratios[(r["model"], r["R"], r["reduction"])])
+            for r in seed_rows if r["reduction"] in feedback]
 
 
 def report(results: list[RunResult], reductions: list[str], out: str) -> None:
-    """Print the table, the legend and the verdicts; write the plot to ``out``."""
+    """Print the table(s), the legend and the verdicts; write the plot(s) (``out``; with several
+    seeds also ``out`` with ``_seeds`` before its suffix)."""
     rows = summarize(results)
+    seeds = sorted({r.spec["seed"] for r in results})
+    seed_rows = summarize_seeds(results) if len(seeds) > 1 else None
     print()
     print(table(rows))
+    if seed_rows is not None:
+        print(f"\nseeds {', '.join(map(str, seeds))}: gaps paired by seed\n")
+        print(seed_table(seed_rows))
     print()
     for name in reductions:
         print(f"- {name}: {REDUCTIONS[name]}")
     print()
-    print("\n".join(verdicts(rows)))
-    plot(results, out)
-    print(f"plot: {out}")
+    print("\n".join(verdicts(rows, seed_rows)))
+    plot([r for r in results if r.spec["seed"] == seeds[0]], out)
+    print(f"plot: {out} (seed {seeds[0]})")
+    if seed_rows is not None:
+        stem, dot, suffix = out.rpartition(".")
+        path = f"{stem}_seeds.{suffix}" if dot else f"{out}_seeds"
+        plot_seeds(seed_rows, path)
+        print(f"plot: {path}")
 
 
 def main(argv: list[str] | None = None) -> list[RunResult]:
@@ -75,14 +98,17 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     parser.add_argument("--steps", type=int, default=3000, help="steps of the demo model (default 3000)")
     parser.add_argument("--recall-steps", type=int, default=2000, help="steps of the recall model (default 2000)")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations (default 100)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="initialisation and data seeds, comma-separated (default 0)")
     parser.add_argument("--out", default="compressed_training.png", help="PNG of the loss curves")
     parser.add_argument("--json", default=None, help="write the raw results here (optional)")
-    parser.add_argument("--from-json", default=None, help="do not train: table and plot from an earlier --json")
+    parser.add_argument("--from-json", default=None,
+                        help="do not train: tables and plots from earlier --json files (comma-separated)")
     args = parser.parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            loaded = [RunResult.from_dict(d) for d in json.load(f)]
+        loaded = []
+        for name in _names(args.from_json, None, "from-json"):
+            with open(name) as f:
+                loaded += [RunResult.from_dict(d) for d in json.load(f)]
         report(loaded, sorted({r.spec["reduction"] for r in loaded}, key=list(REDUCTIONS).index), args.out)
         return loaded
     world_sizes = [int(w) for w in _names(args.world_sizes, None, "world-sizes")]
@@ -93,17 +119,19 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     shapes = {"demo": {"steps": args.steps, "lr": 2e-3}, "recall": {"steps": args.recall_steps, "lr": 3e-3}}
     results: list[RunResult] = []
     start = time.perf_counter()
-    for model in models:
-        for R in world_sizes:
-            for reduction in reductions:
-                spec = RunSpec(model=model, reduction=reduction, world_size=R, eval_every=args.eval_every,
-                               seed=args.seed, **shapes[model])
-                t0 = time.perf_counter()
-                result = run(spec)
-                results.append(result)
-                print(f"{model:7s} R={R} {reduction:10s} final val loss {result.final_loss:.4f}  "
-                      f"{result.bytes_per_step:,.0f} B/step/rank  {time.perf_counter() - t0:.0f} s "
-                      f"(loop {result.seconds:.0f} s)", flush=True)
+    seeds = [int(s) for s in _names(args.seeds, None, "seeds")]
+    for seed in seeds:
+        for model in models:
+            for R in world_sizes:
+                for reduction in reductions:
+                    spec = RunSpec(model=model, reduction=reduction, world_size=R, eval_every=args.eval_every,
+                                   seed=seed, **shapes[model])
+                    t0 = time.perf_counter()
+                    result = run(spec)
+                    results.append(result)
+                    print(f"seed {seed} {model:7s} R={R} {reduction:10s} final val loss {result.final_loss:.4f}  "
+                          f"{result.bytes_per_step:,.0f} B/step/rank  {time.perf_counter() - t0:.0f} s "
+                          f"(loop {result.seconds:.0f} s)", flush=True)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     report(results, reductions, args.out)
     if args.json:

@@ -46,7 +46,7 @@ from lowp.distributed.launch import run_local_group
 from lowp.distributed.wire import WireFormat
 
 __all__ = ["REDUCTIONS", "MODELS", "RunSpec", "RunResult", "RecallTask", "RecallNet", "run", "train_rank",
-           "summarize", "table", "COLUMNS", "plot"]
+           "summarize", "table", "COLUMNS", "plot", "summarize_seeds", "seed_table", "SEED_COLUMNS", "plot_seeds"]
 
 #: reduction name -> what it is (for the table's legend)
 REDUCTIONS: dict[str, str] = {
@@ -476,6 +476,85 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     lines += ["| " + " | ".join(cell(c, row[c]) for c in COLUMNS) + " |" for row in rows]
     return "\n".join(lines)
+
+
+#: columns of :func:`summarize_seeds`' rows
+SEED_COLUMNS = ("model", "R", "reduction", "seeds", "mean final val loss", "mean gap vs fp32 %", "s.e. %",
+                "gaps per seed %")
+
+
+def summarize_seeds(results: list[RunResult]) -> list[dict[str, Any]]:
+    """One row per (model, world size, reduction) over the seeds that have an fp32 run: the mean
+    final loss, and the gap against fp32 *paired by seed* (the same initialisation and data), its
+    mean and standard error ``sd / sqrt(n)`` (sample standard deviation; 0 for one seed) and the
+    per-seed values (:data:`SEED_COLUMNS`)."""
+    ref = {(r.spec["model"], r.spec["world_size"], r.spec["seed"]): r.final_loss
+           for r in results if r.spec["reduction"] == "fp32"}
+    groups: dict[tuple[str, int, str], list[RunResult]] = {}
+    for r in results:
+        if (r.spec["model"], r.spec["world_size"], r.spec["seed"]) in ref:
+            groups.setdefault((r.spec["model"], r.spec["world_size"], r.spec["reduction"]), []).append(r)
+    rows = []
+    for (model, R, reduction), runs in groups.items():
+        runs.sort(key=lambda r: r.spec["seed"])
+        gaps = [100 * (r.final_loss - ref[(model, R, r.spec["seed"])]) / ref[(model, R, r.spec["seed"])]
+                for r in runs]
+        n = len(gaps)
+        mean = sum(gaps) / n
+        se = math.sqrt(sum((g - mean) ** 2 for g in gaps) / (n - 1) / n) if n > 1 else 0.0
+        rows.append({"model": model, "R": R, "reduction": reduction, "seeds": n,
+                     "mean final val loss": sum(r.final_loss for r in runs) / n, "mean gap vs fp32 %": mean,
+                     "s.e. %": se, "gaps per seed %": gaps})
+    return rows
+
+
+def seed_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of :func:`summarize_seeds`' rows."""
+    def cell(column: str, value: Any) -> str:
+        if column == "mean final val loss":
+            return f"{value:.4f}"
+        if column in ("mean gap vs fp32 %", "s.e. %"):
+            return f"{value:+.2f}" if column != "s.e. %" else f"{value:.2f}"
+        if column == "gaps per seed %":
+            return ", ".join(f"{g:+.2f}" for g in value)
+        return str(value)
+
+    lines = ["| " + " | ".join(SEED_COLUMNS) + " |", "|" + "|".join("---" for _ in SEED_COLUMNS) + "|"]
+    lines += ["| " + " | ".join(cell(c, row[c]) for c in SEED_COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot_seeds(rows: list[dict[str, Any]], path: str) -> None:
+    """A PNG of :func:`summarize_seeds`' rows: per (model, world size) and reduction the gap of each
+    seed against fp32 (dots) and their mean with +-2 standard errors (bar), the +-0.5 % band shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    cases = sorted({(r["model"], r["R"]) for r in rows})
+    reductions = [name for name in REDUCTIONS if any(r["reduction"] == name for r in rows) and name != "fp32"]
+    fig, ax = plt.subplots(figsize=(1.2 + 1.6 * len(cases), 3.6))
+    colors = {"bf16-ring": "tab:blue", "fp8-ef": "tab:green", "fp8": "tab:red", "int8-ef": "tab:purple"}
+    width = 0.8 / max(len(reductions), 1)
+    for i, case in enumerate(cases):
+        for j, name in enumerate(reductions):
+            row = next((r for r in rows if (r["model"], r["R"]) == case and r["reduction"] == name), None)
+            if row is None:
+                continue
+            x = i + (j - (len(reductions) - 1) / 2) * width
+            ax.plot([x] * row["seeds"], row["gaps per seed %"], "o", color=colors.get(name, "gray"), markersize=3,
+                    alpha=0.6, label=name if i == 0 else None)
+            ax.errorbar([x], [row["mean gap vs fp32 %"]], yerr=[2 * row["s.e. %"]], fmt="_", color="k",
+                        markersize=12, capsize=3)
+    ax.axhspan(-0.5, 0.5, color="tab:green", alpha=0.12, linewidth=0)
+    ax.axhline(0.0, color="k", linewidth=0.6)
+    ax.set_xticks(range(len(cases)), [f"{m}\nR = {R}" for m, R in cases])
+    ax.set_ylabel("final loss - fp32's, % (same seed)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
 
 
 def plot(results: list[RunResult], path: str) -> None:
