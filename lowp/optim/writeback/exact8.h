@@ -26,7 +26,7 @@ static inline void write_back_lanes(const Pointers &p, int64_t i, const Rng &rng
     still[h] = (vi)(b2 == (vu)w[h]);
   }
   vu pw = ((vu)top[1] << 16) | ((vu)top[0] & 0xFFFFu);
-  vh pr = __builtin_convertvector((((vu)rem[1] & 0xFFu) << 8) | ((vu)rem[0] & 0xFFu), vh);
+  vh pr = low_halves(((vu)rem[1] << 8) | ((vu)rem[0] & 0xFFu));
   memcpy((uint16_t *)p.w + i, &pw, sizeof(vu));
   memcpy((int8_t *)p.b + i, &pr, sizeof(vh));
 }

@@ -251,16 +251,8 @@ static inline void store8_bytes(void *codes, int64_t j, vi8 v) {
 // store_lanes of every one-byte code: byte 2l from even lane l, byte 2l + 1 from odd lane l (the
 // low bytes of the 16-bit lanes even | odd << 8).
 static inline void store_lanes_bytes(void *codes, int64_t i, vi even, vi odd) {
-#if LOWP_LANES == 16
-  _mm256_storeu_si256((__m256i *)((uint8_t *)codes + i), _mm512_cvtepi32_epi16((__m512i)((even & 0xFF) | (odd << 8))));
-#else
-  // 16-bit lanes e0-3 o0-3 | e4-7 o4-7 (codes fit without saturating), their low bytes
-  // interleaved within each half, the halves' low 8 bytes joined
-  const __m256i w = _mm256_packs_epi32((__m256i)even, (__m256i)odd);
-  const __m256i b = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                            0, 8, 2, 10, 4, 12, 6, 14, -1, -1, -1, -1, -1, -1, -1, -1));
-  _mm_storeu_si128((__m128i *)((uint8_t *)codes + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
-#endif
+  const vh pairs = low_halves((vu)(even & 0xFF) | ((vu)odd << 8));
+  memcpy((uint8_t *)codes + i, &pairs, sizeof(vh));
 }
 
 // The 2 * LANES bytes from ``i`` as LANES 16-bit lanes (lane l: byte 2l | byte 2l+1 << 8).
