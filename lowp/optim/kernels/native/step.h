@@ -80,7 +80,7 @@ struct TensorStreams {
   }
 };
 
-// The Rngs of the 16-element blocks of a group of ``span`` elements whose element 0 has global
+// The Rngs of the BLOCK-element blocks of a group of ``span`` elements whose element 0 has global
 // index ``first``: one TensorStreams::at for the whole group, whose keys every block shares, unless
 // the group crosses a multiple of 2^32 (then each block's own, in ``crossing``: an Rng of such a
 // group is valid until the next ``at``). Its Rngs point into it, so it is never copied.
