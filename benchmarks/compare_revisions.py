@@ -33,6 +33,8 @@ CONFIGS = {
                                          "exp_avg_sq=torch.uint4))",
     "native kahan, e4m3 states": "dict(backend='native', state_dtype=dict(exp_avg=torch.float8_e4m3fn, "
                                  "exp_avg_sq=torch.float8_e4m3fn))",
+    "native exact8, int8 / uint8 states (5 B/param)": "dict(backend='native', mode='exact8', state_dtype=dict("
+                                                      "exp_avg=torch.int8, exp_avg_sq=torch.uint8))",
     "unfused kahan (fused=False)": "dict(fused=False)",
     "unfused kahan, states rounded to nearest": "dict(fused=False, state_rounding='nearest')",
 }
