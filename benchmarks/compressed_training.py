@@ -119,7 +119,12 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     shapes = {"demo": {"steps": args.steps, "lr": 2e-3}, "recall": {"steps": args.recall_steps, "lr": 3e-3}}
     results: list[RunResult] = []
     start = time.perf_counter()
-    seeds = [int(s) for s in _names(args.seeds, None, "seeds")]
+    try:
+        seeds = [int(s) for s in _names(args.seeds, None, "seeds")]
+    except ValueError:
+        raise SystemExit(f"--seeds: expected comma-separated ints, got {args.seeds!r}") from None
+    if not seeds:
+        raise SystemExit("--seeds: expected at least one seed")
     for seed in seeds:
         for model in models:
             for R in world_sizes:

@@ -97,3 +97,10 @@ def test_gaps_are_paired_by_seed_and_the_verdict_uses_their_mean(tmp_path, capsy
     assert "| " + " | ".join(SEED_COLUMNS) + " |" in printed
     assert "demo R=2 fp8-ef (mean of 3 seeds, s.e. 0.26%): gap +0.300% (met" in printed
     assert out.stat().st_size > 1000 and (tmp_path / "curves_seeds.png").stat().st_size > 1000
+
+
+def test_bad_seeds_are_refused_with_the_option_named():
+    script = benchmark("compressed_training")
+    for bad in ("1,x", ","):
+        with pytest.raises(SystemExit, match="--seeds: expected"):
+            script.main(["--seeds", bad])
