@@ -24,6 +24,7 @@ import torch
 from lowp.formats import get_format
 from lowp.report import markdown_table, text_table
 from lowp.rounding import quantize
+from timing import best_seconds
 
 CASES = [("bf16", ml_dtypes.bfloat16, 1.0), ("fp16", np.float16, 1.0), ("fp8_e4m3fn", ml_dtypes.float8_e4m3fn, 64.0)]
 
@@ -31,13 +32,7 @@ CASES = [("bf16", ml_dtypes.bfloat16, 1.0), ("fp16", np.float16, 1.0), ("fp8_e4m
 def best_ns_per_element(fn: Callable[[], object], n: int, repeats: int,
                         clock: Callable[[], float] = time.perf_counter) -> float:
     """Best of ``repeats`` timings of ``fn`` (after one warm-up call), in nanoseconds per element of ``n``."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        best = min(best, clock() - start)
-    return best / n * 1e9
+    return best_seconds(fn, repeats, clock) / n * 1e9
 
 
 def main() -> None:

@@ -21,25 +21,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
 import torch
 
 from lowp.distributed.wire import WireFormat, decode, encode, wire_bytes
 from lowp.report import markdown_table, text_table
+from timing import best_seconds
 
 FORMATS = [WireFormat(), WireFormat(element="fp8_e5m2"), WireFormat(element="int8"),
            WireFormat(rounding="stochastic")]
-
-
-def _best(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        best = min(best, clock() - start)
-    return best
 
 
 def wire_step(g: torch.Tensor, residual: torch.Tensor, piece: torch.Tensor, fmt: WireFormat, R: int) -> int:
@@ -79,14 +69,14 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--numel {n} is not a multiple of the world size {R}")
         ring = 2 * (R - 1) * (n // R)            # elements a ring all-reduce sends per rank
         bf16_bytes = ring * torch.empty(0, dtype=torch.bfloat16).element_size()
-        bf16_time = _best(lambda: g.bfloat16().float(), args.repeats, clock)
+        bf16_time = best_seconds(lambda: g.bfloat16().float(), args.repeats, clock)
         rows.append([R, "fp32 ring all-reduce", ring * 4, f"{ring * 4 / bf16_bytes:.3f}", "0.00"])
         rows.append([R, "bf16 ring all-reduce", bf16_bytes, "1.000", f"{bf16_time / n * 1e9:.2f}"])
         for fmt in FORMATS:
             residual = torch.zeros(n)
             piece = encode(g[:n // R], fmt, 7 if fmt.rounding == "stochastic" else None)
             sent = wire_step(g, residual, piece, fmt, R)
-            seconds = _best(lambda: wire_step(g, residual, piece, fmt, R), args.repeats, clock)
+            seconds = best_seconds(lambda: wire_step(g, residual, piece, fmt, R), args.repeats, clock)
             rows.append([R, f"8-bit wire {fmt} + feedback", sent, f"{sent / bf16_bytes:.3f}",
                          f"{seconds / n * 1e9:.2f}"])
     header = ["R", "reduction", "bytes sent per rank", "x bf16 ring", "local ns/element"]
