@@ -513,8 +513,10 @@ def seed_table(rows: list[dict[str, Any]]) -> str:
     def cell(column: str, value: Any) -> str:
         if column == "mean final val loss":
             return f"{value:.4f}"
-        if column in ("mean gap vs fp32 %", "s.e. %"):
-            return f"{value:+.2f}" if column != "s.e. %" else f"{value:.2f}"
+        if column == "mean gap vs fp32 %":
+            return f"{value:+.2f}"
+        if column == "s.e. %":
+            return f"{value:.2f}"
         if column == "gaps per seed %":
             return ", ".join(f"{g:+.2f}" for g in value)
         return str(value)
