@@ -26,6 +26,7 @@ CONFIGS = {
     "native kahan, no diagnostics/finite check": "dict(backend='native', diagnostics=False, nonfinite='off')",
     "native kahan, states rounded to nearest": "dict(backend='native', state_rounding='nearest')",
     "native exact": "dict(backend='native', mode='exact')",
+    "native exact8": "dict(backend='native', mode='exact8')",
     "native stochastic": "dict(backend='native', mode='stochastic')",
     "native kahan, int8 / uint8 states": "dict(backend='native', state_dtype=dict(exp_avg=torch.int8, "
                                          "exp_avg_sq=torch.uint8))",

@@ -9,7 +9,7 @@ static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
   memcpy(&top, (const uint16_t *)p.w + i, sizeof(vu));
   vh pairs;
   memcpy(&pairs, (const int8_t *)p.b + i, sizeof(vh));
-  const vu rem = __builtin_convertvector(pairs, vu);  // odd byte << 8 | even byte
+  const vu rem = widen(pairs);  // odd byte << 8 | even byte
   w[0] = (vf)((top << 16) + (vu)((vi)(rem << 24) >> 16));
   w[1] = (vf)((top & 0xFFFF0000u) + ((vu)((vi)(rem << 16) >> 16) & ~0xFFu));
 }

@@ -9,11 +9,12 @@
 //           (q * s, squared for unsigned codes; fp8 codes through their fp16 patterns, codes.h's
 //           fp8_values); the rule; store the plain states; keep the coded states' new values t
 //           (for unsigned codes their square roots: the rule's own sqrt of the second moment,
-//           which the compiler computes once) in L1, and each block's peak |t| (an integer max on
-//           the bit patterns);
+//           which the compiler computes once), the update and the weight in L1, and each block's
+//           peak |t| (an integer max on the bit patterns);
 //   pass 2: the scales and reciprocals of all the group's blocks of a state at once, from the peaks
 //           (codes.h's block_scales: one vector division for up to 8 blocks instead of a scalar
-//           chain per block); then per block, per BLOCK elements, step.h's write-back and the codes of
+//           chain per block); then per block, per BLOCK elements, step.h's write-back (of the kept
+//           weight and update) and the codes of
 //           t with the random bits of the state's own stream (the Rng of step.h, as for 16-bit
 //           states; one key fold per group, GroupRng); a block where every coded state takes its
 //           fixed path (the common case) runs code without the general path's checks.
@@ -77,7 +78,7 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
                                                               int64_t block0, uint64_t index, int subs, int64_t count,
                                                               TensorStreams &streams, const rule_uniform &r,
                                                               const vf &factor, const Grid *grid, vi &stalled) {
-  vf u[SUBS][2];
+  vf u[SUBS][2], weight[SUBS][2];  // pass 1's updates and weights, for pass 2
   vf t[NSTATES + 1][SUBS][2];
   vu8 peak[NSTATES + 1][8];  // per block (lane_maxima's 8 vectors; those past the group's blocks are 0)
   vi valid[2];
@@ -99,6 +100,7 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
       if constexpr (MASKED) valid_lanes(BLOCK * k, count, valid);
       vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
       load_weight_and_grad(p, e, factor, w, g);
+      weight[k][0] = w[0], weight[k][1] = w[1];
       for_states([&](auto j) {
         constexpr int J = decltype(j)::value;
         if constexpr (coded_state(J)) {
@@ -160,7 +162,7 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
         const int64_t e = i + BLOCK * k;
         const Rng rng = rngs.at(BLOCK * k);
         if constexpr (MASKED) valid_lanes(BLOCK * k, count, valid);
-        write_back_block(p, e, rng, u[k], MASKED ? valid : ALL_VALID, stalled);
+        write_back_block(p, e, rng, weight[k], u[k], MASKED ? valid : ALL_VALID, stalled);
         for_states([&](auto j) {
           constexpr int J = decltype(j)::value;
           if constexpr (coded_state(J)) {

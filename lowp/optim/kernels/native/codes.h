@@ -272,11 +272,11 @@ template <bool SIGNED_BYTES> struct IntegerBytes {
   static inline void load_lanes(const void *codes, int64_t i, vf &even, vf &odd) {
     if constexpr (SIGNED_BYTES) {
       // lane l: byte 2l | byte 2l+1 << 8, sign-extended from the odd byte
-      const vi sx = __builtin_convertvector((vhs)byte_pairs(codes, i), vi);
+      const vi sx = widen((vhs)byte_pairs(codes, i));
       even = int_to_float((vu)((sx << 24) >> 24));
       odd = int_to_float((vu)(sx >> 8));
     } else {
-      const vu x = __builtin_convertvector(byte_pairs(codes, i), vu);
+      const vu x = widen(byte_pairs(codes, i));
       even = int_to_float(x & 0xFFu);
       odd = int_to_float(x >> 8);
     }

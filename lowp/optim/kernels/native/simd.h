@@ -36,7 +36,8 @@ static inline vu8 bcu8(uint32_t x) { return (vu8)_mm256_set1_epi32((int)x); }
 // Broadcasts (exact: -0.0 stays -0.0, which adding x to a zero vector would not keep), and the
 // conversions at each width: fp16 -> fp32 (exact), int32 -> fp32 (signed lanes, rounded to nearest),
 // fp32 -> int32 truncated (cvtt: 0x80000000 out of range), fp32 rounded to an integer, ties to even,
-// and the low 16 bits of each lane.
+// the low 16 bits of each lane, and 16-bit lanes widened to 32 (zero- or sign-extended: one
+// vpmovzxwd / vpmovsxwd, where __builtin_convertvector gave GCC two half-width ones and an insert).
 #if LOWP_LANES == 16
 static inline vf bc(float x) { return (vf)_mm512_set1_ps(x); }
 static inline vu bcu(uint32_t x) { return (vu)_mm512_set1_epi32((int)x); }
@@ -48,6 +49,8 @@ static inline vf int_to_float(vu x) { return (vf)_mm512_cvtepi32_ps((__m512i)x);
 static inline vi truncate_(vf x) { return (vi)_mm512_cvttps_epi32((__m512)x); }
 static inline vf round_even_(vf x) { return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vh low_halves(vu x) { return (vh)_mm512_cvtepi32_epi16((__m512i)x); }
+static inline vu widen(vh x) { return (vu)_mm512_cvtepu16_epi32((__m256i)x); }
+static inline vi widen(vhs x) { return (vi)_mm512_cvtepi16_epi32((__m256i)x); }
 #else
 static inline vf bc(float x) { return (vf)_mm256_set1_ps(x); }
 static inline vu bcu(uint32_t x) { return (vu)_mm256_set1_epi32((int)x); }
@@ -62,6 +65,8 @@ static inline vh low_halves(vu x) {  // packus saturates: the lanes are cut to 1
   const __m256i low = _mm256_and_si256((__m256i)x, _mm256_set1_epi32(0xFFFF));
   return (vh)_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(low, low), 0x08));
 }
+static inline vu widen(vh x) { return (vu)_mm256_cvtepu16_epi32((__m128i)x); }
+static inline vi widen(vhs x) { return (vi)_mm256_cvtepi16_epi32((__m128i)x); }
 #endif
 static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
 

@@ -138,10 +138,12 @@ static inline void load_inputs(const Pointers &p, int64_t i, const vf &factor, v
   });
 }
 
-// Pass 1 over a block: load, rule, state stores; returns the update ``u`` (even, odd).
+// Pass 1 over a block: load, rule, state stores; returns the update ``u`` and the weight ``w`` (even,
+// odd), which pass 2 reads back from L1 rather than decoding the weight again (exact8's decode is a
+// dozen instructions per vector: 4% of the 5 bytes/param step, docs/fused.md).
 static inline void update_block(const Pointers &p, int64_t i, const rule_uniform &r, const vf &factor,
-                                const Rng &rng, vf u[2]) {
-  vf w[2], g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
+                                const Rng &rng, vf u[2], vf w[2]) {
+  vf g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
   load_inputs(p, i, factor, w, g, s);
   for (int h = 0; h < 2; h++) u[h] = rule(r, w[h], g[h], s[h], out[h]);
   for_states([&](auto j) {
@@ -150,15 +152,13 @@ static inline void update_block(const Pointers &p, int64_t i, const rule_uniform
   });
 }
 
-// Pass 2 over a block: the write-back mode (lowp/optim/writeback). A lane is stalled when its
+// Pass 2 over a block: the write-back mode (lowp/optim/writeback) from pass 1's ``w`` and ``u``. A lane is stalled when its
 // stored weight did not change (the update was lost to rounding, or zero); ``valid`` marks the
 // lanes inside the tensor (all but a tail block's padding), the only ones that may count; a
 // stalled lane adds -1 to ``stalled``.
-static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng, const vf u[2],
+static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng, const vf w[2], const vf u[2],
                                     const vi *valid, vi &stalled) {
-  vf w[2];
   vi still[2];
-  load_weight(p, i, w);
   write_back_lanes(p, i, rng, w, u, still);
   if constexpr (COUNT) stalled += (still[0] & valid[0]) + (still[1] & valid[1]);
 }
@@ -255,25 +255,28 @@ static inline void step_unit(const Pointers &p, int64_t start, int64_t end, uint
   // Two passes per group of GROUP elements (their updates wait in L1): each pass has a shorter
   // dependency chain than the whole step, so the core overlaps more blocks (measured faster).
   for (; i + GROUP <= end; i += GROUP) {
-    vf u[GROUP / BLOCK][2];
+    vf u[GROUP / BLOCK][2], w[GROUP / BLOCK][2];
     GroupRng rng(streams, base + i, GROUP);  // for both passes
-    for (int64_t j = 0; j < GROUP; j += BLOCK) update_block(p, i + j, r, factor, rng.at(j), u[j / BLOCK]);
-    for (int64_t j = 0; j < GROUP; j += BLOCK) write_back_block(p, i + j, rng.at(j), u[j / BLOCK], valid, stalled);
+    for (int64_t j = 0; j < GROUP; j += BLOCK) update_block(p, i + j, r, factor, rng.at(j), u[j / BLOCK], w[j / BLOCK]);
+    for (int64_t j = 0; j < GROUP; j += BLOCK)
+      write_back_block(p, i + j, rng.at(j), w[j / BLOCK], u[j / BLOCK], valid, stalled);
   }
   for (; i + BLOCK <= end; i += BLOCK) {
     vf u[2];
     StreamKeys keys;
     const Rng rng = streams.at(base + i, keys);
-    update_block(p, i, r, factor, rng, u);
-    write_back_block(p, i, rng, u, valid, stalled);
+    vf w[2];
+    update_block(p, i, r, factor, rng, u, w);
+    write_back_block(p, i, rng, w, u, valid, stalled);
   }
   if (i < end)
     tail<true>(p, i, end - i, [&](const Pointers &q, const vi *lanes_valid) {
       vf u[2];
       StreamKeys keys;
       const Rng rng = streams.at(base + i, keys);
-      update_block(q, 0, r, factor, rng, u);
-      write_back_block(q, 0, rng, u, lanes_valid, stalled);
+      vf w[2];
+      update_block(q, 0, r, factor, rng, u, w);
+      write_back_block(q, 0, rng, w, u, lanes_valid, stalled);
     });
 }
 
