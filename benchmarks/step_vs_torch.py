@@ -27,7 +27,10 @@ synchronization, so a row's time is the whole step, host and device. ``--profile
 the time of the step's GPU kernels (``torch.profiler``: one profiled step after the timed ones)
 and the bandwidth they reach: the bytes a step must move at least (each weight read and written,
 its gradient read, each state tensor read and written) over the kernels' time, against the
-card's copy bandwidth measured in the same run.
+card's copy bandwidth measured in the same run. On the CPU the last lines give the copy bandwidth
+of the process: on a shared virtual machine it can differ from one process to the next (the
+2-vCPU machine of docs/fused.md has two kinds of process), and torch's fused fp32 step, bound by
+memory, follows it while lowp's native step, bound by its arithmetic, does not.
 
     python benchmarks/step_vs_torch.py [--optimizer adamw|sgd|lion] [--lists 16x8M gpt2 ...]
         [--steps 9] [--threads N] [--device cpu|cuda] [--profile] [--markdown]
@@ -271,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"GPU kernels of one step (torch.profiler) and the bandwidth of the bytes it must move; "
               f"device-to-device copy here: {copy_bandwidth(args.device) / 1e9:.0f} GB/s")
         print(render(header, kernel_table))
+    if args.device == "cpu":
+        print(f"memory copy bandwidth in this process: {copy_bandwidth('cpu', 1 << 24) / 1e9:.0f} GB/s "
+              "(torch's fused fp32 step is bound by it, lowp's native step by its arithmetic: see docs/fused.md)")
     if per_tensor:
         print("host time per tensor (500x1000): " + ", ".join(f"{r} {us:.1f} us" for r, us in per_tensor.items()))
     steps = len(args.lists) * (args.steps + 2)

@@ -39,6 +39,8 @@ def test_a_small_run_prints_every_row(optimizer):
     assert re.search(r"\(1\.00x\)", data)   # the baseline against itself
     host = next(line for line in lines if line.startswith("host time per tensor (500x1000)"))
     assert all(name in host for name in rows)
+    memory = next(line for line in lines if line.startswith("memory copy bandwidth in this process"))
+    assert float(re.search(r": (\d+) GB/s", memory).group(1)) > 0
     cached = next(line for line in lines if line.startswith("steps taken from the cached plan"))
     lowp_rows = [name for name in rows if name.startswith("lowp")]
     # every step of a lowp row after its first took the cached plan (the fast path ran)
