@@ -385,3 +385,37 @@ def test_element_index_of_boxes():
         assert torch.equal(index.shifted(half).tensor(region.numel() - half), region[half:]), (shape, offset)
     with pytest.raises(ValueError, match="params"):
         sharding.box_index((2, 2, 2), (0, 0, 0), (6, 5, 4))
+
+
+def test_boxes_are_kept_per_layout_and_rank(monkeypatch):
+    """``_box_of`` asks torch once per (global shape, mesh shape, this rank's coordinate,
+    placements) and then answers from its table; another coordinate or placement is another
+    box, and a placement that cannot be hashed is computed every time."""
+    from torch.distributed.tensor import _utils
+
+    calls = []
+
+    def fake(shape, mesh, placements):
+        calls.append((tuple(shape), tuple(mesh.get_coordinate()), tuple(placements)))
+        return torch.Size([shape[0] // 2, *shape[1:]]), (mesh.get_coordinate()[0] * shape[0] // 2, 0)
+
+    class Mesh:
+        def __init__(self, coordinate):
+            self.shape, self.coordinate = (2,), [coordinate]
+
+        def get_coordinate(self):
+            return self.coordinate
+
+    class Unhashable:
+        __hash__ = None
+
+    monkeypatch.setattr(_utils, "compute_local_shape_and_global_offset", fake)
+    monkeypatch.setattr(sharding, "_BOXES", {})
+    first = sharding._box_of((8, 3), Mesh(1), ("S0",))
+    assert first == ((4, 3), (4, 0)) and len(calls) == 1
+    assert sharding._box_of([8, 3], Mesh(1), ["S0"]) == first and len(calls) == 1   # from the table
+    assert sharding._box_of((8, 3), Mesh(0), ("S0",)) == ((4, 3), (0, 0)) and len(calls) == 2
+    assert sharding._box_of((8, 3), Mesh(1), ("S1",)) == first and len(calls) == 3
+    odd = (Unhashable(),)
+    assert sharding._box_of((8, 3), Mesh(1), odd) == first and sharding._box_of((8, 3), Mesh(1), odd) == first
+    assert len(calls) == 5
