@@ -13,11 +13,11 @@
 //           peak |t| (an integer max on the bit patterns);
 //   pass 2: the scales and reciprocals of all the group's blocks of a state at once, from the peaks
 //           (codes.h's block_scales: one vector division for up to 8 blocks instead of a scalar
-//           chain per block); then per block, per BLOCK elements, step.h's write-back (of the kept
-//           weight and update) and the codes of
-//           t with the random bits of the state's own stream (the Rng of step.h, as for 16-bit
-//           states; one key fold per group, GroupRng); a block where every coded state takes its
-//           fixed path (the common case) runs code without the general path's checks.
+//           chain per block); then per block, per BLOCK elements, step.h's write-back of the kept
+//           weight and update, and the codes of t with the random bits of the state's own stream
+//           (the Rng of step.h, as for 16-bit states; one key fold per group, GroupRng); a block
+//           where every coded state takes its fixed path (the common case) runs code without the
+//           general path's checks.
 //
 // Every block is encoded from its own values with the bits of its own elements, so the result is
 // that of lowp/optim/coded.py's decode / step / encode passes bit for bit. The decoded states use

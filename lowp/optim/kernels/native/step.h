@@ -140,7 +140,7 @@ static inline void load_inputs(const Pointers &p, int64_t i, const vf &factor, v
 
 // Pass 1 over a block: load, rule, state stores; returns the update ``u`` and the weight ``w`` (even,
 // odd), which pass 2 reads back from L1 rather than decoding the weight again (exact8's decode is a
-// dozen instructions per vector: 4% of the 5 bytes/param step, docs/fused.md).
+// dozen instructions per vector: about 3% of the 5 bytes/param step, docs/fused.md).
 static inline void update_block(const Pointers &p, int64_t i, const rule_uniform &r, const vf &factor,
                                 const Rng &rng, vf u[2], vf w[2]) {
   vf g[2], s[2][NSTATES + 1], out[2][NSTATES + 1];
@@ -152,10 +152,10 @@ static inline void update_block(const Pointers &p, int64_t i, const rule_uniform
   });
 }
 
-// Pass 2 over a block: the write-back mode (lowp/optim/writeback) from pass 1's ``w`` and ``u``. A lane is stalled when its
-// stored weight did not change (the update was lost to rounding, or zero); ``valid`` marks the
-// lanes inside the tensor (all but a tail block's padding), the only ones that may count; a
-// stalled lane adds -1 to ``stalled``.
+// Pass 2 over a block: the write-back mode (lowp/optim/writeback) from pass 1's ``w`` and ``u``. A
+// lane is stalled when its stored weight did not change (the update was lost to rounding, or zero);
+// ``valid`` marks the lanes inside the tensor (all but a tail block's padding), the only ones that
+// may count; a stalled lane adds -1 to ``stalled``.
 static inline void write_back_block(const Pointers &p, int64_t i, const Rng &rng, const vf w[2], const vf u[2],
                                     const vi *valid, vi &stalled) {
   vi still[2];
