@@ -142,19 +142,24 @@ def _box_of(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placeme
     """Local shape and global offset of this rank's box of a DTensor of global ``shape``. Kept per
     (shape, mesh shape, this rank's coordinate in the mesh, placements), all it depends on: torch's
     computation took 40 us per parameter of every full step."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     key = (tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate() or ()), tuple(placements))
     try:
         found = _BOXES.get(key)
     except TypeError:   # a placement that cannot be hashed: computed every time
-        local_shape, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
-        return tuple(local_shape), tuple(offset)
+        return _computed_box(shape, mesh, placements)
     if found is None:
-        local_shape, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
         if len(_BOXES) >= 4096:
             _BOXES.clear()
-        found = _BOXES[key] = (tuple(local_shape), tuple(offset))
+        found = _BOXES[key] = _computed_box(shape, mesh, placements)
     return found
+
+
+def _computed_box(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`_box_of` as torch computes it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    local_shape, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    return tuple(local_shape), tuple(offset)
 
 
 #: :func:`_box_of`'s boxes, by their key
