@@ -32,8 +32,16 @@ of the process: on a shared virtual machine it can differ from one process to th
 2-vCPU machine of docs/fused.md has two kinds of process), and torch's fused fp32 step, bound by
 memory, follows it while lowp's native step, bound by its arithmetic, does not.
 
+``--dtensor`` makes every parameter and gradient a DTensor ``Shard(0)`` over a mesh of one rank
+(a process group of one in this process), as FSDP2's ``fully_shard`` holds them: the host work
+of a sharded step per tensor, which torch's optimizers pay in DTensor's dispatch and lowp in its
+plan's checks of the local tensors and one all-reduce of the non-finite flags
+(lowp.optim.cached_step). DeepSpeed's CPUAdam and optimi, which take plain tensors only (optimi's
+foreach step calls ``_foreach_copy_``, for which DTensor has no sharding rule), are left out;
+the Lion table has no torch baseline then: lowp's rows compare with each other.
+
     python benchmarks/step_vs_torch.py [--optimizer adamw|sgd|lion] [--lists 16x8M gpt2 ...]
-        [--steps 9] [--threads N] [--device cpu|cuda] [--profile] [--markdown]
+        [--steps 9] [--threads N] [--device cpu|cuda] [--profile] [--dtensor] [--markdown]
 """
 from __future__ import annotations
 
@@ -41,12 +49,15 @@ import argparse
 import platform
 import statistics
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 import lowp.optim as lo
 from lowp.report import markdown_table, text_table
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 LR, WD = 1e-3, 1e-2
 EIGHT_BIT = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
@@ -91,9 +102,10 @@ def _optimi(name: str) -> Callable | None:
     return getattr(optimi, name)
 
 
-def configs(optimizer: str, device: str = "cpu") -> tuple[str, dict[str, tuple[torch.dtype, Maker]]]:
+def configs(optimizer: str, device: str = "cpu", dtensor: bool = False
+            ) -> tuple[str, dict[str, tuple[torch.dtype, Maker]]]:
     """(the baseline's name, every row: weight dtype and how to build it) for ``optimizer`` on
-    ``device`` (``"cpu"`` or ``"cuda"``)."""
+    ``device`` (``"cpu"`` or ``"cuda"``); ``dtensor``: rows that take DTensor parameters only."""
     rows: dict[str, tuple[torch.dtype, Maker]] = {}
     if optimizer == "adamw":
         rows["torch AdamW fp32 fused"] = (torch.float32, lambda ps: torch.optim.AdamW(ps, LR, weight_decay=WD,
@@ -103,13 +115,13 @@ def configs(optimizer: str, device: str = "cpu") -> tuple[str, dict[str, tuple[t
                 ps, LR, weight_decay=WD, fused=True))
         rows["torch AdamW fp32 foreach"] = (torch.float32, lambda ps: torch.optim.AdamW(ps, LR, weight_decay=WD,
                                                                                          foreach=True))
-        cpu_adam = _deepspeed_adam() if device == "cpu" else None
+        cpu_adam = _deepspeed_adam() if device == "cpu" and not dtensor else None
         if cpu_adam is not None:
             rows["DeepSpeed CPUAdam fp32"] = (torch.float32, lambda ps: cpu_adam(ps, lr=LR, weight_decay=WD))
         rows["lowp bf16 defaults"] = (torch.bfloat16, lambda ps: lo.AdamW(ps, LR, weight_decay=WD, seed=0))
         rows["lowp 5 B/param"] = (torch.bfloat16, lambda ps: lo.AdamW(ps, LR, weight_decay=WD, mode="exact8",
                                                                        state_dtype=EIGHT_BIT, seed=0))
-        optimi_adamw = _optimi("AdamW")
+        optimi_adamw = None if dtensor else _optimi("AdamW")
         if optimi_adamw is not None:
             rows["optimi AdamW bf16 Kahan"] = (torch.bfloat16, lambda ps: optimi_adamw(ps, lr=LR, weight_decay=WD,
                                                                                        kahan_sum=True, foreach=True))
@@ -121,12 +133,12 @@ def configs(optimizer: str, device: str = "cpu") -> tuple[str, dict[str, tuple[t
         rows["lowp bf16 defaults"] = (torch.bfloat16, lambda ps: lo.SGD(ps, LR, momentum=0.9, seed=0))
         rows["lowp bf16 exact8, int8 momentum"] = (torch.bfloat16, lambda ps: lo.SGD(
             ps, LR, momentum=0.9, mode="exact8", state_dtype=torch.int8, seed=0))
-        optimi_sgd = _optimi("SGD")
+        optimi_sgd = None if dtensor else _optimi("SGD")
         if optimi_sgd is not None:
             rows["optimi SGD bf16 Kahan"] = (torch.bfloat16, lambda ps: optimi_sgd(ps, lr=LR, momentum=0.9,
                                                                                    kahan_sum=True, foreach=True))
         return "torch SGD fp32 fused", rows
-    optimi_lion = _optimi("Lion")
+    optimi_lion = None if dtensor else _optimi("Lion")
     if optimi_lion is not None:
         rows["optimi Lion fp32"] = (torch.float32, lambda ps: optimi_lion(ps, lr=LR, foreach=True))
         rows["optimi Lion bf16 Kahan"] = (torch.bfloat16, lambda ps: optimi_lion(ps, lr=LR, kahan_sum=True,
@@ -137,14 +149,31 @@ def configs(optimizer: str, device: str = "cpu") -> tuple[str, dict[str, tuple[t
     return next(iter(rows)), rows
 
 
-def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: str, mesh: DeviceMesh | None = None
+            ) -> list[torch.Tensor]:
+    """Parameters of ``shapes`` with gradients, the same values for every row; DTensors
+    ``Shard(0)`` over ``mesh`` when given."""
     gen = torch.Generator().manual_seed(0)
     out = []
     for shape in shapes:
-        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device, dtype))
-        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(device, dtype)
+        weight = (torch.randn(shape, generator=gen) * 0.02).to(device, dtype)
+        grad = (torch.randn(shape, generator=gen) * 1e-3).to(device, dtype)
+        if mesh is not None:
+            from torch.distributed.tensor import Shard, distribute_tensor
+            weight, grad = (distribute_tensor(t, mesh, [Shard(0)]) for t in (weight, grad))
+        p = torch.nn.Parameter(weight)
+        p.grad = grad
         out.append(p)
     return out
+
+
+def one_rank_mesh(device: str) -> DeviceMesh:
+    """A mesh of this process alone (a gloo or NCCL group of one, in-memory store)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device, (1,))
 
 
 def _sync(device: str) -> None:
@@ -154,14 +183,14 @@ def _sync(device: str) -> None:
 
 def measure(shapes: list[tuple[int, ...]], rows: dict[str, tuple[torch.dtype, Maker]], steps: int,
             cached: dict[str, int] | None = None, device: str = "cpu",
-            profile: dict[str, tuple[float, int]] | None = None) -> dict[str, float]:
+            profile: dict[str, tuple[float, int]] | None = None, mesh: DeviceMesh | None = None) -> dict[str, float]:
     """Median seconds per step of every row on ``shapes``, the rows' steps interleaved; ``cached``
     collects, per lowp row, how many of its steps took the cached plan (lowp.optim.cached_step);
     ``profile`` (CUDA only) receives per row the GPU kernels' seconds in one step and the bytes
-    that step moves at least (:func:`min_bytes`)."""
+    that step moves at least (:func:`min_bytes`); ``mesh``: DTensor parameters sharded over it."""
     built = {}
     for name, (dtype, make) in rows.items():
-        params = _params(shapes, dtype, device)
+        params = _params(shapes, dtype, device, mesh)
         opt = make(params)
         for _ in range(2):   # states created, kernels built
             opt.step()
@@ -240,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--profile", action="store_true", help="CUDA: kernel time and bandwidth per row")
+    ap.add_argument("--dtensor", action="store_true", help="DTensor parameters on a mesh of one rank (FSDP2's)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -248,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--profile needs --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
-    baseline, rows = configs(args.optimizer, args.device)
+    baseline, rows = configs(args.optimizer, args.device, args.dtensor)
+    mesh = one_rank_mesh(args.device) if args.dtensor else None
     header = ["parameter list", *rows]
     table, kernel_table = [], []
     per_tensor = {}
@@ -256,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.lists:
         shapes = LISTS[name]()
         profiled: dict[str, tuple[float, int]] | None = {} if args.profile else None
-        medians = measure(shapes, rows, args.steps, cached, args.device, profiled)
+        medians = measure(shapes, rows, args.steps, cached, args.device, profiled, mesh)
         base = medians[baseline]
         label = f"{name} ({len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes) / 1e6:.2f}M)"
         table.append([label, *(f"{medians[r] * 1e3:.2f} ms ({base / medians[r]:.2f}x)" for r in rows)])
@@ -266,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
             per_tensor = {r: medians[r] / len(shapes) * 1e6 for r in rows}
     where = (f"{torch.cuda.get_device_name()}, one synchronized step at a time" if args.device == "cuda"
              else f"{platform.processor() or platform.machine()}, lowp's native kernel: {native_isa()} build")
-    print(f"{args.optimizer} step on {args.device}, median ms (baseline {baseline} / row); "
+    print(f"{args.optimizer} step on {args.device}{', DTensor parameters (one rank)' if mesh else ''}, "
+          f"median ms (baseline {baseline} / row); "
           f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, {where}")
     render = markdown_table if args.markdown else text_table
     print(render(header, table))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,8 +33,8 @@ def full_params(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g).bfloat16() for s in SHAPES] + [torch.randn(5, generator=g)]
 
 
-def full_grads(step: int, nan_at: tuple[int, int] | None = None) -> list[torch.Tensor]:
-    """The gradients of step ``step`` (same on every rank); ``nan_at=(param, flat index)`` puts a NaN there."""
+def full_grads(step: int, nan_at: tuple[int, ...] | None = None) -> list[torch.Tensor]:
+    """The gradients of step ``step`` (same on every rank); ``nan_at=(param, flat index, ...)`` puts a NaN there."""
     g = torch.Generator().manual_seed(1000 + step)
     grads = [torch.randn(s, generator=g).bfloat16() for s in SHAPES] + [torch.randn(5, generator=g)]
     if nan_at is not None:
@@ -49,10 +49,16 @@ def make_optimizer(name: str, params: list[torch.Tensor], mode: str, backend: st
     return cls(params, mode=mode, seed=7, state_rounding=rounding, **kwargs, **BACKENDS[backend], **extra)
 
 
-def run_steps(opt, params: list[torch.Tensor], set_grad, steps: range, nan_at=None) -> None:
+def run_steps(opt, params: list[torch.Tensor], set_grad, steps: range, nan_at=None,
+              before_nan: Callable[[Any], None] | None = None) -> None:
+    """``nan_at = (param, flat index[, step])``: a NaN in that gradient at that step (default: the
+    first); ``before_nan(opt)`` runs just before that step."""
+    nan_step = steps.start if nan_at is None or len(nan_at) < 3 else nan_at[2]
     for t in steps:
-        for p, g in zip(params, full_grads(t, nan_at if t == steps.start else None)):
+        for p, g in zip(params, full_grads(t, nan_at if t == nan_step else None)):
             set_grad(p, g)
+        if t == nan_step and nan_at is not None and before_nan is not None:
+            before_nan(opt)
         opt.step()
 
 
@@ -82,6 +88,7 @@ def reference(name: str, mode: str, backend: str, nan_at=None, nonfinite: str = 
     out = snapshot(opt, params)
     out["diag"] = diagnostics(opt)
     out["elements"] = elements(opt)
+    out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
     return out
 
 
@@ -136,17 +143,70 @@ def set_dtensor_grad(p, g) -> None:
 
 
 def case_run(world_size: int, layout: str, name: str, mode: str, backend: str, nan_at=None,
-             nonfinite: str = "skip_param") -> dict[str, torch.Tensor]:
+             nonfinite: str = "skip_param", full_step_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """One case on DTensor parameters; ``full_step_rank``: that rank drops its cached plan before
+    the step with the NaN, so it takes a full step while the others take theirs from a plan."""
+    import torch.distributed as dist
     params = fsdp_params(world_size) if layout == "fsdp" else tp_params(world_size, layout)
     opt = make_optimizer(name, params, mode, backend, nonfinite=nonfinite)
-    run_steps(opt, params, set_dtensor_grad, range(STEPS), nan_at)
+
+    def drop(o) -> None:
+        if dist.get_rank() == full_step_rank:
+            o._plans.drop()
+    run_steps(opt, params, set_dtensor_grad, range(STEPS), nan_at, drop)
     out = snapshot(opt, params)
     out["diag"] = diagnostics(opt)
     out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
     out["elements"] = elements(opt)
     local_alias = all(p.to_local().data_ptr() == p._local_tensor.data_ptr() for p in params)
     shards = [opt.state[p]["exp_avg"].to_local().numel() for p in params if "exp_avg" in opt.state.get(p, {})]
-    out["meta"] = torch.tensor([int(local_alias), sum(shards), int(opt.backend.name == "native")])
+    out["meta"] = torch.tensor([int(local_alias), sum(shards), int(opt.backend.name == "native"),
+                                opt._plans.cached_steps])
+    return out
+
+
+def _replicated_grads(opt, params: list[torch.Tensor], t: int) -> None:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    for p, g in zip(params, full_grads(t)):
+        p.grad = distribute_tensor(g, p.device_mesh, [Replicate()], src_data_rank=None)
+
+
+def _swapped_parameter(opt, params: list[torch.Tensor], t: int) -> None:
+    from torch.distributed.tensor import DTensor
+    p = params[0]
+    twin = torch.nn.Parameter(DTensor.from_local(p.to_local().detach().clone(), p.device_mesh, p.placements,
+                                                 shape=p.shape, stride=p.stride()))
+    torch.utils.swap_tensors(p, twin)   # p keeps its identity (and its optimizer state) on a new local tensor
+    set_dtensor_grad(p, full_grads(t)[0])
+
+
+def _replaced_state(opt, params: list[torch.Tensor], t: int) -> None:
+    from torch.distributed.tensor import DTensor
+    state = opt.state[params[0]]
+    old = state["exp_avg"]
+    state["exp_avg"] = DTensor.from_local(old.to_local().clone(), old.device_mesh, old.placements,
+                                          shape=old.shape, stride=old.stride())
+
+
+#: changes before the last step that a cached plan of DTensor parameters must see (the step is
+#: then a full one, whose result is the single-process run's)
+PLAN_CHANGES = {"gradients placed otherwise": _replicated_grads, "parameter swapped": _swapped_parameter,
+                "state replaced": _replaced_state}
+
+
+def plan_change_case(world_size: int, change: str) -> dict[str, torch.Tensor]:
+    """FSDP AdamW (kahan, native) for :data:`STEPS` steps with ``PLAN_CHANGES[change]`` before
+    the last: the snapshot and the steps taken from a cached plan."""
+    params = fsdp_params(world_size)
+    opt = make_optimizer("AdamW", params, "kahan", "fused")
+    for t in range(STEPS):
+        for p, g in zip(params, full_grads(t)):
+            set_dtensor_grad(p, g)
+        if t == STEPS - 1:
+            PLAN_CHANGES[change](opt, params, t)
+        opt.step()
+    out = snapshot(opt, params)
+    out["cached"] = torch.tensor(opt._plans.cached_steps)
     return out
 
 
@@ -369,6 +429,7 @@ def train_save(rank: int, world_size: int, folder: str, mode: str, mp: str | Non
     dtypes = {k: str(v.dtype) for k, v in _full_optim(opt).items()}
     losses += _train(model, opt, range(2, 4))
     return {"losses": losses, "model": _full_model(model), "optim": _full_optim(opt), "dtypes": dtypes,
+            "cached": opt._plans.cached_steps,
             "sharded": all(type(v).__name__ == "DTensor" for k, v in osd["state"][next(iter(osd["state"]))].items()
                            if isinstance(v, torch.Tensor) and k != "step")}   # step: a 0-dim int64 tensor
 
@@ -392,7 +453,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     """One launch of the ranks running everything ``spec`` lists (process start and torch's import
     are the cost of a launch).
 
-    - ``steps``: cases of :func:`case_run`; their snapshots by position;
+    - ``steps``: cases of :func:`case_run`; their snapshots by position (a case of 7 entries
+      names the rank that takes a full step while the others take a cached one);
     - ``save``: modes to train, checkpoint (into ``folder/<mode>-<world size>``) and continue;
       with ``reload`` also resumed right away in a fresh model and optimizer (same world size);
     - ``load``: checkpoints ``<mode>-<world size it was saved at>`` to resume here;
@@ -401,7 +463,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``coded``: cases of :func:`coded_case` with the single-process dicts it loads;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
     - ``errors``: :func:`placement_errors`;
-    - ``gather``: :func:`gather_checks`.
+    - ``gather``: :func:`gather_checks`;
+    - ``plan_changes``: cases of :func:`plan_change_case`.
     """
     torch.manual_seed(0)
     folder = Path(spec.get("folder", "."))
@@ -425,6 +488,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         out["errors"] = placement_errors(world_size)
     if spec.get("gather"):
         out["gather"] = gather_checks(world_size)
+    out["plan_changes"] = {c: plan_change_case(world_size, c) for c in spec.get("plan_changes", [])}
     return out
 
 

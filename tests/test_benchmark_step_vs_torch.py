@@ -25,12 +25,18 @@ def test_gpt2_lists_are_gpt2_small():
     assert full[0] == (50257, 768) and full[2 + 2] == (768, 2304)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lion"])
-def test_a_small_run_prints_every_row(optimizer):
+@pytest.mark.parametrize("optimizer,dtensor", [("adamw", False), ("sgd", False), ("lion", False), ("adamw", True)],
+                         ids=["adamw", "sgd", "lion", "adamw, DTensor parameters"])
+def test_a_small_run_prints_every_row(optimizer, dtensor):
+    """With ``--dtensor`` the lowp rows' steps come from their cached plans too (DTensor
+    parameters on a mesh of one rank; the 8-bit states of 1,000-element shards keep the
+    parameter's placements, as nothing is split)."""
     done = subprocess.run([sys.executable, str(SCRIPT), "--optimizer", optimizer, "--lists", "500x1000", "--steps",
-                           "1", "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "1", "--threads", "1", *(["--dtensor"] if dtensor else [])],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    baseline, rows = benchmark("step_vs_torch").configs(optimizer)
+    baseline, rows = benchmark("step_vs_torch").configs(optimizer, dtensor=dtensor)
+    assert ("DTensor parameters (one rank)" in done.stdout) == dtensor
     lines = [line for line in done.stdout.splitlines() if not line.startswith("[")]   # DeepSpeed logs "[date] ..."
     header = next(line for line in lines if line.startswith("parameter list"))
     assert all(name in header for name in rows)

@@ -218,12 +218,15 @@ def test_a_bad_learning_rate_raises_from_the_cached_plan():
 
 @pytest.mark.parametrize("policy", ["skip_param", "skip_step", "off"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["one variant", "two variants"])
-def test_nonfinite_policies_folded_into_the_native_call(policy, mixed):
+@pytest.mark.parametrize("at", [3, 4], ids=["NaN, then a step", "NaN at the last step"])
+def test_nonfinite_policies_folded_into_the_native_call(policy, mixed, at):
     """A NaN in one gradient at a cached step: the policy applies as in the full step (the
-    reference's bits, counters and step counts); ``mixed`` adds an fp32 parameter (a second
-    kernel call, so skip_step checks every gradient before either call)."""
+    reference's bits, counters, step counts and diagnostics: a skipped tensor's elements are not
+    stepped ones); ``mixed`` adds an fp32 parameter (a second kernel call, so skip_step checks
+    every gradient before either call); ``at``: the step of the NaN (at the last, the diagnostics
+    report the cached step itself)."""
     def poison(opt, params, t):
-        if t == 3:
+        if t == at:
             params[1].grad[5] = float("nan")
 
     def build():
@@ -244,6 +247,8 @@ def test_nonfinite_policies_folded_into_the_native_call(policy, mixed):
     (native, p1), (reference, p2) = on_both(train)
     assert native._plans.cached_steps >= 2
     assert (native.skipped_params, native.skipped_steps) == (reference.skipped_params, reference.skipped_steps)
+    assert [{k: str(v) for k, v in d.items()} for d in native.diagnostics()] == \
+        [{k: str(v) for k, v in d.items()} for d in reference.diagnostics()]   # NaN as "nan"
     assert [native.state[p]["step"] for p in p1] == [reference.state[p]["step"] for p in p2]
     a, b = bits(native, p1), bits(reference, p2)
     if policy == "off":   # the NaN's payload: the kernel stores the default NaN (should become work)

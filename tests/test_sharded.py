@@ -32,11 +32,19 @@ TP_CASES = [("shard1", "AdamW", "kahan", "fused", None, "skip_param"),
 NAN_CASES = [("fsdp", "AdamW", "kahan", "fused", (0, 29), "skip_param"),
              ("fsdp", "Lion", "exact", "unfused", (0, 29), "skip_step"),
              ("fsdp", "Adafactor", "kahan", "fused", (0, 29), "skip_param")]
+# the NaN at the last step, which the ranks take from their cached plans (lowp.optim.cached_step):
+# the flags must agree over the ranks there too, also when one rank takes a full step instead
+# (its plan dropped: a 7th entry names it), which makes the same collective
+PLAN_NAN_CASES = [("fsdp", "AdamW", "kahan", "fused", (0, 29, 2), "skip_param"),
+                  ("fsdp", "SGD", "exact", "fused", (0, 29, 2), "skip_step"),
+                  ("fsdp", "AdamW", "kahan", "fused", (0, 29, 2), "skip_param", 0),
+                  ("fsdp", "AdamW", "kahan", "fused", (0, 29, 2), "skip_param", 1),
+                  ("fsdp", "Lion", "exact", "fused", (0, 29, 2), "skip_step", 1)]
 # the modes that draw the weight stream (indexed by global element: the shards must draw the whole
 # tensor's bits)
 SR_CASES = [("fsdp", name, mode, backend, None, "skip_param") for mode in ("stochastic", "exact8")
             for name in ("AdamW", "SGD") for backend in ("fused", "unfused")]
-CASES = STEP_CASES + TP_CASES + NAN_CASES + SR_CASES
+CASES = STEP_CASES + TP_CASES + NAN_CASES + PLAN_NAN_CASES + SR_CASES
 SD_CASES = [("AdamW", "kahan"), ("Adafactor", "exact")]
 # torch.compile is slow to start: the compiled backend runs in the slow test only
 COMPILED_CASES = [("fsdp", "AdamW", "kahan", "compiled", None, "skip_param"),
@@ -91,6 +99,7 @@ def two_ranks(first_rank):
     spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact", w.CODED],
             "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
             "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES,
+            "plan_changes": list(w.PLAN_CHANGES),
             "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
@@ -104,8 +113,22 @@ def one_rank(two_ranks):
 
 
 def _case_id(case) -> str:
-    layout, name, mode, backend, nan_at, nonfinite = case
-    return f"{layout}-{name}-{mode}-{backend}" + (f"-nan-{nonfinite}" if nan_at else "")
+    layout, name, mode, backend, nan_at, nonfinite, *full_step_rank = case
+    return (f"{layout}-{name}-{mode}-{backend}" + (f"-nan{'-at-last' if nan_at and len(nan_at) > 2 else ''}-{nonfinite}"
+                                                  if nan_at else "")
+            + "".join(f"-rank{r}-full" for r in full_step_rank))
+
+
+def expected_cached_steps(layout: str, name: str, backend: str, nan_at) -> int:
+    """Steps a rank takes from its cached plan (lowp.optim.cached_step): DTensor parameters whose
+    local boxes are contiguous ranges (FSDP rows, replicas) of an elementwise optimizer on the
+    native kernel take one after the first full step whose gradients were all finite. A NaN costs
+    one: at the first step no plan is made; at the last a plan hands the step to a full one
+    (skip_param: the kernel cannot skip a tensor for another rank's shard) or skips it whole
+    (skip_step)."""
+    if backend != "fused" or layout == "shard1" or not w.OPTIMIZERS[name][0].elementwise:
+        return 0
+    return w.STEPS - 1 - (nan_at is not None)
 
 
 def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[torch.Tensor],
@@ -131,11 +154,11 @@ def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[to
         assert all(int(r[1]) > 0 for r in ranks), ranks
 
 
-@pytest.mark.parametrize("case", STEP_CASES + TP_CASES + NAN_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", STEP_CASES + TP_CASES + NAN_CASES + PLAN_NAN_CASES, ids=_case_id)
 def test_sharded_step_equals_unsharded(two_ranks, case):
     _, ranks = two_ranks
     index = CASES.index(case)
-    layout, name, mode, backend, nan_at, nonfinite = case
+    layout, name, mode, backend, nan_at, nonfinite, *full_step_rank = case
     want, want_extra = split(w.reference(name, mode, backend, nan_at, nonfinite))
     assert_sharded_elements(layout, name, backend, [split(r["steps"][index])[1]["elements"] for r in ranks],
                             want_extra["elements"])
@@ -148,8 +171,25 @@ def test_sharded_step_equals_unsharded(two_ranks, case):
         assert int(meta[2]) == (backend == "fused"), "fused=True runs the native kernel on CPU"
         if nan_at is not None:   # every rank skipped, also the one whose shard was finite
             assert skipped.tolist() == ([1, 0] if nonfinite == "skip_param" else [0, 1])
+            assert skipped.tolist() == want_extra["skipped"].tolist()
+        cached = expected_cached_steps(layout, name, backend, nan_at)   # a rank whose plan was dropped: at the NaN
+        assert int(meta[3]) == cached, f"rank {rank}: {int(meta[3])} cached steps, expected {cached}"
         if layout == "fsdp" and "p0.exp_avg" in want:   # moments sharded: about half per rank
             assert int(meta[1]) < sum(v.numel() for k, v in want.items() if k.endswith(".exp_avg"))
+
+
+@pytest.mark.parametrize("change", list(w.PLAN_CHANGES))
+def test_a_change_to_sharded_parameters_takes_the_full_step(two_ranks, change):
+    """A cached plan of DTensor parameters sees what its signature covers: gradients placed
+    unlike their parameters (redistributed by the full step), a parameter swapped onto a new local
+    tensor (``torch.utils.swap_tensors``), a state replaced. The last step is then a full one
+    (one cached step, the second), and every rank holds the single-process run's bits."""
+    _, ranks = two_ranks
+    want, _ = split(w.reference("AdamW", "kahan", "fused"))
+    for rank, results in enumerate(ranks):
+        got = dict(results["plan_changes"][change])
+        assert int(got.pop("cached")) == 1, f"rank {rank}"
+        assert_same(got, want, f"rank {rank}")
 
 
 @pytest.mark.parametrize("case", SR_CASES, ids=_case_id)
@@ -176,6 +216,11 @@ def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(first_rank, two_r
     plain = w.plain_train(mode)
     saved = ranks[0]["save"][mode]
     assert saved["sharded"], "DCP must see DTensor optimizer states"
+    # FSDP2's gradients, reduce-scattered, stepped from the cached plan after the first step (the
+    # coded MLP's 8-bias splits blocks: its codes are replicated, gathered every step, no plan);
+    # one rank: a mesh that splits nothing, so the coded one takes plans too
+    assert [r["save"][mode]["cached"] for r in ranks] == [0 if mode == w.CODED else 3] * 2
+    assert first_rank[1]["save"][mode]["cached"] == 3
     assert saved["losses"] == plain["losses"]
     assert_same(saved["model"], plain["model"], "weights after 4 FSDP steps")
     assert_same(saved["optim"], plain["optim"], "states after 4 FSDP steps")

@@ -21,6 +21,16 @@ on the host (Triton).
 list (:class:`Plans`), whose signature checks the listed parameters at their places in the
 groups and the groups holding them instead of every group.
 
+DTensor parameters (FSDP2, tensor parallel) take a plan too when the kernel stepped each one's
+whole local box as one contiguous range of the global tensor (a ``Shard(0)`` shard, a replica)
+and its gradient is a DTensor placed like it: the plan keeps the local tensors and the boxes'
+offsets (the random streams). Their non-finite check must agree over the ranks, as a full
+step's does (:func:`lowp.optim.sharding.agree`): each step checks the local gradients first and
+all-reduces the flags, in the order of the parameters in the groups, the same collective a
+full step makes, so ranks whose plans hold and ranks taking a full step agree; only when every
+flag holds does the kernel run (without its own check). A skipped step is skipped here; a
+parameter to skip hands the step, with the agreed flags, to a full step (:meth:`Plans.try_step`).
+
 The signature, compared before anything is written (any difference: the full step, which
 checks again and builds a new plan):
 
@@ -29,14 +39,17 @@ checks again and builds a new plan):
 - each group: its parameters (the same objects), and every option that is not a float (mode,
   state dtypes, block size, rounding, ...) and the spec's switches, equal; the floats (learning
   rate, weight decay, ...) are read anew and checked (``check_group``) every step;
-- each stepped parameter, state, buffer and block-scale tensor: the same object, at the same
+- each stepped parameter, state, buffer and block-scale tensor: the same object (a DTensor:
+  holding the same local tensor and layout, ``_local_tensor`` and ``_spec``), at the same
   data pointer, on a storage of the same size (a storage freed and allocated again may return
   at the same address), with the same dtype, shape and version counter (``set_``, ``resize_``
   or ``as_strided_`` bump it; the kernels write without bumping it), and the step count
   the plan advanced it to;
 - which parameters have a gradient, and for each gradient (a new tensor every step after
   ``zero_grad()``): a plain tensor on its parameter's device, strided and contiguous, with the
-  dtype and shape of the plan, aligned, inside its storage, on a storage the step does not write.
+  dtype and shape of the plan, aligned, inside its storage, on a storage the step does not write
+  (a DTensor parameter's: a DTensor with its parameter's mesh, placements and shape, whose local
+  tensor is such a tensor).
 
 Values never enter the signature: a step reads them, and a weight changed in place under
 ``torch.no_grad()`` only bumps its version counter (the next step then plans anew).
@@ -45,12 +58,12 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import Any, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, TypeGuard, cast
 
 import torch
 
 from lowp.interrupts import deferred_interrupts
-from lowp.optim import backends
+from lowp.optim import backends, sharding
 from lowp.optim.backends import FusedBackend
 from lowp.optim.codes import scale_name
 from lowp.optim.kernels import coded_slices
@@ -59,6 +72,9 @@ from lowp.optim.kernels.kernel import CHECKS, Kernel, KernelLaunch, gradient_fac
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.writeback import MODES
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class LowpOptimizer(backends.LowpOptimizer, Protocol):
@@ -106,11 +122,51 @@ _STORAGE_OFFSET = torch.Tensor.storage_offset
 _UNTYPED_STORAGE = torch.Tensor.untyped_storage
 _NBYTES = torch.UntypedStorage.nbytes
 _STORAGE_PTR = torch.UntypedStorage.data_ptr
+# a DTensor's own fields (torch.distributed.tensor.DTensor's __slots__): read as attributes, so a
+# signature check is one C loop over the DTensors; public ``to_local()`` returns a fresh view of a
+# parameter's local tensor at every call (torch >= 2.12)
+_LOCAL_TENSOR = operator.attrgetter("_local_tensor")
+_SPEC = operator.attrgetter("_spec")
+_PLACEMENTS = operator.attrgetter("placements")
+_MESH = operator.attrgetter("device_mesh")
 
 
 def _plain(t: Any) -> bool:
     """A plain tensor (or parameter): its memory is its own storage."""
     return type(t) is _TENSOR or type(t) is torch.nn.Parameter
+
+
+def _target(owner: torch.Tensor, s: ParamSlice) -> torch.Tensor | None:
+    """The tensor a plan writes for slice ``s`` of parameter ``owner``, when ``s`` is all of it:
+    ``owner`` itself (a plain parameter), or the local tensor of a DTensor parameter whose
+    gradient is a DTensor placed like it (the slice aliasing the local tensor whole); else
+    ``None`` (a chunk, a gathered or redistributed step: no plan)."""
+    if _plain(owner):
+        return owner if s.param is owner and s.index.first() == 0 else None
+    grad = owner.grad
+    if not (_exact_dtensor(owner) and _exact_dtensor(grad)):
+        return None
+    local = owner._local_tensor
+    if not _plain(local) or s.param.data_ptr() != local.data_ptr() or s.param.shape != local.shape \
+            or s.numel != local.numel() or tuple(grad.placements) != tuple(owner.placements) \
+            or grad.device_mesh is not owner.device_mesh or s.grad is not grad._local_tensor:
+        return None
+    return local
+
+
+def _local_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor a kernel reads for the state ``t``: ``t`` (plain) or a DTensor's local
+    tensor; ``None`` for anything else."""
+    if _plain(t):
+        return t
+    if _exact_dtensor(t) and _plain(t._local_tensor):
+        return t._local_tensor
+    return None
+
+
+def _exact_dtensor(t: object) -> TypeGuard[DTensor]:
+    """``t`` is a DTensor, not a subclass of one (whose fields a plan could not know)."""
+    return type(t) is sharding.dtensor_type()
 
 
 def _frozen(value: Any) -> Any:
@@ -157,16 +213,19 @@ class CachedStep:
         spec: the optimizer's spec.
         jobs: the jobs, each with its launches.
         stepped: the parameters stepped, in the order of the launches' member positions.
+        targets: the tensor the kernel writes for each: the parameter, or a DTensor's local tensor.
         states: their state entries (whose ``"step"`` each step advances).
-        owned: (state entry, name, tensor) of every state, buffer and block-scale tensor read.
+        owned: (state entry, name, tensor) of every state, buffer and block-scale tensor read
+            (plain, or DTensors whose local tensors the kernel reads).
         grad_dtypes: each stepped parameter's gradient dtype (which chose its variant).
         subset: the parameters of a ``step_params`` call (gradient release) whose plan this is,
             in their order; default ``None``: a whole ``step()``'s plan.
     """
 
     def __init__(self, optimizer: LowpOptimizer, kernel: Kernel, spec: OptimizerSpec, jobs: list[_Job],
-                 stepped: list[torch.Tensor], states: list[dict[str, Any]], owned: list[tuple[dict, str, torch.Tensor]],
-                 grad_dtypes: list[torch.dtype], subset: list[torch.Tensor] | None = None) -> None:
+                 stepped: list[torch.Tensor], targets: list[torch.Tensor], states: list[dict[str, Any]],
+                 owned: list[tuple[dict, str, torch.Tensor]], grad_dtypes: list[torch.dtype],
+                 subset: list[torch.Tensor] | None = None) -> None:
         self.kernel, self.spec, self.jobs, self.subset = kernel, spec, jobs, subset
         self.state_map, self.groups, self.backend = optimizer.state, optimizer.param_groups, optimizer.backend
         self.count = optimizer.diagnostics_enabled
@@ -179,22 +238,35 @@ class CachedStep:
             self.involved = [(self.groups[gi], self.structures[gi]) for gi in sorted({gi for gi, _ in self.places})]
         self.all_params = list(subset) if subset is not None else [p for g in self.groups for p in g["params"]]
         self.has_grad = [p.grad is not None for p in self.all_params]
-        self.stepped, self.states = stepped, states
+        self.stepped, self.targets, self.states = stepped, targets, states
         self.steps = [st["step"] for st in states]
-        self.shapes = [p.shape for p in stepped]
-        self.numels = [p.numel() for p in stepped]
+        self.shapes = [t.shape for t in targets]
+        self.numels = [t.numel() for t in targets]
         self.owned_states = [st for st, _, _ in owned]
         self.owned_names = [name for _, name, _ in owned]
         self.owned_tensors = [t for _, _, t in owned]
         self.state_values = list(optimizer.state.values())
         self.grad_dtypes = grad_dtypes
-        self.grad_devices = [p.get_device() for p in stepped]   # -1: the CPU
+        self.grad_devices = [t.get_device() for t in targets]   # -1: the CPU
         self.grad_sizes = [torch.empty((), dtype=d).element_size() for d in grad_dtypes]
         self.grad_align = [size - 1 for size in self.grad_sizes]   # a pointer's low bits that must be 0
-        self.dtypes = [p.dtype for p in stepped]
+        self.dtypes = [t.dtype for t in targets]
         place = {id(p): i for i, p in enumerate(self.all_params)}
         self.stepped_at = [place[id(p)] for p in stepped]   # in the launches' order (jobs), not the groups
-        self.tensors = stepped + self.owned_tensors   # every planned tensor (pointers, versions, sizes)
+        # the stepped positions in the order of the groups (the non-finite flags' all-reduce)
+        self.group_order = sorted(range(len(stepped)), key=self.stepped_at.__getitem__)
+        # DTensors (parameters, states): each keeps its local tensor and layout
+        self.wrappers = [t for t in (*stepped, *self.owned_tensors) if not _plain(t)]
+        self.wrapped_locals = list(map(_LOCAL_TENSOR, self.wrappers))
+        self.wrapped_specs = list(map(_SPEC, self.wrappers))
+        # the stepped DTensor parameters' positions, and what their gradients must be placed as
+        self.sharded = [i for i, p in enumerate(stepped) if not _plain(p)]
+        sharded = [cast("DTensor", stepped[i]) for i in self.sharded]
+        self.grad_placements = [tuple(p.placements) for p in sharded]
+        self.grad_meshes = [p.device_mesh for p in sharded]
+        self.global_shapes = [p.shape for p in sharded]
+        local_tensors = [t if _plain(t) else cast("DTensor", t)._local_tensor for t in self.owned_tensors]
+        self.tensors = targets + local_tensors   # every planned tensor (pointers, versions, sizes)
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.versions = [t._version for t in self.tensors]
         self.nbytes = [t.untyped_storage().nbytes() for t in self.tensors]
@@ -225,8 +297,9 @@ class CachedStep:
         if spec is None or not backend.kernel.supports(spec):
             return None
         groups = {id(g): (i, g) for i, g in enumerate(optimizer.param_groups)}
-        members = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        flat = [p for g in optimizer.param_groups for p in g["params"]]   # a slice's param_id is its place here
         stepped: list[torch.Tensor] = []
+        targets: list[torch.Tensor | None] = []
         states: list[dict[str, Any]] = []
         owned: list[tuple[dict, str, torch.Tensor]] = []
         grad_dtypes: list[torch.dtype] = []
@@ -235,9 +308,11 @@ class CachedStep:
             gid, mode, step, _, _, _, weight = key
             index, group = groups[gid]
             coded = plan.coded[key]
-            if len(plan.counters[key]) != len(slices) \
-                    or not all(id(s.param) in members and _plain(s.param) and s.numel == s.param.numel()
-                               and s.index.first() == 0 for s in slices):
+            if len(plan.counters[key]) != len(slices) or not all(0 <= s.param_id < len(flat) for s in slices):
+                return None
+            owners = [flat[s.param_id] for s in slices]
+            made = [_target(p, s) for p, s in zip(owners, slices)]
+            if any(t is None for t in made) or (subset is not None and not all(map(_plain, owners))):
                 return None
             ctx = StepContext(group, MODES[mode], step, None, optimizer.seed, optimizer.diagnostics_enabled,
                               coded=coded)
@@ -246,19 +321,22 @@ class CachedStep:
                 return None
             first = len(stepped)
             position = {id(s): first + j for j, s in enumerate(slices)}
-            for s, state in zip(slices, plan.counters[key]):
+            for s, state, owner, target in zip(slices, plan.counters[key], owners, made):
                 names = [*s.states, *(n for n in (MODES[mode].buffer_name,) if n),
                          *(scale_name(c.name) for c in coded)]
-                if not all(_plain(state[name]) for name in names):
+                if not all(_local_of(state[name]) is not None for name in names) \
+                        or optimizer.state.get(owner) is not state:
                     return None
-                stepped.append(s.param)
+                stepped.append(owner)
+                targets.append(target)
                 states.append(state)
                 grad_dtypes.append(s.grad.dtype)
                 owned.extend((state, name, state[name]) for name in names)
             jobs.append(_Job(group, index, mode, coded, step, weight,
                              [(launch, [position[id(s)] for s in part]) for launch, part in launches],
                              sum(s.numel for s in slices)))
-        return cls(optimizer, backend.kernel, spec, jobs, stepped, states, owned, grad_dtypes, subset)
+        return cls(optimizer, backend.kernel, spec, jobs, stepped, cast(list[torch.Tensor], targets), states, owned,
+                   grad_dtypes, subset)
 
     def matches(self, optimizer: LowpOptimizer) -> list[torch.Tensor] | None:
         """The gradients of the stepped parameters when the signature holds (module docstring),
@@ -287,6 +365,19 @@ class CachedStep:
         if list(map(operator.is_not, every, repeat(None))) != self.has_grad:
             return None
         grads = list(map(every.__getitem__, self.stepped_at))
+        wrappers = self.wrappers
+        if wrappers and not (all(map(operator.is_, map(_LOCAL_TENSOR, wrappers), self.wrapped_locals))
+                             and all(map(operator.is_, map(_SPEC, wrappers), self.wrapped_specs))):
+            return None
+        if self.sharded:   # DTensor gradients placed like their parameters: their local tensors
+            dgrads = list(map(grads.__getitem__, self.sharded))
+            kind = sharding.dtensor_type()
+            if set(map(type, dgrads)) != {kind} or list(map(_PLACEMENTS, dgrads)) != self.grad_placements \
+                    or not all(map(operator.is_, map(_MESH, dgrads), self.grad_meshes)) \
+                    or list(map(_SHAPE, dgrads)) != self.global_shapes:
+                return None
+            for i, g in zip(self.sharded, map(_LOCAL_TENSOR, dgrads)):
+                grads[i] = g
         # each property read over all gradients in one map (a C loop): the checks of a full step's
         # admission cost a tenth of their per-tensor form here
         if set(map(type, grads)) != _TENSOR_TYPE or set(map(_LAYOUT, grads)) != _STRIDED_LAYOUT \
@@ -312,15 +403,26 @@ class CachedStep:
             steps = list(map(_STEP, self.states))
         except KeyError:
             return None
-        stepped = self.stepped
+        targets = self.targets
         if not all(map(operator.is_, entries, self.owned_tensors)) or steps != self.steps \
-                or list(map(_DTYPE, stepped)) != self.dtypes or list(map(_SHAPE, stepped)) != self.shapes:
+                or list(map(_DTYPE, targets)) != self.dtypes or list(map(_SHAPE, targets)) != self.shapes:
             return None
         tensors = self.tensors
         if list(map(_DATA_PTR, tensors)) != self.ptrs or list(map(_VERSION, tensors)) != self.versions \
                 or list(map(_NBYTES, map(_UNTYPED_STORAGE, tensors))) != self.nbytes:
             return None
         return cast(list[torch.Tensor], grads)   # each checked to be a tensor above
+
+    def agreed_flags(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], checked: bool) -> list[bool] | None:
+        """The finite flags of ``grads`` (from :meth:`matches`) agreed over the ranks
+        (:func:`lowp.optim.sharding.all_ranks`), in the order of the parameters in the groups, as
+        a full step agrees them (:func:`lowp.optim.step_plan.finite_flags`), for a plan with
+        DTensor parameters under a non-finite policy whose gradients are not ``checked``;
+        ``None`` for the others (the kernel checks its own tensors, :meth:`run`)."""
+        if not self.sharded or checked or optimizer.nonfinite == "off":
+            return None
+        flags = cast(FusedBackend, optimizer.backend).finite_flags(grads, kernel_memory=True)
+        return sharding.all_ranks(list(map(flags.__getitem__, self.group_order)))
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False) -> tuple[bool, bool]:
@@ -357,13 +459,15 @@ class CachedStep:
                 if policy == "skip_step" and not all(finite):
                     optimizer.skipped_steps += 1   # the only call wrote nothing
                     return False, True
+                numel = job.numel   # the elements stepped: a skipped tensor's are not (as in a full step)
                 for _, members in job.launches:
                     for i in members:
                         if finite[i]:
                             self.states[i]["step"] = step
+                        else:
+                            numel -= self.numels[i]
                 job.step = step
-                stalled.setdefault(job.index, []).append((_total(counts) if self.count else None, job.numel,
-                                                          job.weight))
+                stalled.setdefault(job.index, []).append((_total(counts) if self.count else None, numel, job.weight))
             everything = all(finite)
             self.steps = [st["step"] for st in self.states]
             optimizer._last_stalled = stalled
@@ -416,18 +520,30 @@ class Plans:
                 self._waits[key] = (backoff, backoff)
             return None
         self._waits.pop(key, None)
-        self.cached_steps += 1
         return grads
 
-    def try_step(self, optimizer: LowpOptimizer, inv_scale: float | None, checked: bool) -> bool:
-        """Take the step from the cached plan when it matches; ``False``: the caller takes a full step."""
+    def try_step(self, optimizer: LowpOptimizer, inv_scale: float | None, checked: bool
+                 ) -> tuple[bool, list[bool] | None]:
+        """Take the step from the cached plan when it matches. Returns (taken, flags): ``(True,
+        None)`` when taken (or skipped whole: ``"skip_step"``); ``(False, None)``: the caller takes
+        a full step; ``(False, flags)``: the caller takes a full step with these non-finite flags
+        of the parameters with a gradient, already agreed over the ranks (a plan of DTensor
+        parameters, one of which ``"skip_param"`` skips: the kernel cannot skip a tensor for
+        another rank's shard)."""
         plan = self.current
         grads = None if plan is None else self._take(None, plan, optimizer)
         if plan is None or grads is None:
-            return False
-        if not plan.run(optimizer, grads, inv_scale, checked)[1]:
+            return False, None
+        agreed = plan.agreed_flags(optimizer, grads, checked)
+        if agreed is not None and not all(agreed):
+            if optimizer.nonfinite != "skip_step":
+                return False, agreed
+            optimizer.skipped_steps += 1
+            return True, None
+        self.cached_steps += 1
+        if not plan.run(optimizer, grads, inv_scale, checked or agreed is not None)[1]:
             self.current = None
-        return True
+        return True, None
 
     def try_step_params(self, optimizer: LowpOptimizer, params: Sequence[torch.Tensor], inv_scale: float | None,
                         new_step: bool, force_check: bool) -> bool | None:
@@ -438,6 +554,7 @@ class Plans:
         grads = None if plan is None else self._take(key, plan, optimizer)
         if plan is None or grads is None:
             return None
+        self.cached_steps += 1
         finite, holds = plan.run(optimizer, grads, inv_scale, False, new_step, force_check)
         if not holds:
             del self.subsets[key]

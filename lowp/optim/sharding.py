@@ -44,11 +44,12 @@ if TYPE_CHECKING:
 
 __all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_tensor", "coded_placements",
            "new_buffer", "element_index", "box_index", "box", "gather", "keep_local", "local_grad", "load_state",
-           "place", "agree", "global_sums", "replicas", "world_size", "check_placements"]
+           "place", "agree", "all_ranks", "global_sums", "replicas", "world_size", "check_placements",
+           "dtensor_type"]
 
 
 @functools.cache
-def _dtensor_type() -> type | None:
+def dtensor_type() -> type | None:
     """:class:`~torch.distributed.tensor.DTensor`, imported once (``None`` without
     ``torch.distributed``): a full step asks :func:`is_dtensor` about every tensor many times."""
     if not dist.is_available():
@@ -59,7 +60,7 @@ def _dtensor_type() -> type | None:
 
 def is_dtensor(t: object) -> TypeIs[DTensor]:
     """True when ``t`` is a :class:`~torch.distributed.tensor.DTensor`."""
-    kind = _dtensor_type()
+    kind = dtensor_type()
     return kind is not None and isinstance(t, kind)
 
 
@@ -115,13 +116,14 @@ def coded_placements(p: DTensor, block: int) -> tuple[Placement, ...]:
 
     The boxes consist of whole blocks when the last dimension holds whole blocks and is split over
     at most one mesh dimension, into chunks of whole blocks (``ceil(n / ranks) % block == 0``); an
-    unsplit last dimension means whole rows per rank. A replicated ``p`` keeps its placements.
-    A ``p`` that is not a DTensor is a ``TypeError``."""
+    unsplit last dimension means whole rows per rank. A replicated ``p``, or one sharded over
+    mesh dimensions of one rank only (a box of the whole tensor), keeps its placements. A ``p``
+    that is not a DTensor is a ``TypeError``."""
     from torch.distributed.tensor import Shard
     if not is_dtensor(p):
         raise TypeError(f"p: expected a DTensor parameter, got {type(p).__name__}")
     shape = tuple(p.shape)
-    if not any(isinstance(pl, Shard) for pl in p.placements):
+    if all(p.device_mesh.size(i) == 1 for i, pl in enumerate(p.placements) if isinstance(pl, Shard)):
         return tuple(p.placements)
     if not shape or shape[-1] % block:
         return _replicated(p)
@@ -374,10 +376,20 @@ def _distributed() -> bool:
 
 
 def agree(flags: Sequence[bool], params: Sequence[torch.Tensor]) -> list[bool]:
-    """The finite flags of all parameters, true only when true on every rank: one all-reduce
-    (MIN) over the default group when any parameter is a DTensor, else ``flags`` unchanged."""
+    """The finite flags of all parameters, true only when true on every rank: :func:`all_ranks`
+    when any parameter is a DTensor, else ``flags`` unchanged."""
     flags = list(flags)
-    if not flags or not _distributed() or not any(is_dtensor(p) for p in params):
+    if not any(is_dtensor(p) for p in params):
+        return flags
+    return all_ranks(flags)
+
+
+def all_ranks(flags: Sequence[bool]) -> list[bool]:
+    """``flags``, each true only when true on every rank: one all-reduce (MIN) over the default
+    group (a step's non-finite flags, in the order of the parameters in the groups, so that every
+    rank makes the same collective), unchanged without a group."""
+    flags = list(flags)
+    if not flags or not _distributed():
         return flags
     t = torch.tensor(flags, dtype=torch.int32, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)

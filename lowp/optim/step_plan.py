@@ -228,9 +228,11 @@ def step_all(optimizer: LowpOptimizer) -> None:
     inv_scale = None if grad_scale is None else float(grad_scale.double().reciprocal())
     # GradScaler hands over found_inf only after checking every gradient of this optimizer:
     # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
-    if optimizer._plans.try_step(optimizer, inv_scale, checked=found_inf is not None):
+    taken, agreed = optimizer._plans.try_step(optimizer, inv_scale, checked=found_inf is not None)
+    if taken:
         return
-    run(optimizer, prepare(optimizer), inv_scale, checked=found_inf is not None, new_step=True, keep_plan=True)
+    run(optimizer, prepare(optimizer), inv_scale, checked=found_inf is not None, new_step=True, keep_plan=True,
+        agreed=agreed)
 
 
 def step_some(optimizer: LowpOptimizer, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool,
@@ -260,19 +262,23 @@ def step_some(optimizer: LowpOptimizer, params: Sequence[torch.Tensor], grad_sca
 
 def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, checked: bool, new_step: bool,
         force_check: bool = False, update_weights: bool = True, keep_plan: bool = False,
-        subset: Sequence[torch.Tensor] | None = None) -> bool:
+        subset: Sequence[torch.Tensor] | None = None, agreed: list[bool] | None = None) -> bool:
     """Step the checked ``todo`` (:func:`prepare`): the non-finite policy (skipped when the
     gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
     ``nonfinite="off"``), then a :class:`StepPlan` (states created, nothing written) and its
     :meth:`~StepPlan.execute` (the writes, with Ctrl-C held until they are done). ``keep_plan``:
     keep the plan for the next steps (:meth:`lowp.optim.cached_step.Plans.after_full_step`), of a
-    whole ``step()`` or of ``step_params(subset)``. Returns whether every checked gradient was
-    finite."""
+    whole ``step()`` or of ``step_params(subset)``. ``agreed``: the non-finite flags of ``todo``,
+    already agreed over the ranks by a cached plan (:meth:`~lowp.optim.cached_step.Plans.try_step`),
+    so no second check or collective. Returns whether every checked gradient was finite."""
     if subset is None:
         optimizer._plans.drop()
     params = [t.param for t in todo]
     grads = [sharding.local_grad(p) for p in params]
-    finite = [True] * len(todo) if checked else optimizer._finite_flags(grads, params, force_check)
+    if agreed is not None and len(agreed) != len(todo):
+        raise RuntimeError(f"step: {len(agreed)} agreed non-finite flags for {len(todo)} parameters with a gradient")
+    finite = agreed if agreed is not None else \
+        [True] * len(todo) if checked else optimizer._finite_flags(grads, params, force_check)
     if not all(finite) and optimizer.nonfinite == "skip_step":
         optimizer.skipped_steps += 1
         return False

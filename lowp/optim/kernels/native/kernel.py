@@ -16,6 +16,8 @@ kept in L1 until its scale is known.
 from __future__ import annotations
 
 import ctypes
+import operator
+from array import array
 from typing import Any
 
 import torch
@@ -33,6 +35,8 @@ from lowp.optim.spec import OptimizerSpec
 __all__ = ["NativeKernel", "Launch", "slice_dtypes", "variant_for", "by_coded_signature"]
 
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
+_DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
+_DTYPE = operator.attrgetter("dtype")
 
 
 def slice_dtypes(s: ParamSlice) -> tuple[torch.dtype | None, ...]:
@@ -50,6 +54,22 @@ def variant_for(spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype
     return Variant(spec.program(ctx.group), spec.reduction(ctx.group), ctx.mode.name, weight, grad, buffer,
                    tuple(s for s in states if s is not None), ctx.group["state_rounding"] == "stochastic", ctx.count,
                    coded)
+
+
+def _native_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """Per gradient (contiguous CPU kernel memory of a float dtype of ``_FLOAT_CODES``): whether it
+    holds no NaN or infinity, by one call of ``finite.cpp``. The tables are ``array`` buffers,
+    filled in C loops (ctypes arrays took 0.16 us per element, a third of the call on small tensors)."""
+    n = len(grads)
+    if not n:
+        return []
+    ptrs = array("Q", map(_DATA_PTR, grads))
+    numel = array("q", map(_NUMEL, grads))
+    codes = array("i", map(_FLOAT_CODES.__getitem__, map(_DTYPE, grads)))
+    found = array("B", bytes(n))
+    finite_function()(n, ptrs.buffer_info()[0], numel.buffer_info()[0], codes.buffer_info()[0],
+                      found.buffer_info()[0], torch.get_num_threads())
+    return list(map(bool, found))
 
 
 class NativeKernel(Kernel):
@@ -90,15 +110,17 @@ class NativeKernel(Kernel):
             elif plain(g) and not storage_fits(g):  # torch's own kernels would read past it too
                 raise ValueError(f"grad: its storage holds {g.untyped_storage().nbytes()} bytes, fewer than its "
                                  f"shape {tuple(g.shape)} addresses (was the storage freed or resized?)")
-        if native:
-            found = (ctypes.c_uint8 * len(native))()
-            finite_function()(len(native), (ctypes.c_void_p * len(native))(*(grads[i].data_ptr() for i in native)),
-                              (ctypes.c_int64 * len(native))(*(grads[i].numel() for i in native)),
-                              (ctypes.c_int32 * len(native))(*(_FLOAT_CODES[grads[i].dtype] for i in native)),
-                              found, torch.get_num_threads())
-            for i, ok in zip(native, found):
-                flags[i] = bool(ok)
+        for i, ok in zip(native, _native_flags([grads[i] for i in native])):
+            flags[i] = ok
         return flags
+
+    def checked_finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
+        """One native call over ``grads``, known to be kernel memory (a cached plan's), as
+        :meth:`finite_flags` makes for those it takes, without its per-tensor checks (about 2 us
+        per tensor)."""
+        if not all(g.dtype in _FLOAT_CODES for g in grads):
+            return self.finite_flags(grads)
+        return list(_native_flags(grads))
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """One kernel call per dtype signature (:meth:`launches`); returns the stalled count."""
