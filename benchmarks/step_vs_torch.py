@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     baseline, rows = configs(args.optimizer, args.device, args.dtensor)
+    own_group = args.dtensor and not torch.distributed.is_initialized()
     mesh = one_rank_mesh(args.device) if args.dtensor else None
     header = ["parameter list", *rows]
     table, kernel_table = [], []
@@ -313,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
         print("host time per tensor (500x1000): " + ", ".join(f"{r} {us:.1f} us" for r, us in per_tensor.items()))
     steps = len(args.lists) * (args.steps + 2)
     print("steps taken from the cached plan: " + ", ".join(f"{r} {n} of {steps}" for r, n in cached.items()))
+    if own_group:
+        torch.distributed.destroy_process_group()
 
 
 def _kernel_cell(seconds: float, moved: int) -> str:

@@ -50,15 +50,15 @@ def make_optimizer(name: str, params: list[torch.Tensor], mode: str, backend: st
 
 
 def run_steps(opt, params: list[torch.Tensor], set_grad, steps: range, nan_at=None,
-              before_nan: Callable[[Any], None] | None = None) -> None:
+              before_step: Callable[[Any, int], None] | None = None) -> None:
     """``nan_at = (param, flat index[, step])``: a NaN in that gradient at that step (default: the
-    first); ``before_nan(opt)`` runs just before that step."""
+    first); ``before_step(opt, t)`` runs before each step ``t``, its gradients set."""
     nan_step = steps.start if nan_at is None or len(nan_at) < 3 else nan_at[2]
     for t in steps:
         for p, g in zip(params, full_grads(t, nan_at if t == nan_step else None)):
             set_grad(p, g)
-        if t == nan_step and nan_at is not None and before_nan is not None:
-            before_nan(opt)
+        if before_step is not None:
+            before_step(opt, t)
         opt.step()
 
 
@@ -145,13 +145,13 @@ def set_dtensor_grad(p, g) -> None:
 def case_run(world_size: int, layout: str, name: str, mode: str, backend: str, nan_at=None,
              nonfinite: str = "skip_param", full_step_rank: int | None = None) -> dict[str, torch.Tensor]:
     """One case on DTensor parameters; ``full_step_rank``: that rank drops its cached plan before
-    the step with the NaN, so it takes a full step while the others take theirs from a plan."""
+    the last step, so it takes a full step while the others take theirs from a plan."""
     import torch.distributed as dist
     params = fsdp_params(world_size) if layout == "fsdp" else tp_params(world_size, layout)
     opt = make_optimizer(name, params, mode, backend, nonfinite=nonfinite)
 
-    def drop(o) -> None:
-        if dist.get_rank() == full_step_rank:
+    def drop(o, t: int) -> None:
+        if t == STEPS - 1 and dist.get_rank() == full_step_rank:
             o._plans.drop()
     run_steps(opt, params, set_dtensor_grad, range(STEPS), nan_at, drop)
     out = snapshot(opt, params)
@@ -161,7 +161,7 @@ def case_run(world_size: int, layout: str, name: str, mode: str, backend: str, n
     local_alias = all(p.to_local().data_ptr() == p._local_tensor.data_ptr() for p in params)
     shards = [opt.state[p]["exp_avg"].to_local().numel() for p in params if "exp_avg" in opt.state.get(p, {})]
     out["meta"] = torch.tensor([int(local_alias), sum(shards), int(opt.backend.name == "native"),
-                                opt._plans.cached_steps])
+                                opt._plans.cached_steps, opt._plans.agreed_steps])
     return out
 
 

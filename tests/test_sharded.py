@@ -34,12 +34,16 @@ NAN_CASES = [("fsdp", "AdamW", "kahan", "fused", (0, 29), "skip_param"),
              ("fsdp", "Adafactor", "kahan", "fused", (0, 29), "skip_param")]
 # the NaN at the last step, which the ranks take from their cached plans (lowp.optim.cached_step):
 # the flags must agree over the ranks there too, also when one rank takes a full step instead
-# (its plan dropped: a 7th entry names it), which makes the same collective
+# (its plan dropped before the last step: a 7th entry names it), which makes the same collective;
+# with nonfinite="off" no rank makes one
 PLAN_NAN_CASES = [("fsdp", "AdamW", "kahan", "fused", (0, 29, 2), "skip_param"),
                   ("fsdp", "SGD", "exact", "fused", (0, 29, 2), "skip_step"),
                   ("fsdp", "AdamW", "kahan", "fused", (0, 29, 2), "skip_param", 0),
                   ("fsdp", "AdamW", "kahan", "fused", (0, 29, 2), "skip_param", 1),
-                  ("fsdp", "Lion", "exact", "fused", (0, 29, 2), "skip_step", 1)]
+                  ("fsdp", "Lion", "exact", "fused", (0, 29, 2), "skip_step", 1),
+                  ("fsdp", "AdamW", "kahan", "fused", None, "skip_param", 1),
+                  ("fsdp", "AdamW", "exact", "fused", None, "off"),
+                  ("fsdp", "AdamW", "kahan", "fused", None, "off", 0)]
 # the modes that draw the weight stream (indexed by global element: the shards must draw the whole
 # tensor's bits)
 SR_CASES = [("fsdp", name, mode, backend, None, "skip_param") for mode in ("stochastic", "exact8")
@@ -88,7 +92,8 @@ def coded_dicts() -> dict[str, dict[str, dict]]:
 def first_rank(tmp_path_factory):
     """1 rank: checkpoints for the 2 ranks to resume, and the 1-rank mixed-precision run."""
     folder = tmp_path_factory.mktemp("dcp")
-    spec = {"folder": str(folder), "save": ["kahan", "exact", w.CODED], "mp": ["fp32"]}
+    spec = {"folder": str(folder), "save": ["kahan", "exact", w.CODED], "mp": ["fp32"],
+            "coded": ONE_RANK_CODED_CASES, "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 1, spec, timeout_s=120)[0]
 
 
@@ -119,16 +124,21 @@ def _case_id(case) -> str:
             + "".join(f"-rank{r}-full" for r in full_step_rank))
 
 
-def expected_cached_steps(layout: str, name: str, backend: str, nan_at) -> int:
-    """Steps a rank takes from its cached plan (lowp.optim.cached_step): DTensor parameters whose
+def expected_plan_counts(case, rank: int) -> tuple[int, int]:
+    """(cached, agreed) steps of ``rank`` (lowp.optim.cached_step.Plans): DTensor parameters whose
     local boxes are contiguous ranges (FSDP rows, replicas) of an elementwise optimizer on the
-    native kernel take one after the first full step whose gradients were all finite. A NaN costs
-    one: at the first step no plan is made; at the last a plan hands the step to a full one
-    (skip_param: the kernel cannot skip a tensor for another rank's shard) or skips it whole
-    (skip_step)."""
+    native kernel take every step from a plan after the first full step whose gradients were all
+    finite, and (unless nonfinite="off") agree their flags over the ranks in each. A NaN at the
+    first step makes no plan; at the last, a plan skips the step whole (skip_step, counted) or
+    agrees and hands it to a full step (skip_param: the kernel cannot skip a tensor for another
+    rank's shard). A rank whose plan was dropped before the last step takes it in full."""
+    layout, name, mode, backend, nan_at, nonfinite, *full_step_rank = case
     if backend != "fused" or layout == "shard1" or not w.OPTIMIZERS[name][0].elementwise:
-        return 0
-    return w.STEPS - 1 - (nan_at is not None)
+        return 0, 0
+    at_first = nan_at is not None and len(nan_at) < 3
+    planned = w.STEPS - 1 - at_first - (full_step_rank == [rank])   # steps that met a plan
+    handed = nan_at is not None and not at_first and nonfinite == "skip_param" and full_step_rank != [rank]
+    return planned - handed, 0 if nonfinite == "off" else planned
 
 
 def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[torch.Tensor],
@@ -172,8 +182,8 @@ def test_sharded_step_equals_unsharded(two_ranks, case):
         if nan_at is not None:   # every rank skipped, also the one whose shard was finite
             assert skipped.tolist() == ([1, 0] if nonfinite == "skip_param" else [0, 1])
             assert skipped.tolist() == want_extra["skipped"].tolist()
-        cached = expected_cached_steps(layout, name, backend, nan_at)   # a rank whose plan was dropped: at the NaN
-        assert int(meta[3]) == cached, f"rank {rank}: {int(meta[3])} cached steps, expected {cached}"
+        counts = expected_plan_counts(case, rank)
+        assert (int(meta[3]), int(meta[4])) == counts, f"rank {rank}: (cached, agreed) steps, expected {counts}"
         if layout == "fsdp" and "p0.exp_avg" in want:   # moments sharded: about half per rank
             assert int(meta[1]) < sum(v.numel() for k, v in want.items() if k.endswith(".exp_avg"))
 
@@ -288,6 +298,21 @@ CODED_LAYOUTS = {"fsdp": ["(Shard(dim=0),)", "(Shard(dim=0),)", "(Replicate(),)"
                             "(Replicate(),)"]}
 
 
+# one rank: nothing is split, so every parameter's codes keep its placements, except the flat codes
+# (one dimension) of the (5, 40) matrix in blocks of 32, which Shard(1) cannot place
+ONE_RANK_CODED_CASES = [(layout, states, "fused") for layout in ("fsdp", "shard1") for states in w.CODED_STATES]
+ONE_RANK_CODED_LAYOUTS = {"fsdp": ["(Shard(dim=0),)"] * 5,
+                          "shard1": ["(Shard(dim=1),)", "(Shard(dim=0),)", "(Replicate(),)", "(Shard(dim=1),)",
+                                     "(Shard(dim=0),)"]}
+
+
+@pytest.mark.parametrize("case", ONE_RANK_CODED_CASES, ids="-".join)
+def test_block_scaled_states_on_a_mesh_of_one_rank(first_rank, case):
+    got = first_rank[1]["coded"][ONE_RANK_CODED_CASES.index(case)]
+    assert got["placements"] == ONE_RANK_CODED_LAYOUTS[case[0]]
+    assert_coded_case(case, got, "1 rank", world_size=1)
+
+
 @pytest.mark.parametrize("case", w.CODED_CASES, ids="-".join)
 def test_block_scaled_states_of_sharded_parameters(two_ranks, case):
     """Block-scaled states of DTensor parameters are blocks of the whole tensor whoever holds
@@ -304,7 +329,7 @@ def test_block_scaled_states_of_sharded_parameters(two_ranks, case):
         assert_coded_case(case, got, f"rank {rank}")
 
 
-def assert_coded_case(case: tuple[str, str, str], got: dict, what: str) -> None:
+def assert_coded_case(case: tuple[str, str, str], got: dict, what: str, world_size: int = 2) -> None:
     """One rank's results of :func:`sharded_worker.coded_case` against the single-process runs."""
     layout, states, backend = case
     want = w.coded_reference(states, backend)
@@ -312,7 +337,7 @@ def assert_coded_case(case: tuple[str, str, str], got: dict, what: str) -> None:
     assert not torch.equal(from_bf16["p0.exp_avg"], want["p0.exp_avg"])   # the two resumes differ
     sizes = [math.prod(s) for s in w.CODED_SHAPES] + [32]
     for n, placed, held in zip(sizes, got["placements"], got["local_codes"]):
-        assert held == n if "Replicate" in placed else 0 <= held < n, f"{what}: {held} of {n} codes"
+        assert held == n if "Replicate" in placed or world_size == 1 else 0 <= held < n, f"{what}: {held} of {n} codes"
     if backend == "fused" and layout == "fsdp":   # whole rows: the native kernel's in-step codec
         assert int(got["elements"][0]) > 0, got["elements"]
     for tag in ("run", "resumed", "from_plain", "to_plain"):

@@ -279,9 +279,11 @@ class CachedStep:
     def build(cls, optimizer: LowpOptimizer, plan: StepPlan,
               subset: list[torch.Tensor] | None = None) -> CachedStep | None:
         """The cached plan of ``plan``, a full step just executed (of the ``step_params`` call over
-        ``subset``, when given), when every slice of it is a whole plain parameter of the groups,
-        with plain states, that took a kernel that keeps plans (no DTensor, no reference pipeline); else
-        ``None``. Never raises: a plan that cannot be made is no plan (the step it follows is done)."""
+        ``subset``, when given, whose parameters are plain), when every slice of it is a whole
+        parameter of the groups (a plain one, or a DTensor's whole local tensor with a gradient
+        placed like it: :func:`_target`) with plain or DTensor states (:func:`_local_of`), that took
+        a kernel that keeps plans (no gathered DTensor, no reference pipeline); else ``None``.
+        Never raises: a plan that cannot be made is no plan (the step it follows is done)."""
         try:
             return cls._build(optimizer, plan, subset)
         except Exception:   # noqa: BLE001 - only an optimization: the next step is a full one
@@ -491,8 +493,10 @@ class Plans:
     a plan's making (about one full step's checks) rarely; a plan taken resets the wait.
 
     Attributes:
-        cached_steps: the steps (and ``step_params`` calls) taken from a cached plan (a test's
-            proof that they ran).
+        cached_steps: the steps (and ``step_params`` calls) taken from a cached plan, skipped
+            ones (``"skip_step"``) included (a test's proof that they ran).
+        agreed_steps: the steps whose plan (of DTensor parameters) agreed its non-finite flags
+            over the ranks (:meth:`CachedStep.agreed_flags`), handed to a full step or not.
     """
 
     MAX_WAIT = 64
@@ -503,6 +507,7 @@ class Plans:
         self.current: CachedStep | None = None
         self.subsets: dict[tuple[int, ...], CachedStep] = {}
         self.cached_steps = 0
+        self.agreed_steps = 0
         self._waits: dict[tuple[int, ...] | None, tuple[int, int]] = {}   # key -> (backoff, full steps left)
 
     def _take(self, key: tuple[int, ...] | None, plan: CachedStep, optimizer: LowpOptimizer
@@ -535,9 +540,12 @@ class Plans:
         if plan is None or grads is None:
             return False, None
         agreed = plan.agreed_flags(optimizer, grads, checked)
+        if agreed is not None:
+            self.agreed_steps += 1
         if agreed is not None and not all(agreed):
             if optimizer.nonfinite != "skip_step":
                 return False, agreed
+            self.cached_steps += 1   # skipped whole, as a plain plan's skip_step (run)
             optimizer.skipped_steps += 1
             return True, None
         self.cached_steps += 1

@@ -117,15 +117,19 @@ def coded_placements(p: DTensor, block: int) -> tuple[Placement, ...]:
     The boxes consist of whole blocks when the last dimension holds whole blocks and is split over
     at most one mesh dimension, into chunks of whole blocks (``ceil(n / ranks) % block == 0``); an
     unsplit last dimension means whole rows per rank. A replicated ``p``, or one sharded over
-    mesh dimensions of one rank only (a box of the whole tensor), keeps its placements. A ``p``
-    that is not a DTensor is a ``TypeError``."""
+    mesh dimensions of one rank only (a box of the whole tensor; with flat states only along
+    dimension 0, the one they have), keeps its placements. A ``p`` that is not a DTensor is a
+    ``TypeError``."""
     from torch.distributed.tensor import Shard
     if not is_dtensor(p):
         raise TypeError(f"p: expected a DTensor parameter, got {type(p).__name__}")
     shape = tuple(p.shape)
-    if all(p.device_mesh.size(i) == 1 for i, pl in enumerate(p.placements) if isinstance(pl, Shard)):
-        return tuple(p.placements)
-    if not shape or shape[-1] % block:
+    sharded = [(i, pl) for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    flat = not shape or shape[-1] % block != 0   # codes and scales stored flat (codes.stored_shapes)
+    if all(p.device_mesh.size(i) == 1 for i, _ in sharded) \
+            and not (flat and any(pl.dim % max(len(shape), 1) for _, pl in sharded)):
+        return tuple(p.placements)   # nothing is split; flat states take Shard(0) only (they have one dimension)
+    if flat:
         return _replicated(p)
     splits = [p.device_mesh.size(i) for i, pl in enumerate(p.placements)
               if isinstance(pl, Shard) and pl.dim % len(shape) == len(shape) - 1]
@@ -387,7 +391,8 @@ def agree(flags: Sequence[bool], params: Sequence[torch.Tensor]) -> list[bool]:
 def all_ranks(flags: Sequence[bool]) -> list[bool]:
     """``flags``, each true only when true on every rank: one all-reduce (MIN) over the default
     group (a step's non-finite flags, in the order of the parameters in the groups, so that every
-    rank makes the same collective), unchanged without a group."""
+    rank makes the same collective: every rank must step the same parameters, as FSDP2 and tensor
+    parallelism do), unchanged without a group."""
     flags = list(flags)
     if not flags or not _distributed():
         return flags

@@ -120,7 +120,7 @@ class NativeKernel(Kernel):
         per tensor)."""
         if not all(g.dtype in _FLOAT_CODES for g in grads):
             return self.finite_flags(grads)
-        return list(_native_flags(grads))
+        return list(_native_flags(grads))   # a list of the wider type the method returns
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """One kernel call per dtype signature (:meth:`launches`); returns the stalled count."""
