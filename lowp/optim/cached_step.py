@@ -40,7 +40,7 @@ checks again and builds a new plan):
   state dtypes, block size, rounding, ...) and the spec's switches, equal; the floats (learning
   rate, weight decay, ...) are read anew and checked (``check_group``) every step;
 - each stepped parameter, state, buffer and block-scale tensor: the same object (a DTensor:
-  holding the same local tensor and layout, ``_local_tensor`` and ``_spec``), at the same
+  holding the same local tensor, ``_local_tensor``, and a parameter its layout, ``_spec``), at the same
   data pointer, on a storage of the same size (a storage freed and allocated again may return
   at the same address), with the same dtype, shape and version counter (``set_``, ``resize_``
   or ``as_strided_`` bump it; the kernels write without bumping it), and the step count
@@ -255,13 +255,14 @@ class CachedStep:
         self.stepped_at = [place[id(p)] for p in stepped]   # in the launches' order (jobs), not the groups
         # the stepped positions in the order of the groups (the non-finite flags' all-reduce)
         self.group_order = sorted(range(len(stepped)), key=self.stepped_at.__getitem__)
-        # DTensors (parameters, states): each keeps its local tensor and layout
+        # DTensors (parameters, states): each keeps its local tensor; a parameter its layout too
+        # (its box picks the random streams; a state's layout is read by nothing the plan runs)
         self.wrappers = [t for t in (*stepped, *self.owned_tensors) if not _plain(t)]
         self.wrapped_locals = list(map(_LOCAL_TENSOR, self.wrappers))
-        self.wrapped_specs = list(map(_SPEC, self.wrappers))
         # the stepped DTensor parameters' positions, and what their gradients must be placed as
         self.sharded = [i for i, p in enumerate(stepped) if not _plain(p)]
         sharded = [cast("DTensor", stepped[i]) for i in self.sharded]
+        self.specs = list(map(_SPEC, sharded))
         self.grad_placements = [tuple(p.placements) for p in sharded]
         self.grad_meshes = [p.device_mesh for p in sharded]
         self.global_shapes = [p.shape for p in sharded]
@@ -368,10 +369,11 @@ class CachedStep:
             return None
         grads = list(map(every.__getitem__, self.stepped_at))
         wrappers = self.wrappers
-        if wrappers and not (all(map(operator.is_, map(_LOCAL_TENSOR, wrappers), self.wrapped_locals))
-                             and all(map(operator.is_, map(_SPEC, wrappers), self.wrapped_specs))):
+        if wrappers and not all(map(operator.is_, map(_LOCAL_TENSOR, wrappers), self.wrapped_locals)):
             return None
         if self.sharded:   # DTensor gradients placed like their parameters: their local tensors
+            if not all(map(operator.is_, map(_SPEC, map(self.stepped.__getitem__, self.sharded)), self.specs)):
+                return None
             dgrads = list(map(grads.__getitem__, self.sharded))
             kind = sharding.dtensor_type()
             if set(map(type, dgrads)) != {kind} or list(map(_PLACEMENTS, dgrads)) != self.grad_placements \
