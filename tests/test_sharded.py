@@ -267,6 +267,7 @@ def test_mixed_precision_policy_fp32_params(first_rank, two_ranks, reduce):
     _, ranks = two_ranks
     two = ranks[0]["mp"][reduce]
     assert all(d == "torch.float32" for d in two["dtypes"].values())
+    assert [r["mp"][reduce]["cached"] for r in ranks] == [3, 3], "FSDP2's fp32 gradients take the cached plan"
     assert_same(ranks[1]["mp"][reduce]["model"], two["model"], "rank 1 vs rank 0")
     if reduce in first_rank[1]["mp"]:
         one = first_rank[1]["mp"][reduce]

@@ -375,10 +375,13 @@ class CachedStep:
             if not all(map(operator.is_, map(_SPEC, map(self.stepped.__getitem__, self.sharded)), self.specs)):
                 return None
             dgrads = list(map(grads.__getitem__, self.sharded))
-            kind = sharding.dtensor_type()
-            if set(map(type, dgrads)) != {kind} or list(map(_PLACEMENTS, dgrads)) != self.grad_placements \
-                    or not all(map(operator.is_, map(_MESH, dgrads), self.grad_meshes)) \
-                    or list(map(_SHAPE, dgrads)) != self.global_shapes:
+            if set(map(type, dgrads)) != {sharding.dtensor_type()}:
+                return None
+            # FSDP2 makes each gradient with its parameter's own spec (mesh, placements, shape)
+            if not all(map(operator.is_, map(_SPEC, dgrads), self.specs)) \
+                    and (list(map(_PLACEMENTS, dgrads)) != self.grad_placements
+                         or not all(map(operator.is_, map(_MESH, dgrads), self.grad_meshes))
+                         or list(map(_SHAPE, dgrads)) != self.global_shapes):
                 return None
             for i, g in zip(self.sharded, map(_LOCAL_TENSOR, dgrads)):
                 grads[i] = g
