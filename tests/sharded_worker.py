@@ -210,6 +210,28 @@ def plan_change_case(world_size: int, change: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def grad_scaler_case(world_size: int, nan_at: tuple[int, ...] | None) -> dict[str, torch.Tensor]:
+    """FSDP AdamW (kahan, native) stepped by FSDP2's ``ShardedGradScaler`` (scale 16, gradients
+    scaled by it; ``nan_at`` as in :func:`run_steps`): the snapshot, the skip counts and the
+    (cached, agreed) steps of its plans. The scaler hands the optimizer ``found_inf``, agreed over
+    the ranks, so a step from the plan makes no collective of its own."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    params = fsdp_params(world_size)
+    opt = make_optimizer("AdamW", params, "kahan", "fused", nonfinite="skip_step")
+    scaler = ShardedGradScaler(device="cpu", init_scale=16.0)
+    nan_step = None if nan_at is None else nan_at[2]
+    for t in range(STEPS):
+        for p, g in zip(params, full_grads(t, nan_at if t == nan_step else None)):
+            set_dtensor_grad(p, g * 16)
+        scaler.scale(torch.ones(()))   # a loss would be scaled here (the scaler starts its scale)
+        scaler.step(opt)
+        scaler.update()
+    out = snapshot(opt, params)
+    out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
+    out["plans"] = torch.tensor([opt._plans.cached_steps, opt._plans.agreed_steps])
+    return out
+
+
 def plain_state_dict(name: str, mode: str, steps: int) -> dict[str, Any]:
     """``state_dict()`` of the single-process run after ``steps`` steps."""
     params = [p.clone().requires_grad_() for p in full_params()]
@@ -464,7 +486,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
     - ``errors``: :func:`placement_errors`;
     - ``gather``: :func:`gather_checks`;
-    - ``plan_changes``: cases of :func:`plan_change_case`.
+    - ``plan_changes``: cases of :func:`plan_change_case`;
+    - ``grad_scaler``: the ``nan_at`` of cases of :func:`grad_scaler_case`.
     """
     torch.manual_seed(0)
     folder = Path(spec.get("folder", "."))
@@ -489,6 +512,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("gather"):
         out["gather"] = gather_checks(world_size)
     out["plan_changes"] = {c: plan_change_case(world_size, c) for c in spec.get("plan_changes", [])}
+    out["grad_scaler"] = [grad_scaler_case(world_size, nan_at) for nan_at in spec.get("grad_scaler", [])]
     return out
 
 

@@ -104,7 +104,7 @@ def two_ranks(first_rank):
     spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact", w.CODED],
             "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
             "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES,
-            "plan_changes": list(w.PLAN_CHANGES),
+            "plan_changes": list(w.PLAN_CHANGES), "grad_scaler": GRAD_SCALER_CASES,
             "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
@@ -186,6 +186,26 @@ def test_sharded_step_equals_unsharded(two_ranks, case):
         assert (int(meta[3]), int(meta[4])) == counts, f"rank {rank}: (cached, agreed) steps, expected {counts}"
         if layout == "fsdp" and "p0.exp_avg" in want:   # moments sharded: about half per rank
             assert int(meta[1]) < sum(v.numel() for k, v in want.items() if k.endswith(".exp_avg"))
+
+
+# FSDP2's ShardedGradScaler: clean, and a NaN in rank 1's shard at the last step (found_inf,
+# all-reduced by the scaler, skips the step on every rank)
+GRAD_SCALER_CASES = [None, (0, 29, 2)]
+
+
+@pytest.mark.parametrize("nan_at", GRAD_SCALER_CASES, ids=["finite", "NaN at the last step"])
+def test_sharded_grad_scaler_steps_take_the_plan(two_ranks, nan_at):
+    """GradScaler hands the optimizer gradients it has checked: the plan runs without a check or
+    a collective of its own (no agreed steps) and gives the unscaled single-process run's bits
+    (a scale of 16 is exact)."""
+    _, ranks = two_ranks
+    want, want_extra = split(w.reference("AdamW", "kahan", "fused", nan_at, "skip_step"))
+    for rank, results in enumerate(ranks):
+        got = dict(results["grad_scaler"][GRAD_SCALER_CASES.index(nan_at)])
+        plans, skipped = got.pop("plans"), got.pop("skipped")
+        assert plans.tolist() == [1 if nan_at else 2, 0], f"rank {rank}: (cached, agreed) steps"
+        assert skipped.tolist() == want_extra["skipped"].tolist() == [0, int(nan_at is not None)]
+        assert_same(got, want, f"rank {rank}")
 
 
 @pytest.mark.parametrize("change", list(w.PLAN_CHANGES))
