@@ -247,11 +247,9 @@ class FusedBackend(Backend):
         if isinstance(self.fallback, FusedBackend):
             self.fallback.reference_elements = 0
 
-    def finite_flags(self, grads: list[torch.Tensor], kernel_memory: bool = False) -> list[bool]:
-        """The kernel's own check where it has one, the generic one for the rest. ``kernel_memory``:
-        the gradients are known to be kernel memory (:meth:`Kernel.checked_finite_flags
-        <lowp.optim.kernels.kernel.Kernel.checked_finite_flags>`)."""
-        flags = self.kernel.checked_finite_flags(grads) if kernel_memory else self.kernel.finite_flags(grads)
+    def finite_flags(self, grads: list[torch.Tensor]) -> list[bool]:
+        """The kernel's own check where it has one, the generic one for the rest."""
+        flags = self.kernel.finite_flags(grads)
         rest = [i for i, f in enumerate(flags) if f is None]
         for i, ok in zip(rest, super().finite_flags([grads[i] for i in rest])):
             flags[i] = ok

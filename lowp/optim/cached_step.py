@@ -428,7 +428,7 @@ class CachedStep:
         ``None`` for the others (the kernel checks its own tensors, :meth:`run`)."""
         if not self.sharded or checked or optimizer.nonfinite == "off":
             return None
-        flags = cast(FusedBackend, optimizer.backend).finite_flags(grads, kernel_memory=True)
+        flags = optimizer.backend.finite_flags(grads)
         return sharding.all_ranks(list(map(flags.__getitem__, self.group_order)))
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,

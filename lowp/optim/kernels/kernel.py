@@ -172,9 +172,3 @@ class Kernel(ABC):
         """Per gradient: finite (``True``/``False``) as this kernel checks it, ``None`` for the
         ones it leaves to the generic check (default: all)."""
         return [None] * len(grads)
-
-    def checked_finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
-        """:meth:`finite_flags` of gradients known to be kernel memory of dtypes this kernel steps
-        (a cached plan's, :meth:`lowp.optim.cached_step.CachedStep.matches`), which need no second
-        look at their layout (default: :meth:`finite_flags`)."""
-        return self.finite_flags(grads)

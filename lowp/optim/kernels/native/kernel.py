@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from lowp.optim.kernels.checks import PLAIN_TYPES, check_kernel_args, kernel_memory, plain, storage_fits
+from lowp.optim.kernels.checks import (PLAIN_TYPES, all_kernel_memory, check_kernel_args, kernel_memory, plain,
+                                       storage_fits)
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
 from lowp.optim.kernels.native.source import DTYPE_CODES, CodedLayout, Variant, variant_source
 from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor
@@ -98,6 +99,8 @@ class NativeKernel(Kernel):
         read once at memory speed (torch's ``aminmax`` took 13-30% of a fused step, measured).
         Empty gradients are finite; the others are left to the generic check (``None``); a
         gradient whose storage is smaller than its shape is a ``ValueError``."""
+        if all_kernel_memory(grads, _FLOAT_CODES):   # every one: one native call, no per-tensor checks
+            return list(_native_flags(grads))
         flags: list[bool | None] = [None] * len(grads)
         native = []
         for i, g in enumerate(grads):
@@ -113,14 +116,6 @@ class NativeKernel(Kernel):
         for i, ok in zip(native, _native_flags([grads[i] for i in native])):
             flags[i] = ok
         return flags
-
-    def checked_finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
-        """One native call over ``grads``, known to be kernel memory (a cached plan's), as
-        :meth:`finite_flags` makes for those it takes, without its per-tensor checks (about 2 us
-        per tensor)."""
-        if not all(g.dtype in _FLOAT_CODES for g in grads):
-            return self.finite_flags(grads)
-        return list(_native_flags(grads))   # a list of the wider type the method returns
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """One kernel call per dtype signature (:meth:`launches`); returns the stalled count."""
