@@ -9,6 +9,7 @@ gathered) for the test process to compare with a single-process run.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -353,7 +354,8 @@ def coded_case(world_size: int, layout: str, states: str, backend: str, plain_sd
     coded_steps(opt, params, set_dtensor_grad, range(STEPS - 1, STEPS))
     out: dict[str, Any] = {"run": snapshot(opt, params), "elements": elements(opt),
                            "placements": [str(tuple(opt.state[p]["exp_avg_scale"].placements)) for p in params],
-                           "local_codes": [opt.state[p]["exp_avg"].to_local().numel() for p in params]}
+                           "local_codes": [opt.state[p]["exp_avg"].to_local().numel() for p in params],
+                           "cached": opt._plans.cached_steps}
     for tag, source in (("resumed", sd), *plain_sds.items()):
         for p, w0 in zip(params, weights):   # back to the weights after STEPS - 1 steps
             p.detach().to_local().copy_(w0)
@@ -369,6 +371,56 @@ def coded_case(world_size: int, layout: str, states: str, backend: str, plain_sd
     single.load_state_dict(sd)
     coded_steps(single, plain, _set_plain_grad, range(STEPS - 1, STEPS))
     out["to_plain"] = snapshot(single, plain)
+    return out
+
+
+#: the last step of the coded FSDP run of :func:`coded_plan_case`, whose cached plan leaves the
+#: (5, 40) matrix and the fp32 vector (their shards split blocks) to a full step at every step:
+#: (a NaN as (parameter, flat index) in rank 1's shard, or none; nonfinite; the rank whose plan is
+#: dropped, or none; whether the (5, 40) matrix's gradient is replicated instead of sharded)
+CODED_PLAN_CASES = [((2, 150), "skip_param", None, False), ((2, 150), "skip_step", None, False),
+                    ((0, 300), "skip_param", 0, False), (None, "skip_param", 1, False), (None, "off", None, False),
+                    (None, "off", 0, False), (None, "skip_param", None, True)]
+
+
+def _coded_plan_run(opt, params: list[torch.Tensor], set_grad, nan_at: tuple[int, int] | None,
+                    drop_rank: int | None = None, replicate: bool = False) -> None:
+    import torch.distributed as dist
+    for t in range(STEPS):
+        last = t == STEPS - 1
+        for i, (p, g) in enumerate(zip(params, coded_full(100 + t))):
+            if last and nan_at is not None and i == nan_at[0]:
+                g.view(-1)[nan_at[1]] = float("nan")
+            if last and replicate and i == 2:
+                from torch.distributed.tensor import Replicate, distribute_tensor
+                p.grad = distribute_tensor(g, p.device_mesh, [Replicate()], src_data_rank=None)
+            else:
+                set_grad(p, g)
+        if last and drop_rank is not None and dist.get_rank() == drop_rank:
+            opt._plans.drop()
+        opt.step()
+
+
+def coded_plan_reference(nan_at: tuple[int, int] | None, nonfinite: str) -> dict[str, torch.Tensor]:
+    """The single-process run of a :data:`CODED_PLAN_CASES` entry (int8 / uint4 states)."""
+    params = [p.clone().requires_grad_() for p in coded_full(0)]
+    opt = coded_optimizer(params, "int8-uint4", nonfinite=nonfinite)
+    _coded_plan_run(opt, params, _set_plain_grad, nan_at)
+    out = snapshot(opt, params)
+    out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
+    return out
+
+
+def coded_plan_case(world_size: int, nan_at: tuple[int, int] | None, nonfinite: str, drop_rank: int | None,
+                    replicate: bool) -> dict[str, torch.Tensor]:
+    """A :data:`CODED_PLAN_CASES` entry on FSDP2 parameters: the snapshot, the skip counts and the
+    (cached, agreed) steps of the plans."""
+    params = fsdp_params(world_size, coded_full(0))
+    opt = coded_optimizer(params, "int8-uint4", nonfinite=nonfinite)
+    _coded_plan_run(opt, params, set_dtensor_grad, nan_at, drop_rank, replicate)
+    out = snapshot(opt, params)
+    out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
+    out["plans"] = torch.tensor([opt._plans.cached_steps, opt._plans.agreed_steps])
     return out
 
 
@@ -483,6 +535,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``mp``: ``reduce_dtype`` names of mixed-precision runs (fp32 parameters, bf16 compute);
     - ``state_dict``: cases ``(optimizer, mode, single-process state_dict)`` of :func:`state_dict_case`;
     - ``coded``: cases of :func:`coded_case` with the single-process dicts it loads;
+    - ``coded_plans``: cases of :func:`coded_plan_case`;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
     - ``errors``: :func:`placement_errors`;
     - ``gather``: :func:`gather_checks`;
@@ -505,12 +558,14 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     out["state_dict"] = [state_dict_case(world_size, *c) for c in spec.get("state_dict", [])]
     plain_sds = spec.get("coded_state_dicts", {})
     out["coded"] = [coded_case(world_size, *c, plain_sds.get(c[1], {})) for c in spec.get("coded", [])]
+    out["coded_plans"] = [coded_plan_case(world_size, *c) for c in spec.get("coded_plans", [])]
     if spec.get("reduce_scatter"):
         out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
     if spec.get("errors"):
         out["errors"] = placement_errors(world_size)
     if spec.get("gather"):
         out["gather"] = gather_checks(world_size)
+        out["gather_many"] = gather_many_checks(world_size)
     out["plan_changes"] = {c: plan_change_case(world_size, c) for c in spec.get("plan_changes", [])}
     out["grad_scaler"] = [grad_scaler_case(world_size, nan_at) for nan_at in spec.get("grad_scaler", [])]
     return out
@@ -530,6 +585,55 @@ def gather_checks(world_size: int) -> dict[str, tuple[bool, bool]]:
         want = full.to(dtype) if dtype == torch.int16 else full.float().bfloat16()
         got = gather(distribute_tensor(want, mesh, [Shard(1)], src_data_rank=None))
         out[str(dtype)] = (got.is_contiguous(), torch.equal(got.view(want.dtype), want))
+    return out
+
+
+#: (global shape, dtype, placement) of gather_many's tensors: uneven and empty shards (the (2,)
+#: vector at 4 ranks), both dimensions, the dtypes gloo cannot carry (int16, fp8), a replica
+GATHER_MANY = [((6, 5), torch.bfloat16, "Shard(0)"), ((7,), torch.float32, "Shard(0)"),
+               ((5, 40), torch.int8, "Shard(0)"), ((3, 5), torch.int16, "Shard(1)"),
+               ((6, 5), torch.float8_e4m3fn, "Shard(0)"), ((2,), torch.uint8, "Shard(0)"),
+               ((4, 3), torch.bfloat16, "Replicate()")]
+
+
+def gather_many_checks(world_size: int) -> dict[str, Any]:
+    """``sharding.gather_many`` of :data:`GATHER_MANY` (plus a plain tensor) against
+    ``sharding.gather`` of each: per tensor (bits equal, contiguous, dtype kept, a copy), and the
+    all-gathers it made (one, for all the sharded ones)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lowp.optim import sharding
+    mesh = init_device_mesh("cpu", (world_size,))
+    tensors: list[torch.Tensor] = []
+    for k, (shape, dtype, placement) in enumerate(GATHER_MANY):
+        values = (torch.arange(math.prod(shape)).reshape(shape) * 37 + k) % 97 - 40
+        full = values.to(dtype) if not dtype.is_floating_point else (values.float() / 8).to(dtype)
+        pl = Replicate() if placement == "Replicate()" else Shard(int(placement[6]))
+        tensors.append(distribute_tensor(full, mesh, [pl], src_data_rank=None))
+    tensors.append(torch.arange(5.0))
+    one_by_one = [sharding.gather(t).clone() for t in tensors]
+    sharded = [sharding.local(t) for t in tensors[:-2]]
+    out = {}
+    calls = [0]
+    all_gather, limit = dist.all_gather, sharding.GATHER_BYTES
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return all_gather(*args, **kwargs)
+    for tag, cap in (("one", limit), ("capped", 1)):   # a cap of 1 byte: each tensor alone
+        calls[0] = 0
+        dist.all_gather, sharding.GATHER_BYTES = counted, cap
+        try:
+            batched = sharding.gather_many(tensors)
+        finally:
+            dist.all_gather, sharding.GATHER_BYTES = all_gather, limit
+        out[tag] = {"checks": [(torch.equal(g.view(torch.uint8), w.view(torch.uint8)), g.is_contiguous(),
+                                g.dtype == w.dtype,
+                                all(g.untyped_storage().data_ptr() != s.untyped_storage().data_ptr() for s in sharded))
+                               for g, w in zip(batched, one_by_one)],
+                    "all_gathers": calls[0]}
     return out
 
 

@@ -104,7 +104,7 @@ def two_ranks(first_rank):
     spec = {"folder": str(folder), "steps": CASES, "state_dict": state_dicts, "save": ["kahan", "exact", w.CODED],
             "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
             "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES,
-            "plan_changes": list(w.PLAN_CHANGES), "grad_scaler": GRAD_SCALER_CASES,
+            "plan_changes": list(w.PLAN_CHANGES), "grad_scaler": GRAD_SCALER_CASES, "coded_plans": w.CODED_PLAN_CASES,
             "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
@@ -247,9 +247,9 @@ def test_fsdp_training_equals_unsharded_and_checkpoint_resumes(first_rank, two_r
     saved = ranks[0]["save"][mode]
     assert saved["sharded"], "DCP must see DTensor optimizer states"
     # FSDP2's gradients, reduce-scattered, stepped from the cached plan after the first step (the
-    # coded MLP's 8-bias splits blocks: its codes are replicated, gathered every step, no plan);
-    # one rank: a mesh that splits nothing, so the coded one takes plans too
-    assert [r["save"][mode]["cached"] for r in ranks] == [0 if mode == w.CODED else 3] * 2
+    # coded MLP's 8-bias splits blocks: its codes are replicated, and the plan leaves it to a full
+    # step, gathered, at each of its steps); one rank: a mesh that splits nothing
+    assert [r["save"][mode]["cached"] for r in ranks] == [3] * 2
     assert first_rank[1]["save"][mode]["cached"] == 3
     assert saved["losses"] == plain["losses"]
     assert_same(saved["model"], plain["model"], "weights after 4 FSDP steps")
@@ -334,6 +334,44 @@ def test_block_scaled_states_on_a_mesh_of_one_rank(first_rank, case):
     assert_coded_case(case, got, "1 rank", world_size=1)
 
 
+# (cached, agreed) steps of each rank in each of sharded_worker.CODED_PLAN_CASES (3 steps): the
+# plan takes the second and third (its flags agreed unless nonfinite="off"), except where a NaN
+# under "skip_param" hands the third to a full step with the agreed flags, a rank's plan was
+# dropped before it, or a gradient placed otherwise ends the plan
+CODED_PLAN_COUNTS = [[(1, 2)] * 2, [(2, 2)] * 2, [(1, 1), (1, 2)], [(2, 2), (1, 1)], [(2, 0)] * 2,
+                     [(1, 0), (2, 0)], [(1, 1)] * 2]
+
+
+def _coded_plan_id(case) -> str:
+    nan_at, nonfinite, drop_rank, replicate = case
+    return "-".join([f"nan-in-p{nan_at[0]}" if nan_at else "finite", nonfinite,
+                     *([f"rank{drop_rank}-full"] if drop_rank is not None else []),
+                     *(["replicated-grad"] if replicate else [])])
+
+
+@pytest.mark.parametrize("case", w.CODED_PLAN_CASES, ids=_coded_plan_id)
+def test_a_plan_leaves_parameters_that_split_blocks_to_a_full_step(two_ranks, case):
+    """Block-scaled states of FSDP2 parameters whose shards split blocks are replicated and
+    stepped on gathered copies; the cached plan keeps the other parameters and leaves those, its
+    remainder, to a full step at each of its steps. The ranks agree the flags of all parameters
+    in one collective (the remainder's included), then gather, as a full step does: a NaN in a
+    remainder parameter's shard on one rank, one rank's plan dropped, and a remainder gradient
+    placed otherwise (the plan ends) all give the single-process bits, on both ranks."""
+    _, ranks = two_ranks
+    index = w.CODED_PLAN_CASES.index(case)
+    nan_at, nonfinite, _, _ = case
+    want = w.coded_plan_reference(nan_at, nonfinite)
+    want_skipped = want.pop("skipped")
+    if nan_at is not None:
+        assert want_skipped.tolist() == ([1, 0] if nonfinite == "skip_param" else [0, 1])
+    for rank, results in enumerate(ranks):
+        got = dict(results["coded_plans"][index])
+        plans, skipped = got.pop("plans"), got.pop("skipped")
+        assert_same(got, want, f"rank {rank}")
+        assert skipped.tolist() == want_skipped.tolist(), f"rank {rank}"
+        assert tuple(plans.tolist()) == CODED_PLAN_COUNTS[index][rank], f"rank {rank}: (cached, agreed) steps"
+
+
 @pytest.mark.parametrize("case", w.CODED_CASES, ids="-".join)
 def test_block_scaled_states_of_sharded_parameters(two_ranks, case):
     """Block-scaled states of DTensor parameters are blocks of the whole tensor whoever holds
@@ -350,8 +388,10 @@ def test_block_scaled_states_of_sharded_parameters(two_ranks, case):
         assert_coded_case(case, got, f"rank {rank}")
 
 
-def assert_coded_case(case: tuple[str, str, str], got: dict, what: str, world_size: int = 2) -> None:
-    """One rank's results of :func:`sharded_worker.coded_case` against the single-process runs."""
+def assert_coded_case(case: tuple[str, str, str], got: dict, what: str, world_size: int = 2,
+                      empty: bool = False) -> None:
+    """One rank's results of :func:`sharded_worker.coded_case` against the single-process runs;
+    ``empty``: the rank's shards of the parameters that hold whole blocks are empty."""
     layout, states, backend = case
     want = w.coded_reference(states, backend)
     from_bf16 = w.coded_resumed(states, backend, coded_dicts()[states]["from_bf16"])
@@ -361,6 +401,12 @@ def assert_coded_case(case: tuple[str, str, str], got: dict, what: str, world_si
         assert held == n if "Replicate" in placed or world_size == 1 else 0 <= held < n, f"{what}: {held} of {n} codes"
     if backend == "fused" and layout == "fsdp":   # whole rows: the native kernel's in-step codec
         assert int(got["elements"][0]) > 0, got["elements"]
+    # the native kernel's plan takes the steps after the first; at 2 ranks its remainder, the
+    # parameters whose shards split blocks, is gathered and stepped in full at each of them;
+    # Shard(1) boxes of 2 ranks (not one range of the tensor) take the reference pipeline, and the
+    # kernel admits no empty shard (rank 3 of 4): no plan
+    planned = backend == "fused" and (layout == "fsdp" or world_size == 1) and not empty
+    assert got["cached"] == (w.STEPS - 1 if planned else 0), f"{what}: {got['cached']} steps from the plan"
     for tag in ("run", "resumed", "from_plain", "to_plain"):
         assert_same(got[tag], want, f"{what} {tag}")
     assert_same(got["from_bf16"], from_bf16, f"{what} from bf16 states")
@@ -382,6 +428,26 @@ def test_gathered_tensors_are_contiguous(two_ranks):
     _, ranks = two_ranks
     for results in ranks:
         assert results["gather"] == {"torch.bfloat16": (True, True), "torch.int16": (True, True)}
+
+
+def assert_gather_many(results: dict, world_size: int) -> None:
+    """``sharding.gather_many`` gives every tensor's ``gather`` bits (a contiguous copy of the
+    dtype) from one all-gather for all the sharded ones, or one each when the cap on a message's
+    bytes leaves room for only one."""
+    sharded = sum(placement.startswith("Shard") for _, _, placement in w.GATHER_MANY)
+    for tag, collectives in (("one", 1), ("capped", sharded)):
+        got = results["gather_many"][tag]
+        assert got["all_gathers"] == collectives, f"{world_size} ranks, {tag}: {got['all_gathers']} all-gathers"
+        for (shape, dtype, placement), check in zip(w.GATHER_MANY, got["checks"]):
+            assert check[:3] == (True, True, True), f"{world_size} ranks, {tag}: {shape} {dtype} {placement}: {check}"
+        assert all(check[3] for check in got["checks"][:-2]), "a sharded tensor's full copy is a new tensor"
+
+
+def test_gather_many_gathers_all_in_one(two_ranks):
+    """A step's gathers (every parameter whose shards split blocks, or of a per-tensor optimizer)
+    are one all-gather of all their tensors' bytes."""
+    for results in two_ranks[1]:
+        assert_gather_many(results, 2)
 
 
 def _compressed_inputs(world_size: int) -> torch.Tensor:
@@ -440,12 +506,13 @@ def test_four_ranks_and_one_to_many_reshard(tmp_path):
     one = run_local_group(w.session, 1, {"folder": str(tmp_path), "save": modes}, timeout_s=120)[0]
     cases = CASES + COMPILED_CASES
     spec = {"folder": str(tmp_path), "steps": cases, "load": [f"{m}-1" for m in modes], "coded": w.CODED_CASES,
-            "coded_state_dicts": coded_dicts()}
+            "coded_state_dicts": coded_dicts(), "gather": True}
     ranks = run_local_group(w.session, 4, spec, timeout_s=300)
     for rank, results in enumerate(ranks):
+        assert_gather_many(results, 4)
         for case, got in zip(w.CODED_CASES, results["coded"]):
             assert "Replicate" in got["placements"][1], got["placements"]
-            assert_coded_case(case, got, f"4 ranks, rank {rank}")
+            assert_coded_case(case, got, f"4 ranks, rank {rank}", empty=rank == 3)
     for mode in modes:
         for results in ranks:
             resumed = results["load"][f"{mode}-1"]

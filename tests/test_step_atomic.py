@@ -78,7 +78,7 @@ STAGES = {
     "grads_apart": (lambda: (preflight, "check_grads_apart"), 0),
     "finite_flags": (lambda: (base.LowpOptimizer, "_finite_flags"), 0),
     "init_state": (lambda: (base.LowpOptimizer, "init_state"), 2),
-    "make_slice": (lambda: (sharding, "make_slice"), 3),
+    "make_slices": (lambda: (sharding, "make_slices"), 0),
 }
 
 
@@ -121,13 +121,13 @@ def test_hooks_and_closures_that_raise_change_nothing(backend):
 
 
 def test_a_new_state_created_before_a_fault_is_removed(monkeypatch):
-    """The first step creates every state: a fault in the gather of the last parameter leaves
-    the optimizer without any, as before."""
+    """The first step creates every state: a fault in the gathers, after the last parameter's
+    states were made, leaves the optimizer without any, as before."""
     params = [torch.nn.Parameter(torch.randn(16).bfloat16()) for _ in range(3)]
     opt = lo.AdamW(params, lr=1e-2, backend="foreach", seed=1)
     for p in params:
         p.grad = torch.ones_like(p)
-    _fail_on_call(monkeypatch, sharding, "make_slice", call=2)
+    _fail_on_call(monkeypatch, sharding, "make_slices", call=0)
     with pytest.raises(Injected):
         opt.step()
     assert not any(p in opt.state and opt.state[p] for p in params)
@@ -141,7 +141,7 @@ def test_a_fault_after_a_mode_switch_fold_puts_the_weight_back(monkeypatch):
         g["mode"] = "exact"
     before = snapshot(opt, params)
     assert "compensation" in opt.state[params[0]]
-    _fail_on_call(monkeypatch, sharding, "make_slice", call=3)
+    _fail_on_call(monkeypatch, sharding, "make_slices", call=0)
     with pytest.raises(Injected):
         opt.step()
     assert same_snapshot(snapshot(opt, params), before)

@@ -31,6 +31,14 @@ full step makes, so ranks whose plans hold and ranks taking a full step agree; o
 flag holds does the kernel run (without its own check). A skipped step is skipped here; a
 parameter to skip hands the step, with the agreed flags, to a full step (:meth:`Plans.try_step`).
 
+The DTensor parameters a full step gathers (a per-tensor optimizer's; block-scaled states of a
+parameter whose shards split blocks, replicated by :func:`lowp.optim.sharding.coded_placements`)
+are the plan's *remainder*: each step from the plan takes their full step too
+(:class:`lowp.optim.step_plan.Remainder`): their checks, then the flags of all parameters agreed
+in one collective, then their gathers (one all-gather, :func:`lowp.optim.sharding.gather_many`),
+then the plan's launches and their writes, the collectives of a full step in its order. A plan
+is kept only when it holds at least one parameter of its own.
+
 The signature, compared before anything is written (any difference: the full step, which
 checks again and builds a new plan):
 
@@ -58,7 +66,7 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeGuard, cast
 
 import torch
 
@@ -102,7 +110,25 @@ class StepPlan(Protocol):
     counters: dict[tuple, list[dict[str, Any]]]
     gathered: list[Any]
 
-__all__ = ["CachedStep", "Plans", "structure"]
+class Remainder(Protocol):
+    """The full step of the parameters a plan leaves out (:func:`lowp.optim.step_plan.step_all`
+    makes it): made after their checks, holding their local gradients; :meth:`plan` plans their
+    step (gathering their full copies: collectives) without writing anything."""
+
+    grads: list[torch.Tensor]
+
+    def plan(self) -> Executable:
+        """The planned full step of the remainder."""
+
+
+class Executable(Protocol):
+    """A planned full step (:class:`lowp.optim.step_plan.StepPlan`)."""
+
+    def execute(self, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
+        """Write the step."""
+
+
+__all__ = ["CachedStep", "Plans", "Remainder", "structure"]
 
 _TENSOR = torch.Tensor
 _TENSOR_TYPE = {torch.Tensor}
@@ -220,12 +246,15 @@ class CachedStep:
         grad_dtypes: each stepped parameter's gradient dtype (which chose its variant).
         subset: the parameters of a ``step_params`` call (gradient release) whose plan this is,
             in their order; default ``None``: a whole ``step()``'s plan.
+        remainder: the DTensor parameters of a whole step's plan that each step takes in full,
+            gathered (their shards split the blocks of their block-scaled states, or a per-tensor
+            optimizer's), in the order of the groups; default none.
     """
 
     def __init__(self, optimizer: LowpOptimizer, kernel: Kernel, spec: OptimizerSpec, jobs: list[_Job],
                  stepped: list[torch.Tensor], targets: list[torch.Tensor], states: list[dict[str, Any]],
                  owned: list[tuple[dict, str, torch.Tensor]], grad_dtypes: list[torch.dtype],
-                 subset: list[torch.Tensor] | None = None) -> None:
+                 subset: list[torch.Tensor] | None = None, remainder: Sequence[torch.Tensor] = ()) -> None:
         self.kernel, self.spec, self.jobs, self.subset = kernel, spec, jobs, subset
         self.state_map, self.groups, self.backend = optimizer.state, optimizer.param_groups, optimizer.backend
         self.count = optimizer.diagnostics_enabled
@@ -253,8 +282,14 @@ class CachedStep:
         self.dtypes = [t.dtype for t in targets]
         place = {id(p): i for i, p in enumerate(self.all_params)}
         self.stepped_at = [place[id(p)] for p in stepped]   # in the launches' order (jobs), not the groups
-        # the stepped positions in the order of the groups (the non-finite flags' all-reduce)
-        self.group_order = sorted(range(len(stepped)), key=self.stepped_at.__getitem__)
+        self.remainder = list(remainder)
+        self.remainder_meshes = [cast("DTensor", p).device_mesh for p in self.remainder]
+        self.remainder_placements = [tuple(cast("DTensor", p).placements) for p in self.remainder]
+        # the positions of the stepped parameters, then the remainder's, in the order of the groups
+        # (the non-finite flags' all-reduce, which a full step makes over them all)
+        self.remainder_at = [place[id(p)] for p in self.remainder]
+        flagged = self.stepped_at + self.remainder_at
+        self.group_order = sorted(range(len(flagged)), key=flagged.__getitem__)
         # DTensors (parameters, states): each keeps its local tensor; a parameter its layout too
         # (its box picks the random streams; a state's layout is read by nothing the plan runs)
         self.wrappers = [t for t in (*stepped, *self.owned_tensors) if not _plain(t)]
@@ -283,8 +318,10 @@ class CachedStep:
         ``subset``, when given, whose parameters are plain), when every slice of it is a whole
         parameter of the groups (a plain one, or a DTensor's whole local tensor with a gradient
         placed like it: :func:`_target`) with plain or DTensor states (:func:`_local_of`), that took
-        a kernel that keeps plans (no gathered DTensor, no reference pipeline); else ``None``.
-        Never raises: a plan that cannot be made is no plan (the step it follows is done)."""
+        a kernel that keeps plans (no reference pipeline); else ``None``. The gathered DTensor
+        parameters of a whole step's plan are its remainder, stepped in full by every step that
+        takes the plan, once at least one parameter is planned. Never raises: a plan that cannot
+        be made is no plan (the step it follows is done)."""
         try:
             return cls._build(optimizer, plan, subset)
         except Exception:   # noqa: BLE001 - only an optimization: the next step is a full one
@@ -294,7 +331,8 @@ class CachedStep:
     def _build(cls, optimizer: LowpOptimizer, plan: StepPlan, subset: list[torch.Tensor] | None
                ) -> CachedStep | None:
         backend = optimizer.backend
-        if not (type(backend) is FusedBackend and backend.kernel.keeps_plans) or plan.gathered:
+        gathered = {id(full.param) for full, _, _ in plan.gathered}
+        if not (type(backend) is FusedBackend and backend.kernel.keeps_plans) or (gathered and subset is not None):
             return None
         spec = optimizer.kernel_spec()
         if spec is None or not backend.kernel.supports(spec):
@@ -311,7 +349,12 @@ class CachedStep:
             gid, mode, step, _, _, _, weight = key
             index, group = groups[gid]
             coded = plan.coded[key]
-            if len(plan.counters[key]) != len(slices) or not all(0 <= s.param_id < len(flat) for s in slices):
+            if not all(0 <= s.param_id < len(flat) for s in slices):
+                return None
+            slices = [s for s in slices if id(flat[s.param_id]) not in gathered]   # the remainder's
+            if not slices:
+                continue
+            if len(plan.counters[key]) != len(slices):
                 return None
             owners = [flat[s.param_id] for s in slices]
             made = [_target(p, s) for p, s in zip(owners, slices)]
@@ -338,8 +381,11 @@ class CachedStep:
             jobs.append(_Job(group, index, mode, coded, step, weight,
                              [(launch, [position[id(s)] for s in part]) for launch, part in launches],
                              sum(s.numel for s in slices)))
+        remainder = [p for p in flat if id(p) in gathered]
+        if (gathered and not jobs) or len(remainder) != len(gathered) or not all(map(_exact_dtensor, remainder)):
+            return None
         return cls(optimizer, backend.kernel, spec, jobs, stepped, cast(list[torch.Tensor], targets), states, owned,
-                   grad_dtypes, subset)
+                   grad_dtypes, subset, remainder)
 
     def matches(self, optimizer: LowpOptimizer) -> list[torch.Tensor] | None:
         """The gradients of the stepped parameters when the signature holds (module docstring),
@@ -368,6 +414,12 @@ class CachedStep:
         if list(map(operator.is_not, every, repeat(None))) != self.has_grad:
             return None
         grads = list(map(every.__getitem__, self.stepped_at))
+        if self.remainder:   # DTensor gradients placed like their parameters: local tensors without a collective
+            rest = list(map(every.__getitem__, self.remainder_at))
+            if set(map(type, rest)) != {sharding.dtensor_type()} \
+                    or list(map(_PLACEMENTS, rest)) != self.remainder_placements \
+                    or not all(map(operator.is_, map(_MESH, rest), self.remainder_meshes)):
+                return None
         wrappers = self.wrappers
         if wrappers and not all(map(operator.is_, map(_LOCAL_TENSOR, wrappers), self.wrapped_locals)):
             return None
@@ -420,21 +472,25 @@ class CachedStep:
             return None
         return cast(list[torch.Tensor], grads)   # each checked to be a tensor above
 
-    def agreed_flags(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], checked: bool) -> list[bool] | None:
-        """The finite flags of ``grads`` (from :meth:`matches`) agreed over the ranks
-        (:func:`lowp.optim.sharding.all_ranks`), in the order of the parameters in the groups, as
-        a full step agrees them (:func:`lowp.optim.step_plan.finite_flags`), for a plan with
-        DTensor parameters under a non-finite policy whose gradients are not ``checked``;
-        ``None`` for the others (the kernel checks its own tensors, :meth:`run`)."""
-        if not self.sharded or checked or optimizer.nonfinite == "off":
+    def agreed_flags(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], checked: bool,
+                     rest: Sequence[torch.Tensor] = ()) -> list[bool] | None:
+        """The finite flags of ``grads`` (from :meth:`matches`) and of the remainder's local
+        gradients ``rest`` agreed over the ranks (:func:`lowp.optim.sharding.all_ranks`), in the
+        order of the parameters in the groups, as a full step agrees them
+        (:func:`lowp.optim.step_plan.finite_flags`), for a plan with DTensor parameters under a
+        non-finite policy whose gradients are not ``checked``; ``None`` for the others (the kernel
+        checks its own tensors, :meth:`run`)."""
+        if not (self.sharded or self.remainder) or checked or optimizer.nonfinite == "off":
             return None
-        flags = optimizer.backend.finite_flags(grads)
+        flags = optimizer.backend.finite_flags([*grads, *rest])
         return sharding.all_ranks(list(map(flags.__getitem__, self.group_order)))
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
-            checked: bool, new_step: bool = True, force_check: bool = False) -> tuple[bool, bool]:
+            checked: bool, new_step: bool = True, force_check: bool = False,
+            rest: Executable | None = None) -> tuple[bool, bool]:
         """One step from the plan with ``grads`` (from :meth:`matches`): each job's launches at
-        the next step count, with Ctrl-C held until all are done; the non-finite policy as the
+        the next step count, then the remainder's planned full step ``rest`` (gradients
+        ``checked`` with them), with Ctrl-C held until all are done; the non-finite policy as the
         full step applies it (``checked``: the gradients are known to be finite; ``force_check``:
         a non-finite gradient is skipped even under ``nonfinite="off"``, as ``step_params`` with a
         ``grad_scale``). ``new_step``: this step starts the one ``diagnostics()`` reports (else it
@@ -443,6 +499,8 @@ class CachedStep:
         policy = "off" if checked else optimizer.nonfinite
         if force_check and policy == "off":
             policy = "skip_param"
+        if (rest is None) != (not self.remainder) or (rest is not None and policy != "off"):
+            raise RuntimeError("cached step: a plan with a remainder runs it, with gradients checked beforehand")
         check = CHECKS[policy]
         if policy == "skip_step" and self.calls > 1:   # one call checks its own tensors only
             if not all(optimizer.backend.finite_flags(grads)):
@@ -481,6 +539,8 @@ class CachedStep:
             optimizer.skipped_params += finite.count(False)
             self.kernel.fused_elements += self.total if everything else \
                 sum(n for n, ok in zip(self.numels, finite) if ok)
+            if rest is not None:
+                rest.execute(inv_scale, new_step=False)
             self.taken += 1
         return everything, everything
 
@@ -532,19 +592,29 @@ class Plans:
         self._waits.pop(key, None)
         return grads
 
-    def try_step(self, optimizer: LowpOptimizer, inv_scale: float | None, checked: bool
+    def try_step(self, optimizer: LowpOptimizer, inv_scale: float | None, checked: bool,
+                 remainder: Callable[[list[torch.Tensor]], Remainder] | None = None
                  ) -> tuple[bool, list[bool] | None]:
         """Take the step from the cached plan when it matches. Returns (taken, flags): ``(True,
         None)`` when taken (or skipped whole: ``"skip_step"``); ``(False, None)``: the caller takes
         a full step; ``(False, flags)``: the caller takes a full step with these non-finite flags
         of the parameters with a gradient, already agreed over the ranks (a plan of DTensor
         parameters, one of which ``"skip_param"`` skips: the kernel cannot skip a tensor for
-        another rank's shard)."""
+        another rank's shard).
+
+        A plan with a remainder (:class:`CachedStep`) takes the step only with ``remainder``, the
+        maker of its full step, called (the remainder's checks) before the flags are agreed, and
+        its step planned (gathered) before the plan writes anything, so the collectives are a full
+        step's, in its order: the flags of every parameter, then the gathers."""
         plan = self.current
         grads = None if plan is None else self._take(None, plan, optimizer)
         if plan is None or grads is None:
             return False, None
-        agreed = plan.agreed_flags(optimizer, grads, checked)
+        if plan.remainder and remainder is None:
+            self.current = None
+            return False, None
+        rest = remainder(plan.remainder) if remainder is not None and plan.remainder else None
+        agreed = plan.agreed_flags(optimizer, grads, checked, rest.grads if rest is not None else ())
         if agreed is not None:
             self.agreed_steps += 1
         if agreed is not None and not all(agreed):
@@ -553,8 +623,9 @@ class Plans:
             self.cached_steps += 1   # skipped whole, as a plain plan's skip_step (run)
             optimizer.skipped_steps += 1
             return True, None
+        planned = rest.plan() if rest is not None else None   # gathers; writes nothing
         self.cached_steps += 1
-        if not plan.run(optimizer, grads, inv_scale, checked or agreed is not None)[1]:
+        if not plan.run(optimizer, grads, inv_scale, checked or agreed is not None, rest=planned)[1]:
             self.current = None
         return True, None
 

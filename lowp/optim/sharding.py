@@ -13,8 +13,9 @@ needs the other ranks:
 - optimizers whose update is not elementwise (StableAdamW's per-tensor RMS, Adafactor's factors
   and RMS clip): the parameter, its gradient, states and buffer are all-gathered, the step runs
   on the full tensors exactly as on one process, and each rank keeps its box
-  (:func:`make_slice`, :class:`Gathered`). This is bit-for-bit the unsharded step; the price is
-  one all-gather of every tensor of the parameter per step and a full-size temporary;
+  (:func:`make_slices`, :class:`Gathered`). This is bit-for-bit the unsharded step; the price is
+  one all-gather of the tensors of all such parameters per step (:func:`gather_many`) and
+  full-size temporaries;
 - diagnostics: sums of counts and squares over ranks (:func:`global_sums`).
 
 Collectives run on the default process group, so every rank must step the same list of
@@ -42,10 +43,10 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement
     from typing_extensions import TypeIs
 
-__all__ = ["make_slice", "Gathered", "is_dtensor", "local", "new_state", "new_tensor", "coded_placements",
-           "new_buffer", "element_index", "box_index", "box", "gather", "keep_local", "local_grad", "load_state",
-           "place", "agree", "all_ranks", "global_sums", "replicas", "world_size", "check_placements",
-           "dtensor_type"]
+__all__ = ["make_slices", "gather_many", "SliceRequest", "Gathered", "is_dtensor", "local", "new_state",
+           "new_tensor", "coded_placements", "new_buffer", "element_index", "box_index", "box", "gather",
+           "keep_local", "local_grad", "load_state", "place", "agree", "all_ranks", "global_sums", "replicas",
+           "world_size", "check_placements", "dtensor_type"]
 
 
 @functools.cache
@@ -271,7 +272,14 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     travel as bits (:func:`_wire`)."""
     if not is_dtensor(t):
         return t
+    if all(map(_is_replicate, t.placements)):   # every rank holds it whole: no collective (and no
+        return local(t).contiguous()             # pass through DTensor's redistribution, 36 us)
     return _wire(t).full_tensor().contiguous().view(local(t).dtype)
+
+
+def _is_replicate(placement: Placement) -> bool:
+    from torch.distributed.tensor import Replicate
+    return type(placement) is Replicate
 
 
 #: dtypes without gloo collectives -> a dtype of the same width that has them (only bits travel)
@@ -336,7 +344,7 @@ class Gathered:
         local(self.param).copy_(keep_local(self.piece.param, self.param))
         pairs = [(self.states[n], self.piece.states[n]) for n in self.states]
         if self.buffer is not None:
-            assert self.piece.buffer is not None, "make_slice gathers the buffer with the parameter"
+            assert self.piece.buffer is not None, "make_slices gathers the buffer with the parameter"
             pairs.append((self.buffer, self.piece.buffer))
         for t, full in pairs:   # replicated states (Adafactor's factors, codes of split blocks) are whole
             if _placed_like(t, self.param):
@@ -350,29 +358,137 @@ def _placed_like(t: torch.Tensor, p: DTensor) -> TypeGuard[DTensor]:
     return is_dtensor(t) and tuple(t.placements) == tuple(p.placements)
 
 
-def make_slice(p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], buffer: torch.Tensor | None,
-               param_id: int, elementwise: bool) -> tuple[ParamSlice, float, Gathered | None]:
-    """The :class:`ParamSlice` a backend runs for parameter ``p`` (``grad``: its local gradient),
-    its weight in the diagnostics' sums and, for a gathered step, what to write back.
+#: One parameter of a step (:func:`make_slices`): the parameter, its local gradient, its states by
+#: name, its write-back buffer (or ``None``) and its position over all groups (``param_id``).
+SliceRequest = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None, int]
+
+
+def make_slices(requests: Sequence[SliceRequest], elementwise: bool) -> list[tuple[ParamSlice, float, Gathered | None]]:
+    """Per parameter of ``requests``: the :class:`ParamSlice` a backend runs, its weight in the
+    diagnostics' sums and, for a gathered step, what to write back.
 
     - plain ``p``: the tensors themselves, weight 0 (counted on this rank only);
     - DTensor ``p``, elementwise optimizer, every DTensor state placed like ``p``: the local
       shards with their :class:`ElementIndex`, weight ``1 / replicas`` (each element counted once
       over the ranks);
     - DTensor ``p``, per-tensor optimizer, or a state placed otherwise (the replicated codes of
-      blocks that ``p``'s shards split, :func:`coded_placements`): all-gathered full copies,
-      weight ``1 / world size`` (every rank computes the whole tensor).
+      blocks that ``p``'s shards split, :func:`coded_placements`): full copies of the parameter,
+      its gradient (``p.grad``), states and buffer, weight ``1 / world size`` (every rank computes
+      the whole tensor). The full copies of all such parameters come from one :func:`gather_many`.
     """
-    if not is_dtensor(p):
-        return ParamSlice(p, grad, states, buffer, param_id), 0.0, None
-    if elementwise and all(_placed_like(t, p) for t in states.values() if is_dtensor(t)):
-        piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
-                           None if buffer is None else local(buffer), param_id, element_index(p))
-        return piece, 1.0 / replicas(p), None
-    assert p.grad is not None, "make_slice: the optimizer passes only parameters with a gradient"
-    piece = ParamSlice(gather(p.detach()), gather(p.grad), {n: gather(t) for n, t in states.items()},
-                       None if buffer is None else gather(buffer), param_id)
-    return piece, 1.0 / world_size(), Gathered(piece, p, states, buffer)
+    out: list[tuple[ParamSlice, float, Gathered | None] | None] = []
+    pending: list[tuple[int, DTensor, dict[str, torch.Tensor], torch.Tensor | None, int]] = []
+    for p, grad, states, buffer, param_id in requests:
+        if not is_dtensor(p):
+            out.append((ParamSlice(p, grad, states, buffer, param_id), 0.0, None))
+        elif elementwise and all(_placed_like(t, p) for t in states.values() if is_dtensor(t)):
+            piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
+                               None if buffer is None else local(buffer), param_id, element_index(p))
+            out.append((piece, 1.0 / replicas(p), None))
+        else:
+            assert p.grad is not None, "make_slices: the optimizer passes only parameters with a gradient"
+            pending.append((len(out), p, states, buffer, param_id))
+            out.append(None)
+    wanted = [t for _, p, states, buffer, _ in pending
+              for t in (p.detach(), p.grad, *states.values(), *([] if buffer is None else [buffer]))]
+    fulls = iter(gather_many(cast(list[torch.Tensor], wanted)))
+    for at, p, states, buffer, param_id in pending:
+        weight, grad = next(fulls), next(fulls)
+        piece = ParamSlice(weight, grad, {n: next(fulls) for n in states}, None if buffer is None else next(fulls),
+                           param_id)
+        out[at] = (piece, 1.0 / world_size(), Gathered(piece, p, states, buffer))
+    return cast(list[tuple[ParamSlice, float, "Gathered | None"]], out)
+
+
+#: byte alignment of each tensor's bytes in :func:`gather_many`'s messages (any dtype's view)
+_ALIGN = 16
+#: the most bytes of one rank's message in one all-gather of :func:`gather_many` (a larger
+#: tensor travels alone): the messages of all ranks are held next to the full copies
+GATHER_BYTES = 1 << 26
+
+
+def _chunk(n: int, ranks: int, r: int) -> tuple[int, int]:
+    """(start, size) of chunk ``r`` of ``n`` rows cut into ``ranks`` chunks as ``Shard`` cuts them
+    (``torch.chunk``: chunks of ``ceil(n / ranks)``, the last ones shorter or empty)."""
+    size = -(-n // ranks)
+    start = min(r * size, n)
+    return start, min(n, start + size) - start
+
+
+def gather_many(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`gather` of each of ``tensors`` (the same full tensors, dtypes and copies), with one
+    all-gather for the DTensors sharded along one dimension of a one-dimensional mesh (FSDP2's
+    ``Shard(0)``) that share its process group and device, up to :data:`GATHER_BYTES` per rank's
+    message: each rank sends its local tensors' bytes back to back (each at a multiple of 16
+    bytes), padded to the longest rank's message, and every full tensor is its ranks' boxes
+    concatenated along the sharded dimension (their sizes follow ``Shard``'s ``torch.chunk``
+    rule). The others are gathered one by one first, in order; then the batches, in the order of
+    their first tensor: every rank makes the same collectives for the same ``tensors``."""
+    from torch.distributed.tensor import Shard
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    batches: dict[tuple[dist.ProcessGroup, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if is_dtensor(t) and t.device_mesh.ndim == 1 and type(t.placements[0]) is Shard and t.dim() > 0:
+            batches.setdefault((t.device_mesh.get_group(), t.device), []).append(i)
+        else:
+            out[i] = gather(t)
+    for (group, device), members in batches.items():
+        for part in _parts(tensors, members, dist.get_world_size(group)):
+            _gather_batch(tensors, part, group, device, out)
+    return cast(list[torch.Tensor], out)
+
+
+def _parts(tensors: Sequence[torch.Tensor], members: list[int], ranks: int) -> list[list[int]]:
+    """``members`` cut into runs whose largest rank's share stays within :data:`GATHER_BYTES`."""
+    runs: list[list[int]] = []
+    size = 0
+    for i in members:
+        t = tensors[i]
+        dim = _shard_dim(t)
+        share = -(-t.shape[dim] // ranks) * math.prod(t.shape) // max(t.shape[dim], 1) * t.element_size()
+        if not runs or size + share > GATHER_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += share
+    return runs
+
+
+def _shard_dim(t: torch.Tensor) -> int:
+    """The dimension that the one ``Shard`` placement of the DTensor ``t`` splits."""
+    from torch.distributed.tensor import Shard
+    return cast(Shard, cast("DTensor", t).placements[0]).dim % t.dim()
+
+
+def _gather_batch(tensors: Sequence[torch.Tensor], members: list[int], group: dist.ProcessGroup,
+                  device: torch.device, out: list[torch.Tensor | None]) -> None:
+    """One all-gather of :func:`gather_many` for ``tensors[i]``, ``i`` in ``members``, into ``out[i]``."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    mine = [local(tensors[i]) for i in members]   # to_local() costs about 10 us: once each
+    dims = [_shard_dim(tensors[i]) for i in members]
+    parts: list[list[tuple[int, int, tuple[int, ...]]]] = [[] for _ in range(ranks)]   # (offset, bytes, shape)
+    ends = [0] * ranks
+    for i, loc, dim in zip(members, mine, dims):
+        shape = tuple(tensors[i].shape)
+        for r in range(ranks):
+            box_shape = (*shape[:dim], _chunk(shape[dim], ranks, r)[1], *shape[dim + 1:])
+            nbytes = math.prod(box_shape) * loc.element_size()
+            parts[r].append((ends[r], nbytes, box_shape))
+            ends[r] += -(-nbytes // _ALIGN) * _ALIGN
+    send = torch.zeros(max(ends), dtype=torch.uint8, device=device)
+    for loc, (offset, nbytes, shape) in zip(mine, parts[me]):
+        if tuple(loc.shape) != shape:   # torch's Shard no longer cuts as torch.chunk: nothing is sent
+            raise RuntimeError(f"gather_many: a local tensor of shape {tuple(loc.shape)}, expected {shape} "
+                               f"by Shard's rule")
+        send[offset:offset + nbytes].copy_(loc.contiguous().reshape(-1).view(torch.uint8))
+    received = [torch.empty_like(send) for _ in range(ranks)]
+    dist.all_gather(received, send, group=group)
+    for k, (i, loc, dim) in enumerate(zip(members, mine, dims)):
+        boxes = []
+        for r in range(ranks):
+            offset, nbytes, shape = parts[r][k]
+            boxes.append(received[r][offset:offset + nbytes].view(loc.dtype).reshape(shape))
+        out[i] = torch.cat(boxes, dim=dim)
 
 
 def _distributed() -> bool:

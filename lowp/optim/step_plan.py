@@ -21,6 +21,7 @@ whole ``step()``, :func:`step_some` the ``step_params`` of gradient release
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping
@@ -38,7 +39,7 @@ from lowp.optim.preflight import check_flag
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
 from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, resolve_mode
 
-__all__ = ["Checked", "StepPlan", "prepare", "prepare_subset", "run", "step_all", "step_some"]
+__all__ = ["Checked", "Remainder", "StepPlan", "prepare", "prepare_subset", "run", "step_all", "step_some"]
 
 
 class LowpOptimizer(backends.LowpOptimizer, Protocol):
@@ -228,11 +229,34 @@ def step_all(optimizer: LowpOptimizer) -> None:
     inv_scale = None if grad_scale is None else float(grad_scale.double().reciprocal())
     # GradScaler hands over found_inf only after checking every gradient of this optimizer:
     # 0 means all are finite, and a second pass over them would cost about 10% of a fused step
-    taken, agreed = optimizer._plans.try_step(optimizer, inv_scale, checked=found_inf is not None)
+    taken, agreed = optimizer._plans.try_step(optimizer, inv_scale, checked=found_inf is not None,
+                                              remainder=functools.partial(Remainder, optimizer))
     if taken:
         return
     run(optimizer, prepare(optimizer), inv_scale, checked=found_inf is not None, new_step=True, keep_plan=True,
         agreed=agreed)
+
+
+class Remainder:
+    """The full step of the parameters a cached plan leaves out (its remainder: gathered DTensor
+    steps, :class:`lowp.optim.cached_step.CachedStep`), made by the plan's step: checked as
+    :func:`prepare_subset` checks them, with their local gradients (placed like the parameters,
+    which the plan's signature checked: no collective) for the plan's non-finite flags.
+
+    Args:
+        optimizer: the optimizer stepped.
+        params: the remainder's parameters, in the order of the groups, each with a gradient.
+    """
+
+    def __init__(self, optimizer: LowpOptimizer, params: list[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self.todo = prepare_subset(optimizer, params)
+        self.grads = [sharding.local_grad(t.param) for t in self.todo]
+
+    def plan(self) -> StepPlan:
+        """Their step planned (states created, full copies gathered; nothing written), every
+        gradient finite (the plan agreed their flags first)."""
+        return StepPlan(self.optimizer, list(zip(self.todo, self.grads)))
 
 
 def step_some(optimizer: LowpOptimizer, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool,
@@ -317,6 +341,8 @@ class StepPlan:
         self.gathered: list[tuple[sharding.Gathered, dict[str, Any], int]] = []
         undo = _Undo()
         try:
+            requests: list[sharding.SliceRequest] = []
+            kept: list[tuple[dict[str, Any], tuple[str, ...]]] = []   # each one's state and state names
             for (group, p, mode, param_id, p_coded), grad in todo:
                 undo.remember(optimizer.state, p, mode)
                 state = optimizer.init_state(group, p, mode, p_coded)
@@ -325,10 +351,12 @@ class StepPlan:
                     for entry in (c.name, scale_name(c.name)):
                         if not sharding.local(state[entry]).is_contiguous():
                             state[entry] = _contiguous(state[entry])
+                requests.append((p, grad, {n: state[n] for n in names},
+                                 state.get(mode.buffer_name) if mode.buffer_name else None, param_id))
+                kept.append((state, names))
+            made = sharding.make_slices(requests, optimizer.elementwise)   # the gathers, all in one
+            for ((group, p, mode, _, p_coded), _), (state, names), (piece, weight, full) in zip(todo, kept, made):
                 step = state["step"] + 1
-                piece, weight, full = sharding.make_slice(p, grad, {n: state[n] for n in names},
-                                                          state.get(mode.buffer_name) if mode.buffer_name else None,
-                                                          param_id, optimizer.elementwise)
                 key = (id(group), mode.name, step, p.dtype, p.device, names, weight)
                 piece.scales = {c.name: sharding.local(state[scale_name(c.name)]).view(-1) for c in p_coded}
                 self.jobs[key].append(piece)
