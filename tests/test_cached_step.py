@@ -79,6 +79,28 @@ def test_cached_steps_equal_the_reference(config, fresh):
     assert same(bits(native, p1), bits(reference, p2))
 
 
+@pytest.mark.parametrize("config", ["defaults", "5 B/param"])
+def test_empty_parameters_are_planned_without_a_launch(config):
+    """An empty parameter (an FSDP2 shard of a matrix with fewer rows than ranks, a zero-size
+    tensor) needs no kernel call: the plan keeps it, advancing its step count with its job, and
+    takes the other parameters' steps, the reference's bits."""
+    shapes = ((33, 17), (0,), (64,), (0, 5))
+
+    def train(backend: str):
+        params = make_params(shapes=shapes)
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=0, **CONFIGS[config])
+        for t in range(5):
+            set_grads(params, t)
+            opt.step()
+        return opt, params
+    (native, p1), (reference, p2) = on_both(train)
+    assert native._plans.cached_steps == 4
+    plan = native._plans.current
+    assert sum(len(job.empty) for job in plan.jobs) == 2 and plan.calls >= 1
+    assert [native.state[p]["step"] for p in p1] == [5] * 4
+    assert same(bits(native, p1), bits(reference, p2))
+
+
 KERNEL_ENTRIES = [e for e in lo.registry.entries() if e.cls.spec is not None and e.cls.spec.rule is not None]
 
 

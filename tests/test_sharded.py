@@ -388,10 +388,8 @@ def test_block_scaled_states_of_sharded_parameters(two_ranks, case):
         assert_coded_case(case, got, f"rank {rank}")
 
 
-def assert_coded_case(case: tuple[str, str, str], got: dict, what: str, world_size: int = 2,
-                      empty: bool = False) -> None:
-    """One rank's results of :func:`sharded_worker.coded_case` against the single-process runs;
-    ``empty``: the rank's shards of the parameters that hold whole blocks are empty."""
+def assert_coded_case(case: tuple[str, str, str], got: dict, what: str, world_size: int = 2) -> None:
+    """One rank's results of :func:`sharded_worker.coded_case` against the single-process runs."""
     layout, states, backend = case
     want = w.coded_reference(states, backend)
     from_bf16 = w.coded_resumed(states, backend, coded_dicts()[states]["from_bf16"])
@@ -402,10 +400,10 @@ def assert_coded_case(case: tuple[str, str, str], got: dict, what: str, world_si
     if backend == "fused" and layout == "fsdp":   # whole rows: the native kernel's in-step codec
         assert int(got["elements"][0]) > 0, got["elements"]
     # the native kernel's plan takes the steps after the first; at 2 ranks its remainder, the
-    # parameters whose shards split blocks, is gathered and stepped in full at each of them;
-    # Shard(1) boxes of 2 ranks (not one range of the tensor) take the reference pipeline, and the
-    # kernel admits no empty shard (rank 3 of 4): no plan
-    planned = backend == "fused" and (layout == "fsdp" or world_size == 1) and not empty
+    # parameters whose shards split blocks, is gathered and stepped in full at each of them (and at
+    # 4 ranks rank 3's empty shards need no launch); Shard(1) boxes of 2 ranks (not one range of
+    # the tensor) take the reference pipeline: no plan
+    planned = backend == "fused" and (layout == "fsdp" or world_size == 1)
     assert got["cached"] == (w.STEPS - 1 if planned else 0), f"{what}: {got['cached']} steps from the plan"
     for tag in ("run", "resumed", "from_plain", "to_plain"):
         assert_same(got[tag], want, f"{what} {tag}")
@@ -512,7 +510,7 @@ def test_four_ranks_and_one_to_many_reshard(tmp_path):
         assert_gather_many(results, 4)
         for case, got in zip(w.CODED_CASES, results["coded"]):
             assert "Replicate" in got["placements"][1], got["placements"]
-            assert_coded_case(case, got, f"4 ranks, rank {rank}", empty=rank == 3)
+            assert_coded_case(case, got, f"4 ranks, rank {rank}")
     for mode in modes:
         for results in ranks:
             resumed = results["load"][f"{mode}-1"]

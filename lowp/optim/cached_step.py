@@ -22,8 +22,9 @@ list (:class:`Plans`), whose signature checks the listed parameters at their pla
 groups and the groups holding them instead of every group.
 
 DTensor parameters (FSDP2, tensor parallel) take a plan too when the kernel stepped each one's
-whole local box as one contiguous range of the global tensor (a ``Shard(0)`` shard, a replica)
-and its gradient is a DTensor placed like it: the plan keeps the local tensors and the boxes'
+whole local box as one contiguous range of the global tensor (a ``Shard(0)`` shard, a replica;
+an empty shard needs no launch: its step count advances with its job's) and its gradient is a
+DTensor placed like it: the plan keeps the local tensors and the boxes'
 offsets (the random streams). Their non-finite check must agree over the ranks, as a full
 step's does (:func:`lowp.optim.sharding.agree`): each step checks the local gradients first and
 all-reduces the flags, in the order of the parameters in the groups, the same collective a
@@ -220,12 +221,14 @@ def structure(spec: OptimizerSpec | None, group: dict[str, Any]) -> tuple[Any, .
 
 class _Job:
     """One job of the plan: its group, mode, coded states and step, its launches (each with the
-    positions of its members among the plan's stepped parameters) and the diagnostics entry."""
+    positions of its members among the plan's stepped parameters), the positions of its empty
+    members (an empty shard: no launch, its step count advances with the job's) and the
+    diagnostics entry."""
 
     def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, weight: float,
-                 launches: list[tuple[KernelLaunch, list[int]]], numel: int) -> None:
+                 launches: list[tuple[KernelLaunch, list[int]]], numel: int, empty: list[int]) -> None:
         self.group, self.index, self.mode, self.coded, self.step = group, index, mode, coded, step
-        self.weight, self.launches, self.numel = weight, launches, numel
+        self.weight, self.launches, self.numel, self.empty = weight, launches, numel, empty
 
 
 class CachedStep:
@@ -306,7 +309,9 @@ class CachedStep:
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.versions = [t._version for t in self.tensors]
         self.nbytes = [t.untyped_storage().nbytes() for t in self.tensors]
-        self.written = {t.untyped_storage().data_ptr() for t in self.tensors}
+        # the storages the kernels write (an empty tensor's is never written: it may have no memory)
+        self.written = {t.untyped_storage().data_ptr() for t in self.tensors if t.numel()}
+        self.grad_empty = [not n for n in self.numels]   # an empty gradient may have no address
         self.total = sum(self.numels)
         self.calls = sum(len(job.launches) for job in jobs)
         self.taken = 0
@@ -362,7 +367,8 @@ class CachedStep:
                 return None
             ctx = StepContext(group, MODES[mode], step, None, optimizer.seed, optimizer.diagnostics_enabled,
                               coded=coded)
-            launches = _launches(backend.kernel, spec, ctx, slices)
+            live = [s for s in slices if s.numel]   # an empty shard (rows fewer than ranks) needs no launch
+            launches = _launches(backend.kernel, spec, ctx, live) if live else []
             if launches is None:
                 return None
             first = len(stepped)
@@ -380,7 +386,7 @@ class CachedStep:
                 owned.extend((state, name, state[name]) for name in names)
             jobs.append(_Job(group, index, mode, coded, step, weight,
                              [(launch, [position[id(s)] for s in part]) for launch, part in launches],
-                             sum(s.numel for s in slices)))
+                             sum(s.numel for s in slices), [position[id(s)] for s in slices if not s.numel]))
         remainder = [p for p in flat if id(p) in gathered]
         if (gathered and not jobs) or len(remainder) != len(gathered) or not all(map(_exact_dtensor, remainder)):
             return None
@@ -447,7 +453,7 @@ class CachedStep:
         starts = list(map(_DATA_PTR, grads))
         storages = list(map(_UNTYPED_STORAGE, grads))
         ends = map(operator.mul, map(operator.add, map(_STORAGE_OFFSET, grads), self.numels), self.grad_sizes)
-        if not all(starts) or any(map(operator.and_, starts, self.grad_align)) \
+        if not all(map(operator.or_, starts, self.grad_empty)) or any(map(operator.and_, starts, self.grad_align)) \
                 or not all(map(operator.le, ends, map(_NBYTES, storages))) \
                 or not self.written.isdisjoint(map(_STORAGE_PTR, storages)):
             return None
@@ -531,6 +537,8 @@ class CachedStep:
                             self.states[i]["step"] = step
                         else:
                             numel -= self.numels[i]
+                for i in job.empty:
+                    self.states[i]["step"] = step
                 job.step = step
                 stalled.setdefault(job.index, []).append((_total(counts) if self.count else None, numel, job.weight))
             everything = all(finite)
