@@ -5,6 +5,7 @@ references and the simulator, so the multi-process start-up cost is paid once pe
 not per hook. World size 2 runs by default, world size 4 with ``-m slow``.
 """
 import os
+import signal
 import time
 
 import pytest
@@ -245,6 +246,12 @@ def _dies(rank, world_size):
     dist.all_reduce(torch.ones(4))
 
 
+def _crashes_in_native_code(rank, world_size):
+    import faulthandler
+
+    faulthandler._sigsegv()   # a segmentation fault, as a bug in C code would raise
+
+
 def _hangs(rank, world_size):
     import torch.distributed as dist
 
@@ -274,6 +281,15 @@ def test_dead_rank_makes_the_others_fail():
     assert time.monotonic() - start < 40
     assert "exit code 3" in info.value.ranks[1]
     assert "rank 0" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_by_a_signal_is_reported_with_its_python_stack():
+    with pytest.raises(GroupFailure) as info:
+        run_local_group(_crashes_in_native_code, 1, timeout_s=5, join_timeout_s=30)
+    report = info.value.ranks[0]
+    assert f"exit code -{signal.SIGSEGV.value}" in report
+    assert "Segmentation fault" in report and "_crashes_in_native_code" in report
 
 
 def test_launcher_and_state_reject_bad_arguments():

@@ -3,15 +3,19 @@
 Used by the tests and handy for trying comm hooks without a cluster. Every rank gets the
 same process-group timeout, and the launcher itself waits at most ``join_timeout_s``, so a
 rank that dies or hangs makes the call fail with :class:`GroupFailure` naming each rank's fate
-instead of blocking forever. Only 127.0.0.1 is used.
+instead of blocking forever; a rank killed by a signal (a segmentation fault, an abort) is
+reported with the Python stacks :mod:`faulthandler` wrote as it died. Only 127.0.0.1 is used.
 """
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -41,7 +45,9 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any],
-           args: tuple, results: "mp.Queue[tuple[int, str, bytes]]") -> None:
+           args: tuple, results: "mp.Queue[tuple[int, str, bytes]]", crash_path: str) -> None:
+    crash_file = open(crash_path, "w")   # noqa: SIM115 (open until the process ends, for faulthandler)
+    faulthandler.enable(file=crash_file, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -76,8 +82,26 @@ def run_local_group(fn: Callable[..., Any], world_size: int, *args: Any, backend
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, timeout_s, fn, args, results), daemon=True)
-             for r in range(world_size)]
+    with tempfile.TemporaryDirectory(prefix="lowp-group-") as crashes:
+        paths = [os.path.join(crashes, f"rank{r}.txt") for r in range(world_size)]
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, timeout_s, fn, args, results, paths[r]),
+                             daemon=True) for r in range(world_size)]
+        return _join(procs, paths, results, world_size, timeout_s, join_timeout_s)
+
+
+def _crash_report(path: str) -> str:
+    """What :mod:`faulthandler` wrote in a rank's file (its stacks at a fatal signal), or ''."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"\n{text[-4000:]}" if text else ""
+
+
+def _join(procs: list, paths: list[str], results: mp.Queue, world_size: int, timeout_s: float,
+          join_timeout_s: float | None) -> list[Any]:
+    """Start the ranks, collect their reports and join them (:func:`run_local_group`)."""
     for p in procs:
         p.start()
     deadline = time.monotonic() + (3 * timeout_s + 30 if join_timeout_s is None else join_timeout_s)
@@ -102,7 +126,7 @@ def run_local_group(fn: Callable[..., Any], world_size: int, *args: Any, backend
         if status == "error":
             failures[rank] = str(value).strip()
         elif status == "missing" and rank not in failures:
-            failures[rank] = f"died without reporting (exit code {p.exitcode})"
+            failures[rank] = f"died without reporting (exit code {p.exitcode}){_crash_report(paths[rank])}"
     if failures:
         raise GroupFailure(failures)
     return [reports[r][1] for r in range(world_size)]
