@@ -221,6 +221,17 @@ def test_native_finite_check_matches_reference():
     assert flags.count(False) == 3 * 6 * 3
 
 
+def test_empty_gradients_leave_the_others_to_the_one_bulk_check(monkeypatch):
+    from lowp.optim.kernels.native import kernel
+
+    grads = [torch.randn(40), torch.empty(0), torch.tensor([1.0, float("nan")]).bfloat16(),
+             torch.empty(0, dtype=torch.bfloat16).reshape(0, 3), torch.randn(7).half()]
+    grads[0][3] = float("inf")
+    grads[1].untyped_storage().resize_(0)    # an empty shard's gradient may have no memory at all
+    monkeypatch.setattr(kernel, "kernel_memory", lambda *a: pytest.fail("per-tensor check"))
+    assert get_backend("native").finite_flags(grads) == [False, True, False, True, True]
+
+
 @pytest.mark.parametrize("policy", ["skip_param", "skip_step"])
 def test_nonfinite_gradient_touches_nothing(policy):
     runs = []

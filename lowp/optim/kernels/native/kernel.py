@@ -97,10 +97,15 @@ class NativeKernel(Kernel):
         """One native call over every fp32/bf16/fp16 CPU gradient in kernel memory
         (:func:`~lowp.optim.kernels.checks.kernel_memory`): an integer test of the exponent field,
         read once at memory speed (torch's ``aminmax`` took 13-30% of a fused step, measured).
-        Empty gradients are finite; the others are left to the generic check (``None``); a
-        gradient whose storage is smaller than its shape is a ``ValueError``."""
+        Empty gradients are finite (an empty shard's may have no address: the others still take the
+        one call); the others are left to the generic check (``None``); a gradient whose storage is
+        smaller than its shape is a ``ValueError``."""
         if all_kernel_memory(grads, _FLOAT_CODES):   # every one: one native call, no per-tensor checks
             return list(_native_flags(grads))
+        live = [g for g in grads if type(g) not in PLAIN_TYPES or g.numel()]
+        if len(live) < len(grads) and all_kernel_memory(live, _FLOAT_CODES):
+            found = iter(_native_flags(live))
+            return [next(found) if g.numel() else True for g in grads]
         flags: list[bool | None] = [None] * len(grads)
         native = []
         for i, g in enumerate(grads):
