@@ -101,6 +101,25 @@ def test_empty_parameters_are_planned_without_a_launch(config):
     assert same(bits(native, p1), bits(reference, p2))
 
 
+def test_a_skipped_step_leaves_empty_parameters_alone():
+    """skip_step with an empty parameter in a group of its own (a job without a call) and a NaN in
+    the one call's gradients: the whole step is skipped, the empty parameter's step count too."""
+    params = make_params(shapes=((0,), (64,)))
+    opt = lo.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, backend="native", seed=0,
+                   nonfinite="skip_step")
+    for t in range(3):
+        set_grads(params, t)
+        opt.step()
+    plan = opt._plans.current
+    assert opt._plans.cached_steps == 2 and plan.calls == 1 and plan.check_first
+    params[1].grad[5] = float("nan")
+    before = params[1].detach().clone()
+    opt.step()
+    assert opt._plans.cached_steps == 3 and opt.skipped_steps == 1
+    assert [opt.state[p]["step"] for p in params] == [3, 3]
+    assert torch.equal(params[1], before)
+
+
 KERNEL_ENTRIES = [e for e in lo.registry.entries() if e.cls.spec is not None and e.cls.spec.rule is not None]
 
 

@@ -314,6 +314,9 @@ class CachedStep:
         self.grad_empty = [not n for n in self.numels]   # an empty gradient may have no address
         self.total = sum(self.numels)
         self.calls = sum(len(job.launches) for job in jobs)
+        # skip_step checks every gradient before the first write unless one call does all the
+        # writing: an empty member's step count advances without a call, maybe before the call
+        self.check_first = self.calls > 1 or any(job.empty for job in jobs)
         self.taken = 0
 
     @classmethod
@@ -508,7 +511,7 @@ class CachedStep:
         if (rest is None) != (not self.remainder) or (rest is not None and policy != "off"):
             raise RuntimeError("cached step: a plan with a remainder runs it, with gradients checked beforehand")
         check = CHECKS[policy]
-        if policy == "skip_step" and self.calls > 1:   # one call checks its own tensors only
+        if policy == "skip_step" and self.check_first:   # one call checks its own tensors only
             if not all(optimizer.backend.finite_flags(grads)):
                 optimizer.skipped_steps += 1
                 return False, True
