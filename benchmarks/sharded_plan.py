@@ -8,8 +8,10 @@ The parameter list is GPT-2's shapes scaled down (``step_vs_torch.gpt2_shapes``)
 ``--scale 4`` the matrices' rows (last dimensions of 192, 576, 768) hold whole blocks and are
 planned, while most vectors (192 and 576 elements: shards of 96 and 288) split blocks, so their
 codes are replicated and the plan leaves them, its remainder, to a full step on gathered copies.
+The last row keeps the states of parameters under 4096 elements in bf16 (``coded_min_numel=4096``,
+bitsandbytes' and torchao's threshold): the vectors no longer split blocks and the plan keeps all.
 Prints the slowest rank's median step per row, the ratio against torch's row, and how many
-parameters the plan keeps and leaves.
+parameters the plan keeps and leaves (with and without the threshold).
 
     python benchmarks/sharded_plan.py [--ranks 2] [--scale 4] [--steps 9] [--threads 1]
 """
@@ -25,7 +27,10 @@ from lowp.distributed.launch import run_local_group
 from lowp.report import text_table
 from step_vs_torch import gpt2_shapes
 
-ROWS = ("torch AdamW fp32 fused", "lowp 5 B/param, full step", "lowp 5 B/param, cached plan")
+ROWS = ("torch AdamW fp32 fused", "lowp 5 B/param, full step", "lowp 5 B/param, cached plan",
+        "lowp 5 B/param, cached plan, coded_min_numel=4096")
+#: what each lowp row gives its optimizer besides the shared options
+EXTRA = {ROWS[1]: {}, ROWS[2]: {}, ROWS[3]: {"coded_min_numel": 4096}}
 BASELINE = ROWS[0]
 
 
@@ -55,7 +60,7 @@ def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int) -> d
                                        fused=True)}
     for row in ROWS[1:]:
         runs[row] = lo.AdamW(_params(shapes, torch.bfloat16, world_size), lr=1e-3, weight_decay=1e-2,
-                             mode="exact8", state_dtype=eight, fused=True, seed=0)
+                             mode="exact8", state_dtype=eight, fused=True, seed=0, **EXTRA[row])
     times: dict[str, list[float]] = {row: [] for row in ROWS}
     for t in range(steps + 2):   # two warm-up steps: the first full step, then the plan's first
         for row, opt in runs.items():
@@ -68,12 +73,11 @@ def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int) -> d
             torch.distributed.barrier()
             if t >= 2:
                 times[row].append(time.perf_counter() - start)
-    cached = runs[ROWS[2]]
-    plan = cached._plans.current   # noqa: SLF001 - what the plan keeps and leaves
+    plans = [runs[row]._plans.current for row in ROWS[2:]]   # noqa: SLF001 - what each plan keeps and leaves
     return {"median": {row: statistics.median(v) for row, v in times.items()},
             "cached_steps": [runs[row]._plans.cached_steps for row in ROWS[1:]],   # noqa: SLF001
-            "planned": 0 if plan is None else len(plan.stepped),
-            "remainder": 0 if plan is None else len(plan.remainder), "tensors": len(shapes)}
+            "planned": [0 if plan is None else len(plan.stepped) for plan in plans],
+            "remainder": [0 if plan is None else len(plan.remainder) for plan in plans], "tensors": len(shapes)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     slowest = {row: max(r["median"][row] for r in results) for row in ROWS}
     first = results[0]
     print(f"{args.ranks} gloo ranks, GPT-2 shapes / {args.scale} ({first['tensors']} tensors), {args.threads} "
-          f"thread(s) per rank; the plan keeps {first['planned']} parameters and leaves {first['remainder']} "
-          f"(shards that split blocks of 64) to a full step; steps from the plan per row: "
+          f"thread(s) per rank; the plan keeps {first['planned'][0]} parameters and leaves "
+          f"{first['remainder'][0]} (shards that split blocks of 64) to a full step; with coded_min_numel=4096 "
+          f"it keeps {first['planned'][1]} and leaves {first['remainder'][1]}; steps from the plan per row: "
           f"{first['cached_steps']}")
     print(text_table(["row", "median step", f"vs {BASELINE}"],
                      [[row, f"{slowest[row] * 1e3:.2f} ms", f"{slowest[BASELINE] / slowest[row]:.2f}x"]

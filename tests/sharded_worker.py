@@ -378,9 +378,10 @@ def coded_case(world_size: int, layout: str, states: str, backend: str, plain_sd
 #: (5, 40) matrix and the fp32 vector (their shards split blocks) to a full step at every step:
 #: (a NaN as (parameter, flat index) in rank 1's shard, or none; nonfinite; the rank whose plan is
 #: dropped, or none; whether the (5, 40) matrix's gradient is replicated instead of sharded)
-CODED_PLAN_CASES = [((2, 150), "skip_param", None, False), ((2, 150), "skip_step", None, False),
-                    ((0, 300), "skip_param", 0, False), (None, "skip_param", 1, False), (None, "off", None, False),
-                    (None, "off", 0, False), (None, "skip_param", None, True)]
+CODED_PLAN_CASES = [((2, 150), "skip_param", None, False, 0), ((2, 150), "skip_step", None, False, 0),
+                    ((0, 300), "skip_param", 0, False, 0), (None, "skip_param", 1, False, 0),
+                    (None, "off", None, False, 0), (None, "off", 0, False, 0), (None, "skip_param", None, True, 0),
+                    (None, "skip_param", None, False, 256), ((2, 150), "skip_param", None, False, 256)]
 
 
 def _coded_plan_run(opt, params: list[torch.Tensor], set_grad, nan_at: tuple[int, int] | None,
@@ -401,10 +402,11 @@ def _coded_plan_run(opt, params: list[torch.Tensor], set_grad, nan_at: tuple[int
         opt.step()
 
 
-def coded_plan_reference(nan_at: tuple[int, int] | None, nonfinite: str) -> dict[str, torch.Tensor]:
+def coded_plan_reference(nan_at: tuple[int, int] | None, nonfinite: str, coded_min_numel: int
+                         ) -> dict[str, torch.Tensor]:
     """The single-process run of a :data:`CODED_PLAN_CASES` entry (int8 / uint4 states)."""
     params = [p.clone().requires_grad_() for p in coded_full(0)]
-    opt = coded_optimizer(params, "int8-uint4", nonfinite=nonfinite)
+    opt = coded_optimizer(params, "int8-uint4", nonfinite=nonfinite, coded_min_numel=coded_min_numel)
     _coded_plan_run(opt, params, _set_plain_grad, nan_at)
     out = snapshot(opt, params)
     out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
@@ -412,15 +414,17 @@ def coded_plan_reference(nan_at: tuple[int, int] | None, nonfinite: str) -> dict
 
 
 def coded_plan_case(world_size: int, nan_at: tuple[int, int] | None, nonfinite: str, drop_rank: int | None,
-                    replicate: bool) -> dict[str, torch.Tensor]:
-    """A :data:`CODED_PLAN_CASES` entry on FSDP2 parameters: the snapshot, the skip counts and the
-    (cached, agreed) steps of the plans."""
+                    replicate: bool, coded_min_numel: int) -> dict[str, torch.Tensor]:
+    """A :data:`CODED_PLAN_CASES` entry on FSDP2 parameters: the snapshot, the skip counts, the
+    (cached, agreed) steps of the plans and the size of the last plan's remainder."""
     params = fsdp_params(world_size, coded_full(0))
-    opt = coded_optimizer(params, "int8-uint4", nonfinite=nonfinite)
+    opt = coded_optimizer(params, "int8-uint4", nonfinite=nonfinite, coded_min_numel=coded_min_numel)
     _coded_plan_run(opt, params, set_dtensor_grad, nan_at, drop_rank, replicate)
     out = snapshot(opt, params)
     out["skipped"] = torch.tensor([opt.skipped_params, opt.skipped_steps])
     out["plans"] = torch.tensor([opt._plans.cached_steps, opt._plans.agreed_steps])
+    plan = opt._plans.current
+    out["remainder"] = torch.tensor(-1 if plan is None else len(plan.remainder))
     return out
 
 

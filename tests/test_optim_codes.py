@@ -234,6 +234,34 @@ def test_states_are_one_byte_and_blocks_of_scales():
     assert wide["exp_avg_sq"].shape == (1500,) and wide["exp_avg"].dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("backend", ["eager", "native"] if NATIVE else ["eager"])
+def test_coded_min_numel_keeps_small_parameters_states_in_16_bits(backend):
+    """``coded_min_numel=64``: the parameters of 1 and 33 elements keep bf16 states, those of 64
+    and more codes; the same bits as the two groups one would write by hand (the small
+    parameters last, so every parameter keeps its position and its random streams); a
+    checkpoint resumes it bit for bit."""
+    shapes = [(64,), (65, 7), (3000,), (1,), (33,)]
+    threshold = _run(lo.AdamW, backend, shapes=shapes, coded_min_numel=64)
+    params, opt = threshold
+    assert [opt.state[p]["exp_avg"].dtype for p in params] == [torch.int8] * 3 + [torch.bfloat16] * 2
+    assert all("exp_avg_sq_scale" not in opt.state[p] for p in params[3:])
+    gen = torch.Generator().manual_seed(0)
+    by_hand = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in shapes]
+    groups = lo.AdamW([{"params": by_hand[:3]}, {"params": by_hand[3:], "state_dtype": None}], lr=1e-2,
+                      backend=backend, mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW))
+    _steps(by_hand, groups, 0, 4)
+    _same(threshold, (by_hand, groups))
+    if backend == "native":
+        assert_fused(opt, 4 * sum(math.prod(s) for s in shapes))
+    full = _run(lo.AdamW, backend, steps=6, shapes=shapes, coded_min_numel=64)
+    copies = [p.detach().clone() for p in params]
+    again = lo.AdamW(copies, lr=1e-2, backend=backend, mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW))
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))   # the saved group brings coded_min_numel back
+    assert again.param_groups[0]["coded_min_numel"] == 64
+    _steps(copies, again, 4, 6)
+    _same(full, (copies, again))
+
+
 def test_codes_keep_the_rows_of_a_parameter_whose_rows_hold_whole_blocks():
     """Codes and scales keep the leading dimensions when the last one holds whole blocks (so a
     shard of rows holds its own blocks), else they are flat; the bytes are those of the flat

@@ -151,6 +151,7 @@ def test_groups_may_repeat_what_the_optimizer_does_and_carry_their_own_keys():
 
 @pytest.mark.parametrize("keyword, match", [
     ("bf16_stochastic_round", "mode='stochastic'"), ("block_size", "state_block"), ("optim_bits", "torch.int8"),
+    ("min_8bit_size", "coded_min_numel"),
     ("gradient_release", "release_gradients"), ("optimizer_accumulation", "accumulate=.states."),
     ("decouple_lr", "no counterpart"), ("stat_dtype", "did you mean 'state_dtype'"),
 ])

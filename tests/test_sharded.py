@@ -337,16 +337,22 @@ def test_block_scaled_states_on_a_mesh_of_one_rank(first_rank, case):
 # (cached, agreed) steps of each rank in each of sharded_worker.CODED_PLAN_CASES (3 steps): the
 # plan takes the second and third (its flags agreed unless nonfinite="off"), except where a NaN
 # under "skip_param" hands the third to a full step with the agreed flags, a rank's plan was
-# dropped before it, or a gradient placed otherwise ends the plan
+# dropped before it, or a gradient placed otherwise ends the plan; with coded_min_numel=256 the
+# parameters whose shards split blocks (5 x 40 and the fp32 vector of 32 at 2 ranks) keep 16-bit
+# states and the plan keeps them too
 CODED_PLAN_COUNTS = [[(1, 2)] * 2, [(2, 2)] * 2, [(1, 1), (1, 2)], [(2, 2), (1, 1)], [(2, 0)] * 2,
-                     [(1, 0), (2, 0)], [(1, 1)] * 2]
+                     [(1, 0), (2, 0)], [(1, 1)] * 2, [(2, 2)] * 2, [(1, 2)] * 2]
+#: the size of the last plan's remainder in each case (-1: the last step was a full one, which
+#: leaves no plan)
+CODED_PLAN_REMAINDERS = [[-1] * 2, [2] * 2, [-1] * 2, [2] * 2, [2] * 2, [2] * 2, [2] * 2, [0] * 2, [-1] * 2]
 
 
 def _coded_plan_id(case) -> str:
-    nan_at, nonfinite, drop_rank, replicate = case
+    nan_at, nonfinite, drop_rank, replicate, coded_min_numel = case
     return "-".join([f"nan-in-p{nan_at[0]}" if nan_at else "finite", nonfinite,
                      *([f"rank{drop_rank}-full"] if drop_rank is not None else []),
-                     *(["replicated-grad"] if replicate else [])])
+                     *(["replicated-grad"] if replicate else []),
+                     *([f"coded-min-{coded_min_numel}"] if coded_min_numel else [])])
 
 
 @pytest.mark.parametrize("case", w.CODED_PLAN_CASES, ids=_coded_plan_id)
@@ -359,17 +365,18 @@ def test_a_plan_leaves_parameters_that_split_blocks_to_a_full_step(two_ranks, ca
     placed otherwise (the plan ends) all give the single-process bits, on both ranks."""
     _, ranks = two_ranks
     index = w.CODED_PLAN_CASES.index(case)
-    nan_at, nonfinite, _, _ = case
-    want = w.coded_plan_reference(nan_at, nonfinite)
+    nan_at, nonfinite, _, _, coded_min_numel = case
+    want = w.coded_plan_reference(nan_at, nonfinite, coded_min_numel)
     want_skipped = want.pop("skipped")
     if nan_at is not None:
         assert want_skipped.tolist() == ([1, 0] if nonfinite == "skip_param" else [0, 1])
     for rank, results in enumerate(ranks):
         got = dict(results["coded_plans"][index])
-        plans, skipped = got.pop("plans"), got.pop("skipped")
+        plans, skipped, remainder = got.pop("plans"), got.pop("skipped"), got.pop("remainder")
         assert_same(got, want, f"rank {rank}")
         assert skipped.tolist() == want_skipped.tolist(), f"rank {rank}"
         assert tuple(plans.tolist()) == CODED_PLAN_COUNTS[index][rank], f"rank {rank}: (cached, agreed) steps"
+        assert int(remainder) == CODED_PLAN_REMAINDERS[index][rank], f"rank {rank}: the plan's remainder"
 
 
 @pytest.mark.parametrize("case", w.CODED_CASES, ids="-".join)

@@ -100,6 +100,13 @@ class LowpOptimizer(torch.optim.Optimizer):
         state_scale_dtype (group): the dtype of the block scales: ``torch.bfloat16`` (default:
             fp32's range, so the scales of tiny second moments do not underflow as in fp16),
             ``torch.float16`` or ``torch.float32``.
+        coded_min_numel (group): parameters of fewer elements (their whole size, however they
+            are sharded) keep the states ``state_dtype`` asks codes for in 16 bits
+            (:func:`~lowp.optim.state_layout.default_state_dtype` of the weight), as
+            bitsandbytes' ``min_8bit_size`` (4096) and torchao's low-bit optimizers (4096
+            elements) keep small tensors' states whole; default 0 (codes for every size).
+            Biases and norm weights are a negligible share of the bytes, and a vector's shards
+            are the ones that split blocks under FSDP2 (``docs/distributed.md``).
         state_rounding (group): ``"stochastic"`` (default) or ``"nearest"``, how states stored in
             16 bits or in block-scaled codes are rounded. With beta2 = 0.999, ``v * beta2``
             rounds back to ``v`` in bf16 (eps 2**-7), so round-to-nearest states stop decaying;
@@ -167,7 +174,8 @@ class LowpOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, mode: str = "auto",
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
                  state_block: int = 64, state_scale_dtype: torch.dtype = torch.bfloat16,
-                 state_rounding: str = "stochastic", maximize: bool = False, nonfinite: str = "skip_param",
+                 state_rounding: str = "stochastic", coded_min_numel: int = 0, maximize: bool = False,
+                 nonfinite: str = "skip_param",
                  foreach: bool | None = None, backend: str | None = None, chunk_size: int | None = None,
                  seed: int | None = None, diagnostics: bool = True, fused: bool | None = None,
                  kahan_sum: bool | None = None, capturable: bool = False, differentiable: bool = False,
@@ -201,7 +209,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         state_dtype = options.dtype_value(state_dtype, "state_dtype")
         state_scale_dtype = options.dtype_value(state_scale_dtype, "state_scale_dtype")
         defaults = dict(defaults, mode=mode, state_dtype=state_dtype, state_block=state_block,
-                        state_scale_dtype=state_scale_dtype, state_rounding=state_rounding, maximize=maximize)
+                        state_scale_dtype=state_scale_dtype, state_rounding=state_rounding,
+                        coded_min_numel=coded_min_numel, maximize=maximize)
         super().__init__(params, defaults)
         if backend is None:
             backend = backend_for([p for g in self.param_groups for p in g["params"]], fused, foreach)
@@ -407,6 +416,7 @@ class TwoMomentOptimizer(LowpOptimizer):
         state_block (group): elements per scale of block-scaled states (default 64).
         state_scale_dtype (group): the dtype of the block scales (default ``torch.bfloat16``).
         state_rounding (group): ``"stochastic"`` (default) or ``"nearest"`` for 16-bit states.
+        coded_min_numel (group): smaller parameters keep 16-bit states instead of codes (default 0).
         maximize (group): ascend instead of descend (default ``False``).
         nonfinite: ``"skip_param"`` (default), ``"skip_step"`` or ``"off"``.
         foreach: ``False`` runs unfused steps with the eager backend (default ``None``: foreach).

@@ -354,7 +354,7 @@ class CachedStep:
         grad_dtypes: list[torch.dtype] = []
         jobs = []
         for key, slices in plan.jobs.items():
-            gid, mode, step, _, _, _, weight = key
+            gid, mode, step, _, _, _, weight, _ = key
             index, group = groups[gid]
             coded = plan.coded[key]
             if not all(0 <= s.param_id < len(flat) for s in slices):

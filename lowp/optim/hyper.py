@@ -28,7 +28,8 @@ __all__ = ["NONFINITE_POLICIES", "CONSTRUCTOR_OPTIONS", "real_value", "check_non
 #: What a non-finite gradient does (the ``nonfinite`` option).
 NONFINITE_POLICIES = ("skip_param", "skip_step", "off")
 #: The constructor keywords of a lowp optimizer besides the subclass's hyper-parameters.
-CONSTRUCTOR_OPTIONS = ("mode", "state_dtype", "state_block", "state_scale_dtype", "state_rounding", "maximize",
+CONSTRUCTOR_OPTIONS = ("mode", "state_dtype", "state_block", "state_scale_dtype", "state_rounding", "coded_min_numel",
+                       "maximize",
                        "nonfinite", "foreach", "backend", "chunk_size", "seed", "diagnostics", "fused", "kahan_sum",
                        "capturable", "differentiable")
 

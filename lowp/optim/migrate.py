@@ -65,7 +65,8 @@ __all__ = ["FOREIGN_GROUP_KEYS", "to_lowp_layout", "dense_state", "to_torch_stat
 FOREIGN_GROUP_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay",
                                 "kahan_sum", "triton", "gradient_release", "setup", "step", "decouple_wd",
                                 "decouple_lr", "max_lr", "torch_init"})
-_LOWP_GROUP_KEYS = ("mode", "state_dtype", "state_block", "state_scale_dtype", "state_rounding", "lowp")
+_LOWP_GROUP_KEYS = ("mode", "state_dtype", "state_block", "state_scale_dtype", "state_rounding", "coded_min_numel",
+                    "lowp")
 
 
 class LowpOptimizer(Protocol):

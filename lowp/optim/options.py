@@ -50,6 +50,8 @@ _EQUIVALENTS = {
                              "mode='kahan', keeps more of each update)",
     "block_size": "torchao's block_size is state_block here (32, 64, 128 or 256), with block-scaled states such as "
                   "state_dtype={'exp_avg': torch.int8, 'exp_avg_sq': torch.uint8}",
+    "min_8bit_size": "bitsandbytes' min_8bit_size is coded_min_numel here (parameters with fewer elements keep "
+                     "16-bit states where state_dtype asks for block-scaled codes)",
     "optim_bits": "bitsandbytes' optim_bits=8 is state_dtype={'exp_avg': torch.int8, 'exp_avg_sq': torch.uint8} here",
     "gradient_release": "optimi's gradient_release=True is lowp.optim.release_gradients(optimizer) here",
     "optimizer_accumulation": "optimi's optimizer_accumulation is release_gradients(optimizer, accumulation_steps=N, "

@@ -10,6 +10,8 @@ is stored, and this module is the one place that reads them:
   plus one scale of ``state_scale_dtype`` per ``state_block`` elements, shaped by
   :func:`~lowp.optim.codes.stored_shapes` and, for a DTensor parameter, sharded like it where its
   shards hold whole blocks, else replicated (:func:`~lowp.optim.sharding.coded_placements`);
+- ``coded_min_numel``: a parameter of fewer elements keeps 16-bit states where ``state_dtype`` asks
+  for codes (:func:`codes_apply`);
 - ``state_rounding``: how a step stores a 16-bit or coded state (:mod:`lowp.optim.storage`);
 - besides the states, a parameter keeps its step count and its write-back mode's buffer
   (``compensation``, ``remainder`` or ``remainder8``, :mod:`lowp.optim.writeback`).
@@ -34,7 +36,7 @@ from lowp.optim.storage import STATE_ROUNDINGS
 from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer
 
 __all__ = ["STATE_DTYPES", "REPLICATED_WARN_NUMEL", "default_state_dtype", "check_options", "asked_dtype",
-           "state_dtypes", "coded_states", "coded_layout", "check_state", "init_state"]
+           "codes_apply", "state_dtypes", "coded_states", "coded_layout", "check_state", "init_state"]
 
 #: What a state may be stored in (float64 states are refused: the fused kernels and the mixed
 #: fp32/fp64 foreach pipeline cannot run them).
@@ -93,6 +95,9 @@ def check_options(group: Mapping[str, Any]) -> None:
             raise ValueError(f"state_dtype: expected None, torch.float32, torch.bfloat16, torch.float16, a "
                              f"block-scaled code ({', '.join(str(c) for c in CODES)}) or a dict of them, got {value!r}")
     check_block(group["state_block"], "state_block")
+    least = group["coded_min_numel"]
+    if type(least) is not int or least < 0:
+        raise ValueError(f"coded_min_numel: expected an int >= 0 (a number of elements), got {least!r}")
     if group["state_scale_dtype"] not in SCALE_DTYPES:
         raise ValueError(f"state_scale_dtype: expected one of {', '.join(map(str, SCALE_DTYPES))}, "
                          f"got {group['state_scale_dtype']!r}")
@@ -104,31 +109,43 @@ def asked_dtype(group: Mapping[str, Any], name: str) -> torch.dtype | None:
     return dtypes.get(name) if isinstance(dtypes, Mapping) else dtypes
 
 
+def codes_apply(group: Mapping[str, Any], param: torch.Tensor) -> bool:
+    """Whether ``param`` may keep block-scaled states: at least ``coded_min_numel`` elements (of
+    the whole parameter, so every sharding decides alike) and not fp64."""
+    return param.dtype != torch.float64 and param.numel() >= group["coded_min_numel"]
+
+
 def _new_dtype(group: dict[str, Any], name: str, param: torch.Tensor) -> torch.dtype:
-    """The dtype a new state ``name`` of ``param`` is created in: fp64 for fp64 parameters
+    """The dtype a new plain state ``name`` of ``param`` is created in: fp64 for fp64 parameters
     (their pipeline runs in fp64 and cannot mix in other dtypes, whatever ``state_dtype``
-    says for the group), else ``state_dtype``'s or :func:`default_state_dtype`."""
+    says for the group), else ``state_dtype``'s (not a code: the parameter is below
+    ``coded_min_numel``) or :func:`default_state_dtype`."""
     if param.dtype == torch.float64:
         return torch.float64
-    return asked_dtype(group, name) or default_state_dtype(param.dtype)
+    asked = asked_dtype(group, name)
+    return asked if asked is not None and code_for(asked) is None else default_state_dtype(param.dtype)
 
 
 def state_dtypes(optimizer: LowpOptimizer, group: dict[str, Any], name: str,
                  param: torch.Tensor) -> tuple[torch.dtype, ...]:
     """The dtypes a stored state ``name`` of ``param`` may have: fp64 for fp64 parameters,
-    else the one ``state_dtype`` asks for (a code's storage dtype for a block-scaled state),
-    else any of fp32/bf16/fp16, since a loaded checkpoint keeps its states' dtypes."""
+    else the one ``state_dtype`` asks for (a code's storage dtype for a block-scaled state,
+    where :func:`codes_apply`), else any of fp32/bf16/fp16, since a loaded checkpoint keeps its
+    states' dtypes."""
     if param.dtype == torch.float64:
         return (torch.float64,)
     dtype = asked_dtype(group, name)
     code = code_for(dtype)
-    return STATE_DTYPES if dtype is None else (code.storage,) if code is not None else (dtype,)
+    if dtype is None or (code is not None and not codes_apply(group, param)):
+        return STATE_DTYPES
+    return (code.storage,) if code is not None else (dtype,)
 
 
 def coded_states(optimizer: LowpOptimizer, group: dict[str, Any], param: torch.Tensor) -> list[CodedState]:
-    """The states of ``param`` that ``state_dtype`` stores as block-scaled codes; a
-    ``ValueError`` naming the state when its code cannot hold it (a non-elementwise state, an
-    unsigned code for a state that may be negative)."""
+    """The states of ``param`` that ``state_dtype`` stores as block-scaled codes (none below
+    ``coded_min_numel``, :func:`codes_apply`); a ``ValueError`` naming the state when its code
+    cannot hold it (a non-elementwise state, an unsigned code for a state that may be negative),
+    whatever the parameter's size."""
     if param.dtype == torch.float64:
         return []
     dtypes = group["state_dtype"]
@@ -146,7 +163,7 @@ def coded_states(optimizer: LowpOptimizer, group: dict[str, Any], param: torch.T
             raise ValueError(f"{where}: {code.name} codes hold nonnegative states only (as square roots), and "
                              f"{type(optimizer).__name__}'s {name!r} may be negative; use torch.int8 or an fp8 dtype")
         out.append(CodedState(name, j, code))
-    return out
+    return out if codes_apply(group, param) else []
 
 
 def coded_layout(group: dict[str, Any], p: torch.Tensor, code: Code
@@ -218,7 +235,8 @@ def init_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor,
         warnings.warn(f"lowp: the shards of a parameter of shape {tuple(p.shape)} ({tuple(p.placements)}) "
                       f"split blocks of {group['state_block']} elements, so its block-scaled states are "
                       f"replicated on every rank and it is stepped whole (an all-gather per step); a "
-                      f"smaller state_block, or a group with 16-bit states, avoids it", stacklevel=5)
+                      f"smaller state_block, coded_min_numel above its size (16-bit states) or a group "
+                      f"with 16-bit states avoids it", stacklevel=5)
     for name in optimizer.state_names(group, p):   # DTensor parameters: sharded like p
         if name in state:
             continue

@@ -317,9 +317,9 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
 
 class StepPlan:
     """The jobs of one step: the parameters of one group, mode, step count, dtype, device, state
-    names and diagnostics weight run together. Each job, keyed by those (the group by its id and
-    the mode by its name), has its slices (each with the flat block scales of its coded states),
-    its coded states (the same for all of them) and the states whose counters advance with it;
+    names, diagnostics weight and coded states run together. Each job, keyed by those (the group
+    by its id and the mode by its name), has its slices (each with the flat block scales of its
+    coded states), its coded states and the states whose counters advance with it;
     gathered DTensor steps are written back with their states and counts after all jobs.
 
     Planning creates missing states and buffers (zeros, or a mode switch's folded buffer) and
@@ -357,7 +357,8 @@ class StepPlan:
             made = sharding.make_slices(requests, optimizer.elementwise)   # the gathers, all in one
             for ((group, p, mode, _, p_coded), _), (state, names), (piece, weight, full) in zip(todo, kept, made):
                 step = state["step"] + 1
-                key = (id(group), mode.name, step, p.dtype, p.device, names, weight)
+                # one job per kind of storage: a group may hold parameters below coded_min_numel
+                key = (id(group), mode.name, step, p.dtype, p.device, names, weight, tuple(p_coded))
                 piece.scales = {c.name: sharding.local(state[scale_name(c.name)]).view(-1) for c in p_coded}
                 self.jobs[key].append(piece)
                 self.coded[key] = tuple(p_coded)
@@ -380,7 +381,7 @@ class StepPlan:
         backend = optimizer.backend if update_weights else get_backend("foreach", optimizer.backend.chunk_size)
         groups = {id(g): (i, g) for i, g in enumerate(optimizer.param_groups)}
         for key, slices in self.jobs.items():
-            gid, mode_name, step, _, _, _, weight = key
+            gid, mode_name, step, _, _, _, weight, _ = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
                               optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
