@@ -262,6 +262,33 @@ def test_coded_min_numel_keeps_small_parameters_states_in_16_bits(backend):
     _same(full, (copies, again))
 
 
+def test_a_changed_coded_min_numel_is_named_before_anything_changes():
+    """Codes made before the threshold rose, or 16-bit states before it fell, are refused with
+    the reason (the step and the load change nothing); a state_dict round trip encodes 16-bit
+    states into codes."""
+    p = torch.nn.Parameter(torch.randn(100).bfloat16())
+    eight = _state_dtype(lo.AdamW)
+    coded = lo.AdamW([p], state_dtype=eight, seed=1)
+    p.grad = torch.randn(100).bfloat16()
+    coded.step()
+    sd = copy.deepcopy(coded.state_dict())
+    del sd["param_groups"][0]["coded_min_numel"]   # as saved before the option existed
+    small = lo.AdamW([p], state_dtype=eight, coded_min_numel=4096, seed=1)
+    with pytest.raises(ValueError, match=r"\['exp_avg'\]: block-scaled codes where the group keeps a 16-bit state"):
+        small.load_state_dict(sd)
+    assert not small.state
+    small.step()
+    before = p.detach().clone()
+    small.param_groups[0]["coded_min_numel"] = 0
+    with pytest.raises(ValueError, match=r"a torch.bfloat16 state where the group stores int8 codes .*encodes it"):
+        small.step()
+    assert torch.equal(p, before) and small.state[p]["step"] == 1
+    small.load_state_dict(small.state_dict())
+    assert small.state[p]["exp_avg"].dtype == torch.int8 and "exp_avg_scale" in small.state[p]
+    small.step()
+    assert small.state[p]["step"] == 2
+
+
 def test_codes_keep_the_rows_of_a_parameter_whose_rows_hold_whole_blocks():
     """Codes and scales keep the leading dimensions when the last one holds whole blocks (so a
     shard of rows holds its own blocks), else they are flat; the bytes are those of the flat

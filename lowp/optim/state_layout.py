@@ -197,11 +197,21 @@ def check_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor
         if name not in state:
             continue
         code = coded.get(name)
+        value = state[name]
         if code is None:
-            preflight.check_tensor(state[name], where, optimizer.state_shape(name, p),
+            if scale_name(name) in state and isinstance(value, torch.Tensor) and not value.is_floating_point():
+                raise ValueError(f"{where}[{name!r}]: block-scaled codes where the group keeps a 16-bit state "
+                                 f"(state_dtype or coded_min_numel changed since it was made, or the checkpoint "
+                                 f"was saved with other ones); codes are not decoded into 16-bit states: keep "
+                                 f"the options it was made with")
+            preflight.check_tensor(value, where, optimizer.state_shape(name, p),
                                    optimizer.state_dtypes(group, name, p), p.device, name)
             continue
         if scale_name(name) not in state:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                raise ValueError(f"{where}[{name!r}]: a {value.dtype} state where the group stores {code.name} "
+                                 f"codes (state_dtype or coded_min_numel changed since it was made); "
+                                 f"opt.load_state_dict(opt.state_dict()) encodes it")
             raise ValueError(f"{where}[{scale_name(name)!r}]: the block scales of the coded state {name!r} "
                              f"are missing")
         shapes, placements = coded_layout(group, p, code)
