@@ -618,7 +618,7 @@ def gather_many_checks(world_size: int) -> dict[str, Any]:
         tensors.append(distribute_tensor(full, mesh, [pl], src_data_rank=None))
     tensors.append(torch.arange(5.0))
     one_by_one = [sharding.gather(t).clone() for t in tensors]
-    sharded = [sharding.local(t) for t in tensors[:-2]]
+    sharded = [sharding.local(t) for t in tensors[:-1]]   # the replica's too: gather copies it
     out = {}
     calls = [0]
     all_gather, limit = dist.all_gather, sharding.GATHER_BYTES
@@ -709,7 +709,7 @@ def placement_errors(world_size: int) -> dict[str, Any]:
     whose shards split blocks (``(3, 33000)``) and one whose shards hold whole blocks
     (``(2, 33024)``)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor, Partial, Shard
     mesh = init_device_mesh("cpu", (world_size,))
     local = torch.arange(6, dtype=torch.float32).bfloat16()
     p = torch.nn.Parameter(DTensor.from_local(local.clone(), mesh, [Partial()], run_check=False))
@@ -718,9 +718,16 @@ def placement_errors(world_size: int) -> dict[str, Any]:
         message = ""
     except TypeError as exc:
         message = str(exc)
+    uneven = torch.nn.Parameter(DTensor.from_local(torch.zeros(3), mesh, [Shard(0)],
+                                                   run_check=False, shape=(8 * world_size,), stride=(1,)))
+    try:
+        lo.AdamW([uneven])
+        off_rule = ""
+    except ValueError as exc:
+        off_rule = str(exc)
     import warnings
 
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
     warned = {}
     for shape in ((3, 33000), (2, 33024)):
         q = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.bfloat16), mesh, [Shard(0)]))
@@ -730,4 +737,5 @@ def placement_errors(world_size: int) -> dict[str, Any]:
             warnings.simplefilter("always")
             opt.step()
         warned[shape] = [str(w.message) for w in caught]
-    return {"partial": message, "unchanged": torch.equal(p.to_local(), local), "warned": warned}
+    return {"partial": message, "unchanged": torch.equal(p.to_local(), local), "warned": warned,
+            "off_rule": off_rule}

@@ -73,11 +73,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def check_placements(p: DTensor) -> None:
     """Raise ``TypeError`` unless every placement of the DTensor ``p`` is ``Shard(d)`` or
-    ``Replicate()`` (the layouts whose local box :func:`box` computes)."""
+    ``Replicate()`` (the layouts whose local box :func:`box` computes), and ``ValueError`` unless
+    its local shape is the box of ``Shard``'s rule (``torch.chunk``: what FSDP2 and tensor
+    parallelism make). A layout built otherwise (``DTensor.from_local(..., run_check=False,
+    shape=...)`` with other local sizes) would have its ranks disagree on the bytes of a gather."""
     from torch.distributed.tensor import Replicate, Shard
     for pl in p.placements:
         if type(pl) not in (Shard, Replicate):
             raise TypeError(f"params: DTensor placements must be Shard(d) or Replicate(), got {tuple(p.placements)}")
+    have = tuple(local(p).shape)
+    want, _ = _box_of(p.shape, p.device_mesh, p.placements)
+    if have != tuple(want):
+        raise ValueError(f"params: a DTensor of shape {tuple(p.shape)} placed {tuple(p.placements)} holds a local "
+                         f"tensor of shape {have} where Shard's rule (torch.chunk) gives {tuple(want)}")
 
 
 def _wrap(local_tensor: torch.Tensor, like: DTensor) -> DTensor:
@@ -273,7 +281,7 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(t):
         return t
     if all(map(_is_replicate, t.placements)):   # every rank holds it whole: no collective (and no
-        return local(t).contiguous()             # pass through DTensor's redistribution, 36 us)
+        return local(t).clone(memory_format=torch.contiguous_format)   # redistribution, 36 us); a copy
     return _wire(t).full_tensor().contiguous().view(local(t).dtype)
 
 
