@@ -78,7 +78,7 @@ from lowp.optim.codes import scale_name
 from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import CHECKS, Kernel, KernelLaunch, gradient_factor
-from lowp.optim.slices import CodedState, ParamSlice, StepContext
+from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.writeback import MODES
 
@@ -106,8 +106,7 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
 class StepPlan(Protocol):
     """What a cached plan reads of a full step's plan (:class:`lowp.optim.step_plan.StepPlan`)."""
 
-    jobs: dict[tuple, list[ParamSlice]]
-    coded: dict[tuple, tuple[CodedState, ...]]
+    jobs: dict[tuple, list[ParamSlice]]   # keyed by (group id, mode, step, dtype, device, names, weight, coded)
     counters: dict[tuple, list[dict[str, Any]]]
     gathered: list[Any]
 
@@ -354,9 +353,8 @@ class CachedStep:
         grad_dtypes: list[torch.dtype] = []
         jobs = []
         for key, slices in plan.jobs.items():
-            gid, mode, step, _, _, _, weight, _ = key
+            gid, mode, step, _, _, _, weight, coded = key
             index, group = groups[gid]
-            coded = plan.coded[key]
             if not all(0 <= s.param_id < len(flat) for s in slices):
                 return None
             slices = [s for s in slices if id(flat[s.param_id]) not in gathered]   # the remainder's

@@ -415,12 +415,11 @@ _ALIGN = 16
 GATHER_BYTES = 1 << 26
 
 
-def _chunk(n: int, ranks: int, r: int) -> tuple[int, int]:
-    """(start, size) of chunk ``r`` of ``n`` rows cut into ``ranks`` chunks as ``Shard`` cuts them
+def _chunk(n: int, ranks: int, r: int) -> int:
+    """The size of chunk ``r`` of ``n`` rows cut into ``ranks`` chunks as ``Shard`` cuts them
     (``torch.chunk``: chunks of ``ceil(n / ranks)``, the last ones shorter or empty)."""
     size = -(-n // ranks)
-    start = min(r * size, n)
-    return start, min(n, start + size) - start
+    return max(0, min(n, (r + 1) * size) - r * size)
 
 
 def gather_many(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -479,7 +478,7 @@ def _gather_batch(tensors: Sequence[torch.Tensor], members: list[int], group: di
     for i, loc, dim in zip(members, mine, dims):
         shape = tuple(tensors[i].shape)
         for r in range(ranks):
-            box_shape = (*shape[:dim], _chunk(shape[dim], ranks, r)[1], *shape[dim + 1:])
+            box_shape = (*shape[:dim], _chunk(shape[dim], ranks, r), *shape[dim + 1:])
             nbytes = math.prod(box_shape) * loc.element_size()
             parts[r].append((ends[r], nbytes, box_shape))
             ends[r] += -(-nbytes // _ALIGN) * _ALIGN

@@ -336,7 +336,6 @@ class StepPlan:
     def __init__(self, optimizer: LowpOptimizer, todo: list[tuple[Checked, torch.Tensor]]) -> None:
         self.optimizer = optimizer
         self.jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        self.coded: dict[tuple, tuple[CodedState, ...]] = {}
         self.counters: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
         self.gathered: list[tuple[sharding.Gathered, dict[str, Any], int]] = []
         undo = _Undo()
@@ -361,7 +360,6 @@ class StepPlan:
                 key = (id(group), mode.name, step, p.dtype, p.device, names, weight, tuple(p_coded))
                 piece.scales = {c.name: sharding.local(state[scale_name(c.name)]).view(-1) for c in p_coded}
                 self.jobs[key].append(piece)
-                self.coded[key] = tuple(p_coded)
                 if full is None:
                     self.counters[key].append(state)
                 else:
@@ -381,11 +379,11 @@ class StepPlan:
         backend = optimizer.backend if update_weights else get_backend("foreach", optimizer.backend.chunk_size)
         groups = {id(g): (i, g) for i, g in enumerate(optimizer.param_groups)}
         for key, slices in self.jobs.items():
-            gid, mode_name, step, _, _, _, weight, _ = key
+            gid, mode_name, step, _, _, _, weight, coded = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
                               optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
-                              coded=self.coded[key])
+                              coded=coded)
             stalled = backend.step(optimizer, ctx, slices)
             for state in self.counters[key]:
                 state["step"] = step
