@@ -428,6 +428,46 @@ def coded_plan_case(world_size: int, nan_at: tuple[int, int] | None, nonfinite: 
     return out
 
 
+def remainder_failure_case(world_size: int) -> dict[str, Any]:
+    """The finite, ``"skip_param"`` :data:`CODED_PLAN_CASES` run whose last step, taken from the
+    plan, fails in its remainder's full step (the backend raises, as running out of memory on the
+    gathered copies would): the error, whether every weight, state and counter is as before that
+    step, then the step taken again without the failure (its snapshot)."""
+    params = fsdp_params(world_size, coded_full(0))
+    opt = coded_optimizer(params, "int8-uint4", nonfinite="skip_param")
+
+    def set_grads(t: int) -> None:
+        for p, g in zip(params, coded_full(100 + t)):
+            set_dtensor_grad(p, g)
+    for t in range(STEPS - 1):
+        set_grads(t)
+        opt.step()
+    set_grads(STEPS - 1)
+    before = snapshot(opt, params)
+    counters = [opt.state[p]["step"] for p in params]
+    cached = opt._plans.cached_steps
+    step = opt.backend.step
+
+    def failing(*args, **kwargs):
+        raise MemoryError("injected: no memory for the gathered copies' step")
+    opt.backend.step = failing
+    try:
+        opt.step()
+        error = ""
+    except MemoryError as e:
+        error = str(e)
+    finally:
+        opt.backend.step = step
+    after = snapshot(opt, params)
+    out: dict[str, Any] = {
+        "error": error, "from_plan": opt._plans.cached_steps == cached + 1,
+        "unchanged": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
+        "counters": counters == [opt.state[p]["step"] for p in params]}
+    opt.step()
+    out["retried"] = snapshot(opt, params)
+    return out
+
+
 # ---- checkpoints ------------------------------------------------------------------------------
 #: ``mode`` names a DCP case of this write-back mode with fp32 states; ``CODED`` one with
 #: block-scaled states on a wider MLP whose blocks of 32 fit some shards and not others
@@ -540,6 +580,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``state_dict``: cases ``(optimizer, mode, single-process state_dict)`` of :func:`state_dict_case`;
     - ``coded``: cases of :func:`coded_case` with the single-process dicts it loads;
     - ``coded_plans``: cases of :func:`coded_plan_case`;
+    - ``remainder_failure``: :func:`remainder_failure_case`;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
     - ``errors``: :func:`placement_errors`;
     - ``gather``: :func:`gather_checks`;
@@ -563,6 +604,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     plain_sds = spec.get("coded_state_dicts", {})
     out["coded"] = [coded_case(world_size, *c, plain_sds.get(c[1], {})) for c in spec.get("coded", [])]
     out["coded_plans"] = [coded_plan_case(world_size, *c) for c in spec.get("coded_plans", [])]
+    if spec.get("remainder_failure"):
+        out["remainder_failure"] = remainder_failure_case(world_size)
     if spec.get("reduce_scatter"):
         out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
     if spec.get("errors"):

@@ -106,7 +106,7 @@ def two_ranks(first_rank):
             "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
             "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES,
             "plan_changes": list(w.PLAN_CHANGES), "grad_scaler": GRAD_SCALER_CASES, "coded_plans": w.CODED_PLAN_CASES,
-            "coded_state_dicts": coded_dicts()}
+            "remainder_failure": True, "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
@@ -378,6 +378,21 @@ def test_a_plan_leaves_parameters_that_split_blocks_to_a_full_step(two_ranks, ca
         assert skipped.tolist() == want_skipped.tolist(), f"rank {rank}"
         assert tuple(plans.tolist()) == CODED_PLAN_COUNTS[index][rank], f"rank {rank}: (cached, agreed) steps"
         assert int(remainder) == CODED_PLAN_REMAINDERS[index][rank], f"rank {rank}: the plan's remainder"
+
+
+def test_an_error_in_the_remainder_changes_nothing(two_ranks):
+    """A step from a plan runs its remainder's full step on the gathered copies before the
+    plan's own writes: when that step fails (out of memory), no weight, state or counter of
+    either rank has changed, and the step taken again gives the single-process bits."""
+    _, ranks = two_ranks
+    want = w.coded_plan_reference(None, "skip_param", 0)
+    want.pop("skipped")
+    for rank, results in enumerate(ranks):
+        got = results["remainder_failure"]
+        assert got["error"].startswith("injected"), f"rank {rank}: the remainder's step did not fail"
+        assert got["from_plan"], f"rank {rank}: the failed step was not taken from the plan"
+        assert got["unchanged"] and got["counters"], f"rank {rank}: the failed step changed tensors or counters"
+        assert_same(got["retried"], want, f"rank {rank}")
 
 
 @pytest.mark.parametrize("case", w.CODED_CASES, ids="-".join)

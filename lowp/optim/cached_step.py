@@ -37,8 +37,9 @@ parameter whose shards split blocks, replicated by :func:`lowp.optim.sharding.co
 are the plan's *remainder*: each step from the plan takes their full step too
 (:class:`lowp.optim.step_plan.Remainder`): their checks, then the flags of all parameters agreed
 in one collective, then their gathers (one all-gather, :func:`lowp.optim.sharding.gather_many`),
-then the plan's launches and their writes, the collectives of a full step in its order. A plan
-is kept only when it holds at least one parameter of its own.
+the collectives of a full step in its order; then their step on the gathered copies, the plan's
+launches, and last the copies' shards written back, so that an error in their step (out of
+memory) comes before any write. A plan is kept only when it holds at least one parameter of its own.
 
 The signature, compared before anything is written (any difference: the full step, which
 checks again and builds a new plan):
@@ -122,10 +123,13 @@ class Remainder(Protocol):
 
 
 class Executable(Protocol):
-    """A planned full step (:class:`lowp.optim.step_plan.StepPlan`)."""
+    """A planned full step of gathered copies (:class:`lowp.optim.step_plan.StepPlan`)."""
 
-    def execute(self, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
-        """Write the step."""
+    def run_jobs(self, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
+        """Step the gathered copies (nothing of the optimizer's own tensors is written)."""
+
+    def write_back(self) -> None:
+        """Write the stepped copies' shards and counters."""
 
 
 __all__ = ["CachedStep", "Plans", "Remainder", "structure"]
@@ -495,9 +499,11 @@ class CachedStep:
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
             rest: Executable | None = None) -> tuple[bool, bool]:
-        """One step from the plan with ``grads`` (from :meth:`matches`): each job's launches at
-        the next step count, then the remainder's planned full step ``rest`` (gradients
-        ``checked`` with them), with Ctrl-C held until all are done; the non-finite policy as the
+        """One step from the plan with ``grads`` (from :meth:`matches`): the remainder's planned
+        full step ``rest`` (gradients ``checked`` with them) on its gathered copies, then each
+        job's launches at the next step count, then the remainder's write-back, with Ctrl-C held
+        until all are done (an error in the remainder's step, such as running out of memory on
+        its full copies, comes before any write and changes nothing); the non-finite policy as the
         full step applies it (``checked``: the gradients are known to be finite; ``force_check``:
         a non-finite gradient is skipped even under ``nonfinite="off"``, as ``step_params`` with a
         ``grad_scale``). ``new_step``: this step starts the one ``diagnostics()`` reports (else it
@@ -516,8 +522,12 @@ class CachedStep:
             check = CHECKS["off"]
         finite = [True] * len(grads)
         seed = optimizer.seed
-        stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {} if new_step else optimizer._last_stalled
         with deferred_interrupts():
+            if rest is not None:
+                rest.run_jobs(inv_scale, new_step)
+                new_step = False   # the remainder's stalled counts start the step's
+            stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = \
+                {} if new_step else optimizer._last_stalled
             for job in self.jobs:   # each job's counters advance right after its writes (step_plan)
                 step = job.step + 1
                 numbers = self.spec.numbers(job.group, step)
@@ -549,7 +559,7 @@ class CachedStep:
             self.kernel.fused_elements += self.total if everything else \
                 sum(n for n, ok in zip(self.numels, finite) if ok)
             if rest is not None:
-                rest.execute(inv_scale, new_step=False)
+                rest.write_back()
             self.taken += 1
         return everything, everything
 

@@ -255,8 +255,13 @@ class Remainder:
 
     def plan(self) -> StepPlan:
         """Their step planned (states created, full copies gathered; nothing written), every
-        gradient finite (the plan agreed their flags first)."""
-        return StepPlan(self.optimizer, list(zip(self.todo, self.grads)))
+        gradient finite (the plan agreed their flags first). Every one is stepped on gathered
+        copies (why the plan left it out), so its jobs write nothing live
+        (:attr:`StepPlan.all_gathered`) and can run before the plan's own writes."""
+        planned = StepPlan(self.optimizer, list(zip(self.todo, self.grads)))
+        if not planned.all_gathered:
+            raise RuntimeError("cached step: a remainder parameter is no longer stepped on gathered copies")
+        return planned
 
 
 def step_some(optimizer: LowpOptimizer, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool,
@@ -369,10 +374,22 @@ class StepPlan:
             raise
 
     def execute(self, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
+        """Run the jobs (:meth:`run_jobs`), then write the gathered copies back
+        (:meth:`write_back`): weights, states and counters always agree, parameter by parameter."""
+        self.run_jobs(inv_scale, new_step, update_weights)
+        self.write_back()
+
+    @property
+    def all_gathered(self) -> bool:
+        """Whether every parameter is stepped on gathered copies: :meth:`run_jobs` then writes
+        nothing of the optimizer's own tensors, and an error in it changes nothing."""
+        return not any(self.counters.values())
+
+    def run_jobs(self, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
         """Run the jobs on the optimizer's backend (a states-only step: on the ``foreach``
         reference pipeline). Each parameter's step counter advances right after the job that
-        wrote its weight and states (a gathered DTensor parameter's after its shards are written
-        back), so weights, states and counters always agree, parameter by parameter."""
+        wrote its weight and states; a gathered DTensor parameter's job writes its gathered
+        copies only, whose shards and counter :meth:`write_back` writes."""
         optimizer = self.optimizer
         if new_step and update_weights:
             optimizer._last_stalled = {}
@@ -389,6 +406,10 @@ class StepPlan:
                 state["step"] = step
             if update_weights:
                 optimizer._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
+
+    def write_back(self) -> None:
+        """Each gathered DTensor parameter's shards of its stepped copies (weight, states,
+        buffer) into its local tensors, then its step counter."""
         for full, state, step in self.gathered:
             full.write_back()
             state["step"] = step
