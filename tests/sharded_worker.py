@@ -643,10 +643,17 @@ GATHER_MANY = [((6, 5), torch.bfloat16, "Shard(0)"), ((7,), torch.float32, "Shar
                ((4, 3), torch.bfloat16, "Replicate()")]
 
 
+#: a cap on :func:`sharding.gather_many`'s received bytes below all of :data:`GATHER_MANY`'s
+#: messages at 2 and 4 ranks, above any one tensor's (the (5, 40) int8 codes: 128 bytes x 2
+#: ranks, 80 x 4)
+GATHER_CAP = 320
+
+
 def gather_many_checks(world_size: int) -> dict[str, Any]:
     """``sharding.gather_many`` of :data:`GATHER_MANY` (plus a plain tensor) against
-    ``sharding.gather`` of each: per tensor (bits equal, contiguous, dtype kept, a copy), and the
-    all-gathers it made (one, for all the sharded ones)."""
+    ``sharding.gather`` of each: per tensor (bits equal, contiguous, dtype kept, a copy), the
+    all-gathers it made (one, for all the sharded ones) and the most bytes one received, under
+    the default cap, a cap of 1 byte and one of :data:`GATHER_CAP` bytes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -663,14 +670,16 @@ def gather_many_checks(world_size: int) -> dict[str, Any]:
     one_by_one = [sharding.gather(t).clone() for t in tensors]
     sharded = [sharding.local(t) for t in tensors[:-1]]   # the replica's too: gather copies it
     out = {}
-    calls = [0]
+    calls = [0, 0]   # all-gathers, the most bytes one received
     all_gather, limit = dist.all_gather, sharding.GATHER_BYTES
 
-    def counted(*args, **kwargs):
+    def counted(received, *args, **kwargs):
         calls[0] += 1
-        return all_gather(*args, **kwargs)
-    for tag, cap in (("one", limit), ("capped", 1)):   # a cap of 1 byte: each tensor alone
-        calls[0] = 0
+        calls[1] = max(calls[1], sum(r.numel() * r.element_size() for r in received))
+        return all_gather(received, *args, **kwargs)
+    # a cap of 1 byte: each tensor alone
+    for tag, cap in (("one", limit), ("capped", 1), ("bytes", GATHER_CAP)):
+        calls[:] = [0, 0]
         dist.all_gather, sharding.GATHER_BYTES = counted, cap
         try:
             batched = sharding.gather_many(tensors)
@@ -680,7 +689,7 @@ def gather_many_checks(world_size: int) -> dict[str, Any]:
                                 g.dtype == w.dtype,
                                 all(g.untyped_storage().data_ptr() != s.untyped_storage().data_ptr() for s in sharded))
                                for g, w in zip(batched, one_by_one)],
-                    "all_gathers": calls[0]}
+                    "all_gathers": calls[0], "received": calls[1]}
     return out
 
 

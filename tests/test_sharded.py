@@ -455,12 +455,17 @@ def test_gathered_tensors_are_contiguous(two_ranks):
 
 def assert_gather_many(results: dict, world_size: int) -> None:
     """``sharding.gather_many`` gives every tensor's ``gather`` bits (a contiguous copy of the
-    dtype) from one all-gather for all the sharded ones, or one each when the cap on a message's
-    bytes leaves room for only one."""
+    dtype) from one all-gather for all the sharded ones, or one each when the cap on the received
+    bytes leaves room for only one; under a cap below all the messages and above each tensor's,
+    no all-gather receives more than the cap (all ranks' messages counted)."""
     sharded = sum(placement.startswith("Shard") for _, _, placement in w.GATHER_MANY)
-    for tag, collectives in (("one", 1), ("capped", sharded)):
+    for tag, collectives in (("one", 1), ("capped", sharded), ("bytes", None)):
         got = results["gather_many"][tag]
-        assert got["all_gathers"] == collectives, f"{world_size} ranks, {tag}: {got['all_gathers']} all-gathers"
+        if collectives is None:
+            assert 1 < got["all_gathers"] < sharded, f"{world_size} ranks, {tag}: {got['all_gathers']} all-gathers"
+            assert got["received"] <= w.GATHER_CAP, f"{world_size} ranks: {got['received']} bytes received"
+        else:
+            assert got["all_gathers"] == collectives, f"{world_size} ranks, {tag}: {got['all_gathers']} all-gathers"
         for (shape, dtype, placement), check in zip(w.GATHER_MANY, got["checks"]):
             assert check[:3] == (True, True, True), f"{world_size} ranks, {tag}: {shape} {dtype} {placement}: {check}"
         # the replica's too: a gathered step writes its full copies before the shards are written back

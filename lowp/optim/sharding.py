@@ -410,8 +410,8 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool) -> list[tup
 
 #: byte alignment of each tensor's bytes in :func:`gather_many`'s messages (any dtype's view)
 _ALIGN = 16
-#: the most bytes of one rank's message in one all-gather of :func:`gather_many` (a larger
-#: tensor travels alone): the messages of all ranks are held next to the full copies
+#: the most bytes one all-gather of :func:`gather_many` receives, the messages of all ranks (held
+#: next to the full copies cut from them); a tensor whose share alone is larger travels alone
 GATHER_BYTES = 1 << 26
 
 
@@ -425,9 +425,10 @@ def _chunk(n: int, ranks: int, r: int) -> int:
 def gather_many(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`gather` of each of ``tensors`` (the same full tensors, dtypes and copies), with one
     all-gather for the DTensors sharded along one dimension of a one-dimensional mesh (FSDP2's
-    ``Shard(0)``) that share its process group and device, up to :data:`GATHER_BYTES` per rank's
-    message: each rank sends its local tensors' bytes back to back (each at a multiple of 16
-    bytes), padded to the longest rank's message, and every full tensor is its ranks' boxes
+    ``Shard(0)``) that share its process group and device, up to :data:`GATHER_BYTES` received by
+    each rank (world size x the longest rank's message): each rank sends its local tensors'
+    bytes back to back (each at a multiple of 16 bytes), padded to the longest rank's message,
+    and every full tensor is its ranks' boxes
     concatenated along the sharded dimension (their sizes follow ``Shard``'s ``torch.chunk``
     rule). The others are gathered one by one first, in order; then the batches, in the order of
     their first tensor: every rank makes the same collectives for the same ``tensors``."""
@@ -446,14 +447,18 @@ def gather_many(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _parts(tensors: Sequence[torch.Tensor], members: list[int], ranks: int) -> list[list[int]]:
-    """``members`` cut into runs whose largest rank's share stays within :data:`GATHER_BYTES`."""
+    """``members`` cut into runs whose messages from all ``ranks`` together stay within
+    :data:`GATHER_BYTES`: each rank's message within ``GATHER_BYTES // ranks``, counting every
+    tensor at its largest rank's share, aligned as :func:`_gather_batch` places it."""
     runs: list[list[int]] = []
     size = 0
+    limit = GATHER_BYTES // ranks
     for i in members:
         t = tensors[i]
         dim = _shard_dim(t)
         share = -(-t.shape[dim] // ranks) * math.prod(t.shape) // max(t.shape[dim], 1) * t.element_size()
-        if not runs or size + share > GATHER_BYTES:
+        share = -(-share // _ALIGN) * _ALIGN
+        if not runs or size + share > limit:
             runs.append([])
             size = 0
         runs[-1].append(i)
