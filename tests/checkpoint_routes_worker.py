@@ -40,6 +40,9 @@ SAVE_SEED, LOAD_SEED = 1, 99
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "default": {},   # mode kahan (auto), bf16 states rounded stochastically: random bits in play
     "exact8": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}},
+    # the same with the biases (64 and 8 elements) below coded_min_numel: bf16 states beside codes
+    "exact8-min": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                   "coded_min_numel": 256},
     "torch": None,
 }
 KINDS = ("fsdp", "replicated")

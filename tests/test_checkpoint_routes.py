@@ -7,8 +7,9 @@ The routes: ``get/set_optimizer_state_dict`` (the model through ``get/set_model_
 ``flatten_optimizer_state_dict``, ``strict``), the checkpoint kept in memory (a fresh model and
 optimizer in the same group), in files (full dicts; a fresh process group) or through
 ``torch.distributed.checkpoint.save`` / ``load`` (sharded dicts; a fresh process group, also at
-another world size). lowp AdamW runs in two configurations (defaults: kahan weights and bf16
-states rounded stochastically; and ``exact8`` weights with int8 / uint8 block-scaled states),
+another world size). lowp AdamW runs in three configurations (defaults: kahan weights and bf16
+states rounded stochastically; ``exact8`` weights with int8 / uint8 block-scaled states; the
+same with ``coded_min_numel=256``, which keeps the biases' states in bf16 beside the codes),
 on an FSDP2 (``fully_shard``) MLP and on a plain module replicated on every rank.
 
 Each case trains 2 steps (one skipped for a NaN gradient), checkpoints, trains 2 more; the
@@ -32,7 +33,7 @@ import checkpoint_routes_worker as w
 from checkpoint_routes_worker import Case
 from lowp.distributed.launch import run_local_group
 
-LOWP = ("default", "exact8")
+LOWP = ("default", "exact8", "exact8-min")
 FULL, CPU, BCAST, FLAT, NONSTRICT = w.FLAGS
 
 
@@ -185,6 +186,9 @@ def assert_resumes(case: Case, pairs: list[tuple[dict, dict]]) -> None:
             assert want["skipped_params"] == 1, "the NaN step must have been skipped (and its count saved)"
             assert not [m for m in got["warnings"] if "lowp" in m], got["warnings"]
         assert any(k.endswith(".step") for k in want), "the optimizer must have states"
+        if case.config == "exact8-min":   # both kinds of state in the one group
+            dtypes = {want[f"p{i}.exp_avg"].dtype for i in range(4)}
+            assert dtypes == {torch.int8, torch.bfloat16}, dtypes
 
 
 def _id(case: Case) -> str:
