@@ -428,6 +428,28 @@ def coded_plan_case(world_size: int, nan_at: tuple[int, int] | None, nonfinite: 
     return out
 
 
+#: the threshold :func:`decode_run` raises after the first steps: the (64,), (5, 40) and fp32
+#: (32,) parameters of :func:`coded_full` fall below it
+DECODE_MIN_NUMEL = 256
+
+
+def decode_run(opt, params: list[torch.Tensor], set_grad) -> dict[str, torch.Tensor]:
+    """All but the last step with int8 / uint4 codes, then ``coded_min_numel`` raised to
+    :data:`DECODE_MIN_NUMEL` and the optimizer's own ``state_dict`` loaded back (which decodes
+    the small parameters' codes into 16-bit states), then the last step: its snapshot."""
+    coded_steps(opt, params, set_grad, range(STEPS - 1))
+    opt.param_groups[0]["coded_min_numel"] = DECODE_MIN_NUMEL
+    opt.load_state_dict(opt.state_dict())
+    coded_steps(opt, params, set_grad, range(STEPS - 1, STEPS))
+    return snapshot(opt, params)
+
+
+def decode_case(world_size: int) -> dict[str, torch.Tensor]:
+    """:func:`decode_run` on FSDP2 parameters (sharded and replicated codes decoded)."""
+    params = fsdp_params(world_size, coded_full(0))
+    return decode_run(coded_optimizer(params, "int8-uint4"), params, set_dtensor_grad)
+
+
 def remainder_failure_case(world_size: int) -> dict[str, Any]:
     """The finite, ``"skip_param"`` :data:`CODED_PLAN_CASES` run whose last step, taken from the
     plan, fails in its remainder's full step (the backend raises, as running out of memory on the
@@ -581,6 +603,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``coded``: cases of :func:`coded_case` with the single-process dicts it loads;
     - ``coded_plans``: cases of :func:`coded_plan_case`;
     - ``remainder_failure``: :func:`remainder_failure_case`;
+    - ``decode``: :func:`decode_case`;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
     - ``errors``: :func:`placement_errors`;
     - ``gather``: :func:`gather_checks`;
@@ -604,6 +627,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     plain_sds = spec.get("coded_state_dicts", {})
     out["coded"] = [coded_case(world_size, *c, plain_sds.get(c[1], {})) for c in spec.get("coded", [])]
     out["coded_plans"] = [coded_plan_case(world_size, *c) for c in spec.get("coded_plans", [])]
+    if spec.get("decode"):
+        out["decode"] = decode_case(world_size)
     if spec.get("remainder_failure"):
         out["remainder_failure"] = remainder_failure_case(world_size)
     if spec.get("reduce_scatter"):

@@ -262,31 +262,79 @@ def test_coded_min_numel_keeps_small_parameters_states_in_16_bits(backend):
     _same(full, (copies, again))
 
 
+def _decoded(state: dict, name: str, code: torch.dtype, block: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The reference decode of a coded state (``q * s``, squared for unsigned codes) rounded to
+    nearest into ``dtype``."""
+    from lowp.optim.codes import code_for, decode
+    values = decode(state[name].reshape(-1), state[f"{name}_scale"].reshape(-1), code_for(code), block, numel)
+    return values.to(dtype)
+
+
 def test_a_changed_coded_min_numel_is_named_before_anything_changes():
-    """Codes made before the threshold rose, or 16-bit states before it fell, are refused with
-    the reason (the step and the load change nothing); a state_dict round trip encodes 16-bit
-    states into codes."""
+    """Codes made before the threshold rose, or 16-bit states before it fell, are refused by the
+    step with the reason, changing nothing; a state_dict round trip brings them to the group's
+    storage both ways: 16-bit states encoded into codes, codes decoded into bf16 states (the
+    reference decode rounded to nearest), as does loading a checkpoint saved with the other
+    threshold (here one saved before the option existed)."""
     p = torch.nn.Parameter(torch.randn(100).bfloat16())
     eight = _state_dtype(lo.AdamW)
     coded = lo.AdamW([p], state_dtype=eight, seed=1)
     p.grad = torch.randn(100).bfloat16()
     coded.step()
+    want = {n: _decoded(coded.state[p], n, eight[n], 64, 100, torch.bfloat16) for n in eight}
     sd = copy.deepcopy(coded.state_dict())
     del sd["param_groups"][0]["coded_min_numel"]   # as saved before the option existed
     small = lo.AdamW([p], state_dtype=eight, coded_min_numel=4096, seed=1)
-    with pytest.raises(ValueError, match=r"\['exp_avg'\]: block-scaled codes where the group keeps a 16-bit state"):
-        small.load_state_dict(sd)
-    assert not small.state
+    small.load_state_dict(sd)
+    assert not [k for k in small.state[p] if k.endswith("_scale")]
+    for n in eight:
+        assert small.state[p][n].dtype == torch.bfloat16 and torch.equal(small.state[p][n], want[n]), n
     small.step()
     before = p.detach().clone()
     small.param_groups[0]["coded_min_numel"] = 0
     with pytest.raises(ValueError, match=r"a torch.bfloat16 state where the group stores int8 codes .*encodes it"):
         small.step()
-    assert torch.equal(p, before) and small.state[p]["step"] == 1
+    assert torch.equal(p, before) and small.state[p]["step"] == 2
     small.load_state_dict(small.state_dict())
     assert small.state[p]["exp_avg"].dtype == torch.int8 and "exp_avg_scale" in small.state[p]
     small.step()
-    assert small.state[p]["step"] == 2
+    assert small.state[p]["step"] == 3
+    codes, before = copy.deepcopy(small.state[p]), p.detach().clone()
+    small.param_groups[0]["coded_min_numel"] = 101   # up again: the codes are refused, then decoded
+    with pytest.raises(ValueError, match=r"\['exp_avg'\]: block-scaled codes where the group keeps a 16-bit "
+                                         r"state .*decodes them"):
+        small.step()
+    assert torch.equal(p, before) and small.state[p]["step"] == 3
+    small.load_state_dict(small.state_dict())
+    for n in eight:
+        assert torch.equal(small.state[p][n], _decoded(codes, n, eight[n], 64, 100, torch.bfloat16)), n
+    small.step()
+    assert small.state[p]["step"] == 4
+
+
+@pytest.mark.parametrize("codes, decodes", [("8-bit", True), ("4-bit", False)])
+def test_codes_decode_when_state_dtype_no_longer_names_them(codes, decodes):
+    """A group switched from codes to ``state_dtype=torch.bfloat16``: the round trip decodes
+    codes whose storage dtype and sizes name their code (int8 bytes; uint8 bytes of one per
+    element: uint8), and refuses by name, changing nothing, bytes that more than one code fits
+    (two 4-bit codes per byte: int4 or uint4)."""
+    p = torch.nn.Parameter(torch.randn(100).bfloat16())
+    asked = _state_dtype(lo.AdamW) if codes == "8-bit" else {"exp_avg": torch.int4, "exp_avg_sq": torch.uint4}
+    opt = lo.AdamW([p], state_dtype=asked, seed=1)
+    p.grad = torch.randn(100).bfloat16()
+    opt.step()
+    saved = copy.deepcopy(opt.state[p])
+    opt.param_groups[0]["state_dtype"] = torch.bfloat16
+    if not decodes:
+        with pytest.raises(ValueError, match=r"\['exp_avg'\]: block-scaled codes where the group keeps a 16-bit"):
+            opt.load_state_dict(opt.state_dict())
+        assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items() if isinstance(v, torch.Tensor))
+        return
+    opt.load_state_dict(opt.state_dict())
+    for n, code in asked.items():
+        assert torch.equal(opt.state[p][n], _decoded(saved, n, code, 64, 100, torch.bfloat16)), n
+    opt.step()
+    assert opt.state[p]["step"] == 2 and opt.state[p]["exp_avg"].dtype == torch.bfloat16
 
 
 def test_codes_keep_the_rows_of_a_parameter_whose_rows_hold_whole_blocks():

@@ -106,7 +106,7 @@ def two_ranks(first_rank):
             "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
             "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES,
             "plan_changes": list(w.PLAN_CHANGES), "grad_scaler": GRAD_SCALER_CASES, "coded_plans": w.CODED_PLAN_CASES,
-            "remainder_failure": True, "coded_state_dicts": coded_dicts()}
+            "remainder_failure": True, "decode": True, "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
@@ -378,6 +378,20 @@ def test_a_plan_leaves_parameters_that_split_blocks_to_a_full_step(two_ranks, ca
         assert skipped.tolist() == want_skipped.tolist(), f"rank {rank}"
         assert tuple(plans.tolist()) == CODED_PLAN_COUNTS[index][rank], f"rank {rank}: (cached, agreed) steps"
         assert int(remainder) == CODED_PLAN_REMAINDERS[index][rank], f"rank {rank}: the plan's remainder"
+
+
+def test_codes_of_sharded_parameters_decode_when_coded_min_numel_rises(two_ranks):
+    """FSDP2 parameters below a raised ``coded_min_numel`` (a vector whose shards hold whole
+    blocks, a matrix whose codes are replicated, an fp32 vector): their codes decode into 16-bit
+    states on the ``state_dict`` round trip, and the next step gives the single-process bits."""
+    _, ranks = two_ranks
+    params = [p.clone().requires_grad_() for p in w.coded_full(0)]
+    want = w.decode_run(w.coded_optimizer(params, "int8-uint4"), params, w._set_plain_grad)
+    small = [i for i, p in enumerate(params) if p.numel() < w.DECODE_MIN_NUMEL]
+    assert small == [1, 2, 4] and all(want[f"p{i}.exp_avg"].dtype == params[i].dtype for i in small)
+    assert "p0.exp_avg_scale" in want and not [k for k in want if k.endswith("_scale") and int(k[1]) in small]
+    for rank, results in enumerate(ranks):
+        assert_same(results["decode"], want, f"rank {rank}")
 
 
 def test_an_error_in_the_remainder_changes_nothing(two_ranks):

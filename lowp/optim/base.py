@@ -289,7 +289,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     # checkpoints (lowp.optim.checkpointing)
     extras = checkpointing.extras
     checkpoint_kind = checkpointing.checkpoint_kind
-    _encode_loaded = checkpointing.encode_loaded
+    _recode_loaded = checkpointing.recode_loaded
     _check_values = checkpointing.check_values
 
     # ---- the step -------------------------------------------------------------------------

@@ -27,17 +27,16 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from lowp.optim import options, preflight, sharding
-from lowp.optim.codes import code_for, encode, scale_name
+from lowp.optim.codes import CODES, Code, code_for, decode, encode, scale_name, stored_shapes
 from lowp.optim.slices import CodedState
 from lowp.optim.preflight import check_seed
 from lowp.optim.spec import OptimizerSpec
-from lowp.optim.state_layout import STATE_DTYPES, asked_dtype, coded_layout
+from lowp.optim.state_layout import STORED_FLOATS, asked_dtype, coded_layout, new_state_dtype
 from lowp.optim.writeback import BUFFER_NAMES, resolve_mode
 
-__all__ = ["extras", "checkpoint_kind", "saved", "checked_load", "check_values", "encode_loaded"]
+__all__ = ["extras", "checkpoint_kind", "saved", "checked_load", "check_values", "recode_loaded"]
 
 #: the float dtypes a loaded state may arrive in (cast to the state's dtype, or encoded, on load)
-_LOADABLE_FLOATS = (*STATE_DTYPES, torch.float64)
 
 
 class LowpOptimizer(Protocol):
@@ -69,8 +68,8 @@ class LowpOptimizer(Protocol):
                     coded_states: list[CodedState] | None = None) -> None:
         """Check the state entries of ``p``."""
 
-    def _encode_loaded(self, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
-        """:func:`encode_loaded`, bound."""
+    def _recode_loaded(self, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
+        """:func:`recode_loaded`, bound."""
 
     def _check_values(self, groups: list[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
         """:func:`check_values`, bound."""
@@ -150,7 +149,7 @@ def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
                     value = _loaded_tensor(optimizer, group, name, p, value)
                 loaded[name] = value
             if loaded:
-                optimizer._encode_loaded(group, p, loaded)
+                optimizer._recode_loaded(group, p, loaded)
                 optimizer.check_state(group, p, loaded, where)
                 state[p] = loaded
     optimizer._check_values(groups, state)
@@ -204,11 +203,11 @@ def _loaded_tensor(optimizer: LowpOptimizer, group: dict[str, Any], name: str, p
     """A private copy of a saved tensor on ``p``'s device; a floating-point state is cast only
     when the group's ``state_dtype`` names a dtype for it."""
     for c in optimizer.coded_states(group, p):   # codes and scales (a coded state saved as floats is encoded later)
-        if name == scale_name(c.name) or (name == c.name and value.dtype not in _LOADABLE_FLOATS):
+        if name == scale_name(c.name) or (name == c.name and value.dtype not in STORED_FLOATS):
             (codes, scales), placements = coded_layout(group, p, c.code)
             return _placed(value, p, codes if name == c.name else scales, placements, name)
     wanted = asked_dtype(group, name)
-    cast = (wanted is not None and code_for(wanted) is None and value.dtype in _LOADABLE_FLOATS
+    cast = (wanted is not None and code_for(wanted) is None and value.dtype in STORED_FLOATS
             and name in optimizer.state_names(group, p))
     dtype = wanted if cast else value.dtype
     if sharding.is_dtensor(p) or sharding.is_dtensor(value):   # laid out (sharded) like p
@@ -231,13 +230,21 @@ def _placed(value: torch.Tensor, p: torch.Tensor, shape: torch.Size, placements:
     return sharding.place(value, p, shape, placements)
 
 
+def recode_loaded(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
+    """Bring the loaded states of ``p`` to the group's storage (:func:`encode_loaded`,
+    :func:`decode_loaded`): a state saved in floating point where the group keeps codes, or as
+    codes where it keeps 16-bit states (``coded_min_numel`` or ``state_dtype`` changed)."""
+    encode_loaded(optimizer, group, p, loaded)
+    decode_loaded(optimizer, group, p, loaded)
+
+
 def encode_loaded(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
     """Encode the floating-point states of a loaded checkpoint that the group stores as
     block-scaled codes (rounded to nearest: a load is not a step and draws no random bits).
     A sharded state is gathered and encoded whole (a collective: every rank loads)."""
     for c in optimizer.coded_states(group, p):
         value = loaded.get(c.name)
-        if not isinstance(value, torch.Tensor) or value.dtype not in _LOADABLE_FLOATS \
+        if not isinstance(value, torch.Tensor) or value.dtype not in STORED_FLOATS \
                 or scale_name(c.name) in loaded:
             continue
         if value.shape != p.shape:
@@ -253,6 +260,46 @@ def encode_loaded(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tens
         else:   # each rank keeps its box, or the whole state where it is replicated
             loaded[c.name] = sharding.place(codes, p, codes_at, placements)
             loaded[scale_name(c.name)] = sharding.place(block_scales, p, scales_at, placements)
+
+
+def decode_loaded(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
+    """Decode the block-scaled codes of a loaded checkpoint where the group keeps 16-bit states
+    (``p`` is below ``coded_min_numel``, or ``state_dtype`` no longer asks for codes): ``q * s``
+    (squared for unsigned codes, :func:`lowp.optim.codes.decode`) in fp32, rounded to nearest
+    into the dtype a new state of ``p`` takes (a load draws no random bits). The code is
+    :func:`_saved_code`'s; codes it cannot name stay, and the state checks refuse them. A sharded
+    state is gathered and decoded whole (a collective: every rank loads)."""
+    coded = {c.name for c in optimizer.coded_states(group, p)}
+    for name in optimizer.state_names(group, p):
+        codes, scales = loaded.get(name), loaded.get(scale_name(name))
+        if name in coded or not isinstance(codes, torch.Tensor) or codes.dtype in STORED_FLOATS \
+                or not isinstance(scales, torch.Tensor):
+            continue
+        full_codes, full_scales = sharding.gather(codes).reshape(-1), sharding.gather(scales).reshape(-1)
+        code = _saved_code(group, name, p, full_codes, full_scales)
+        if code is None:
+            continue
+        values = decode(full_codes, full_scales, code, group["state_block"], p.numel()).view(p.shape)
+        values = values.to(new_state_dtype(group, name, p))
+        loaded[name] = sharding.load_state(values, p) if sharding.is_dtensor(p) else values.to(p.device)
+        del loaded[scale_name(name)]
+
+
+def _saved_code(group: dict[str, Any], name: str, p: torch.Tensor, codes: torch.Tensor,
+                scales: torch.Tensor) -> Code | None:
+    """The code of the saved flat ``codes`` and ``scales`` of state ``name``: the one the group's
+    ``state_dtype`` asks for when their storage dtype and sizes fit it (``stored_shapes`` with
+    the group's ``state_block``), else the only code they fit (int8 and fp8 storage name theirs;
+    uint8 bytes may hold uint8, uint4 or int4 codes); ``None`` when that does not say which."""
+    def fits(code: Code) -> bool:
+        codes_at, scales_at = stored_shapes(code, p.shape, group["state_block"])
+        return code.storage == codes.dtype and codes.numel() == math.prod(codes_at) \
+            and scales.numel() == math.prod(scales_at)
+    asked = code_for(asked_dtype(group, name))
+    if asked is not None:
+        return asked if fits(asked) else None
+    found = [c for c in CODES.values() if fits(c)]
+    return found[0] if len(found) == 1 else None
 
 
 def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:

@@ -35,12 +35,16 @@ from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import STATE_ROUNDINGS
 from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, ensure_buffer
 
-__all__ = ["STATE_DTYPES", "REPLICATED_WARN_NUMEL", "default_state_dtype", "check_options", "asked_dtype",
-           "codes_apply", "state_dtypes", "coded_states", "coded_layout", "check_state", "init_state"]
+__all__ = ["STATE_DTYPES", "STORED_FLOATS", "REPLICATED_WARN_NUMEL", "default_state_dtype", "check_options",
+           "asked_dtype", "codes_apply", "new_state_dtype", "state_dtypes", "coded_states", "coded_layout",
+           "check_state", "init_state"]
 
 #: What a state may be stored in (float64 states are refused: the fused kernels and the mixed
 #: fp32/fp64 foreach pipeline cannot run them).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The floating-point dtypes of stored states (fp64 parameters keep fp64 ones); any other dtype
+#: of a state (integers, fp8) is block-scaled codes.
+STORED_FLOATS = (*STATE_DTYPES, torch.float64)
 #: A sharded parameter of at least this many elements whose block-scaled states must be replicated
 #: (its shards split blocks) gets a warning: it costs its whole state on every rank.
 REPLICATED_WARN_NUMEL = 1 << 16
@@ -115,7 +119,7 @@ def codes_apply(group: Mapping[str, Any], param: torch.Tensor) -> bool:
     return param.dtype != torch.float64 and param.numel() >= group["coded_min_numel"]
 
 
-def _new_dtype(group: dict[str, Any], name: str, param: torch.Tensor) -> torch.dtype:
+def new_state_dtype(group: dict[str, Any], name: str, param: torch.Tensor) -> torch.dtype:
     """The dtype a new plain state ``name`` of ``param`` is created in: fp64 for fp64 parameters
     (their pipeline runs in fp64 and cannot mix in other dtypes, whatever ``state_dtype``
     says for the group), else ``state_dtype``'s (not a code: the parameter is below
@@ -199,11 +203,12 @@ def check_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor
         code = coded.get(name)
         value = state[name]
         if code is None:
-            if scale_name(name) in state and isinstance(value, torch.Tensor) and not value.is_floating_point():
+            if scale_name(name) in state and isinstance(value, torch.Tensor) and value.dtype not in STORED_FLOATS:
                 raise ValueError(f"{where}[{name!r}]: block-scaled codes where the group keeps a 16-bit state "
                                  f"(state_dtype or coded_min_numel changed since it was made, or the checkpoint "
-                                 f"was saved with other ones); codes are not decoded into 16-bit states: keep "
-                                 f"the options it was made with")
+                                 f"was saved with other ones); opt.load_state_dict(opt.state_dict()) decodes "
+                                 f"them while state_dtype names their code (or their storage dtype and sizes "
+                                 f"fit one code) and state_block their block")
             preflight.check_tensor(value, where, optimizer.state_shape(name, p),
                                    optimizer.state_dtypes(group, name, p), p.device, name)
             continue
@@ -252,7 +257,7 @@ def init_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor,
             continue
         code = coded.get(name)
         if code is None:
-            state[name] = sharding.new_state(p, optimizer.state_shape(name, p), _new_dtype(group, name, p))
+            state[name] = sharding.new_state(p, optimizer.state_shape(name, p), new_state_dtype(group, name, p))
             continue
         (codes, scales), placements = coded_layout(group, p, code)
         for key, shape, dtype in ((name, codes, code.storage), (scale_name(name), scales,
