@@ -6,12 +6,13 @@ blocks) and torch's fused fp32 AdamW on the same shapes, steps interleaved.
 
 The parameter list is GPT-2's shapes scaled down (``step_vs_torch.gpt2_shapes``): at 2 ranks with
 ``--scale 4`` the matrices' rows (last dimensions of 192, 576, 768) hold whole blocks and are
-planned, while most vectors (192 and 576 elements: shards of 96 and 288) split blocks, so their
-codes are replicated and the plan leaves them, its remainder, to a full step on gathered copies.
-The last row keeps the states of parameters under 4096 elements in bf16 (``coded_min_numel=4096``,
-bitsandbytes' and torchao's threshold): the vectors no longer split blocks and the plan keeps all.
-Prints the slowest rank's median step per row, the ratio against torch's row, and how many
-parameters the plan keeps and leaves (with and without the threshold).
+planned, while with codes for every size (``coded_min_numel=0``) most vectors (192 and 576
+elements: shards of 96 and 288) split blocks, so their codes are replicated and the plan leaves
+them, its remainder, to a full step on gathered copies. The last row is the default, which keeps
+the states of parameters under 4096 elements in bf16 (``coded_min_numel=4096``, bitsandbytes' and
+torchao's threshold): the vectors no longer split blocks and the plan keeps all. Prints the
+slowest rank's median step per row, the ratio against torch's row, and how many parameters the
+plan keeps and leaves (without and with the threshold).
 
     python benchmarks/sharded_plan.py [--ranks 2] [--scale 4] [--steps 9] [--threads 1]
 """
@@ -27,10 +28,10 @@ from lowp.distributed.launch import run_local_group
 from lowp.report import text_table
 from step_vs_torch import gpt2_shapes
 
-ROWS = ("torch AdamW fp32 fused", "lowp 5 B/param, full step", "lowp 5 B/param, cached plan",
-        "lowp 5 B/param, cached plan, coded_min_numel=4096")
+ROWS = ("torch AdamW fp32 fused", "lowp 5 B/param, coded_min_numel=0, full step",
+        "lowp 5 B/param, coded_min_numel=0, cached plan", "lowp 5 B/param (default coded_min_numel=4096), cached plan")
 #: what each lowp row gives its optimizer besides the shared options
-EXTRA = {ROWS[1]: {}, ROWS[2]: {}, ROWS[3]: {"coded_min_numel": 4096}}
+EXTRA = {ROWS[1]: {"coded_min_numel": 0}, ROWS[2]: {"coded_min_numel": 0}, ROWS[3]: {}}
 BASELINE = ROWS[0]
 
 
@@ -93,9 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     first = results[0]
     print(f"{args.ranks} gloo ranks, GPT-2 shapes / {args.scale} ({first['tensors']} tensors), {args.threads} "
           f"thread(s) per rank; the plan keeps {first['planned'][0]} parameters and leaves "
-          f"{first['remainder'][0]} (shards that split blocks of 64) to a full step; with coded_min_numel=4096 "
-          f"it keeps {first['planned'][1]} and leaves {first['remainder'][1]}; steps from the plan per row: "
-          f"{first['cached_steps']}")
+          f"{first['remainder'][0]} (shards that split blocks of 64) to a full step with coded_min_numel=0; with "
+          f"the default coded_min_numel=4096 it keeps {first['planned'][1]} and leaves {first['remainder'][1]}; "
+          f"steps from the plan per row: {first['cached_steps']}")
     print(text_table(["row", "median step", f"vs {BASELINE}"],
                      [[row, f"{slowest[row] * 1e3:.2f} ms", f"{slowest[BASELINE] / slowest[row]:.2f}x"]
                       for row in ROWS]))

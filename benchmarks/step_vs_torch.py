@@ -16,7 +16,8 @@ Parameter lists:
 Rows (``--optimizer adamw``): torch's AdamW on fp32 weights, ``fused=True`` (the baseline) and
 foreach; DeepSpeed's ``DeepSpeedCPUAdam`` on fp32 weights when ``deepspeed`` is importable; lowp's
 AdamW on bf16 weights with its defaults (``kahan``, bf16 states) and in the 5 bytes/param
-configuration (``exact8``, int8/uint8 states); optimi's AdamW on bf16 weights with Kahan
+configuration (``exact8``, int8/uint8 states, codes for every tensor: ``coded_min_numel=0``, so
+that the lists of small tensors measure it too); optimi's AdamW on bf16 weights with Kahan
 summation when ``optimi`` is importable. ``--optimizer sgd`` (momentum 0.9) and ``lion`` give the
 same table for SGD (torch's fused SGD the baseline) and Lion (optimi's the baseline: torch has
 none). Host time per tensor is the ``500x1000`` row's time divided by its 500 tensors.
@@ -61,6 +62,9 @@ if TYPE_CHECKING:
 
 LR, WD = 1e-3, 1e-2
 EIGHT_BIT = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+#: the coded rows' option: codes for tensors of every size (the default keeps those under 4096
+#: elements in 16 bits, which would turn the 500 x 1000 list into bf16 states)
+EVERY_SIZE = {"coded_min_numel": 0}
 
 
 def gpt2_shapes(scale: int = 1) -> list[tuple[int, ...]]:
@@ -120,7 +124,7 @@ def configs(optimizer: str, device: str = "cpu", dtensor: bool = False
             rows["DeepSpeed CPUAdam fp32"] = (torch.float32, lambda ps: cpu_adam(ps, lr=LR, weight_decay=WD))
         rows["lowp bf16 defaults"] = (torch.bfloat16, lambda ps: lo.AdamW(ps, LR, weight_decay=WD, seed=0))
         rows["lowp 5 B/param"] = (torch.bfloat16, lambda ps: lo.AdamW(ps, LR, weight_decay=WD, mode="exact8",
-                                                                       state_dtype=EIGHT_BIT, seed=0))
+                                                                       state_dtype=EIGHT_BIT, seed=0, **EVERY_SIZE))
         optimi_adamw = None if dtensor else _optimi("AdamW")
         if optimi_adamw is not None:
             rows["optimi AdamW bf16 Kahan"] = (torch.bfloat16, lambda ps: optimi_adamw(ps, lr=LR, weight_decay=WD,
@@ -132,7 +136,7 @@ def configs(optimizer: str, device: str = "cpu", dtensor: bool = False
                                                                                      foreach=True))
         rows["lowp bf16 defaults"] = (torch.bfloat16, lambda ps: lo.SGD(ps, LR, momentum=0.9, seed=0))
         rows["lowp bf16 exact8, int8 momentum"] = (torch.bfloat16, lambda ps: lo.SGD(
-            ps, LR, momentum=0.9, mode="exact8", state_dtype=torch.int8, seed=0))
+            ps, LR, momentum=0.9, mode="exact8", state_dtype=torch.int8, seed=0, **EVERY_SIZE))
         optimi_sgd = None if dtensor else _optimi("SGD")
         if optimi_sgd is not None:
             rows["optimi SGD bf16 Kahan"] = (torch.bfloat16, lambda ps: optimi_sgd(ps, lr=LR, momentum=0.9,
@@ -145,7 +149,7 @@ def configs(optimizer: str, device: str = "cpu", dtensor: bool = False
                                                                                  foreach=True))
     rows["lowp Lion bf16 defaults"] = (torch.bfloat16, lambda ps: lo.Lion(ps, LR, seed=0))
     rows["lowp Lion bf16 exact8, int8 momentum"] = (torch.bfloat16, lambda ps: lo.Lion(
-        ps, LR, mode="exact8", state_dtype=torch.int8, seed=0))
+        ps, LR, mode="exact8", state_dtype=torch.int8, seed=0, **EVERY_SIZE))
     return next(iter(rows)), rows
 
 

@@ -58,7 +58,8 @@ CONFIGS = {
     "defaults": {},            # mode="auto" (Kahan for bf16 weights), bf16 states
     "stochastic": {"mode": "stochastic"},
     # AdamW at about 5 bytes per parameter: one-byte remainder, int8 / uint8 block-scaled moments
-    "exact8-codes": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}},
+    "exact8-codes": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                     "coded_min_numel": 0},
 }
 
 

@@ -39,7 +39,8 @@ SAVE_SEED, LOAD_SEED = 1, 99
 #: lowp AdamW configurations (keywords), and ``torch``: torch.optim.AdamW
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "default": {},   # mode kahan (auto), bf16 states rounded stochastically: random bits in play
-    "exact8": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}},
+    "exact8": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+               "coded_min_numel": 0},
     # the same with the biases (64 and 8 elements) below coded_min_numel: bf16 states beside codes
     "exact8-min": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
                    "coded_min_numel": 256},

@@ -32,7 +32,7 @@ SAVE_SEED, LOAD_SEED = 1, 99
 #: config file or command line gives them)
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},   # mode kahan (auto), bf16 states rounded stochastically: random bits in play
-    "exact8": {"mode": "exact8", "state_dtype": "int8/uint8"},
+    "exact8": {"mode": "exact8", "state_dtype": "int8/uint8", "coded_min_numel": 0},
 }
 
 

@@ -50,7 +50,7 @@ SAVE_SEED, LOAD_SEED = 1, 99
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {"optimizer": "AdamW", "lr": 3e-3, "weight_decay": 0.01},
     "exact8": {"optimizer": "AdamW", "lr": 3e-3, "weight_decay": 0.01, "mode": "exact8",
-               "state_dtype": {"exp_avg": "int8", "exp_avg_sq": "uint8"}},
+               "state_dtype": {"exp_avg": "int8", "exp_avg_sq": "uint8"}, "coded_min_numel": 0},
 }
 #: how the resumed run loads the optimizer state
 LOADERS = ("torchtune-0.6.1", "distributed-state-dict")

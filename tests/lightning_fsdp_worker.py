@@ -49,7 +49,8 @@ CONFIGS = {
     "stochastic": {"mode": "stochastic"},
     # AdamW at about 5 bytes per parameter: one-byte remainder, int8 / uint8 block-scaled
     # moments (stochastically rounded: state_rounding's default)
-    "exact8-codes": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}},
+    "exact8-codes": {"mode": "exact8", "state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                     "coded_min_numel": 0},
 }
 
 

@@ -286,12 +286,14 @@ def buffer_fp64(mode, gen):
 def coded_int8(mode, gen):
     """Block-scaled int8 states (every state of every elementwise optimizer can hold them)."""
     params = standard(gen)
-    return Scenario(params, plain_grads(params), options=dict(state_dtype=torch.int8, state_block=32))
+    return Scenario(params, plain_grads(params),
+                    options=dict(coded_min_numel=0, state_dtype=torch.int8, state_block=32))
 
 
 def coded_fp8(mode, gen):
     params = standard(gen)
-    return Scenario(params, plain_grads(params), options=dict(state_dtype=torch.float8_e4m3fn, state_block=32))
+    return Scenario(params, plain_grads(params),
+                    options=dict(coded_min_numel=0, state_dtype=torch.float8_e4m3fn, state_block=32))
 
 
 def _coded_tamper(change: Callable[[dict, str], None]) -> Callable[[Any, int], None]:
@@ -314,13 +316,13 @@ def coded_noncontiguous(mode, gen):
             if t.dim() == 2 and min(t.shape) > 1:
                 state[key] = t.t().contiguous().t()
     return Scenario(params, plain_grads(params), _coded_tamper(change),
-                    options=dict(state_dtype=torch.int8, state_block=32))
+                    options=dict(coded_min_numel=0, state_dtype=torch.int8, state_block=32))
 
 
 def coded_scales_missing(mode, gen):
     params = standard(gen)
     return Scenario(params, plain_grads(params), _coded_tamper(lambda state, name: state.pop(f"{name}_scale")),
-                    options=dict(state_dtype=torch.int8, state_block=32))
+                    options=dict(coded_min_numel=0, state_dtype=torch.int8, state_block=32))
 
 
 def coded_scales_fp64(mode, gen):
@@ -328,8 +330,8 @@ def coded_scales_fp64(mode, gen):
 
     def change(state, name):
         state[f"{name}_scale"] = state[f"{name}_scale"].double()
-    return Scenario(params, plain_grads(params), _coded_tamper(change), options=dict(state_dtype=torch.int8,
-                                                                                      state_block=32))
+    return Scenario(params, plain_grads(params), _coded_tamper(change),
+                    options=dict(coded_min_numel=0, state_dtype=torch.int8, state_block=32))
 
 
 def coded_codes_short(mode, gen):
@@ -337,8 +339,8 @@ def coded_codes_short(mode, gen):
 
     def change(state, name):
         state[name] = state[name].reshape(-1)[:-1].clone()
-    return Scenario(params, plain_grads(params), _coded_tamper(change), options=dict(state_dtype=torch.int8,
-                                                                                      state_block=32))
+    return Scenario(params, plain_grads(params), _coded_tamper(change),
+                    options=dict(coded_min_numel=0, state_dtype=torch.int8, state_block=32))
 
 
 def param_twice(mode, gen):

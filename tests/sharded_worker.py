@@ -295,7 +295,7 @@ def coded_full(seed: int) -> list[torch.Tensor]:
 
 def coded_optimizer(params: list[torch.Tensor], states: str, backend: str = "fused", **extra: Any):
     """AdamW in Kahan mode with block-scaled states in blocks of 32, rounded stochastically."""
-    extra = {"state_dtype": CODED_STATES[states], **BACKENDS[backend], **extra}
+    extra = {"state_dtype": CODED_STATES[states], "coded_min_numel": 0, **BACKENDS[backend], **extra}
     return lo.AdamW(params, lr=1e-2, weight_decay=0.1, mode="kahan", seed=7, state_block=32, **extra)
 
 
@@ -506,7 +506,7 @@ def mlp(dtype: torch.dtype = torch.bfloat16, coded: bool = False) -> torch.nn.Mo
 def _dcp_optimizer(model: torch.nn.Module, mode: str):
     if mode == CODED:
         return lo.AdamW(model.parameters(), lr=1e-2, seed=3, state_block=32, fused=True,
-                        state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+                        state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}, coded_min_numel=0)
     return lo.AdamW(model.parameters(), lr=1e-2, mode=mode, seed=3, state_dtype=torch.float32, fused=True)
 
 
@@ -809,7 +809,7 @@ def placement_errors(world_size: int) -> dict[str, Any]:
     for shape in ((3, 33000), (2, 33024)):
         q = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.bfloat16), mesh, [Shard(0)]))
         q.grad = distribute_tensor(torch.ones(shape, dtype=torch.bfloat16), mesh, [Shard(0)])
-        opt = lo.AdamW([q], state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+        opt = lo.AdamW([q], state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}, coded_min_numel=0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()

@@ -26,7 +26,8 @@ def test_moved_bytes_counts_every_state_read_and_written(state_dtype, expected):
     numel = 64 * 40
     p = torch.nn.Parameter(torch.randn(numel).bfloat16())
     p.grad = torch.randn(numel).bfloat16()
-    opt = lo.AdamW([p], lr=1e-3, backend="foreach", **({} if state_dtype is None else {"state_dtype": state_dtype}))
+    coded = {} if state_dtype is None else {"state_dtype": state_dtype, "coded_min_numel": 0}
+    opt = lo.AdamW([p], lr=1e-3, backend="foreach", **coded)
     opt.step()
     assert benchmark("codes_step").moved_bytes(p, opt.state[p]) == expected * numel
 

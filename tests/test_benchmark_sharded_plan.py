@@ -20,8 +20,8 @@ def test_a_small_run_takes_the_plan_with_a_remainder():
     assert done.returncode == 0, done.stderr[-3000:]
     kept, left = map(int, re.search(r"the plan keeps (\d+) parameters and leaves (\d+)", done.stdout).groups())
     assert kept > 0 and left > 0 and kept + left == 148, done.stdout
-    kept_small, left_small = map(int, re.search(r"with coded_min_numel=4096 it keeps (\d+) and leaves (\d+)",
-                                                 done.stdout).groups())
+    found = re.search(r"with the default coded_min_numel=4096 it keeps (\d+) and leaves (\d+)", done.stdout)
+    kept_small, left_small = map(int, found.groups())
     assert kept_small + left_small == 148 and left_small < left, done.stdout
     # 3 steps per row: the full-step row none from a plan, the plans' rows all but the first
     assert "steps from the plan per row: [0, 2, 2]" in done.stdout, done.stdout

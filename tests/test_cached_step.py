@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 EIGHT_BIT = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 CONFIGS = {
     "defaults": dict(),
-    "5 B/param": dict(mode="exact8", state_dtype=EIGHT_BIT),
+    "5 B/param": dict(mode="exact8", state_dtype=EIGHT_BIT, coded_min_numel=0),
     "fp32 states, nearest": dict(mode="nearest", state_dtype=torch.float32),
     "master": dict(mode="master"),
 }
@@ -576,7 +576,7 @@ def test_a_new_block_size_is_not_stepped_from_the_old_plan():
     outcomes = []
     for backend in ("native", "foreach"):
         params = make_params()
-        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=0, state_dtype=EIGHT_BIT)
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=0, state_dtype=EIGHT_BIT, coded_min_numel=0)
         for t in range(3):
             set_grads(params, t)
             opt.step()

@@ -20,7 +20,8 @@ from lowp.optim.randomness import stream_key_table, stream_keys
 EIGHT_BIT = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 #: per configuration: the options, and how many of its 6 steps take the plan (the NaN of step 3
 #: and the infinity of step 5 each end a plan under skip_param; a skipped step keeps it)
-CONFIGS = [({}, 3), ({"nonfinite": "skip_step"}, 5), ({"mode": "exact8", "state_dtype": EIGHT_BIT}, 3),
+CONFIGS = [({}, 3), ({"nonfinite": "skip_step"}, 5),
+           ({"mode": "exact8", "state_dtype": EIGHT_BIT, "coded_min_numel": 0}, 3),
            ({"state_rounding": "nearest", "diagnostics": False}, 3), ({"mode": "stochastic"}, 3)]
 
 

@@ -73,8 +73,12 @@ def test_lowp_rows_are_the_bytes_of_a_real_adamw_after_a_step(demo_report):
         assert math.isclose(r["bytes_per_param"], nbytes / count, rel_tol=1e-12)
         assert r["weights"] == dtype.itemsize and r["grads"] == dtype.itemsize
         moments = {k: {s[k].dtype for s in state.values()} for k in ("exp_avg", "exp_avg_sq")}
-        if coded:
-            assert moments == {k: {code_for(d).storage} for k, d in state_dtype.items()}, r["name"]
+        if coded:   # codes from coded_min_numel (4096) elements, 16-bit states below
+            sizes = {p.numel() >= 4096 for p in state}
+            assert sizes == {True, False}, "the probe model has parameters of both kinds"
+            assert moments == {k: {code_for(d).storage, dtype} for k, d in state_dtype.items()}, r["name"]
+            assert all(s[k].dtype == (code_for(d).storage if p.numel() >= 4096 else dtype)
+                       for p, s in state.items() for k, d in state_dtype.items()), r["name"]
         else:
             assert moments == {k: {state_dtype} for k in moments}, r["name"]
     by_name = {r["name"]: r for r in rows}
@@ -82,10 +86,13 @@ def test_lowp_rows_are_the_bytes_of_a_real_adamw_after_a_step(demo_report):
     assert by_name["lowp AdamW bf16 kahan, bf16 states"]["bytes_per_param"] - 2 == 8
     assert by_name["lowp AdamW bf16 stochastic, bf16 states"]["bytes_per_param"] - 2 == 6
     assert by_name["lowp AdamW bf16 exact, fp32 states"]["bytes_per_param"] - 2 == 12
-    # weights and gradients, then one byte and a half, and a bf16 scale per 64 elements of each state
-    # (the last block of a tensor is padded)
+    # weights and gradients, then per parameter of 4096 elements or more (coded_min_numel) one byte and
+    # a half, and a bf16 scale per 64 elements of each state (the last block of a tensor padded); two
+    # bf16 states for the smaller ones
+    sizes = [p.numel() for p in CharLM().parameters()]
+    states = sum(n + -(-n // 2) + 2 * 2 * -(-n // 64) if n >= 4096 else 2 * 2 * n for n in sizes)
     assert math.isclose(by_name["lowp AdamW bf16 stochastic, int8/uint4 states"]["bytes_per_param"] - 4,
-                        1 + 0.5 + 2 * 2 / 64, rel_tol=1e-3)
+                        states / sum(sizes), rel_tol=1e-12)
     assert by_name["lowp AdamW bf16 exact8, fp32 states"]["bytes_per_param"] - 2 == 11
     assert by_name["lowp AdamW bf16 exact8, bf16 states"]["bytes_per_param"] - 2 == 7
     assert by_name["lowp AdamW bf16 exact8, bf16 states"]["extra"] == 1
@@ -127,6 +134,19 @@ def test_baselines_follow_their_documented_layouts():
         assert r["vs_torch_fp32_adamw"] == (memory + grads) / 16
         assert report["sources"][str(r["source"])]
     assert rows["FlashOptim FlashAdamW bf16"]["bytes_per_param"] - 2 == 5.125   # "about 5.1 bytes per parameter"
+
+
+def test_block_scaled_rows_without_a_model_are_a_large_models_bytes():
+    """Without a model the block-scaled rows count codes for every tensor of the probe (a large
+    model's bytes: its tensors below coded_min_numel are a negligible share) and say so; the demo
+    model's own rows (``demo_report``) keep its small tensors' states in bf16 instead."""
+    report = build_report("adamw", 7 * 10**9)
+    rows = {r["name"]: r for r in report["rows"]}
+    sizes = [p.numel() for p in CharLM().parameters()]
+    codes = sum(2 * n + 2 * 2 * -(-n // 64) for n in sizes) / sum(sizes)   # int8 + uint8, a bf16 scale per 64
+    assert math.isclose(rows["lowp AdamW bf16 exact8, int8/uint8 states"]["bytes_per_param"], 2 + 1 + codes,
+                        rel_tol=1e-12)
+    assert any("codes for every tensor, a large model's bytes" in n for n in report["notes"]), report["notes"]
 
 
 def test_measured_baselines_match_their_libraries(demo_report):

@@ -163,7 +163,7 @@ def _adamw_run(backend: str, steps: int = 3, rounding: str = "stochastic", state
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in shapes]
     state_dtype = state_dtype or {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
-    opt = lo.AdamW(params, lr=1e-2, backend=backend, chunk_size=512, seed=3, state_dtype=state_dtype,
+    opt = lo.AdamW(params, lr=1e-2, backend=backend, chunk_size=512, seed=3, state_dtype=state_dtype, coded_min_numel=0,
                    state_rounding=rounding, mode=mode, **kw)
     for t in range(steps):
         g = torch.Generator().manual_seed(100 + t)
@@ -296,7 +296,7 @@ def test_the_step_kernel_decodes_every_code_byte_as_the_passes_do(monkeypatch, s
     def run():
         gen = torch.Generator().manual_seed(0)
         p = torch.nn.Parameter((torch.randn(1024, generator=gen) * 0.1).bfloat16())
-        opt = lo.AdamW([p], lr=1e-2, backend="native", seed=3, state_dtype={"exp_avg": storage,
+        opt = lo.AdamW([p], lr=1e-2, backend="native", seed=3, coded_min_numel=0, state_dtype={"exp_avg": storage,
                                                                           "exp_avg_sq": torch.uint8})
         for step in range(2):
             p.grad = torch.randn(1024, generator=gen).bfloat16()
@@ -324,7 +324,7 @@ def _coded_run_at_index(backend: str, index: ElementIndex, n: int = 600) -> list
     gen = torch.Generator().manual_seed(7)
     p = (torch.randn(n, generator=gen) * 0.1).bfloat16()
     opt = lo.AdamW([p], lr=1e-2, weight_decay=0.1, backend=backend, seed=3,
-                   state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+                   state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}, coded_min_numel=0)
     group, mode = opt.param_groups[0], MODES["kahan"]
     state = opt.init_state(group, p, mode)
     states = opt.coded_states(group, p)
@@ -360,7 +360,7 @@ def test_the_kernels_last_check_refuses_codes_and_scales_that_do_not_fit():
     does not address raise, and a direct native launch with them changes nothing."""
     gen = torch.Generator().manual_seed(7)
     p = (torch.randn(640, generator=gen) * 0.1).bfloat16()
-    opt = lo.AdamW([p], lr=1e-2, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    opt = lo.AdamW([p], lr=1e-2, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}, coded_min_numel=0)
     group, mode = opt.param_groups[0], MODES["kahan"]
     state = opt.init_state(group, p, mode)
     states = opt.coded_states(group, p)
@@ -397,7 +397,7 @@ def test_slices_the_kernel_cannot_take_go_through_the_passes_in_the_same_step():
         gen = torch.Generator().manual_seed(4)
         params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in [(40, 30), (5000,)]]
         params[0] = torch.nn.Parameter(params[0].detach().t())
-        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=3, state_dtype={"exp_avg": torch.int8,
+        opt = lo.AdamW(params, lr=1e-2, backend=backend, seed=3, coded_min_numel=0, state_dtype={"exp_avg": torch.int8,
                                                                               "exp_avg_sq": torch.uint8})
         for _ in range(2):
             for p in params:

@@ -25,7 +25,7 @@ def _train(rank: int, seed: int | None, backend: str = "foreach", state_dtype: d
     torch.manual_seed(100 + rank)
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view,
                                                     bucket_cap_mb=0.002 if bucket_view else 25)
-    opt = lo.AdamW(ddp.parameters(), lr=1e-3, mode="kahan", backend=backend, state_dtype=state_dtype,
+    opt = lo.AdamW(ddp.parameters(), lr=1e-3, mode="kahan", backend=backend, state_dtype=state_dtype, coded_min_numel=0,
                    **({} if seed is None else {"seed": seed}))
     gen = torch.Generator().manual_seed(rank)
     for _ in range(5):

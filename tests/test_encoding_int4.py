@@ -58,7 +58,7 @@ def _run(backend: str, steps: int = 4, **kw):
     gen = torch.Generator().manual_seed(0)
     params = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in SHAPES]
     opt = lo.AdamW(params, lr=1e-2, backend=backend, chunk_size=300, mode="stochastic", seed=7,
-                   state_dtype=FOUR_BIT, **kw)
+                   state_dtype=FOUR_BIT, coded_min_numel=0, **kw)
     steps_between(params, opt, 0, steps)
     return params, opt
 
@@ -97,7 +97,7 @@ def test_a_checkpoint_with_int4_moments_resumes_bit_for_bit():
     saved = copy.deepcopy(opt.state_dict())
     fresh_params = [p.detach().clone() for p in params]
     fresh = lo.AdamW(fresh_params, lr=1e-2, backend="foreach", chunk_size=300, mode="stochastic", seed=99,
-                     state_dtype=FOUR_BIT)
+                     state_dtype=FOUR_BIT, coded_min_numel=0)
     fresh.load_state_dict(saved)
     steps_between(fresh_params, fresh, 2, 4)
     _same(whole, (fresh_params, fresh))

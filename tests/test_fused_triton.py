@@ -135,7 +135,7 @@ def _coded(rounding: str) -> None:
         times 2**16 it is not) and NaN, and a NaN gradient in the second step."""
         params = [p.clone() for p in start]
         opt = lo.AdamW(params, lr=1e-2, weight_decay=0.1, backend=backend, seed=1, state_dtype=states,
-                       state_rounding=rounding, **extra)
+                       coded_min_numel=0, state_rounding=rounding, **extra)
         for step, step_grads in enumerate(grads):
             for p, g in zip(params, step_grads):
                 p.grad = g.clone()

@@ -37,7 +37,9 @@ CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 def _options(mode: str) -> dict:
     """The optimizer's keyword arguments of a ``MODES`` entry (one seed for all: the runs are
     compared bit for bit while alive together, when seedless optimizers would draw distinct seeds)."""
-    return {"mode": "exact8", "state_dtype": CODED, "seed": 0} if mode == "exact8-codes" else {"mode": mode, "seed": 0}
+    if mode == "exact8-codes":
+        return {"mode": "exact8", "state_dtype": CODED, "coded_min_numel": 0, "seed": 0}
+    return {"mode": mode, "seed": 0}
 
 
 class Sequences(Dataset):

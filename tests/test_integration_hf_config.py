@@ -24,7 +24,7 @@ from test_integration_hf import BATCH, Sequences, _llama
 
 STEPS, SAVE_AT = 8, 4
 #: optim_args per configuration (the seed is appended per run)
-CONFIGS = {"default": "", "exact8": "mode=exact8,state_dtype=int8/uint8"}
+CONFIGS = {"default": "", "exact8": "mode=exact8,state_dtype=int8/uint8,coded_min_numel=0"}
 
 
 def _arguments(out, config: str, seed: int) -> LowpTrainingArguments:

@@ -34,7 +34,7 @@ CODED = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 
 def _options(mode: str) -> dict:
     """The optimizer's keyword arguments of a ``MODES`` entry."""
-    return {"mode": "exact8", "state_dtype": CODED} if mode == "exact8-codes" else {"mode": mode}
+    return {"mode": "exact8", "state_dtype": CODED, "coded_min_numel": 0} if mode == "exact8-codes" else {"mode": mode}
 
 
 def _data() -> DataLoader:

@@ -50,7 +50,7 @@ def test_lowp_adamw_builds_the_container_from_config():
     given as names (a config file's spelling) become dtypes; torchtitan's defaults
     (``implementation="fused"``) leave lowp's automatic backend choice."""
     model = _model()
-    config = lowp_adamw(lr=1e-3, mode="exact8", state_dtype="int8/uint8", factory_kwargs={"seed": 5})
+    config = lowp_adamw(lr=1e-3, mode="exact8", state_dtype="int8/uint8", coded_min_numel=0, factory_kwargs={"seed": 5})
     optimizers = config.build(model_parts=[model])
     assert type(optimizers) is LowpOptimizersContainer
     (opt,) = optimizers.optimizers

@@ -101,7 +101,7 @@ def test_an_entry_no_step_reads_is_refused():
     _refused(opt, params, sd, ValueError, r"\['stat_avg'\]")
 
 
-CODED = {"state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}}
+CODED = {"state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}, "coded_min_numel": 0}
 
 
 @pytest.mark.parametrize("options, key, value, match", [

@@ -110,9 +110,9 @@ def test_a_coded_stand_in_subclass_is_decoded_on_load(state_dtype):
     sd["state"][0]["exp_avg"] = CodedStandIn.encode(sd["state"][0]["exp_avg"])
     sd["state"][0]["exp_avg_sq"] = CodedStandIn.encode(sd["state"][0]["exp_avg_sq"])
     plain = _plain_copy(sd)
-    ours = lo.AdamW(model.parameters(), state_dtype=state_dtype)
+    ours = lo.AdamW(model.parameters(), state_dtype=state_dtype, coded_min_numel=0)
     ours.load_state_dict(sd)
-    reference = lo.AdamW(model.parameters(), state_dtype=state_dtype)
+    reference = lo.AdamW(model.parameters(), state_dtype=state_dtype, coded_min_numel=0)
     reference.load_state_dict(plain)
     p0 = next(model.parameters())
     for name in ("exp_avg", "exp_avg_sq"):
@@ -210,9 +210,9 @@ def test_a_torchao_low_bit_checkpoint_converts(monkeypatch, name, state_dtype):
     subclass = {"AdamW8bit": OptimState8bit, "AdamW4bit": OptimState4bit, "AdamWFp8": OptimStateFp8}[name]
     assert type(sd["state"][0]["exp_avg"]) is subclass and type(sd["state"][1]["exp_avg"]) is torch.Tensor
     plain = _plain_copy(sd)
-    ours = lo.AdamW(model.parameters(), state_dtype=state_dtype)
+    ours = lo.AdamW(model.parameters(), state_dtype=state_dtype, coded_min_numel=0)
     ours.load_state_dict(sd)
-    reference = lo.AdamW(model.parameters(), state_dtype=state_dtype)
+    reference = lo.AdamW(model.parameters(), state_dtype=state_dtype, coded_min_numel=0)
     reference.load_state_dict(plain)
     for i, p in enumerate(model.parameters()):
         assert ours.state[p]["step"] == 3

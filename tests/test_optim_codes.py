@@ -165,7 +165,7 @@ def _run(cls, backend: str, steps: int = 4, chunk_size: int = 1 << 17, mode: str
     gen = torch.Generator().manual_seed(0)
     params = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in shapes]
     opt = cls(params, lr=1e-2, backend=backend, chunk_size=chunk_size, mode=mode, seed=7,
-              state_dtype=_state_dtype(cls, wide), **kw)
+              state_dtype=_state_dtype(cls, wide), **{"coded_min_numel": 0, **kw})
     _steps(params, opt, 0, steps)
     return params, opt
 
@@ -248,14 +248,16 @@ def test_coded_min_numel_keeps_small_parameters_states_in_16_bits(backend):
     gen = torch.Generator().manual_seed(0)
     by_hand = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in shapes]
     groups = lo.AdamW([{"params": by_hand[:3]}, {"params": by_hand[3:], "state_dtype": None}], lr=1e-2,
-                      backend=backend, mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW))
+                      backend=backend, mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW),
+                      coded_min_numel=0)
     _steps(by_hand, groups, 0, 4)
     _same(threshold, (by_hand, groups))
     if backend == "native":
         assert_fused(opt, 4 * sum(math.prod(s) for s in shapes))
     full = _run(lo.AdamW, backend, steps=6, shapes=shapes, coded_min_numel=64)
     copies = [p.detach().clone() for p in params]
-    again = lo.AdamW(copies, lr=1e-2, backend=backend, mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW))
+    again = lo.AdamW(copies, lr=1e-2, backend=backend, mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW),
+                      coded_min_numel=0)
     again.load_state_dict(copy.deepcopy(opt.state_dict()))   # the saved group brings coded_min_numel back
     assert again.param_groups[0]["coded_min_numel"] == 64
     _steps(copies, again, 4, 6)
@@ -278,7 +280,7 @@ def test_a_changed_coded_min_numel_is_named_before_anything_changes():
     threshold (here one saved before the option existed)."""
     p = torch.nn.Parameter(torch.randn(100).bfloat16())
     eight = _state_dtype(lo.AdamW)
-    coded = lo.AdamW([p], state_dtype=eight, seed=1)
+    coded = lo.AdamW([p], state_dtype=eight, coded_min_numel=0, seed=1)
     p.grad = torch.randn(100).bfloat16()
     coded.step()
     want = {n: _decoded(coded.state[p], n, eight[n], 64, 100, torch.bfloat16) for n in eight}
@@ -320,7 +322,7 @@ def test_codes_decode_when_state_dtype_no_longer_names_them(codes, decodes):
     (two 4-bit codes per byte: int4 or uint4)."""
     p = torch.nn.Parameter(torch.randn(100).bfloat16())
     asked = _state_dtype(lo.AdamW) if codes == "8-bit" else {"exp_avg": torch.int4, "exp_avg_sq": torch.uint4}
-    opt = lo.AdamW([p], state_dtype=asked, seed=1)
+    opt = lo.AdamW([p], state_dtype=asked, coded_min_numel=0, seed=1)
     p.grad = torch.randn(100).bfloat16()
     opt.step()
     saved = copy.deepcopy(opt.state[p])
@@ -353,7 +355,7 @@ def test_codes_keep_the_rows_of_a_parameter_whose_rows_hold_whole_blocks():
         sd["state"][1][name] = sd["state"][1][name].reshape(-1)
     copies = [p.detach().clone() for p in params]
     again = lo.AdamW(copies, lr=1e-2, backend="foreach", mode="kahan", seed=7,
-                     state_dtype=_state_dtype(lo.AdamW, wide=True))
+                     state_dtype=_state_dtype(lo.AdamW, wide=True), coded_min_numel=0)
     again.load_state_dict(sd)
     assert again.state[copies[1]]["exp_avg_scale"].shape == (3, 2)
     _steps(copies, again, 2, 4)
@@ -370,7 +372,8 @@ def test_resume_from_a_checkpoint_is_bit_identical():
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
     copies = [p.detach().clone() for p in params]
-    again = lo.AdamW(copies, lr=1e-2, backend="foreach", mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW))
+    again = lo.AdamW(copies, lr=1e-2, backend="foreach", mode="kahan", seed=7, state_dtype=_state_dtype(lo.AdamW),
+                     coded_min_numel=0)
     again.load_state_dict(torch.load(buf))
     _steps(copies, again, 3, 6)
     _same(full, (copies, again))
@@ -382,9 +385,10 @@ def test_float_states_of_a_checkpoint_are_encoded_on_load():
     plain = lo.AdamW([p], lr=1e-2, seed=7)
     p.grad = torch.randn(500, generator=gen).bfloat16()
     plain.step()
-    coded = lo.AdamW([p], lr=1e-2, seed=7, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    coded = lo.AdamW([p], lr=1e-2, seed=7, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                     coded_min_numel=0)
     sd = plain.state_dict()
-    sd["param_groups"][0]["state_dtype"] = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+    sd["param_groups"][0].update(state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}, coded_min_numel=0)
     coded.load_state_dict(sd)
     state = coded.state[p]
     assert state["exp_avg"].dtype == torch.int8 and "exp_avg_scale" in state
@@ -400,7 +404,7 @@ def test_second_moment_keeps_decaying_only_with_stochastic_rounding():
     for rounding in ("stochastic", "nearest"):
         gen = torch.Generator().manual_seed(2)
         p = torch.nn.Parameter(torch.zeros(4096))
-        opt = lo.AdamW([p], lr=0.0, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+        opt = lo.AdamW([p], lr=0.0, coded_min_numel=0, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
                        state_rounding=rounding, backend="native" if NATIVE else "foreach", seed=1)
         p.grad = torch.randn(4096, generator=gen)
         opt.step()
@@ -422,7 +426,7 @@ def test_gradient_release_with_coded_states_equals_the_step():
         gen = torch.Generator().manual_seed(3)
         torch.manual_seed(3)
         net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).bfloat16()
-        opt = lo.AdamW(net.parameters(), lr=1e-2, seed=2, state_dtype={"exp_avg": torch.int8,
+        opt = lo.AdamW(net.parameters(), lr=1e-2, seed=2, coded_min_numel=0, state_dtype={"exp_avg": torch.int8,
                                                                       "exp_avg_sq": torch.uint4})
         handle = release_gradients(opt) if release else None
         for _ in range(3):
@@ -444,7 +448,7 @@ def test_a_tiny_second_moment_never_decodes_to_zero(second):
     p.grad = torch.full((64,), 1e-4)
     p.grad[0] = 1.0
     opt = lo.AdamW([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, backend="foreach",   # fp8 m: 1e-5 stays nonzero
-                   state_dtype={"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": second})
+                   state_dtype={"exp_avg": torch.float8_e4m3fn, "exp_avg_sq": second}, coded_min_numel=0)
     for _ in range(3):
         opt.step()
     assert p.abs().max() <= 2 * 3 * 1e-3   # three Adam steps of about lr each (without the fix: 1e-3 / eps)
@@ -501,7 +505,7 @@ def test_coded_states_on_gpu_match_the_cpu_definition(states):
 
     def run(device):
         params = [p.to(device) for p in start]
-        opt = lo.AdamW(params, lr=1e-2, weight_decay=0.1, seed=1, state_dtype=states)
+        opt = lo.AdamW(params, lr=1e-2, weight_decay=0.1, seed=1, state_dtype=states, coded_min_numel=0)
         for step_grads in grads:
             for p, g in zip(params, step_grads):
                 p.grad = g.to(device)

@@ -67,7 +67,7 @@ def test_compiled_step_is_bit_identical_to_eager_for_every_optimizer(cls, kw, ba
                          ids=["int8-uint8", "e4m3-uint4"])
 def test_compiled_step_is_bit_identical_to_eager_with_block_scaled_states(backend, states):
     """Codes and their block scales too (every mode, the one-byte remainder of exact8 included)."""
-    kw = dict(lr=1e-4, weight_decay=0.1, state_dtype=states)
+    kw = dict(lr=1e-4, weight_decay=0.1, state_dtype=states, coded_min_numel=0)
     _check(lo.AdamW, kw, backend, steps=20)
     p, opt = _run(lo.AdamW, kw, "exact8", backend, True, steps=2)
     for name, dtype in states.items():   # held as codes (4-bit ones two to a byte) with their scales

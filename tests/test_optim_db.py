@@ -159,7 +159,7 @@ def test_examples_resume_and_copy_bit_for_bit(e, example, mode):
 def test_examples_with_block_scaled_codes(e, example, mode):
     """The states held as 8-bit codes with their block scales (32 elements a block)."""
     states = codes(e, example)
-    params, opt = _resume_and_copy(e.cls, dict(example, state_dtype=states, state_block=32), mode)
+    params, opt = _resume_and_copy(e.cls, dict(example, state_dtype=states, state_block=32, coded_min_numel=0), mode)
     for name, dtype in states.items():
         code = code_for(dtype)
         assert code is not None

@@ -34,7 +34,7 @@ def _setup(mode, seed, state_dtype=None, cls=lo.AdamW, kw=None):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).bfloat16()
     kw = dict(lr=1e-3) if kw is None else kw
-    return model, cls(model.parameters(), mode=mode, seed=seed, state_dtype=state_dtype, **kw)
+    return model, cls(model.parameters(), mode=mode, seed=seed, state_dtype=state_dtype, coded_min_numel=0, **kw)
 
 
 def _train(model, opt, steps, start):

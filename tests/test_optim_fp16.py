@@ -94,7 +94,7 @@ def test_fp16_mlp_with_8bit_states_and_a_gradscaler_ends_within_half_a_percent_o
 
 def test_an_overflowed_step_leaves_codes_scales_and_weights_as_they_were():
     p = torch.nn.Parameter(torch.linspace(-1, 1, 300, dtype=torch.float16))
-    opt = AdamW([p], lr=1e-2, state_dtype=CODED)
+    opt = AdamW([p], lr=1e-2, state_dtype=CODED, coded_min_numel=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     for inf in (False, True):
         before = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}

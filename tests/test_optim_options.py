@@ -94,7 +94,8 @@ def test_torch_state_dict_helpers_resume_bit_for_bit(options, config):
     Full and flattened together fail inside torch 2.13 for torch.optim.AdamW too, on a module
     that is not sharded (``KeyError: 'param_groups.0.params.0'`` in ``_unflatten_state_dict``).
     """
-    kw = dict(lr=1e-2, seed=1) if config == "default" else dict(lr=1e-2, seed=1, mode="exact8", state_dtype=CODED)
+    kw = dict(lr=1e-2, seed=1) if config == "default" else \
+        dict(lr=1e-2, seed=1, mode="exact8", state_dtype=CODED, coded_min_numel=0)
     model = _model()
     opt = lo.AdamW(model.parameters(), **kw)
     _train(model, opt, 3)
@@ -188,7 +189,7 @@ def test_tensor_betas_and_decoupled_adam_follow_torch():
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_step_like_the_original(how):
     model = _model()
-    opt = lo.AdamW(model.parameters(), lr=1e-2, seed=4, nonfinite="skip_step", state_dtype=CODED)
+    opt = lo.AdamW(model.parameters(), lr=1e-2, seed=4, nonfinite="skip_step", state_dtype=CODED, coded_min_numel=0)
     _train(model, opt, 2)
     pair = copy.deepcopy((model, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((model, opt)))
     twin, twin_opt = pair

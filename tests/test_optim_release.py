@@ -131,9 +131,9 @@ def test_accumulation_equals_micro_batches_and_one_step(mode):
 def test_release_with_block_scaled_states_and_one_byte_remainders(backend, states):
     """The memory configurations: each parameter's codes, scales and one-byte remainder are
     stepped in its hook, over 2 micro-batches, as one step would."""
-    plain = make(backend, "exact8", state_dtype=states)
+    plain = make(backend, "exact8", state_dtype=states, coded_min_numel=0)
     train(*plain, steps=3, k=2)
-    released = make(backend, "exact8", state_dtype=states)
+    released = make(backend, "exact8", state_dtype=states, coded_min_numel=0)
     with lo.release_gradients(released[1], accumulation_steps=2):
         train(*released, steps=3, k=2)
     assert_same(plain, released)

@@ -112,7 +112,7 @@ def _run(backend: str, dtype: torch.dtype, mode: str | None, sizes=SIZES, scales
     return params, opt
 
 
-CODED = dict(state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+CODED = dict(state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}, coded_min_numel=0)
 # (every write-back mode x StableAdamW on the native kernel: tests/test_registry.py)
 CASES = {"bf16": (torch.bfloat16, "kahan", {}), "fp32": (torch.float32, None, dict(state_dtype=torch.float32)),
          "bf16-coded": (torch.bfloat16, "stochastic", CODED)}

@@ -28,7 +28,8 @@ from optim_helpers import same_snapshot, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ["eager", "foreach"] + (["native"] if native_available() else [])
-STATES = {"bf16": {}, "int8": {"state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}}}
+STATES = {"bf16": {}, "int8": {"state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+                                    "coded_min_numel": 0}}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -164,10 +164,14 @@ class LowpFootprint:
         state_dtype: the dtype the optimizer's states were created in, or the name of a
             block-scaled layout (:data:`CODED_LAYOUTS`).
         footprint: the bytes per parameter measured after one step.
-        per_element: every state tensor has as many elements as its parameter, so the bytes per
-            parameter hold for any model (``False`` for Adafactor's factored second moments, whose
-            size depends on the matrices' shapes: ``footprint`` is then that of the target model's
-            shapes when one was given, else the probe's).
+        per_element: every state tensor has as many elements (or codes) as its parameter, so the
+            bytes per parameter hold for any model (``False`` for Adafactor's factored second
+            moments, whose size depends on the matrices' shapes: ``footprint`` is then that of the
+            target model's shapes when one was given, else the probe's). A block-scaled layout is
+            measured on the probe with codes for every tensor (``coded_min_numel=0``): the bytes
+            per parameter of a large model, whose tensors below the default threshold (4096
+            elements, kept in 16 bits) hold about 0.1% of its parameters; with a target model it
+            is that model's own shapes under the default threshold.
     """
 
     weight_dtype: torch.dtype
@@ -206,9 +210,9 @@ def lowp_footprints(optimizer: str, target: torch.nn.Module | None = None,
                     progress: Callable[[int, int, str], None] | None = None) -> list[LowpFootprint]:
     """Build lowp's ``optimizer`` on the probe model in every configuration of
     :func:`lowp_configurations`, take one step and :func:`measure` it. When its states are not
-    shaped like the weights (``per_element`` false) and a ``target`` model is given (on any
-    device, the meta device included), the footprint is that of the target's own shapes
-    (:func:`layout_on`), since bytes per parameter then depend on the shapes. ``progress``, when
+    shaped like the weights (``per_element`` false) or are block-scaled, and a ``target`` model is
+    given (on any device, the meta device included), the footprint is that of the target's own
+    shapes (:func:`layout_on`), since bytes per parameter then depend on the shapes. ``progress``, when
     given, is called before each configuration with (its number from 1, the number of
     configurations, its :func:`configuration_name`)."""
     from lowp.optim.base import default_state_dtype
@@ -219,14 +223,16 @@ def lowp_footprints(optimizer: str, target: torch.nn.Module | None = None,
     for i, (dtype, mode, layout) in enumerate(configurations, start=1):
         if progress is not None:
             progress(i, len(configurations), configuration_name(cls, dtype, mode, layout or default_state_dtype(dtype)))
+        coded = isinstance(layout, str)
         state_dtype = coded_state_dtype(cls, layout) if isinstance(layout, str) else layout
         model = probe_model(dtype)
-        opt = cls(model.parameters(), mode=mode, state_dtype=state_dtype)
+        # the probe's small tensors would keep 16-bit states: codes for all give a large model's bytes
+        opt = cls(model.parameters(), mode=mode, state_dtype=state_dtype, **({"coded_min_numel": 0} if coded else {}))
         opt.step()
-        per_element = isinstance(layout, str) or all(v.numel() == p.numel() for p, s in opt.state.items()
-                                                     for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        per_element = coded or all(v.numel() == p.numel() for p, s in opt.state.items()
+                                   for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         footprint = measure(model.parameters(), opt)
-        if target is not None and not per_element:
+        if target is not None and (coded or not per_element):
             footprint = layout_on(cls, list(target.parameters()), dtype, mode, state_dtype)
         out.append(LowpFootprint(dtype, mode, layout or default_state_dtype(dtype), footprint, per_element))
     return out

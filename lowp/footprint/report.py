@@ -64,13 +64,21 @@ def build_report(optimizer: str, count: int | None = None, with_grads: bool = Fa
         name = configuration_name(cls, m.weight_dtype, m.mode, m.state_dtype)
         rows.append(_row(name, "lowp", m.footprint, count, with_grads, reference, 1, m.footprint,
                          {"weight_dtype": weight, "mode": m.mode, "state_dtype": states}))
-        if not m.per_element and not notes:
-            shapes = "measured on the demo model's shapes; give --model for another's"
-            if target is not None:
-                shapes = (f"computed for {model or 'the model'}'s own shapes by the optimizer's init_state on the "
-                          f"meta device")
-            notes.append(f"{cls.__name__}'s states are not shaped like its weights (factored), so its bytes per "
-                         f"parameter depend on the matrices' shapes: the lowp rows are {shapes}")
+        shapes = "measured on the demo model's shapes; give --model for another's"
+        if target is not None:
+            shapes = (f"computed for {model or 'the model'}'s own shapes by the optimizer's init_state on the "
+                      f"meta device")
+        note = None
+        if isinstance(m.state_dtype, str):
+            note = ("parameters below coded_min_numel (4096 elements by default) keep 16-bit states, so the block-"
+                    "scaled rows depend on the model's shapes: they are " +
+                    (shapes if target is not None else "codes for every tensor, a large model's bytes (its tensors "
+                     "below 4096 elements hold about 0.1% of its parameters); give --model for a model's own"))
+        elif not m.per_element:
+            note = (f"{cls.__name__}'s states are not shaped like its weights (factored), so its bytes per "
+                    f"parameter depend on the matrices' shapes: the lowp rows are {shapes}")
+        if note is not None and note not in notes:
+            notes.append(note)
     for i, baseline in enumerate(BASELINES, start=2):
         if progress is not None:
             progress(len(measured) + i - 1, len(measured) + len(BASELINES), f"measuring {baseline.name}")

@@ -104,7 +104,7 @@ class LowpOptimizer(torch.optim.Optimizer):
             are sharded) keep the states ``state_dtype`` asks codes for in 16 bits
             (:func:`~lowp.optim.state_layout.default_state_dtype` of the weight), as
             bitsandbytes' ``min_8bit_size`` (4096) and torchao's low-bit optimizers (4096
-            elements) keep small tensors' states whole; default 0 (codes for every size).
+            elements) keep small tensors' states whole; default 4096 (0: codes for every size).
             Biases and norm weights are a negligible share of the bytes, and a vector's shards
             are the ones that split blocks under FSDP2 (``docs/distributed.md``).
         state_rounding (group): ``"stochastic"`` (default) or ``"nearest"``, how states stored in
@@ -174,7 +174,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, mode: str = "auto",
                  state_dtype: "torch.dtype | Mapping[str, torch.dtype] | None" = None,
                  state_block: int = 64, state_scale_dtype: torch.dtype = torch.bfloat16,
-                 state_rounding: str = "stochastic", coded_min_numel: int = 0, maximize: bool = False,
+                 state_rounding: str = "stochastic", coded_min_numel: int = 4096, maximize: bool = False,
                  nonfinite: str = "skip_param",
                  foreach: bool | None = None, backend: str | None = None, chunk_size: int | None = None,
                  seed: int | None = None, diagnostics: bool = True, fused: bool | None = None,
@@ -416,7 +416,7 @@ class TwoMomentOptimizer(LowpOptimizer):
         state_block (group): elements per scale of block-scaled states (default 64).
         state_scale_dtype (group): the dtype of the block scales (default ``torch.bfloat16``).
         state_rounding (group): ``"stochastic"`` (default) or ``"nearest"`` for 16-bit states.
-        coded_min_numel (group): smaller parameters keep 16-bit states instead of codes (default 0).
+        coded_min_numel (group): smaller parameters keep 16-bit states instead of codes (default 4096).
         maximize (group): ascend instead of descend (default ``False``).
         nonfinite: ``"skip_param"`` (default), ``"skip_step"`` or ``"off"``.
         foreach: ``False`` runs unfused steps with the eager backend (default ``None``: foreach).
