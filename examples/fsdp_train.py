@@ -23,8 +23,9 @@ interpreter (they could abort the process at exit).
 
 ``--states 8bit`` / ``4bit`` keep the moments as block-scaled codes (int8 first moment, uint8 or
 uint4 second moment, one bf16 scale per 64 elements): the codes of the weight matrices are sharded
-with them (their rows hold whole blocks), those of the 64-element vectors, whose 32-element
-shards split a block, are replicated (see docs/distributed.md).
+with them (their rows hold whole blocks); the 64-element vectors keep bf16 states (the default
+``coded_min_numel=4096``; with ``coded_min_numel=0`` their codes, whose 32-element shards would
+split a block, are replicated: see docs/distributed.md).
 
 The gradients of bf16 parameters are reduce-scattered in bf16 by FSDP2 (``reduce_dtype=None``
 falls back to their dtype), rounded at every hop. By default the example installs lowp's

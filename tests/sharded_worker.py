@@ -450,11 +450,26 @@ def decode_case(world_size: int) -> dict[str, torch.Tensor]:
     return decode_run(coded_optimizer(params, "int8-uint4"), params, set_dtensor_grad)
 
 
-def remainder_failure_case(world_size: int) -> dict[str, Any]:
+def per_tensor_coded_run(params: list[torch.Tensor], set_grad) -> dict[str, torch.Tensor]:
+    """StableAdamW (a per-tensor RMS: every DTensor parameter stepped on gathered copies) with
+    int8 / uint8 states for every size, :data:`STEPS` steps: its snapshot."""
+    opt = lo.StableAdamW(params, lr=1e-2, weight_decay=0.1, seed=7, coded_min_numel=0, **BACKENDS["fused"],
+                         state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    coded_steps(opt, params, set_grad, range(STEPS))
+    return snapshot(opt, params)
+
+
+#: where :func:`remainder_failure_case` makes the step from the plan fail: in the remainder's full
+#: step before it writes anything (its backend), or in the plan's own first launch, after the
+#: remainder's step has encoded its gathered copies
+FAILURES = ("remainder", "launch")
+
+
+def remainder_failure_case(world_size: int, where: str) -> dict[str, Any]:
     """The finite, ``"skip_param"`` :data:`CODED_PLAN_CASES` run whose last step, taken from the
-    plan, fails in its remainder's full step (the backend raises, as running out of memory on the
-    gathered copies would): the error, whether every weight, state and counter is as before that
-    step, then the step taken again without the failure (its snapshot)."""
+    plan, fails (``where``: :data:`FAILURES`; as running out of memory would): the error, whether
+    every weight, state (codes and block scales included) and counter is as before that step, then
+    the step taken again without the failure (its snapshot)."""
     params = fsdp_params(world_size, coded_full(0))
     opt = coded_optimizer(params, "int8-uint4", nonfinite="skip_param")
 
@@ -468,18 +483,19 @@ def remainder_failure_case(world_size: int) -> dict[str, Any]:
     before = snapshot(opt, params)
     counters = [opt.state[p]["step"] for p in params]
     cached = opt._plans.cached_steps
-    step = opt.backend.step
+    # the remainder's full step goes through the backend; the plan's first launch is an object of its own
+    owner, name = (opt.backend, "step") if where == "remainder" else (opt._plans.current.jobs[0].launches[0][0], "call")
 
     def failing(*args, **kwargs):
-        raise MemoryError("injected: no memory for the gathered copies' step")
-    opt.backend.step = failing
+        raise MemoryError(f"injected into the {where}")
+    setattr(owner, name, failing)   # an instance attribute over the class's method
     try:
         opt.step()
         error = ""
     except MemoryError as e:
         error = str(e)
     finally:
-        opt.backend.step = step
+        delattr(owner, name)
     after = snapshot(opt, params)
     out: dict[str, Any] = {
         "error": error, "from_plan": opt._plans.cached_steps == cached + 1,
@@ -604,6 +620,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``coded_plans``: cases of :func:`coded_plan_case`;
     - ``remainder_failure``: :func:`remainder_failure_case`;
     - ``decode``: :func:`decode_case`;
+    - ``per_tensor_coded``: :func:`per_tensor_coded_run` on FSDP2 parameters;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
     - ``errors``: :func:`placement_errors`;
     - ``gather``: :func:`gather_checks`;
@@ -629,8 +646,10 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     out["coded_plans"] = [coded_plan_case(world_size, *c) for c in spec.get("coded_plans", [])]
     if spec.get("decode"):
         out["decode"] = decode_case(world_size)
+    if spec.get("per_tensor_coded"):
+        out["per_tensor_coded"] = per_tensor_coded_run(fsdp_params(world_size, coded_full(0)), set_dtensor_grad)
     if spec.get("remainder_failure"):
-        out["remainder_failure"] = remainder_failure_case(world_size)
+        out["remainder_failure"] = {where: remainder_failure_case(world_size, where) for where in FAILURES}
     if spec.get("reduce_scatter"):
         out["reduce_scatter"] = reduce_scatter_checks(rank, world_size)
     if spec.get("errors"):

@@ -58,6 +58,37 @@ def test_round_trip_and_marker(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+def test_codes_are_never_cast_into_values(tmp_path):
+    """A checkpoint whose small parameter's states are int8/uint8 codes (``coded_min_numel=0``)
+    loaded into the default layout (16-bit states under 4096 elements) would be cast by
+    ``dcp.load``: refused by name before anything is loaded; with the options it was saved with it
+    loads and resumes bit for bit."""
+    import torch
+
+    import lowp.optim as lo
+
+    def trained(**kw):
+        p = torch.nn.Parameter(torch.arange(100.0).bfloat16() / 7)
+        opt = lo.AdamW([p], seed=2, state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}, **kw)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        return p, opt
+    p, opt = trained(coded_min_numel=0)
+    ck.save({"optim": opt.state_dict()}, tmp_path, 1)
+    q, default = trained()
+    template = {"optim": default.state_dict()}
+    before = {k: v.clone() for k, v in default.state[q].items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"state\['optim\.state\.0\.exp_avg'\]: the checkpoint holds torch\.int8 "
+                                         r"there and this run torch\.bfloat16.*coded_min_numel=0"):
+        ck.load(template, tmp_path)
+    assert all(torch.equal(default.state[q][k], v) for k, v in before.items())
+    q, same = trained(coded_min_numel=0)
+    template = {"optim": same.state_dict()}
+    ck.load(template, tmp_path)
+    same.load_state_dict(template["optim"])
+    assert all(torch.equal(same.state[q][k], v) for k, v in opt.state[p].items() if isinstance(v, torch.Tensor))
+
+
 def test_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="step: expected a non-negative int"):
         ck.save(w.state_of(1), tmp_path, -1)

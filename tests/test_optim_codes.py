@@ -277,7 +277,8 @@ def test_a_changed_coded_min_numel_is_named_before_anything_changes():
     step with the reason, changing nothing; a state_dict round trip brings them to the group's
     storage both ways: 16-bit states encoded into codes, codes decoded into bf16 states (the
     reference decode rounded to nearest), as does loading a checkpoint saved with the other
-    threshold (here one saved before the option existed)."""
+    threshold. A lowp checkpoint saved before the option existed keeps its codes: it was made
+    with codes at every size, which its group then gets (coded_min_numel=0)."""
     p = torch.nn.Parameter(torch.randn(100).bfloat16())
     eight = _state_dtype(lo.AdamW)
     coded = lo.AdamW([p], state_dtype=eight, coded_min_numel=0, seed=1)
@@ -285,9 +286,14 @@ def test_a_changed_coded_min_numel_is_named_before_anything_changes():
     coded.step()
     want = {n: _decoded(coded.state[p], n, eight[n], 64, 100, torch.bfloat16) for n in eight}
     sd = copy.deepcopy(coded.state_dict())
-    del sd["param_groups"][0]["coded_min_numel"]   # as saved before the option existed
-    small = lo.AdamW([p], state_dtype=eight, coded_min_numel=4096, seed=1)
+    old = copy.deepcopy(sd)
+    del old["param_groups"][0]["coded_min_numel"]   # as saved before the option existed
+    small = lo.AdamW([p], state_dtype=eight, seed=1)
+    small.load_state_dict(old)
+    assert small.param_groups[0]["coded_min_numel"] == 0 and small.state[p]["exp_avg"].dtype == torch.int8
+    sd["param_groups"][0]["coded_min_numel"] = 4096   # saved with the other threshold
     small.load_state_dict(sd)
+    assert small.param_groups[0]["coded_min_numel"] == 4096
     assert not [k for k in small.state[p] if k.endswith("_scale")]
     for n in eight:
         assert small.state[p][n].dtype == torch.bfloat16 and torch.equal(small.state[p][n], want[n]), n
@@ -312,6 +318,24 @@ def test_a_changed_coded_min_numel_is_named_before_anything_changes():
         assert torch.equal(small.state[p][n], _decoded(codes, n, eight[n], 64, 100, torch.bfloat16)), n
     small.step()
     assert small.state[p]["step"] == 4
+
+
+@pytest.mark.parametrize("scale, why", [(-1.0, "negative"), (float("nan"), "NaN")])
+def test_codes_to_decode_with_bad_scales_are_refused(scale, why):
+    """Codes decoded on load bring their block scales' checks with them: a negative scale (which
+    would flip the sign of decoded moments) or a NaN one is refused by name, nothing loaded."""
+    p = torch.nn.Parameter(torch.randn(100).bfloat16())
+    opt = lo.AdamW([p], state_dtype=_state_dtype(lo.AdamW), coded_min_numel=0, seed=1)
+    p.grad = torch.randn(100).bfloat16()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["coded_min_numel"] = 4096
+    sd["state"][0]["exp_avg_scale"][0] = scale
+    before = copy.deepcopy(opt.state[p])
+    with pytest.raises(ValueError, match=rf"'exp_avg_scale' of the codes to decode: .*{why}"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["coded_min_numel"] == 0
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before.items() if isinstance(v, torch.Tensor))
 
 
 @pytest.mark.parametrize("codes, decodes", [("8-bit", True), ("4-bit", False)])

@@ -106,7 +106,7 @@ def two_ranks(first_rank):
             "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
             "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES,
             "plan_changes": list(w.PLAN_CHANGES), "grad_scaler": GRAD_SCALER_CASES, "coded_plans": w.CODED_PLAN_CASES,
-            "remainder_failure": True, "decode": True, "coded_state_dicts": coded_dicts()}
+            "remainder_failure": True, "decode": True, "per_tensor_coded": True, "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
@@ -394,16 +394,30 @@ def test_codes_of_sharded_parameters_decode_when_coded_min_numel_rises(two_ranks
         assert_same(results["decode"], want, f"rank {rank}")
 
 
-def test_an_error_in_the_remainder_changes_nothing(two_ranks):
-    """A step from a plan runs its remainder's full step on the gathered copies before the
-    plan's own writes: when that step fails (out of memory), no weight, state or counter of
-    either rank has changed, and the step taken again gives the single-process bits."""
+def test_block_scaled_states_of_a_per_tensor_optimizer(two_ranks):
+    """StableAdamW steps each FSDP2 parameter on gathered copies; their block scales are gathered
+    and written back with the codes (sharded ones too: before, the step got the rank's shard of
+    the scales and refused the parameter), giving the single-process bits."""
+    _, ranks = two_ranks
+    params = [p.clone().requires_grad_() for p in w.coded_full(0)]
+    want = w.per_tensor_coded_run(params, w._set_plain_grad)
+    assert "p0.exp_avg_scale" in want
+    for rank, results in enumerate(ranks):
+        assert_same(results["per_tensor_coded"], want, f"rank {rank}")
+
+
+@pytest.mark.parametrize("where", w.FAILURES)
+def test_an_error_in_a_step_with_a_remainder_changes_nothing(two_ranks, where):
+    """A step from a plan runs its remainder's full step on gathered copies (block scales
+    included) before the plan's own writes and writes the copies back last: when the remainder's
+    step fails, or the plan's own launch after it (out of memory), no weight, state, block scale
+    or counter of either rank has changed, and the step taken again gives the single-process bits."""
     _, ranks = two_ranks
     want = w.coded_plan_reference(None, "skip_param", 0)
     want.pop("skipped")
     for rank, results in enumerate(ranks):
-        got = results["remainder_failure"]
-        assert got["error"].startswith("injected"), f"rank {rank}: the remainder's step did not fail"
+        got = results["remainder_failure"][where]
+        assert got["error"] == f"injected into the {where}", f"rank {rank}: the step did not fail there"
         assert got["from_plan"], f"rank {rank}: the failed step was not taken from the plan"
         assert got["unchanged"] and got["counters"], f"rank {rank}: the failed step changed tensors or counters"
         assert_same(got["retried"], want, f"rank {rank}")

@@ -466,8 +466,38 @@ def load(state: dict[str, Any], root: str | os.PathLike, *, step: int | None = N
     if kind != "ok":
         raise _ERRORS.get(kind, RuntimeError)(name if kind in _ERRORS else f"{kind} on rank 0: {name}")
     folder = root if name is None else root / name
+    reader = dcp.FileSystemReader(folder)
+    _check_kinds(state, reader.read_metadata())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), process_group=process_group,
-                 no_dist=not distributed)
+        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=not distributed)
     return int(found)
+
+
+#: dtypes of values (weights, 16/32/64-bit optimizer states); any other tensor dtype holds codes
+_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_kinds(state: dict[str, Any], metadata: Any) -> None:
+    """Refuse a load that would cast block-scaled codes (integer or fp8 bytes) into a value
+    tensor of ``state`` or the reverse: ``dcp.load`` checks sizes only and ``copy_`` casts, so
+    the codes of an 8-bit state (saved with ``coded_min_numel=0``, the default before
+    2026-11-28) would land in a 16-bit state of this run's layout as their integer values, and
+    its block scales would be left behind. The check reads the checkpoint's metadata on every
+    rank (no collective), so all ranks refuse alike, before anything is loaded."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    for key, value in flat.items():
+        entry = saved.get(key)
+        if not isinstance(value, torch.Tensor) or entry is None or not hasattr(entry, "properties"):
+            continue
+        mine, theirs = value.dtype, entry.properties.dtype
+        if (mine in _VALUE_DTYPES) != (theirs in _VALUE_DTYPES):
+            raise ValueError(
+                f"state[{key!r}]: the checkpoint holds {theirs} there and this run {mine}: block-scaled codes "
+                f"on one side and values on the other, which the load would cast; build the optimizer with "
+                f"the options the checkpoint was saved with (a state saved as codes for a tensor of fewer "
+                f"than 4096 elements: coded_min_numel=0, the default before 2026-11-28), load, then change "
+                f"them and convert with opt.load_state_dict(opt.state_dict())")

@@ -48,8 +48,9 @@ def build_report(optimizer: str, count: int | None = None, with_grads: bool = Fa
     probe_count = sum(p.numel() for p in probe_model(torch.float32).parameters())
     reference = next(b for b in BASELINES if b.name == REFERENCE).footprint.total(with_grads)
     sources = {1: f"measured now: lowp.optim.{cls.__name__} with its defaults on the demo model ({probe_count:,} "
-                  f"parameters) in that configuration, one step, nbytes of weights, gradients and every tensor in "
-                  f"optimizer.state, per parameter"}
+                  f"parameters) in that configuration (block-scaled states: codes for every tensor, or with a "
+                  f"model its own shapes laid out on the meta device), one step, nbytes of weights, gradients and "
+                  f"every tensor in optimizer.state, per parameter"}
     rows = []
     notes: list[str] = []
 

@@ -524,7 +524,12 @@ class CachedStep:
         seed = optimizer.seed
         with deferred_interrupts():
             if rest is not None:
-                rest.run_jobs(inv_scale, new_step)
+                before = {k: list(v) for k, v in optimizer._last_stalled.items()}
+                try:
+                    rest.run_jobs(inv_scale, new_step)
+                except BaseException:   # nothing else was written; neither are the diagnostics
+                    optimizer._last_stalled = before
+                    raise
                 new_step = False   # the remainder's stalled counts start the step's
             stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = \
                 {} if new_step else optimizer._last_stalled
@@ -632,20 +637,24 @@ class Plans:
         if plan.remainder and remainder is None:
             self.current = None
             return False, None
-        rest = remainder(plan.remainder) if remainder is not None and plan.remainder else None
-        agreed = plan.agreed_flags(optimizer, grads, checked, rest.grads if rest is not None else ())
-        if agreed is not None:
-            self.agreed_steps += 1
-        if agreed is not None and not all(agreed):
-            if optimizer.nonfinite != "skip_step":
-                return False, agreed
-            self.cached_steps += 1   # skipped whole, as a plain plan's skip_step (run)
-            optimizer.skipped_steps += 1
-            return True, None
-        planned = rest.plan() if rest is not None else None   # gathers; writes nothing
-        self.cached_steps += 1
-        if not plan.run(optimizer, grads, inv_scale, checked or agreed is not None, rest=planned)[1]:
+        try:
+            rest = remainder(plan.remainder) if remainder is not None and plan.remainder else None
+            agreed = plan.agreed_flags(optimizer, grads, checked, rest.grads if rest is not None else ())
+            if agreed is not None:
+                self.agreed_steps += 1
+            if agreed is not None and not all(agreed):
+                if optimizer.nonfinite != "skip_step":
+                    return False, agreed
+                self.cached_steps += 1   # skipped whole, as a plain plan's skip_step (run)
+                optimizer.skipped_steps += 1
+                return True, None
+            planned = rest.plan() if rest is not None else None   # gathers; writes nothing
+            self.cached_steps += 1
+            if not plan.run(optimizer, grads, inv_scale, checked or agreed is not None, rest=planned)[1]:
+                self.current = None
+        except BaseException:   # a failed step changed nothing; the next one is a full step, which checks again
             self.current = None
+            raise
         return True, None
 
     def try_step_params(self, optimizer: LowpOptimizer, params: Sequence[torch.Tensor], inv_scale: float | None,

@@ -27,7 +27,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from lowp.optim import options, preflight, sharding
-from lowp.optim.codes import CODES, Code, code_for, decode, encode, scale_name, stored_shapes
+from lowp.optim.codes import CODES, SCALE_DTYPES, Code, code_for, decode, encode, scale_name, stored_shapes
 from lowp.optim.slices import CodedState
 from lowp.optim.preflight import check_seed
 from lowp.optim.spec import OptimizerSpec
@@ -119,6 +119,8 @@ def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
     groups = []
     for i, (old, new) in enumerate(zip(optimizer.param_groups, saved_groups)):
         new = options.loaded_group(new, f"state_dict: param_groups[{i}]")
+        if "mode" in new and "coded_min_numel" not in new:   # lowp's, saved before the option: codes at every size
+            new["coded_min_numel"] = 0
         group = {**{k: v for k, v in old.items() if k != "params"}, **new, "params": old["params"],
                  options.EXTRAS_KEY: {}}
         try:
@@ -279,6 +281,10 @@ def decode_loaded(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tens
         code = _saved_code(group, name, p, full_codes, full_scales)
         if code is None:
             continue
+        problem = f"a {full_scales.dtype}" if full_scales.dtype not in SCALE_DTYPES else \
+            _value_problem(full_scales, never_negative=True)
+        if problem is not None:   # the same full scales on every rank: all refuse alike
+            raise ValueError(f"state_dict: the block scales {scale_name(name)!r} of the codes to decode: {problem}")
         values = decode(full_codes, full_scales, code, group["state_block"], p.numel()).view(p.shape)
         values = values.to(new_state_dtype(group, name, p))
         loaded[name] = sharding.load_state(values, p) if sharding.is_dtensor(p) else values.to(p.device)
@@ -290,14 +296,15 @@ def _saved_code(group: dict[str, Any], name: str, p: torch.Tensor, codes: torch.
     """The code of the saved flat ``codes`` and ``scales`` of state ``name``: the one the group's
     ``state_dtype`` asks for when their storage dtype and sizes fit it (``stored_shapes`` with
     the group's ``state_block``), else the only code they fit (int8 and fp8 storage name theirs;
-    uint8 bytes may hold uint8, uint4 or int4 codes); ``None`` when that does not say which."""
+    uint8 bytes may hold uint8, uint4 or int4 codes, and one byte of a one-element state any of
+    them); ``None`` when that does not say which."""
     def fits(code: Code) -> bool:
         codes_at, scales_at = stored_shapes(code, p.shape, group["state_block"])
         return code.storage == codes.dtype and codes.numel() == math.prod(codes_at) \
             and scales.numel() == math.prod(scales_at)
     asked = code_for(asked_dtype(group, name))
-    if asked is not None:
-        return asked if fits(asked) else None
+    if asked is not None and fits(asked):
+        return asked
     found = [c for c in CODES.values() if fits(c)]
     return found[0] if len(found) == 1 else None
 

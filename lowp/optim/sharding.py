@@ -332,25 +332,30 @@ def world_size() -> int:
 @dataclass
 class Gathered:
     """A step of a non-elementwise optimizer on full copies (``piece``) of the DTensor parameter
-    ``param`` and its ``states`` / ``buffer``; :meth:`write_back` keeps this rank's box.
+    ``param`` and its ``states`` / ``buffer`` / block ``scales``; :meth:`write_back` keeps this
+    rank's box. The step writes the copies only.
 
     Args:
-        piece: the full (gathered) parameter, gradient and states the step runs on.
+        piece: the full (gathered) parameter, gradient, states and flat block scales the step
+            runs on.
         param: the sharded DTensor parameter the result goes back to.
         states: state name -> this rank's state tensor (sharded like ``param`` or replicated).
         buffer: this rank's write-back buffer (Kahan compensation or exact remainder), or ``None``.
+        scales: coded state name -> this rank's block scales of it (placed like its codes).
     """
 
     piece: ParamSlice
     param: DTensor
     states: dict[str, torch.Tensor]
     buffer: torch.Tensor | None
+    scales: dict[str, torch.Tensor]
 
     def write_back(self) -> None:
         """Copy this rank's box of the stepped full copies into the local shards (replicated
         states whole)."""
         local(self.param).copy_(keep_local(self.piece.param, self.param))
         pairs = [(self.states[n], self.piece.states[n]) for n in self.states]
+        pairs += [(t, self.piece.scales[n].view(t.shape)) for n, t in self.scales.items()]
         if self.buffer is not None:
             assert self.piece.buffer is not None, "make_slices gathers the buffer with the parameter"
             pairs.append((self.buffer, self.piece.buffer))
@@ -367,8 +372,10 @@ def _placed_like(t: torch.Tensor, p: DTensor) -> TypeGuard[DTensor]:
 
 
 #: One parameter of a step (:func:`make_slices`): the parameter, its local gradient, its states by
-#: name, its write-back buffer (or ``None``) and its position over all groups (``param_id``).
-SliceRequest = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None, int]
+#: name, its write-back buffer (or ``None``), its position over all groups (``param_id``) and the
+#: block scales of its coded states by state name (empty without codes).
+SliceRequest = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None, int,
+                     dict[str, torch.Tensor]]
 
 
 def make_slices(requests: Sequence[SliceRequest], elementwise: bool) -> list[tuple[ParamSlice, float, Gathered | None]]:
@@ -381,31 +388,43 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool) -> list[tup
       over the ranks);
     - DTensor ``p``, per-tensor optimizer, or a state placed otherwise (the replicated codes of
       blocks that ``p``'s shards split, :func:`coded_placements`): full copies of the parameter,
-      its gradient (``p.grad``), states and buffer, weight ``1 / world size`` (every rank computes
-      the whole tensor). The full copies of all such parameters come from one :func:`gather_many`.
+      its gradient (``p.grad``), states, buffer and block scales, weight ``1 / world size`` (every
+      rank computes the whole tensor), so the step writes none of this rank's own tensors before
+      :meth:`Gathered.write_back`. The full copies of all such parameters come from one
+      :func:`gather_many`.
+
+    Block scales reach the piece flat (:attr:`ParamSlice.scales`).
     """
     out: list[tuple[ParamSlice, float, Gathered | None] | None] = []
-    pending: list[tuple[int, DTensor, dict[str, torch.Tensor], torch.Tensor | None, int]] = []
-    for p, grad, states, buffer, param_id in requests:
+    pending: list[tuple[int, SliceRequest]] = []
+    for request in requests:
+        p, grad, states, buffer, param_id, scales = request
         if not is_dtensor(p):
-            out.append((ParamSlice(p, grad, states, buffer, param_id), 0.0, None))
-        elif elementwise and all(_placed_like(t, p) for t in states.values() if is_dtensor(t)):
+            out.append((ParamSlice(p, grad, states, buffer, param_id, scales=_flat(scales)), 0.0, None))
+        elif elementwise and all(_placed_like(t, p) for t in (*states.values(), *scales.values()) if is_dtensor(t)):
             piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
-                               None if buffer is None else local(buffer), param_id, element_index(p))
+                               None if buffer is None else local(buffer), param_id, element_index(p),
+                               _flat({n: local(t) for n, t in scales.items()}))
             out.append((piece, 1.0 / replicas(p), None))
         else:
             assert p.grad is not None, "make_slices: the optimizer passes only parameters with a gradient"
-            pending.append((len(out), p, states, buffer, param_id))
+            pending.append((len(out), request))
             out.append(None)
-    wanted = [t for _, p, states, buffer, _ in pending
-              for t in (p.detach(), p.grad, *states.values(), *([] if buffer is None else [buffer]))]
+    wanted = [t for _, (p, _, states, buffer, _, scales) in pending
+              for t in (p.detach(), p.grad, *states.values(), *([] if buffer is None else [buffer]), *scales.values())]
     fulls = iter(gather_many(cast(list[torch.Tensor], wanted)))
-    for at, p, states, buffer, param_id in pending:
+    for at, (p, _, states, buffer, param_id, scales) in pending:
         weight, grad = next(fulls), next(fulls)
         piece = ParamSlice(weight, grad, {n: next(fulls) for n in states}, None if buffer is None else next(fulls),
                            param_id)
-        out[at] = (piece, 1.0 / world_size(), Gathered(piece, p, states, buffer))
+        piece.scales = _flat({n: next(fulls) for n in scales})
+        out[at] = (piece, 1.0 / world_size(), Gathered(piece, cast("DTensor", p), states, buffer, scales))
     return cast(list[tuple[ParamSlice, float, "Gathered | None"]], out)
+
+
+def _flat(scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Block scales as the coded step addresses them: flat views (each contiguous)."""
+    return {n: t.view(-1) for n, t in scales.items()}
 
 
 #: byte alignment of each tensor's bytes in :func:`gather_many`'s messages (any dtype's view)

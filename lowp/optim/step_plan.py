@@ -356,14 +356,14 @@ class StepPlan:
                         if not sharding.local(state[entry]).is_contiguous():
                             state[entry] = _contiguous(state[entry])
                 requests.append((p, grad, {n: state[n] for n in names},
-                                 state.get(mode.buffer_name) if mode.buffer_name else None, param_id))
+                                 state.get(mode.buffer_name) if mode.buffer_name else None, param_id,
+                                 {c.name: state[scale_name(c.name)] for c in p_coded}))
                 kept.append((state, names))
             made = sharding.make_slices(requests, optimizer.elementwise)   # the gathers, all in one
             for ((group, p, mode, _, p_coded), _), (state, names), (piece, weight, full) in zip(todo, kept, made):
                 step = state["step"] + 1
                 # one job per kind of storage: a group may hold parameters below coded_min_numel
                 key = (id(group), mode.name, step, p.dtype, p.device, names, weight, tuple(p_coded))
-                piece.scales = {c.name: sharding.local(state[scale_name(c.name)]).view(-1) for c in p_coded}
                 self.jobs[key].append(piece)
                 if full is None:
                     self.counters[key].append(state)
