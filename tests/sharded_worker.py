@@ -459,10 +459,11 @@ def per_tensor_coded_run(params: list[torch.Tensor], set_grad) -> dict[str, torc
     return snapshot(opt, params)
 
 
-#: where :func:`remainder_failure_case` makes the step from the plan fail: in the remainder's full
+#: where :func:`remainder_failure_case` makes the step fail: from the plan, in the remainder's full
 #: step before it writes anything (its backend), or in the plan's own first launch, after the
-#: remainder's step has encoded its gathered copies
-FAILURES = ("remainder", "launch")
+#: remainder's step has encoded its gathered copies; or in a full step (the plan dropped), in the
+#: job of the gathered copies
+FAILURES = ("remainder", "launch", "full")
 
 
 def remainder_failure_case(world_size: int, where: str) -> dict[str, Any]:
@@ -482,11 +483,18 @@ def remainder_failure_case(world_size: int, where: str) -> dict[str, Any]:
     set_grads(STEPS - 1)
     before = snapshot(opt, params)
     counters = [opt.state[p]["step"] for p in params]
+    if where == "full":
+        opt._plans.drop()
     cached = opt._plans.cached_steps
     # the remainder's full step goes through the backend; the plan's first launch is an object of its own
-    owner, name = (opt.backend, "step") if where == "remainder" else (opt._plans.current.jobs[0].launches[0][0], "call")
+    owner, name = (opt._plans.current.jobs[0].launches[0][0], "call") if where == "launch" else (opt.backend, "step")
+    from lowp.optim.sharding import local
+    step = opt.backend.step
+    live = {local(p).data_ptr() for p in params}
 
     def failing(*args, **kwargs):
+        if where == "full" and any(s.param.data_ptr() in live for s in args[2]):
+            return step(*args, **kwargs)   # a job of the rank's own shards
         raise MemoryError(f"injected into the {where}")
     setattr(owner, name, failing)   # an instance attribute over the class's method
     try:
@@ -498,7 +506,7 @@ def remainder_failure_case(world_size: int, where: str) -> dict[str, Any]:
         delattr(owner, name)
     after = snapshot(opt, params)
     out: dict[str, Any] = {
-        "error": error, "from_plan": opt._plans.cached_steps == cached + 1,
+        "error": error, "from_plan": opt._plans.cached_steps == cached + (where != "full"),
         "unchanged": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
         "counters": counters == [opt.state[p]["step"] for p in params]}
     opt.step()

@@ -409,16 +409,18 @@ def test_block_scaled_states_of_a_per_tensor_optimizer(two_ranks):
 @pytest.mark.parametrize("where", w.FAILURES)
 def test_an_error_in_a_step_with_a_remainder_changes_nothing(two_ranks, where):
     """A step from a plan runs its remainder's full step on gathered copies (block scales
-    included) before the plan's own writes and writes the copies back last: when the remainder's
-    step fails, or the plan's own launch after it (out of memory), no weight, state, block scale
-    or counter of either rank has changed, and the step taken again gives the single-process bits."""
+    included) before the plan's own writes and writes the copies back last, and a full step runs
+    the jobs of gathered copies before those of the rank's own shards: when the remainder's step
+    fails, or the plan's own launch after it, or a full step's gathered job (out of memory), no
+    weight, state, block scale or counter of either rank has changed, and the step taken again
+    gives the single-process bits."""
     _, ranks = two_ranks
     want = w.coded_plan_reference(None, "skip_param", 0)
     want.pop("skipped")
     for rank, results in enumerate(ranks):
         got = results["remainder_failure"][where]
         assert got["error"] == f"injected into the {where}", f"rank {rank}: the step did not fail there"
-        assert got["from_plan"], f"rank {rank}: the failed step was not taken from the plan"
+        assert got["from_plan"], f"rank {rank}: the failed step was not taken from the plan (a full one: {where})"
         assert got["unchanged"] and got["counters"], f"rank {rank}: the failed step changed tensors or counters"
         assert_same(got["retried"], want, f"rank {rank}")
 

@@ -387,15 +387,18 @@ class StepPlan:
 
     def run_jobs(self, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
         """Run the jobs on the optimizer's backend (a states-only step: on the ``foreach``
-        reference pipeline). Each parameter's step counter advances right after the job that
-        wrote its weight and states; a gathered DTensor parameter's job writes its gathered
-        copies only, whose shards and counter :meth:`write_back` writes."""
+        reference pipeline), those of gathered copies only first. Each parameter's step counter
+        advances right after the job that wrote its weight and states; a gathered DTensor
+        parameter's job writes its gathered copies only, whose shards and counter
+        :meth:`write_back` writes."""
         optimizer = self.optimizer
         if new_step and update_weights:
             optimizer._last_stalled = {}
         backend = optimizer.backend if update_weights else get_backend("foreach", optimizer.backend.chunk_size)
         groups = {id(g): (i, g) for i, g in enumerate(optimizer.param_groups)}
-        for key, slices in self.jobs.items():
+        # the jobs of gathered copies first: an error in one of them (out of memory on the full
+        # copies) comes before any write of the optimizer's own tensors
+        for key, slices in sorted(self.jobs.items(), key=lambda job: bool(self.counters.get(job[0]))):
             gid, mode_name, step, _, _, _, weight, coded = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
