@@ -474,10 +474,6 @@ def load(state: dict[str, Any], root: str | os.PathLike, *, step: int | None = N
     return int(found)
 
 
-#: dtypes of values (weights, 16/32/64-bit optimizer states); any other tensor dtype holds codes
-_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
 def _check_kinds(state: dict[str, Any], metadata: Any) -> None:
     """Refuse a load that would cast block-scaled codes (integer or fp8 bytes) into a value
     tensor of ``state`` or the reverse: ``dcp.load`` checks sizes only and ``copy_`` casts, so
@@ -487,6 +483,7 @@ def _check_kinds(state: dict[str, Any], metadata: Any) -> None:
     rank (no collective), so all ranks refuse alike, before anything is loaded."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+    from lowp.optim.state_layout import STORED_FLOATS   # value dtypes; any other dtype holds codes
     flat, _ = flatten_state_dict(state)
     saved = metadata.state_dict_metadata
     for key, value in flat.items():
@@ -494,7 +491,7 @@ def _check_kinds(state: dict[str, Any], metadata: Any) -> None:
         if not isinstance(value, torch.Tensor) or entry is None or not hasattr(entry, "properties"):
             continue
         mine, theirs = value.dtype, entry.properties.dtype
-        if (mine in _VALUE_DTYPES) != (theirs in _VALUE_DTYPES):
+        if (mine in STORED_FLOATS) != (theirs in STORED_FLOATS):
             raise ValueError(
                 f"state[{key!r}]: the checkpoint holds {theirs} there and this run {mine}: block-scaled codes "
                 f"on one side and values on the other, which the load would cast; build the optimizer with "
