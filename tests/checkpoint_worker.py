@@ -5,6 +5,8 @@
   steps 3, 4, ... (``keep=3``) until it is killed; the test sends SIGKILL at a random moment.
 - :func:`fsdp_round_trip`: a rank function for ``run_local_group``: FSDP2-sharded parameters and
   lowp AdamW states saved and loaded through the helper on a gloo group.
+- :func:`fsdp_layout_cast`: torch's own ``dcp.load`` into a template of another storage layout,
+  refused alike on every rank.
 """
 from __future__ import annotations
 
@@ -63,14 +65,14 @@ def loop(root: str) -> None:
 
 # ---- 2 gloo ranks, FSDP2 ----------------------------------------------------------------------
 
-def _build(world_size: int):
+def _build(world_size: int, **options: Any):
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).bfloat16()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, AdamW(model.parameters(), lr=1e-2, seed=0)
+    return model, AdamW(model.parameters(), lr=1e-2, seed=0, **options)
 
 
 def _train(model, opt, step: int, rank: int) -> None:
@@ -92,8 +94,9 @@ def _full(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load(world_size: int, root: Path, **kw: Any) -> tuple[int, dict[str, torch.Tensor]]:
-    model, opt = _build(world_size)
+def _load(world_size: int, root: Path, options: dict[str, Any] | None = None,
+          **kw: Any) -> tuple[int, dict[str, torch.Tensor]]:
+    model, opt = _build(world_size, **(options or {}))
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     step = checkpoint.load(state, root, **kw)
@@ -150,6 +153,40 @@ def _round_trip(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         _load(world_size, root, step=3)
     except checkpoint.IncompleteCheckpointError as exc:
         out["explicit"] = str(exc)
+    return out
+
+
+def fsdp_layout_cast(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """torch's own route at 2 ranks: 8-bit states saved with ``coded_min_numel=0`` by ``dcp.save``,
+    loaded by ``dcp.load`` into the template of an optimizer with the default threshold (16-bit
+    states for these small parameters) then ``set_state_dict``: what each rank's refusal says,
+    what its next step says, and whether the saving options load the same bits."""
+    import torch.distributed.checkpoint as dcp
+    coded = {"state_dtype": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}}
+    model, opt = _build(world_size, coded_min_numel=0, **coded)
+    for step in (1, 2):
+        _train(model, opt, step, rank)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    snap = _full(model, opt)
+    out: dict[str, Any] = {}
+    other, other_opt = _build(world_size, **coded)
+    model_sd, optim_sd = get_state_dict(other, other_opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    try:
+        set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    try:
+        _train(other, other_opt, 3, rank)
+    except RuntimeError as exc:
+        out["step"] = str(exc)
+    model, opt = _build(world_size, coded_min_numel=0, **coded)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    out["bits"] = same_bits(_full(model, opt), snap)
+    out["int8"] = opt.state[model[0].weight]["exp_avg"].dtype == torch.int8
     return out
 
 

@@ -266,6 +266,20 @@ def test_kill_9_during_saves_many_times(tmp_path):
     assert any(step > 2 for step, _ in outcomes)
 
 
+def test_torch_dcp_load_into_another_layout_is_refused_on_every_fsdp2_rank(tmp_path):
+    """FSDP2 at 2 gloo ranks, torch's own ``dcp.load`` + ``set_state_dict`` with a template of
+    the default threshold and a checkpoint of ``coded_min_numel=0``: every rank refuses naming the
+    entry, and its next step refuses the states ``dcp.load`` wrote into; the saving options
+    load the same bits."""
+    out = run_local_group(w.fsdp_layout_cast, 2, str(tmp_path), timeout_s=120)
+    for r, res in enumerate(out):
+        assert "['exp_avg']: arrived as bfloat16, the dtype this optimizer's options give it, while the " \
+               "checkpoint's options (state_dtype={'exp_avg': 'int8', 'exp_avg_sq': 'uint8'}, coded_min_numel=0) " \
+               "store it as int8: it looks cast" in res.get("refused", ""), (r, res)
+        assert "this optimizer's states hold what a loader wrote into them" in res.get("step", ""), (r, res)
+        assert res["bits"] and res["int8"], (r, res)
+
+
 def test_fsdp2_round_trip_on_two_gloo_ranks_then_shutdown(tmp_path):
     out = run_local_group(w.fsdp_round_trip, 2, str(tmp_path), timeout_s=60)
     for r, res in enumerate(out):

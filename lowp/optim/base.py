@@ -200,6 +200,9 @@ class LowpOptimizer(torch.optim.Optimizer):
         self._positions: dict[torch.Tensor, tuple[int, int, int]] = {}
         # the plan of the last full step, reused while it matches (lowp.optim.cached_step)
         self._plans = Plans()
+        # why the states cannot be stepped from: a refused load whose state dict was this
+        # optimizer's own tensors, which a loader may have written in place; cleared by a load
+        self._overwritten: str | None = None
         # what a group may repeat of the optimizer-wide options (lowp.optim.options.group_options)
         self._wide = dict(seed=seed, nonfinite=nonfinite, backend=backend, chunk_size=chunk_size,
                           diagnostics=diagnostics, foreach=foreach, fused=fused, capturable=capturable,
@@ -310,6 +313,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable(reason=COMPILE_REASON)
     @torch.no_grad()
     def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
+        self._check_not_overwritten()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -354,6 +358,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _eager_step_params(self, params: Sequence[torch.Tensor], grad_scale: float | None, new_step: bool,
                            update_weights: bool) -> bool:
+        self._check_not_overwritten()
         return step_plan.step_some(self, params, grad_scale, new_step, update_weights)
 
     # ---- checkpoints and pickling ---------------------------------------------------------
@@ -369,7 +374,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         the backend travels by name and chunk size, gradient release does not travel."""
         return {**super().__getstate__(), "nonfinite": self.nonfinite, "diagnostics_enabled": self.diagnostics_enabled,
                 "seed": self.seed, "skipped_params": self.skipped_params, "skipped_steps": self.skipped_steps,
-                "_wide": self._wide, "_backend_name": (self.backend.name, self.backend.chunk_size)}
+                "_wide": self._wide, "_backend_name": (self.backend.name, self.backend.chunk_size),
+                "_overwritten": getattr(self, "_overwritten", None)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
@@ -380,21 +386,40 @@ class LowpOptimizer(torch.optim.Optimizer):
             self._last_stalled, self._positions, self._released_by = {}, {}, None
         self._plans = Plans()
 
+    def _check_not_overwritten(self) -> None:
+        if getattr(self, "_overwritten", None) is not None:
+            raise RuntimeError(f"step: {self._overwritten}")
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a checkpoint of this optimizer, of ``torch.optim`` or of optimi
         (:mod:`lowp.optim.migrate` translates the latter two), keeping every state's own dtype
         unless the group's ``state_dtype`` names one. Everything is checked first: group count
-        and sizes, each group's hyper-parameters, each state's shape, dtype and step count, and
-        the extras; on any error nothing has changed."""
+        and sizes, each group's hyper-parameters, each state's shape, dtype and step count, the
+        extras, and that no state arrives cast into this optimizer's storage layout (a template
+        of other options filled by ``torch.distributed.checkpoint.load``). On any error this
+        method changes nothing; but when that last check refuses a state dict made of this
+        optimizer's own state tensors (``dcp.load`` fills them in place before this method sees
+        them), they hold what the loader wrote, and :meth:`step` / :meth:`step_params` raise
+        until a load succeeds."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
-        state_dict = dict(state_dict)
+        given = state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        groups, state, extras = checkpointing.checked_load(self, to_lowp_layout(self, state_dict))
+        try:
+            groups, state, extras = checkpointing.checked_load(self, to_lowp_layout(self, state_dict))
+        except checkpointing.LayoutCastError as e:
+            if checkpointing.holds_live_states(self, given) or checkpointing.holds_live_states(self, state_dict):
+                self._overwritten = (
+                    f"this optimizer's states hold what a loader wrote into them from a checkpoint of another "
+                    f"storage layout (torch.distributed.checkpoint.load fills the optimizer's own state tensors "
+                    f"in place; load_state_dict then refused: {str(e)[:300]}); load a checkpoint of this "
+                    f"optimizer's layout, or build the optimizer with the checkpoint's options")
+            raise
         self.__setstate__({"state": state, "param_groups": groups})
+        self._overwritten = None
         self.seed, self.skipped_params, self.skipped_steps = (extras["seed"], extras["skipped_params"],
                                                               extras["skipped_steps"])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -11,7 +11,8 @@ checkpointers which rebuild groups from the live keys keep them.
 
 Loading (:func:`checked_load`, after :mod:`lowp.optim.migrate` translated a torch or optimi
 layout) validates the whole checkpoint first: the optimizer's kind, the group count and sizes,
-each group's hyper-parameters, every state key and entry name, each tensor's layout, shape and
+each group's hyper-parameters, every state key and entry name, states that arrive in this
+optimizer's layout instead of the saved one (:func:`_cast_into_layout`), each tensor's layout, shape and
 dtype (floating-point states are cast only where ``state_dtype`` names a dtype, and encoded where
 it names a block-scaled code), finite values, nonnegative second moments and scales, step counts
 that can be saved again. With DTensor states every rank checks its shards and the ranks agree.
@@ -34,7 +35,8 @@ from lowp.optim.spec import OptimizerSpec
 from lowp.optim.state_layout import STORED_FLOATS, asked_dtype, coded_layout, new_state_dtype
 from lowp.optim.writeback import BUFFER_NAMES, resolve_mode
 
-__all__ = ["extras", "checkpoint_kind", "saved", "checked_load", "check_values", "recode_loaded"]
+__all__ = ["extras", "checkpoint_kind", "saved", "checked_load", "LayoutCastError", "holds_live_states",
+           "check_values", "recode_loaded"]
 
 #: the float dtypes a loaded state may arrive in (cast to the state's dtype, or encoded, on load)
 
@@ -47,6 +49,10 @@ class LowpOptimizer(Protocol):
     seed: int
     skipped_params: int
     skipped_steps: int
+
+    @property
+    def state(self) -> Mapping[torch.Tensor, Mapping[str, Any]]:
+        """The states by parameter (torch's ``Optimizer.state``)."""
 
     @property
     def spec(self) -> OptimizerSpec | None:
@@ -132,30 +138,127 @@ def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
         groups.append(group)
     saved_state = sd["state"]
     _check_state_keys(saved_state, saved_groups)
-    state: defaultdict = defaultdict(dict)
-    for group, new in zip(groups, saved_groups):
+    live = _live_tensors(optimizer)
+    entries: list[tuple[dict[str, Any], torch.Tensor, Mapping[str, Any], str]] = []
+    casts: list[str | None] = []   # per parameter of every group: a state cast into this run's layout
+    for group, live_group, new in zip(groups, optimizer.param_groups, saved_groups):
         for key, p in zip(new["params"], group["params"]):
             where = f"state_dict['state'][{key!r}]"
-            if key not in saved_state:
+            entry = saved_state.get(key)
+            casts.append(None)
+            if entry is None:
                 continue
-            entry = saved_state[key]
             if not isinstance(entry, Mapping):
                 raise TypeError(f"{where}: expected a dict of states, got {type(entry).__name__}")
             _check_entry_names(optimizer, group, p, entry, where)
-            loaded = {}
             for name, value in entry.items():
-                if name == "step":
-                    value = preflight.step_count(value, f"{where}['step']")
-                elif isinstance(value, torch.Tensor):
+                if name != "step" and isinstance(value, torch.Tensor):
                     preflight.check_saved(value, f"{where}[{name!r}]")
-                    value = _loaded_tensor(optimizer, group, name, p, value)
-                loaded[name] = value
-            if loaded:
-                optimizer._recode_loaded(group, p, loaded)
-                optimizer.check_state(group, p, loaded, where)
-                state[p] = loaded
+            casts[-1] = _cast_into_layout(optimizer, group, live_group, p, entry, live, where)
+            entries.append((group, p, entry, where))
+    params = [p for group in groups for p in group["params"]]
+    for cast, ok in zip(casts, sharding.agree([cast is None for cast in casts], params)):
+        if cast is not None:
+            raise LayoutCastError(cast)
+        if not ok:
+            raise LayoutCastError("state_dict: on another rank a state arrived cast into this optimizer's storage "
+                                  "layout (its error names the entry); nothing was loaded")
+    state: defaultdict = defaultdict(dict)
+    for group, p, entry, where in entries:
+        loaded = {}
+        for name, value in entry.items():
+            if name == "step":
+                value = preflight.step_count(value, f"{where}['step']")
+            elif isinstance(value, torch.Tensor):
+                value = _loaded_tensor(optimizer, group, name, p, value)
+            loaded[name] = value
+        if loaded:
+            optimizer._recode_loaded(group, p, loaded)
+            optimizer.check_state(group, p, loaded, where)
+            state[p] = loaded
     optimizer._check_values(groups, state)
     return groups, state, extras
+
+
+class LayoutCastError(ValueError):
+    """A checkpoint's state arrived cast into the loading optimizer's storage layout
+    (:func:`_cast_into_layout`); nothing was loaded.
+
+    Args:
+        message: the entry, the two dtypes and the saved options.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+def _cast_into_layout(optimizer: LowpOptimizer, group: dict[str, Any], live_group: dict[str, Any],
+                      p: torch.Tensor, entry: Mapping[str, Any], live: tuple[set[int], set[int]],
+                      where: str) -> str | None:
+    """Why a state of ``entry`` looks cast into this optimizer's storage layout (``None``: none
+    does). A template-filling loader (``torch.distributed.checkpoint.load``) copies each saved
+    tensor into the state dict it is given, which casts, and restores the saved group's options:
+    with a template from an optimizer built with other ``state_dtype`` or ``coded_min_numel`` than
+    the saving run's, int8 codes arrive as their integer values in bf16 states (their block scales
+    left behind), fp32 moments rounded to bf16, or (with a planner that allows partial loads)
+    bf16 moments as int8 codes beside the template's own scales; the saved options would take
+    them as states. A state is taken for such a cast when it arrives in the dtype ``live_group``'s
+    options give it, where the saved ``group``'s give another, and the cast loses information:
+    codes into floats; a float narrower than the saved one (or the other 16-bit format) where
+    the saved options name a dtype (without one, states keep their own); floats into codes when
+    the codes are this optimizer's own state tensors (the template itself: a checkpoint's own
+    codes, saved after their options changed, are brought to the saved storage by
+    :func:`recode_loaded`). A run that changed its options and loads its own ``state_dict()``
+    (the conversion) has saved and live options alike."""
+    for name in optimizer.state_names(group, p):
+        value = entry.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        try:
+            mine = _layout_dtype(optimizer, live_group, name, p)
+        except (TypeError, ValueError):   # live options changed by hand into invalid ones: the saved ones replace them
+            continue
+        saved = _layout_dtype(optimizer, group, name, p)
+        if value.dtype != mine or mine == saved:
+            continue
+        if mine not in STORED_FLOATS:
+            lossy = saved in STORED_FLOATS and _is_live(value, live)
+        else:
+            lossy = saved not in STORED_FLOATS or (asked_dtype(group, name) is not None and _narrower(mine, saved))
+        if lossy:
+            return (f"{where}[{name!r}]: arrived as {_short(mine)}, the dtype this optimizer's options give it, "
+                    f"while the checkpoint's options ({_options_text(group)}) store it as {_short(saved)}: it "
+                    f"looks cast into a template of this optimizer's layout (torch.distributed.checkpoint.load "
+                    f"copies each saved tensor into the state dict it is given: codes into 16-bit states without "
+                    f"their scales, fp32 moments rounded). Build the optimizer with the options the checkpoint was "
+                    f"saved with, take the template from it and load, then change the options and convert with "
+                    f"opt.load_state_dict(opt.state_dict()); nothing was loaded")
+    return None
+
+
+def _layout_dtype(optimizer: LowpOptimizer, group: dict[str, Any], name: str, p: torch.Tensor) -> torch.dtype:
+    """The dtype ``group``'s options store state ``name`` of ``p`` in: its code's storage when
+    coded, else the dtype of a new plain state."""
+    for c in optimizer.coded_states(group, p):
+        if c.name == name:
+            return c.code.storage
+    return new_state_dtype(group, name, p)
+
+
+def _narrower(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether the float dtype ``a`` cannot hold every value of the float dtype ``b``."""
+    return torch.finfo(a).bits < torch.finfo(b).bits or (a != b and torch.finfo(a).bits == torch.finfo(b).bits)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _options_text(group: Mapping[str, Any]) -> str:
+    asked = group.get("state_dtype")
+    shown = ({k: _short(v) for k, v in asked.items()} if isinstance(asked, Mapping)
+             else _short(asked) if isinstance(asked, torch.dtype) else asked)
+    return f"state_dtype={shown}, coded_min_numel={group.get('coded_min_numel')}"
 
 
 def _check_entry_names(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, entry: Mapping[str, Any],
@@ -307,6 +410,37 @@ def _saved_code(group: dict[str, Any], name: str, p: torch.Tensor, codes: torch.
         return asked
     found = [c for c in CODES.values() if fits(c)]
     return found[0] if len(found) == 1 else None
+
+
+def holds_live_states(optimizer: LowpOptimizer, sd: Any) -> bool:
+    """Whether a tensor of ``sd['state']`` is, or shares memory with, one of the optimizer's
+    states (a state dict from its own ``state_dict()``, which ``torch.distributed.checkpoint.load``
+    fills in place)."""
+    live = _live_tensors(optimizer)
+    saved_state = sd.get("state") if isinstance(sd, Mapping) else None
+    return isinstance(saved_state, Mapping) and any(
+        _is_live(v, live) for entry in saved_state.values() if isinstance(entry, Mapping) for v in entry.values())
+
+
+def _live_tensors(optimizer: LowpOptimizer) -> tuple[set[int], set[int]]:
+    """The ids of the optimizer's state tensors (a DTensor's own: a rank's shard may be empty)
+    and the addresses of their memory."""
+    tensors = [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    return {id(v) for v in tensors}, {m for m in map(_memory, tensors) if m is not None}
+
+
+def _is_live(value: Any, live: tuple[set[int], set[int]]) -> bool:
+    return isinstance(value, torch.Tensor) and (id(value) in live[0] or _memory(value) in live[1])
+
+
+def _memory(value: torch.Tensor) -> int | None:
+    """The address of the memory of a plain (or DTensor's local) strided tensor with elements;
+    ``None`` for anything else (subclasses, meta and sparse tensors have none to share)."""
+    value = sharding.local(value)
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.is_meta or value.layout != torch.strided \
+            or not value.numel():
+        return None
+    return value.untyped_storage().data_ptr() or None
 
 
 def _checked_extras(extras: Any, optimizer: LowpOptimizer) -> dict[str, Any]:
