@@ -60,13 +60,14 @@ def _model(seed: int, world_size: int) -> torch.nn.Module:
     return model
 
 
-def _components(config: str, seed: int, world_size: int, folder: str):
+def _components(config: str, seed: int, world_size: int, folder: str, options: dict[str, Any] | None = None):
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer
 
     from lowp.integrations.torchtitan import lowp_adamw
     model = _model(seed, world_size)
-    optimizers = lowp_adamw(lr=3e-3, factory_kwargs={"seed": seed}, **CONFIGS[config]).build(model_parts=[model])
+    options = CONFIGS[config] if options is None else options
+    optimizers = lowp_adamw(lr=3e-3, factory_kwargs={"seed": seed}, **options).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_type="linear").build(
         optimizers=optimizers, training_steps=STEPS)
     progress = Progress()
@@ -119,4 +120,24 @@ def resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         _train(model, optimizers, schedulers, progress, rank)
         out[config] = _snapshot(model, optimizers, schedulers)
         checkpointer.close()
+    return out
+
+
+def resume_with_the_default_threshold(rank: int, world_size: int, folder: str) -> dict[str, str]:
+    """The exact8 checkpoint (codes for every parameter, ``coded_min_numel=0``) loaded by
+    torchtitan's checkpointer into components built with the default threshold (16-bit states for
+    these small parameters): what the load and then a step raise on this rank."""
+    options = {k: v for k, v in CONFIGS["exact8"].items() if k != "coded_min_numel"}
+    model, optimizers, schedulers, progress, checkpointer = _components("exact8", LOAD_SEED, world_size, folder,
+                                                                        options)
+    out = {}
+    try:
+        checkpointer.load(step=SAVE_AT)
+    except ValueError as exc:
+        out["load"] = str(exc)
+    try:
+        _train(model, optimizers, schedulers, progress, rank)
+    except RuntimeError as exc:
+        out["step"] = str(exc)
+    checkpointer.close()
     return out

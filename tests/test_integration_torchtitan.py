@@ -113,12 +113,12 @@ def runs(tmp_path_factory):
     with single_thread():
         saved = run_local_group(w.train_and_save, 2, folder, timeout_s=120)
         resumed = run_local_group(w.resume, 2, folder, timeout_s=120)
-    return saved, resumed
+    return saved, resumed, folder
 
 
 @pytest.mark.parametrize("config", list(w.CONFIGS))
 def test_checkpointer_resume_is_bit_identical(runs, config):
-    saved, resumed = runs
+    saved, resumed, _ = runs
     for rank in range(2):
         full, again = saved[rank][config], resumed[rank][config]
         assert full["sharded"] and full["skipped_params"] == 1
@@ -131,3 +131,17 @@ def test_checkpointer_resume_is_bit_identical(runs, config):
         assert states["0.weight/remainder8"].dtype == torch.int8
     else:
         assert saved[0][config]["0.weight/compensation"].dtype == torch.bfloat16
+
+
+def test_a_checkpoint_of_another_layout_is_refused_on_resume(runs, tmp_path_factory):
+    """torchtitan's checkpointer (``dcp.load`` into the optimizers' own states, then
+    ``set_state_dict``) resuming the exact8 run (codes at every size) with the default threshold
+    (16-bit states under 4096 elements): refused on both ranks naming the entry and the saved
+    option, and the next step refuses the states the load wrote into."""
+    folder = runs[2]
+    with single_thread():
+        out = run_local_group(w.resume_with_the_default_threshold, 2, folder, timeout_s=120)
+    for rank, res in enumerate(out):
+        assert "arrived as bfloat16, the dtype this optimizer's options give it" in res.get("load", ""), (rank, res)
+        assert "coded_min_numel=0) store it as int8: it looks cast" in res["load"], rank
+        assert "this optimizer's states hold what a loader wrote into them" in res.get("step", ""), (rank, res)
