@@ -12,10 +12,11 @@ checkpointers which rebuild groups from the live keys keep them.
 Loading (:func:`checked_load`, after :mod:`lowp.optim.migrate` translated a torch or optimi
 layout) validates the whole checkpoint first: the optimizer's kind, the group count and sizes,
 each group's hyper-parameters, every state key and entry name, states that arrive in this
-optimizer's layout instead of the saved one (:func:`_cast_into_layout`), each tensor's layout, shape and
-dtype (floating-point states are cast only where ``state_dtype`` names a dtype, and encoded where
-it names a block-scaled code), finite values, nonnegative second moments and scales, step counts
-that can be saved again. With DTensor states every rank checks its shards and the ranks agree.
+optimizer's layout instead of the saved one (:func:`_cast_into_layout`), each tensor's layout,
+shape and dtype (floating-point states are cast only where ``state_dtype`` names a dtype, and
+encoded where it names a block-scaled code), finite values, nonnegative second moments and
+scales, step counts that can be saved again. With DTensor states every rank checks its shards
+and the ranks agree.
 """
 from __future__ import annotations
 
@@ -37,8 +38,6 @@ from lowp.optim.writeback import BUFFER_NAMES, resolve_mode
 
 __all__ = ["extras", "checkpoint_kind", "saved", "checked_load", "LayoutCastError", "holds_live_states",
            "check_values", "recode_loaded"]
-
-#: the float dtypes a loaded state may arrive in (cast to the state's dtype, or encoded, on load)
 
 
 class LowpOptimizer(Protocol):
