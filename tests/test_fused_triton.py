@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8", "coded-stochastic",
-                                  "coded-nearest"])
+                                  pytest.param("coded-nearest", marks=pytest.mark.slow)])   # 14 s
 def test_triton_stochastic_rounding_bit_identical_to_reference(case):
     """The ``index`` cases also check that the shared helpers fail when the fusing predicate
     refuses every slice (:func:`_assert_helpers_fail_when_refused`; no kernel runs there)."""
