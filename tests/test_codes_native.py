@@ -319,7 +319,7 @@ def test_the_step_kernel_decodes_every_code_byte_as_the_passes_do(monkeypatch, s
 
 def _coded_run_at_index(backend: str, index: ElementIndex, n: int = 600) -> list[torch.Tensor]:
     """Two AdamW steps (bf16 weights, int8 / uint8 states, Kahan) on one slice whose elements have
-    global indices ``index``, through ``lowp.optim.coded.run_coded`` directly (an optimizer's own
+    global indices ``index``, through the backend's ``step`` directly (an optimizer's own
     step gives whole tensors index 0): the weight and every state tensor afterwards."""
     gen = torch.Generator().manual_seed(7)
     p = (torch.randn(n, generator=gen) * 0.1).bfloat16()
@@ -333,7 +333,7 @@ def _coded_run_at_index(backend: str, index: ElementIndex, n: int = 600) -> list
         s = ParamSlice(p, torch.randn(n, generator=gen).bfloat16(), {k: state[k] for k in opt.state_names(group, p)},
                        state[mode.buffer_name], param_id=0, index=index,
                        scales={c.name: state[scale_name(c.name)] for c in states})
-        coded.run_coded(opt.backend, opt, StepContext(group, mode, step, seed=opt.seed, coded=tuple(states)), [s])
+        opt.backend.step(opt, StepContext(group, mode, step, seed=opt.seed, coded=tuple(states)), [s])
     return [p, *(v for v in state.values() if isinstance(v, torch.Tensor))]
 
 

@@ -5,9 +5,10 @@ non-finite check, state creation, the gather of a slice, a mode switch's fold) a
 ``load_state_dict()`` (the layout translation, the checks, the value checks), on every CPU
 backend, with bf16 weights in two groups (two jobs), 16-bit and block-scaled (int8 / uint8)
 states; afterwards every weight, state, buffer, counter and hyper-parameter holds the bits it
-held before. Within the writes themselves Ctrl-C is held until the step is done, and a fault
-raised by a job's kernel leaves each parameter either stepped (weight, states and counter) or
-untouched. A non-contiguous block-scaled state is stepped like a contiguous one.
+held before. Every job is prepared (a kernel's library built and loaded, its arguments checked)
+before the first job writes, so a fault there changes nothing either. Within the writes
+themselves Ctrl-C is held until the step is done, and a fault raised by a job's call leaves each
+parameter either stepped (weight, states and counter) or untouched. A non-contiguous block-scaled state is stepped like a contiguous one.
 """
 from __future__ import annotations
 
@@ -148,18 +149,64 @@ def test_a_fault_after_a_mode_switch_fold_puts_the_weight_back(monkeypatch):
     assert same_snapshot(snapshot(opt, params), before)
 
 
+def _fail_in_the_call_of(monkeypatch, job: int) -> list[int]:
+    """Make the call that ``Backend.prepare`` returns for the ``job``-th job (0-based) raise
+    :class:`Injected` when it runs: a fault after every job was prepared."""
+    original = lo.backends.Backend.prepare
+    prepared = [0]
+
+    def prepare(self, optimizer, ctx, slices):
+        call = original(self, optimizer, ctx, slices)
+        prepared[0] += 1
+        if prepared[0] != job + 1:
+            return call
+
+        def failing():
+            raise Injected(f"injected into the call of job {job}")
+        return failing
+    monkeypatch.setattr(lo.backends.Backend, "prepare", prepare)
+    return prepared
+
+
+@pytest.mark.parametrize("states", list(STATES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fault_preparing_a_later_job_changes_nothing(backend, states, monkeypatch):
+    """Every job is prepared (admitted; a kernel's library built and loaded, its arguments
+    checked) before the first writes: the second job's library failing to load leaves every
+    weight, state and counter as it was, and the step then runs as if nothing had happened."""
+    opt, params = _setup(backend, states)
+    before = snapshot(opt, params)
+    if backend == "native":
+        from lowp.optim.kernels.native import kernel as native_kernel
+        name = "coded_step_function" if states == "int8" else "step_function"
+        calls = _fail_on_call(monkeypatch, native_kernel, name, call=1)
+    else:   # the reference backends build nothing: their preparation itself fails
+        calls = _fail_on_call(monkeypatch, lo.backends.Backend, "prepare", call=1)
+    with pytest.raises(Injected):
+        opt.step()
+    assert calls[0] == 2, "the second job's preparation failed"
+    assert same_snapshot(snapshot(opt, params), before)
+    monkeypatch.undo()
+    opt.step()
+    reference, ref_params = _setup(backend, states)
+    reference.step()
+    assert same_snapshot(snapshot(opt, params), snapshot(reference, ref_params))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_fault_in_a_job_leaves_each_parameter_stepped_or_untouched(backend, monkeypatch):
-    """The second job's kernel fails: the first group's parameters are exactly as a whole step
-    leaves them (weights, states, counters), the second group's exactly as before."""
+    """The second job's call fails, after both were prepared: the first group's parameters are
+    exactly as a whole step leaves them (weights, states, counters), the second group's exactly
+    as before."""
     opt, params = _setup(backend, "bf16")
     before = snapshot(opt, params)
     reference, ref_params = _setup(backend, "bf16")
     reference.step()
     after = snapshot(reference, ref_params)
-    _fail_on_call(monkeypatch, type(opt.backend), "run", call=1)
+    prepared = _fail_in_the_call_of(monkeypatch, job=1)
     with pytest.raises(Injected):
         opt.step()
+    assert prepared[0] == 2
     now = snapshot(opt, params)
     for i in range(4):
         expected = after if i < 2 else before
@@ -175,17 +222,19 @@ def test_ctrl_c_during_the_writes_arrives_after_a_whole_step(backend, states, mo
     opt, params = _setup(backend, states)
     reference, ref_params = _setup(backend, states)
     reference.step()
-    kind = type(opt.backend)
-    name = "step"   # every job's one entry, coded states or not
-    original = getattr(kind, name)
+    original = lo.backends.Backend.prepare   # every job's one entry, coded states or not
     sent = []
 
-    def interrupting(*args, **kwargs):
-        if not sent:
-            sent.append(True)
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
-    monkeypatch.setattr(kind, name, interrupting)
+    def prepare(self, optimizer, ctx, slices):
+        call = original(self, optimizer, ctx, slices)
+
+        def interrupting():
+            if not sent:
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGINT)
+            return call()
+        return interrupting
+    monkeypatch.setattr(lo.backends.Backend, "prepare", prepare)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     assert sent

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from functools import partial
 from typing import Callable, ClassVar, Iterator, Protocol
 
 import torch
@@ -93,13 +94,30 @@ class Backend(ABC):
         return self.chunk_size if self.chunk_size is not None else default_chunk_size(device)
 
     def step(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
-        """Apply one job's step to every slice; return the stalled-element count (or ``None``).
+        """Apply one job's step to every slice; return the stalled-element count (or ``None``):
+        :meth:`prepare`, then its call."""
+        return self.prepare(optimizer, ctx, slices)()
+
+    def prepare(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
+                ) -> Callable[[], torch.Tensor | None]:
+        """One job's step split in two: what can fail before its first write (admission, a
+        kernel's build, load and argument checks) is done now, and the returned call writes.
+        A step prepares all its jobs before it calls the first (:mod:`lowp.optim.step_plan`).
 
         A job whose context names coded states (``ctx.coded``, their block scales on each slice)
         goes through :func:`lowp.optim.coded.run_coded`: the slices a kernel takes as they are
-        (:meth:`take_coded`), the others decoded, :meth:`run`, encoded; any other job is
-        :meth:`run`."""
-        return run_coded(self, optimizer, ctx, slices) if ctx.coded else self.run(optimizer, ctx, slices)
+        (:meth:`take_coded`, prepared here), the others decoded, :meth:`run`, encoded; any other
+        job is :meth:`prepare_run`'s."""
+        if not ctx.coded:
+            return self.prepare_run(optimizer, ctx, slices)
+        taken, rest = self.take_coded(optimizer, ctx, slices)
+        return partial(run_coded, self, optimizer, ctx, rest, taken)
+
+    def prepare_run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
+                    ) -> Callable[[], torch.Tensor | None]:
+        """:meth:`run` over slices of plain states, prepared (:meth:`prepare`); default: nothing
+        to prepare, the call is :meth:`run`."""
+        return partial(self.run, optimizer, ctx, slices)
 
     @abstractmethod
     def run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
@@ -131,10 +149,11 @@ class Backend(ABC):
         return flags
 
     def take_coded(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
-                   ) -> tuple[torch.Tensor | None, list[ParamSlice]]:
-        """Step the slices of a job with coded states (``ctx.coded``) that a kernel decodes and
-        encodes itself. Returns (their stalled count, ``None`` when none was taken; the slices
-        left for the decode-run-encode passes of :mod:`lowp.optim.coded`). Default: none taken."""
+                   ) -> tuple[Callable[[], torch.Tensor | None] | None, list[ParamSlice]]:
+        """The step of the slices of a job with coded states (``ctx.coded``) that a kernel decodes
+        and encodes itself, prepared (:meth:`prepare`). Returns (the call that steps them and
+        returns their stalled count, ``None`` when none was taken; the slices left for the
+        decode-run-encode passes of :mod:`lowp.optim.coded`). Default: none taken."""
         return None, list(slices)
 
     def pieces(self, optimizer: "LowpOptimizer", slices: list[ParamSlice]) -> Iterator[ParamSlice]:
@@ -257,6 +276,12 @@ class FusedBackend(Backend):
 
     def run(self, optimizer, ctx, slices):
         """The admitted slices through the kernel, the others through the fallback."""
+        return self.prepare_run(optimizer, ctx, slices)()
+
+    def prepare_run(self, optimizer, ctx, slices):
+        """:meth:`run` prepared: the slices admitted now and the kernel's part prepared
+        (:meth:`Kernel.prepare <lowp.optim.kernels.kernel.Kernel.prepare>`), a fused fallback's
+        part too; the call runs the fallback's part, then the kernel's."""
         spec = optimizer.kernel_spec()
         if spec is None or not self.kernel.supports(spec):
             return self._fallback(optimizer, ctx, slices)
@@ -264,10 +289,10 @@ class FusedBackend(Backend):
         fused, rest = partition(slices, lambda s: self.kernel.admits(spec, ctx, s, spans))
         if fused and overlapping(spans):  # written memory shared: every slice in the reference's order
             fused, rest = [], slices
-        counts = [self._fallback(optimizer, ctx, rest)] if rest else []
+        calls = [self._fallback(optimizer, ctx, rest)] if rest else []
         if fused:
-            counts.append(self.kernel.run(spec, ctx, fused))
-        return _total(counts)
+            calls.append(self.kernel.prepare(spec, ctx, fused))
+        return lambda: _total([call() for call in calls])
 
     def take_coded(self, optimizer, ctx, slices):
         """A kernel with ``steps_codes`` (native, Triton) decodes and encodes block-scaled states
@@ -277,12 +302,18 @@ class FusedBackend(Backend):
         if spec is None or not optimizer.elementwise or not self.kernel.steps_codes:
             return None, list(slices)
         taken, rest = coded_slices.admitted(self.kernel, spec, ctx, slices)
-        return (self.kernel.run_coded(spec, ctx, taken) if taken else None), rest
+        return (self.kernel.prepare(spec, ctx, taken) if taken else None), rest
 
-    def _fallback(self, optimizer, ctx, slices):
-        if not isinstance(self.fallback, FusedBackend):
+    def _fallback(self, optimizer, ctx, slices) -> Callable[[], torch.Tensor | None]:
+        """The fallback's part, prepared; the reference's elements are counted when it runs."""
+        run = self.fallback.prepare_run(optimizer, ctx, slices)
+        if isinstance(self.fallback, FusedBackend):
+            return run
+
+        def counted() -> torch.Tensor | None:
             self._reference_elements += sum(s.numel for s in slices)
-        return self.fallback.run(optimizer, ctx, slices)
+            return run()
+        return counted
 
 
 def _fused(kernel: Callable[[], Kernel], name: str, fallback: Callable[[int | None], Backend] | None = None

@@ -27,7 +27,7 @@ torch functions of :mod:`lowp.optim.codes` are the definition and the path for e
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -48,8 +48,8 @@ class Stepper(Protocol):
         """The chunk size for tensors on ``device``."""
 
     def take_coded(self, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]
-                   ) -> tuple[torch.Tensor | None, list[ParamSlice]]:
-        """The slices its kernel steps with their codes: (their stalled count, the others)."""
+                   ) -> tuple[Callable[[], torch.Tensor | None] | None, list[ParamSlice]]:
+        """The slices its kernel steps with their codes: (their prepared step, the others)."""
 
     def run(self, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """The step over slices of plain states."""
@@ -148,12 +148,14 @@ def _encode(ctx: StepContext, pieces: list[_Piece], plain: list[ParamSlice], cod
             native_codec.encode_many(jobs, c.code, block)
 
 
-def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]
-              ) -> torch.Tensor | None:
+def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[ParamSlice],
+              taken: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor | None:
     """Run ``backend`` on ``slices`` whose states named in ``ctx.coded`` are codes (each slice
-    with their block scales); see the module docstring. A parameter is cut into pieces only when
-    the optimizer is elementwise and the parameter contiguous. Returns the stalled count (``None``
-    when ``ctx.count`` is false)."""
+    with their block scales); see the module docstring. ``taken``: the prepared step of the
+    slices the backend's kernel takes with their codes (:meth:`Stepper.take_coded`, which left
+    ``slices``), run first. A parameter is cut into pieces only when the optimizer is elementwise
+    and the parameter contiguous. Returns the stalled count (``None`` when ``ctx.count`` is
+    false)."""
     coded = list(ctx.coded)
     block = ctx.group["state_block"]
     whole_blocks = max(BLOCK_SIZES)
@@ -162,9 +164,10 @@ def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[P
     counts: list[torch.Tensor] = []
     batch: list[_Piece] = []
     held = 0
-    taken, slices = backend.take_coded(optimizer, ctx, slices)
     if taken is not None:
-        counts.append(taken)
+        stalled = taken()
+        if stalled is not None:
+            counts.append(stalled)
     decoded = replace(ctx, coded=())   # the same scratch: the backend sees plain states
 
     def flush() -> None:

@@ -8,14 +8,19 @@
    :mod:`lowp.optim.state_layout`) and their sharded slices gathered, and are grouped into jobs;
    nothing a step reads is written, and on any error (a failed gather, an interrupt) every state
    entry and folded weight is put back.
-3. **Execute** (:meth:`StepPlan.execute`): only here are weights and states written, job after job
-   by the optimizer's backend (:mod:`lowp.optim.backends`, which writes each weight back with its
-   mode, :mod:`lowp.optim.writeback`), with Ctrl-C held until all are done
-   (:mod:`lowp.interrupts`); each parameter's step counter advances right after the job that
-   wrote its weight and states.
+3. **Execute** (:meth:`StepPlan.execute`): every job is first prepared by the optimizer's backend
+   (:meth:`~lowp.optim.backends.Backend.prepare`: slices admitted to its kernel, the kernel's
+   library built and loaded, its arguments checked); only then are weights and states written,
+   job after job (:mod:`lowp.optim.backends`, which writes each weight back with its mode,
+   :mod:`lowp.optim.writeback`), with Ctrl-C held until all are done (:mod:`lowp.interrupts`);
+   each parameter's step counter advances right after the job that wrote its weight and states.
 
-What remains is an error inside a backend's kernel on checked input (running out of memory): the
-parameters of the jobs before it are stepped whole, the rest untouched. :func:`step_all` is a
+What remains is an error while the jobs write, on checked input: running out of memory for the
+reference pipeline's fp32 temporaries (slices a kernel does not take, coded states decoded
+outside a kernel, a non-contiguous gradient's copy), or a kernel that compiles on its first
+call (``compiled``; Triton's JIT on a launch's first signature). The parameters of the jobs
+before it are then stepped whole, the rest untouched. With every slice on the ``native`` kernel
+the writes are the prepared kernel calls alone. :func:`step_all` is a
 whole ``step()``, :func:`step_some` the ``step_params`` of gradient release
 (:mod:`lowp.optim.release`); both run :func:`run`.
 """
@@ -387,28 +392,35 @@ class StepPlan:
 
     def run_jobs(self, inv_scale: float | None, new_step: bool, update_weights: bool = True) -> None:
         """Run the jobs on the optimizer's backend (a states-only step: on the ``foreach``
-        reference pipeline), those of gathered copies only first. Each parameter's step counter
+        reference pipeline), every one prepared first (:meth:`~lowp.optim.backends.Backend.prepare`:
+        a kernel's build, load or argument check that fails changes nothing), those of gathered
+        copies only run first. Each parameter's step counter
         advances right after the job that wrote its weight and states; a gathered DTensor
         parameter's job writes its gathered copies only, whose shards and counter
         :meth:`write_back` writes."""
         optimizer = self.optimizer
-        if new_step and update_weights:
-            optimizer._last_stalled = {}
         backend = optimizer.backend if update_weights else get_backend("foreach", optimizer.backend.chunk_size)
         groups = {id(g): (i, g) for i, g in enumerate(optimizer.param_groups)}
-        # the jobs of gathered copies first: an error in one of them (out of memory on the full
-        # copies) comes before any write of the optimizer's own tensors
+        # every job prepared (admitted, its kernels built, loaded and checked) before the first
+        # writes; the jobs of gathered copies run first: an error in one of them (out of memory on
+        # the full copies) comes before any write of the optimizer's own tensors
+        prepared = []
         for key, slices in sorted(self.jobs.items(), key=lambda job: bool(self.counters.get(job[0]))):
             gid, mode_name, step, _, _, _, weight, coded = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
                               optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
                               coded=coded)
-            stalled = backend.step(optimizer, ctx, slices)
+            prepared.append((key, index, sum(s.numel for s in slices), backend.prepare(optimizer, ctx, slices)))
+        if new_step and update_weights:
+            optimizer._last_stalled = {}
+        for key, index, numel, call in prepared:
+            stalled = call()
+            step, weight = key[2], key[6]
             for state in self.counters[key]:
                 state["step"] = step
             if update_weights:
-                optimizer._last_stalled.setdefault(index, []).append((stalled, sum(s.numel for s in slices), weight))
+                optimizer._last_stalled.setdefault(index, []).append((stalled, numel, weight))
 
     def write_back(self) -> None:
         """Each gathered DTensor parameter's shards of its stepped copies (weight, states,

@@ -8,6 +8,7 @@ they updated in ``fused_elements``, so tests and users can see that a kernel rea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import partial
 from typing import Any, Callable, ClassVar, Iterable, Protocol, Sequence, TypeVar
 
 import torch
@@ -166,6 +167,24 @@ class Kernel(ABC):
                  ) -> Sequence[tuple[KernelLaunch, list[ParamSlice]]]:
         """The checked launches over admitted ``slices`` of one job, each with its members (for
         kernels with :attr:`keeps_plans`)."""
+        raise NotImplementedError(f"the {self.name} kernel prepares no launches")
+
+    def prepare(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+                ) -> Callable[[], torch.Tensor | None]:
+        """The step over admitted ``slices`` (:meth:`run`, or :meth:`run_coded` when ``ctx.coded``),
+        split in two: what can fail before the first write is done now, and the returned call
+        does the rest. A kernel with :attr:`keeps_plans` builds, loads and checks its launches
+        here (:meth:`launches`), so the call only runs them (:meth:`call_launches`); the others
+        prepare nothing (their call is the whole step)."""
+        if not self.keeps_plans:
+            return partial(self.run_coded if ctx.coded else self.run, spec, ctx, slices)
+        launches = self.launches(spec, ctx, slices)
+        return partial(self.call_launches, spec, ctx, launches, sum(s.numel for s in slices))
+
+    def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
+                      launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
+        """Run the prepared ``launches`` of one job, ``numel`` elements in all, at ``ctx``'s step
+        (for kernels with :attr:`keeps_plans`); returns the stalled count when ``ctx.count``."""
         raise NotImplementedError(f"the {self.name} kernel prepares no launches")
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:

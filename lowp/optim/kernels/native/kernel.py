@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import operator
 from array import array
-from typing import Any
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -26,7 +26,7 @@ from lowp.optim.kernels.checks import (PLAIN_TYPES, all_kernel_memory, check_ker
                                        storage_fits)
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
 from lowp.optim.kernels.native.source import DTYPE_CODES, CodedLayout, Variant, variant_source
-from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor
+from lowp.optim.kernels.kernel import Kernel, KernelLaunch, by_signature, grad_factor
 from lowp.optim.kernels.native.build import (coded_step_function, finite_function, native_available, step_function,
                                              sums_function)
 from lowp.optim.kernels.native.codec import grid_numbers, scale_code
@@ -124,20 +124,23 @@ class NativeKernel(Kernel):
 
     def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """One kernel call per dtype signature (:meth:`launches`); returns the stalled count."""
-        return self._run_launches(spec, ctx, slices)
+        return self.prepare(spec, ctx, slices)()
 
     def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
         """The step over ``slices`` of a job with coded states (``ctx.coded``, all
         :func:`~lowp.optim.kernels.coded_slices.admitted`): one kernel call per dtype signature,
         the scale dtype included (:meth:`launches`); returns the stalled count."""
-        return self._run_launches(spec, ctx, slices)
+        return self.prepare(spec, ctx, slices)()
 
-    def _run_launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
+                      launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
+        """Each prepared kernel call with its members' gradients; the stalled count as an int64
+        tensor when ``ctx.count``."""
         numbers = spec.numbers(ctx.group, ctx.step)
         factor = grad_factor(ctx)
-        stalled = sum(launch.call([s.grad for s in members], numbers, factor, ctx.seed, ctx.step)
-                      for launch, members in self.launches(spec, ctx, slices))
-        self.fused_elements += sum(s.numel for s in slices)
+        stalled = sum(cast(int, launch.call([s.grad for s in members], numbers, factor, ctx.seed, ctx.step))
+                      for launch, members in launches)
+        self.fused_elements += numel
         return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     def launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence, cast
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ import torch
 from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of
-from lowp.optim.kernels.kernel import Kernel, by_signature, grad_factor, stream_count
+from lowp.optim.kernels.kernel import Kernel, KernelLaunch, by_signature, grad_factor, stream_count
 from lowp.optim.kernels.triton.source import kernel_source
 from lowp.optim.randomness import stream_key_table
 from lowp.optim.rule import Program
@@ -123,12 +123,18 @@ class TritonKernel(Kernel):
         block scales of the job's coded states (``ctx.coded``; none: a plain step), all admitted
         (:func:`~lowp.optim.kernels.coded_slices.admitted`); the kernel decodes and encodes those
         states in registers. Returns the stalled count."""
+        return self.prepare(spec, ctx, slices)()
+
+    def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
+                      launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
+        """Each prepared launch with its members' gradients; the stalled count (a device tensor)
+        when ``ctx.count``."""
         numbers = spec.numbers(ctx.group, ctx.step)
         factor = grad_factor(ctx)
         counts = [launch.call([s.grad for s in members], numbers, factor, ctx.seed, ctx.step)
-                  for launch, members in self.launches(spec, ctx, slices)]
-        self.fused_elements += sum(s.numel for s in slices)
-        present = [c for c in counts if c is not None]
+                  for launch, members in launches]
+        self.fused_elements += numel
+        present = [cast(torch.Tensor, c) for c in counts if c is not None]
         return torch.stack(present).sum() if present else None
 
     def launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
