@@ -486,16 +486,25 @@ def remainder_failure_case(world_size: int, where: str) -> dict[str, Any]:
     if where == "full":
         opt._plans.drop()
     cached = opt._plans.cached_steps
-    # the remainder's full step goes through the backend; the plan's first launch is an object of its own
-    owner, name = (opt._plans.current.jobs[0].launches[0][0], "call") if where == "launch" else (opt.backend, "step")
+    # the remainder's full step goes through the backend (each job prepared, then called: the call
+    # fails, a fault while the jobs write); the plan's first launch is an object of its own
     from lowp.optim.sharding import local
-    step = opt.backend.step
+    prepare = opt.backend.prepare
     live = {local(p).data_ptr() for p in params}
 
-    def failing(*args, **kwargs):
-        if where == "full" and any(s.param.data_ptr() in live for s in args[2]):
-            return step(*args, **kwargs)   # a job of the rank's own shards
+    def fail():
         raise MemoryError(f"injected into the {where}")
+
+    def failing_prepare(optimizer, ctx, slices):
+        call = prepare(optimizer, ctx, slices)
+        if where == "full" and any(s.param.data_ptr() in live for s in slices):
+            return call   # a job of the rank's own shards
+        return fail
+
+    def failing_call(*args, **kwargs):
+        fail()
+    owner, name, failing = ((opt._plans.current.jobs[0].launches[0][0], "call", failing_call) if where == "launch"
+                            else (opt.backend, "prepare", failing_prepare))
     setattr(owner, name, failing)   # an instance attribute over the class's method
     try:
         opt.step()

@@ -8,7 +8,8 @@ states; afterwards every weight, state, buffer, counter and hyper-parameter hold
 held before. Every job is prepared (a kernel's library built and loaded, its arguments checked)
 before the first job writes, so a fault there changes nothing either. Within the writes
 themselves Ctrl-C is held until the step is done, and a fault raised by a job's call leaves each
-parameter either stepped (weight, states and counter) or untouched. A non-contiguous block-scaled state is stepped like a contiguous one.
+parameter either stepped (weight, states and counter) or untouched. A non-contiguous
+block-scaled state is stepped like a contiguous one.
 """
 from __future__ import annotations
 
@@ -40,11 +41,11 @@ class Injected(RuntimeError):
     """The fault the tests raise."""
 
 
-def _setup(backend: str, states: str, mode: str = "kahan"):
+def _setup(backend: str, states: str, mode: str = "kahan", optimizer: type = lo.AdamW):
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter((torch.randn(*shape, generator=gen) * 0.1).bfloat16())
               for shape in ((8, 64), (64,), (3, 64), (5,))]
-    opt = lo.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}], lr=1e-2,
+    opt = optimizer([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}], lr=1e-2,
                    weight_decay=0.1, mode=mode, backend=backend, seed=5, **STATES[states])
 
     def grads(step: int) -> None:
@@ -191,6 +192,53 @@ def test_a_fault_preparing_a_later_job_changes_nothing(backend, states, monkeypa
     reference, ref_params = _setup(backend, states)
     reference.step()
     assert same_snapshot(snapshot(opt, params), snapshot(reference, ref_params))
+
+
+@pytest.mark.parametrize("states", list(STATES))
+def test_a_jobs_temporaries_are_freed_before_the_next_job_runs(states, monkeypatch):
+    """Preparing every job first keeps their calls, not their temporaries: when the second job
+    runs, the first one's context (and the scratch buffers of its fp32 working copies) is gone,
+    so a step's temporaries stay those of one job."""
+    import weakref
+    opt, _ = _setup("foreach", states)
+    original = lo.backends.Backend.prepare
+    contexts: list = []
+    seen: list = []
+
+    def prepare(self, optimizer, ctx, slices):
+        call = original(self, optimizer, ctx, slices)
+        contexts.append(weakref.ref(ctx))
+        job = len(contexts) - 1
+
+        def watched():
+            seen.append([c() is not None for c in contexts[:job]])
+            return call()
+        return watched
+    monkeypatch.setattr(lo.backends.Backend, "prepare", prepare)
+    opt.step()
+    assert seen == [[], [False]]
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernel's libraries")
+def test_a_fault_loading_the_kernel_of_decoded_states_changes_nothing(monkeypatch):
+    """StableAdamW's per-tensor reduction keeps its block-scaled states out of the kernel's own
+    decoding: they are decoded, stepped by the plain variant and encoded while the job writes.
+    That variant is built and loaded when the job is prepared, so the second job's failing to
+    load changes nothing (before, the first job was stepped and the error came mid-write)."""
+    from lowp.optim.kernels.native import kernel as native_kernel
+    opt, params = _setup("native", "int8", optimizer=lo.StableAdamW)
+    before = snapshot(opt, params)
+    calls = _fail_on_call(monkeypatch, native_kernel, "step_function", call=1)
+    with pytest.raises(Injected):
+        opt.step()
+    assert calls[0] == 2
+    assert same_snapshot(snapshot(opt, params), before)
+    monkeypatch.undo()
+    opt.step()
+    reference, ref_params = _setup("native", "int8", optimizer=lo.StableAdamW)
+    reference.step()
+    assert same_snapshot(snapshot(opt, params), snapshot(reference, ref_params))
+    assert opt.backend.fused_elements > 0   # the decoded states took the kernel
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

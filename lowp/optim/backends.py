@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from functools import partial
 from typing import Callable, ClassVar, Iterator, Protocol
 
@@ -111,7 +112,15 @@ class Backend(ABC):
         if not ctx.coded:
             return self.prepare_run(optimizer, ctx, slices)
         taken, rest = self.take_coded(optimizer, ctx, slices)
+        if rest:
+            self.prepare_decoded(optimizer, ctx, rest)
         return partial(run_coded, self, optimizer, ctx, rest, taken)
+
+    def prepare_decoded(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> None:
+        """Prepare what :meth:`run` will need for ``slices`` of a job with coded states once
+        :func:`~lowp.optim.coded.run_coded` has decoded them (their coded states as fp32); the
+        decoded slices exist only while the job writes. Default: nothing to prepare."""
+        return None
 
     def prepare_run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
                     ) -> Callable[[], torch.Tensor | None]:
@@ -303,6 +312,22 @@ class FusedBackend(Backend):
             return None, list(slices)
         taken, rest = coded_slices.admitted(self.kernel, spec, ctx, slices)
         return (self.kernel.prepare(spec, ctx, taken) if taken else None), rest
+
+    def prepare_decoded(self, optimizer, ctx, slices):
+        """The kernel's variants for the decoded slices' dtypes built and loaded
+        (:meth:`Kernel.load <lowp.optim.kernels.kernel.Kernel.load>`), a fused fallback's too."""
+        spec = optimizer.kernel_spec()
+        if isinstance(self.fallback, FusedBackend):
+            self.fallback.prepare_decoded(optimizer, ctx, slices)
+        if spec is None or not self.kernel.supports(spec):
+            return
+        coded = {c.name for c in ctx.coded}
+        plain = replace(ctx, coded=())
+        signatures = {(s.param.dtype, s.grad.dtype, None if s.buffer is None else s.buffer.dtype,
+                       *(torch.float32 if name in coded else t.dtype for name, t in s.states.items()))
+                      for s in slices if s.param.device.type in self.kernel.device_types()}
+        for dtypes in signatures:
+            self.kernel.load(spec, plain, dtypes)
 
     def _fallback(self, optimizer, ctx, slices) -> Callable[[], torch.Tensor | None]:
         """The fallback's part, prepared; the reference's elements are counted when it runs."""

@@ -15,12 +15,14 @@
    :mod:`lowp.optim.writeback`), with Ctrl-C held until all are done (:mod:`lowp.interrupts`);
    each parameter's step counter advances right after the job that wrote its weight and states.
 
-What remains is an error while the jobs write, on checked input: running out of memory for the
-reference pipeline's fp32 temporaries (slices a kernel does not take, coded states decoded
-outside a kernel, a non-contiguous gradient's copy), or a kernel that compiles on its first
-call (``compiled``; Triton's JIT on a launch's first signature). The parameters of the jobs
-before it are then stepped whole, the rest untouched. With every slice on the ``native`` kernel
-the writes are the prepared kernel calls alone. :func:`step_all` is a
+The native kernel's libraries are all loaded by then, the variants that a job's coded states
+decoded outside the kernel will run included (:meth:`~lowp.optim.backends.Backend.prepare_decoded`).
+What remains is an error while the jobs write, on checked input: running out of memory for
+temporaries (the reference pipeline's fp32 copies of slices a kernel does not take, coded states
+decoded outside a kernel, a non-contiguous gradient's copy), or a kernel that compiles on its
+first call (``compiled``; Triton's JIT on a launch's first signature). The parameters of the
+jobs before it are then stepped whole, the rest untouched. With every slice and coded state
+taken by the ``native`` kernel the writes are the prepared kernel calls alone. :func:`step_all` is a
 whole ``step()``, :func:`step_some` the ``step_params`` of gradient release
 (:mod:`lowp.optim.release`); both run :func:`run`.
 """
@@ -414,7 +416,8 @@ class StepPlan:
             prepared.append((key, index, sum(s.numel for s in slices), backend.prepare(optimizer, ctx, slices)))
         if new_step and update_weights:
             optimizer._last_stalled = {}
-        for key, index, numel, call in prepared:
+        while prepared:   # each call dropped once run: its context's scratch buffers go with it
+            key, index, numel, call = prepared.pop(0)
             stalled = call()
             step, weight = key[2], key[6]
             for state in self.counters[key]:

@@ -181,6 +181,13 @@ class Kernel(ABC):
         launches = self.launches(spec, ctx, slices)
         return partial(self.call_launches, spec, ctx, launches, sum(s.numel for s in slices))
 
+    def load(self, spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> None:
+        """Build and load now what a later :meth:`run` at ``ctx`` (plain states) over slices of
+        ``dtypes`` (weight, gradient, buffer or ``None``, states) would build on its first call:
+        the step of block-scaled states that are decoded outside the kernel (:mod:`lowp.optim.coded`)
+        makes such slices only while it writes. Default: nothing to load."""
+        return None
+
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
                       launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
         """Run the prepared ``launches`` of one job, ``numel`` elements in all, at ``ctx``'s step
