@@ -25,7 +25,8 @@ def test_gpt2_lists_are_gpt2_small():
     assert full[0] == (50257, 768) and full[2 + 2] == (768, 2304)
 
 
-@pytest.mark.parametrize("optimizer,dtensor", [("adamw", False), ("sgd", False), ("lion", False), ("adamw", True)],
+@pytest.mark.parametrize("optimizer,dtensor", [("adamw", False), ("sgd", False), ("lion", False),
+                                               pytest.param("adamw", True, marks=pytest.mark.slow)],   # 19 s
                          ids=["adamw", "sgd", "lion", "adamw, DTensor parameters"])
 def test_a_small_run_prints_every_row(optimizer, dtensor):
     """With ``--dtensor`` the lowp rows' steps come from their cached plans too (DTensor

@@ -14,6 +14,7 @@ from lowp.distributed.training_runs import (COLUMNS, SEED_COLUMNS, RecallTask, R
                                             summarize, summarize_seeds, table)
 
 
+@pytest.mark.slow   # 23 s on 2 cores; test_compressed_fsdp and test_compressed_hooks run the wire by default
 def test_script_core_runs_on_two_ranks_and_the_8bit_wire_sends_at_most_055_of_bf16(tmp_path, capsys):
     script = benchmark("compressed_training")
     out, raw = tmp_path / "curves.png", tmp_path / "runs.json"

@@ -14,8 +14,9 @@ from interpreted import run_interpreted
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8", "coded-stochastic",
-                                  pytest.param("coded-nearest", marks=pytest.mark.slow)])   # 14 s
+@pytest.mark.parametrize("case", ["index-kahan", "index-stochastic", "index-exact8",   # the coded ones 14-27 s:
+                                  *(pytest.param(c, marks=pytest.mark.slow)            # test_optim_codes has one
+                                    for c in ("coded-stochastic", "coded-nearest"))])
 def test_triton_stochastic_rounding_bit_identical_to_reference(case):
     """The ``index`` cases also check that the shared helpers fail when the fusing predicate
     refuses every slice (:func:`_assert_helpers_fail_when_refused`; no kernel runs there)."""
