@@ -362,3 +362,36 @@ def test_a_fault_in_a_cached_step_leaves_whole_parameters(monkeypatch):
     assert same_snapshot(after["weights"][2:], before["weights"][2:])
     assert same_snapshot({i: after["state"][i] for i in (2, 3)}, {i: before["state"][i] for i in (2, 3)})
     assert not same_snapshot(after["weights"][:2], before["weights"][:2])
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "nearest"])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_the_dtype_admission_of_decoded_slices_agrees_with_the_kernels(mode, rounding):
+    """``fusable_dtypes`` (which decides, before a step writes, whose decoded slices' kernel
+    variant to load) gives ``fusable``'s answer for every weight, gradient and state dtype, with
+    the kernel rounding fp16 stochastically or not."""
+    from lowp.optim.kernels.kernel import fusable, fusable_dtypes
+    from lowp.optim.slices import ParamSlice, StepContext
+    from lowp.optim.writeback import MODES
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    seen = set()
+    for weight in floats:
+        if mode != "nearest" and weight == torch.float32:
+            continue   # the compensated modes take 16-bit weights
+        for grad in floats:
+            for first in floats:
+                for second in floats:
+                    p = torch.zeros(64, dtype=weight)
+                    opt = lo.AdamW([p], mode=mode, state_rounding=rounding)
+                    group, wb = opt.param_groups[0], MODES[mode]
+                    buffer = None if wb.buffer_name is None else torch.zeros(64, dtype=wb.buffer_dtypes(weight)[0])
+                    s = ParamSlice(p, torch.zeros(64, dtype=grad), {"exp_avg": torch.zeros(64, dtype=first),
+                                                                    "exp_avg_sq": torch.zeros(64, dtype=second)},
+                                   buffer)
+                    ctx = StepContext(group, wb, 1)
+                    dtypes = (weight, grad, None if buffer is None else buffer.dtype, first, second)
+                    for fp16_stochastic in (False, True):
+                        expected = fusable(ctx, s, fp16_stochastic=fp16_stochastic)
+                        assert fusable_dtypes(ctx, dtypes, fp16_stochastic) == expected, (dtypes, fp16_stochastic)
+                        seen.add(expected)
+    assert seen == {True, False} or (mode == "nearest" and rounding == "nearest")

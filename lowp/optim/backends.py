@@ -31,7 +31,7 @@ from lowp.optim.kernels import CompiledKernel, Kernel, NativeKernel, TritonKerne
     native_available, triton_available
 from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
-from lowp.optim.kernels.kernel import partition
+from lowp.optim.kernels.kernel import fusable_dtypes, partition
 from lowp.optim.coded import run_coded
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
@@ -326,8 +326,9 @@ class FusedBackend(Backend):
         signatures = {(s.param.dtype, s.grad.dtype, None if s.buffer is None else s.buffer.dtype,
                        *(torch.float32 if name in coded else t.dtype for name, t in s.states.items()))
                       for s in slices if s.param.device.type in self.kernel.device_types()}
-        for dtypes in signatures:
-            self.kernel.load(spec, plain, dtypes)
+        for dtypes in signatures:   # only those the kernel would admit: others take the fallback
+            if fusable_dtypes(plain, dtypes, self.kernel.fp16_stochastic):
+                self.kernel.load(spec, plain, dtypes)
 
     def _fallback(self, optimizer, ctx, slices) -> Callable[[], torch.Tensor | None]:
         """The fallback's part, prepared; the reference's elements are counted when it runs."""

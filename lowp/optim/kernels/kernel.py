@@ -56,6 +56,22 @@ def fusable(ctx: StepContext, s: ParamSlice, min_numel: int = 2, fp16_stochastic
     return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
 
 
+def fusable_dtypes(ctx: StepContext, dtypes: tuple[torch.dtype | None, ...], fp16_stochastic: bool = False) -> bool:
+    """The dtype part of :func:`fusable` for a slice of ``dtypes`` (weight, gradient, buffer or
+    ``None``, states): whether the kernels support them in ``ctx``'s mode and state rounding (the
+    slices a step makes while it writes, block-scaled states decoded into fp32, are judged by
+    their dtypes before they exist)."""
+    weight, grad, buffer, *states = dtypes
+    if weight not in _KERNEL_FLOATS or grad not in _KERNEL_FLOATS or any(d not in _KERNEL_FLOATS for d in states):
+        return False
+    if buffer is not None and buffer not in ctx.mode.buffer_dtypes(weight):
+        return False
+    if ctx.mode.stochastic_weight_dtype and weight not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
+        return False
+    stochastic_states = ctx.group["state_rounding"] == "stochastic"
+    return fp16_stochastic or not (stochastic_states and torch.float16 in states)
+
+
 def partition(items: list[T], keep: Callable[[T], bool]) -> tuple[list[T], list[T]]:
     """``(items where keep, the others)``, each in the original order, in one pass."""
     kept: list[T] = []

@@ -134,9 +134,8 @@ class NativeKernel(Kernel):
 
     def load(self, spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> None:
         """The library of the variant of ``dtypes`` at ``ctx`` built and loaded (its step and, with
-        a per-tensor reduction, its sums come from it), when every dtype is one the kernel takes."""
-        if all(d is None or d in DTYPE_CODES for d in dtypes):
-            step_function(variant_source(spec.name, variant_for(spec, ctx, dtypes)))
+        a per-tensor reduction, its sums come from it)."""
+        step_function(variant_source(spec.name, variant_for(spec, ctx, dtypes)))
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
                       launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
