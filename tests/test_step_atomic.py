@@ -364,7 +364,7 @@ def test_a_fault_in_a_cached_step_leaves_whole_parameters(monkeypatch):
     assert not same_snapshot(after["weights"][:2], before["weights"][:2])
 
 
-@pytest.mark.parametrize("mode", ["kahan", "stochastic", "nearest"])
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "nearest", "exact", "exact8", "master"])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_the_dtype_admission_of_decoded_slices_agrees_with_the_kernels(mode, rounding):
     """``fusable_dtypes`` (which decides, before a step writes, whose decoded slices' kernel
@@ -376,22 +376,62 @@ def test_the_dtype_admission_of_decoded_slices_agrees_with_the_kernels(mode, rou
     floats = (torch.float32, torch.bfloat16, torch.float16)
     seen = set()
     for weight in floats:
-        if mode != "nearest" and weight == torch.float32:
-            continue   # the compensated modes take 16-bit weights
+        exact = mode in ("exact", "exact8")
+        if (mode != "nearest" and weight == torch.float32) or (exact and weight != torch.bfloat16):
+            continue   # the compensated modes take 16-bit weights, the exact ones bf16
         for grad in floats:
             for first in floats:
                 for second in floats:
                     p = torch.zeros(64, dtype=weight)
                     opt = lo.AdamW([p], mode=mode, state_rounding=rounding)
                     group, wb = opt.param_groups[0], MODES[mode]
-                    buffer = None if wb.buffer_name is None else torch.zeros(64, dtype=wb.buffer_dtypes(weight)[0])
-                    s = ParamSlice(p, torch.zeros(64, dtype=grad), {"exp_avg": torch.zeros(64, dtype=first),
-                                                                    "exp_avg_sq": torch.zeros(64, dtype=second)},
-                                   buffer)
-                    ctx = StepContext(group, wb, 1)
-                    dtypes = (weight, grad, None if buffer is None else buffer.dtype, first, second)
-                    for fp16_stochastic in (False, True):
-                        expected = fusable(ctx, s, fp16_stochastic=fp16_stochastic)
-                        assert fusable_dtypes(ctx, dtypes, fp16_stochastic) == expected, (dtypes, fp16_stochastic)
-                        seen.add(expected)
-    assert seen == {True, False} or (mode == "nearest" and rounding == "nearest")
+                    for kind in (wb.buffer_dtypes(weight) or (None,)) if wb.buffer_name else (None,):
+                        buffer = None if kind is None else torch.zeros(64, dtype=kind)
+                        s = ParamSlice(p, torch.zeros(64, dtype=grad), {"exp_avg": torch.zeros(64, dtype=first),
+                                                                        "exp_avg_sq": torch.zeros(64, dtype=second)},
+                                       buffer)
+                        ctx = StepContext(group, wb, 1)
+                        dtypes = (weight, grad, kind, first, second)
+                        for fp16_stochastic in (False, True):
+                            expected = fusable(ctx, s, fp16_stochastic=fp16_stochastic)
+                            assert fusable_dtypes(ctx, dtypes, fp16_stochastic) == expected, (dtypes, fp16_stochastic)
+                            seen.add(expected)
+    assert True in seen
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native codec")
+@pytest.mark.parametrize("backend", ["foreach", "native"])
+def test_the_codec_of_decoded_states_is_loaded_before_the_first_write(backend, monkeypatch):
+    """Coded states that no kernel takes are decoded and encoded by the native codec while their
+    job writes; its library is loaded when the job is prepared, before any job writes (a first
+    use mid-write could fail after the earlier jobs were stepped). StableAdamW's states are always
+    decoded outside the kernel; a plain job (16-bit states under coded_min_numel) comes first."""
+    from lowp.optim.kernels.native import codec as native_codec
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.1).bfloat16()) for n in (64, 4096)]
+    opt = lo.StableAdamW(params, lr=1e-2, backend=backend, seed=1,
+                         state_dtype={"exp_avg": torch.int8, "exp_avg_sq": torch.uint8})
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    events: list[str] = []
+    for name in ("decode_function", "encode_function"):
+        original = getattr(native_codec, name)
+
+        def recorded(*args, _original=original, _name=name):
+            events.append(_name)
+            return _original(*args)
+        monkeypatch.setattr(native_codec, name, recorded)
+    prepare = lo.backends.Backend.prepare
+
+    def recorded_prepare(self, optimizer, ctx, slices):
+        call = prepare(self, optimizer, ctx, slices)
+
+        def run():
+            events.append("call")
+            return call()
+        return run
+    monkeypatch.setattr(lo.backends.Backend, "prepare", recorded_prepare)
+    opt.step()
+    assert events.count("call") == 2, events
+    first_call = events.index("call")
+    assert "decode_function" in events[:first_call] and "encode_function" in events[:first_call], events

@@ -32,7 +32,7 @@ from lowp.optim.kernels import CompiledKernel, Kernel, NativeKernel, TritonKerne
 from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import fusable_dtypes, partition
-from lowp.optim.coded import run_coded
+from lowp.optim.coded import load_codec, run_coded
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
@@ -108,11 +108,13 @@ class Backend(ABC):
         A job whose context names coded states (``ctx.coded``, their block scales on each slice)
         goes through :func:`lowp.optim.coded.run_coded`: the slices a kernel takes as they are
         (:meth:`take_coded`, prepared here), the others decoded, :meth:`run`, encoded; any other
-        job is :meth:`prepare_run`'s."""
+        job is :meth:`prepare_run`'s. The native codec's library, which decodes and encodes the
+        others on the CPU, is loaded here too (:func:`~lowp.optim.coded.load_codec`)."""
         if not ctx.coded:
             return self.prepare_run(optimizer, ctx, slices)
         taken, rest = self.take_coded(optimizer, ctx, slices)
         if rest:
+            load_codec(rest)
             self.prepare_decoded(optimizer, ctx, rest)
         return partial(run_coded, self, optimizer, ctx, rest, taken)
 

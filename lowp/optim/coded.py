@@ -37,7 +37,7 @@ from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
 
-__all__ = ["run_coded", "Stepper"]
+__all__ = ["run_coded", "load_codec", "Stepper"]
 
 
 class Stepper(Protocol):
@@ -146,6 +146,14 @@ def _encode(ctx: StepContext, pieces: list[_Piece], plain: list[ParamSlice], cod
             jobs.append(native_codec.Encoding(values, codes, scales, bits))
         if jobs:
             native_codec.encode_many(jobs, c.code, block)
+
+
+def load_codec(slices: list[ParamSlice]) -> None:
+    """Load the native codec's library now when :func:`run_coded` may call it for ``slices`` (CPU
+    memory, the codec available here), before the step's first write
+    (:meth:`~lowp.optim.backends.Backend.prepare`)."""
+    if any(s.param.device.type == "cpu" for s in slices) and native_codec.available():
+        native_codec.load()
 
 
 def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[ParamSlice],

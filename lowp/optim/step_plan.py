@@ -16,7 +16,8 @@
    each parameter's step counter advances right after the job that wrote its weight and states.
 
 The native kernel's libraries are all loaded by then, the variants that a job's coded states
-decoded outside the kernel will run included (:meth:`~lowp.optim.backends.Backend.prepare_decoded`).
+decoded outside the kernel will run included (:meth:`~lowp.optim.backends.Backend.prepare_decoded`),
+and so is the native codec that decodes and encodes those states.
 What remains is an error while the jobs write, on checked input: running out of memory for
 temporaries (the reference pipeline's fp32 copies of slices a kernel does not take, coded states
 decoded outside a kernel, a non-contiguous gradient's copy), or a kernel that compiles on its

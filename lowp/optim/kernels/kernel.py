@@ -19,8 +19,8 @@ from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["CHECKS", "Kernel", "KernelLaunch", "fusable", "partition", "grad_factor", "gradient_factor", "slice_keys",
-           "by_signature", "stream_count", "step_numbers"]
+__all__ = ["CHECKS", "Kernel", "KernelLaunch", "fusable", "fusable_dtypes", "partition", "grad_factor",
+           "gradient_factor", "slice_keys", "by_signature", "stream_count", "step_numbers"]
 
 #: the non-finite check a prepared launch runs (:meth:`KernelLaunch.call`): none, skip the
 #: parameters whose gradient holds a NaN or an infinity, skip the whole launch

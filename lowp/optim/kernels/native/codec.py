@@ -107,6 +107,14 @@ def available() -> bool:
     return native_available()
 
 
+def load() -> None:
+    """Build (or take from the cache) and load the codec's library now: a step whose block-scaled
+    states are decoded outside its kernel would otherwise load it on first use, while it writes
+    (:func:`lowp.optim.coded.load_codec`)."""
+    decode_function(codec_source())
+    encode_function(codec_source())
+
+
 def scale_code(dtype: torch.dtype) -> int:
     """The ``ScaleType`` of ``native/simd.h`` of a scale dtype."""
     return _SCALES[dtype]

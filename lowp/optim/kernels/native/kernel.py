@@ -134,7 +134,8 @@ class NativeKernel(Kernel):
 
     def load(self, spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> None:
         """The library of the variant of ``dtypes`` at ``ctx`` built and loaded (its step and, with
-        a per-tensor reduction, its sums come from it)."""
+        a per-tensor reduction, its sums come from it). The caller passes dtypes the kernel admits
+        (:func:`~lowp.optim.kernels.kernel.fusable_dtypes`); others have no variant (``KeyError``)."""
         step_function(variant_source(spec.name, variant_for(spec, ctx, dtypes)))
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
