@@ -49,11 +49,18 @@ def fusable(ctx: StepContext, s: ParamSlice, min_numel: int = 2, fp16_stochastic
         return False
     if type(grad) not in PLAIN_TYPES or grad.is_neg() or grad.dtype not in floats:
         return False
-    rounds_stochastically = _LOW16 if fp16_stochastic else (torch.bfloat16,)
-    if ctx.mode.stochastic_weight_dtype and param.dtype not in rounds_stochastically:
+    return _rounding_admits(ctx, param.dtype, [t.dtype for t in s.states.values()], fp16_stochastic)
+
+
+def _rounding_admits(ctx: StepContext, weight: torch.dtype, states: Sequence[torch.dtype | None],
+                     fp16_stochastic: bool) -> bool:
+    """Whether the kernels round ``weight`` and ``states`` as ``ctx`` asks: a stochastically
+    rounded weight in bf16 (fp16 too with ``fp16_stochastic``), stochastically rounded states in
+    no fp16 unless ``fp16_stochastic``."""
+    if ctx.mode.stochastic_weight_dtype and weight not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
         return False
     stochastic_states = ctx.group["state_rounding"] == "stochastic"
-    return fp16_stochastic or not (stochastic_states and any(t.dtype == torch.float16 for t in s.states.values()))
+    return fp16_stochastic or not (stochastic_states and torch.float16 in states)
 
 
 def fusable_dtypes(ctx: StepContext, dtypes: tuple[torch.dtype | None, ...], fp16_stochastic: bool = False) -> bool:
@@ -66,10 +73,7 @@ def fusable_dtypes(ctx: StepContext, dtypes: tuple[torch.dtype | None, ...], fp1
         return False
     if buffer is not None and buffer not in ctx.mode.buffer_dtypes(weight):
         return False
-    if ctx.mode.stochastic_weight_dtype and weight not in (_LOW16 if fp16_stochastic else (torch.bfloat16,)):
-        return False
-    stochastic_states = ctx.group["state_rounding"] == "stochastic"
-    return fp16_stochastic or not (stochastic_states and torch.float16 in states)
+    return _rounding_admits(ctx, weight, states, fp16_stochastic)
 
 
 def partition(items: list[T], keep: Callable[[T], bool]) -> tuple[list[T], list[T]]:
