@@ -35,7 +35,8 @@ EXTRA = {ROWS[1]: {"coded_min_numel": 0}, ROWS[2]: {"coded_min_numel": 0}, ROWS[
 BASELINE = ROWS[0]
 
 
-def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, world_size: int) -> list[torch.Tensor]:
+def fsdp_params(shapes: list[tuple[int, ...]], dtype: torch.dtype, world_size: int) -> list[torch.Tensor]:
+    """Parameters of ``shapes`` (normal, seed 0) sharded ``Shard(0)`` over a 1-D mesh of the ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world_size,))
@@ -44,11 +45,12 @@ def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, world_size: int) 
                                                  src_data_rank=None)) for s in shapes]
 
 
-def _grads(params: list[torch.Tensor], step: int) -> None:
+def fsdp_grads(params: list[torch.Tensor], step: int, scale: float = 1e-3) -> None:
+    """Gradients of step ``step`` (normal, times ``scale``) placed like each parameter."""
     from torch.distributed.tensor import distribute_tensor
     g = torch.Generator().manual_seed(1000 + step)
     for p in params:
-        full = (torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype)
+        full = (torch.randn(p.shape, generator=g) * scale).to(p.dtype)
         p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
 
 
@@ -57,15 +59,15 @@ def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int) -> d
     torch.set_num_threads(threads)
     shapes = gpt2_shapes(scale)
     eight = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
-    runs = {ROWS[0]: torch.optim.AdamW(_params(shapes, torch.float32, world_size), lr=1e-3, weight_decay=1e-2,
+    runs = {ROWS[0]: torch.optim.AdamW(fsdp_params(shapes, torch.float32, world_size), lr=1e-3, weight_decay=1e-2,
                                        fused=True)}
     for row in ROWS[1:]:
-        runs[row] = lo.AdamW(_params(shapes, torch.bfloat16, world_size), lr=1e-3, weight_decay=1e-2,
+        runs[row] = lo.AdamW(fsdp_params(shapes, torch.bfloat16, world_size), lr=1e-3, weight_decay=1e-2,
                              mode="exact8", state_dtype=eight, fused=True, seed=0, **EXTRA[row])
     times: dict[str, list[float]] = {row: [] for row in ROWS}
     for t in range(steps + 2):   # two warm-up steps: the first full step, then the plan's first
         for row, opt in runs.items():
-            _grads(opt.param_groups[0]["params"], t)
+            fsdp_grads(opt.param_groups[0]["params"], t)
             if row == ROWS[1]:
                 opt._plans.drop()   # noqa: SLF001 - this row measures the step without a plan
             torch.distributed.barrier()

@@ -459,6 +459,63 @@ def per_tensor_coded_run(params: list[torch.Tensor], set_grad) -> dict[str, torc
     return snapshot(opt, params)
 
 
+#: StableAdamW's sums exchanged between FSDP2 shards: shapes whose 2-rank (and 4-rank) row
+#: boundaries fall inside a unit of 2**15 elements, inside a 16-element block (39,321 = 16 * 2,457 + 9)
+#: and on a block edge (80,000), a small matrix, a one-row matrix (rank 0 holds all of it, the
+#: others nothing) and an fp32 vector
+SUMS_SHAPES = [(5, 13107), (3, 40000), (6, 5), (1, 40)]
+
+
+def sums_full(seed: int) -> list[torch.Tensor]:
+    """bf16 tensors of :data:`SUMS_SHAPES` and an fp32 vector: parameters (``seed`` 0) or a step's
+    gradients, of mixed scales (the RMS clip is active on some tensors and steps)."""
+    g = torch.Generator().manual_seed(seed)
+    out = [(torch.randn(s, generator=g) * 10.0 ** (seed % 3 - 1)).bfloat16() for s in SUMS_SHAPES]
+    return out + [torch.randn(9, generator=g)]
+
+
+#: (backend, sharding.SUMS_MIN_NUMEL) of :func:`sums_case`: every sum exchanged, native and
+#: reference, then the default threshold (the large parameter exchanged, the others gathered)
+SUMS_RUNS = [("fused", 0), ("unfused", 0), ("fused", 1 << 16)]
+
+
+def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int) -> dict[str, Any]:
+    """StableAdamW (kahan, the native kernel or the reference) for :data:`STEPS` steps with the
+    whole-tensor sums of :mod:`lowp.optim.sharded_sums` for parameters of at least ``threshold``
+    elements: the snapshot, how many tensors ``gather_many`` received, and how many shards' sums
+    were exchanged."""
+    from lowp.optim import sharded_sums, sharding
+    opt = lo.StableAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, **BACKENDS[backend])
+    counts = {"gathered": 0, "exchanged": 0}
+    real_gather, real_exchange, real_threshold = sharding.gather_many, sharded_sums.exchange, sharding.SUMS_MIN_NUMEL
+
+    def gather_many(tensors):
+        counts["gathered"] += len(tensors)
+        return real_gather(tensors)
+
+    def exchange(optimizer, jobs):
+        real_exchange(optimizer, jobs)
+        counts["exchanged"] += sum(s.tensor_sum is not None and s.tensor_sum.total is not None
+                                   for _, slices in jobs for s in slices)
+    sharding.gather_many, sharded_sums.exchange, sharding.SUMS_MIN_NUMEL = gather_many, exchange, threshold
+    try:
+        for t in range(STEPS):
+            for p, g in zip(params, sums_full(100 + t)):
+                set_grad(p, g)
+            opt.step()
+    finally:
+        sharding.gather_many, sharded_sums.exchange = real_gather, real_exchange
+        sharding.SUMS_MIN_NUMEL = real_threshold
+    return {"snapshot": snapshot(opt, params), "counts": counts,
+            "fused": opt.backend.fused_elements if backend == "fused" else -1}
+
+
+def sums_case(world_size: int) -> dict[str, Any]:
+    """:func:`sums_run` of each of :data:`SUMS_RUNS` on FSDP2 parameters."""
+    return {f"{backend}-{threshold}": sums_run(fsdp_params(world_size, sums_full(0)), set_dtensor_grad, backend,
+                                               threshold) for backend, threshold in SUMS_RUNS}
+
+
 #: where :func:`remainder_failure_case` makes the step fail: from the plan, in the remainder's full
 #: step before it writes anything (its backend), or in the plan's own first launch, after the
 #: remainder's step has encoded its gathered copies; or in a full step (the plan dropped), in the
@@ -638,6 +695,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``remainder_failure``: :func:`remainder_failure_case`;
     - ``decode``: :func:`decode_case`;
     - ``per_tensor_coded``: :func:`per_tensor_coded_run` on FSDP2 parameters;
+    - ``sums``: :func:`sums_case`;
     - ``reduce_scatter``: :func:`reduce_scatter_checks`;
     - ``errors``: :func:`placement_errors`;
     - ``gather``: :func:`gather_checks`;
@@ -663,6 +721,8 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     out["coded_plans"] = [coded_plan_case(world_size, *c) for c in spec.get("coded_plans", [])]
     if spec.get("decode"):
         out["decode"] = decode_case(world_size)
+    if spec.get("sums"):
+        out["sums"] = sums_case(world_size)
     if spec.get("per_tensor_coded"):
         out["per_tensor_coded"] = per_tensor_coded_run(fsdp_params(world_size, coded_full(0)), set_dtensor_grad)
     if spec.get("remainder_failure"):

@@ -179,3 +179,40 @@ def test_the_same_sum_on_cuda():
     gen = torch.Generator().manual_seed(1)
     terms = torch.randn(2 * UNIT + 77, generator=gen).mul(4).exp()
     assert ordered_sum(terms.cuda()) == ordered_sum(terms)
+
+
+#: (elements, cut points): ranges of FSDP-like shards and worse: inside a block, on block and
+#: unit edges, several ranges inside one block, a range of one element, empty ranges, the padded
+#: last block split, and a range holding whole units between two partial ones
+CUTS = [(17, [9]), (33, [1, 2, 3, 20]), (UNIT + 3, [UNIT + 1]), (2 * UNIT + 7, [5, UNIT, UNIT + 16]),
+        (3 * UNIT, [UNIT // 2 + 9, UNIT // 2 + 9, 2 * UNIT + 5]), (5 * UNIT + 300, [7, 4 * UNIT + 311]),
+        (70001, [23333, 46666]), (1000, [0, 1000])]
+
+
+@pytest.mark.parametrize("n,cuts", CUTS)
+def test_pieces_of_ranges_give_the_whole_sum_bit_for_bit(n, cuts):
+    """The pieces of contiguous ranges covering a tensor (a replica's rows repeated) rebuild its
+    ordered sum exactly in float64; the same pieces added in another order (their plain sum) do
+    not, so the data tell the orders apart."""
+    gen = torch.Generator().manual_seed(n)
+    terms = torch.rand(n, generator=gen) * torch.exp2(torch.randint(-40, 40, (n,), generator=gen).float())
+    edges = [0, *cuts, n]
+    rows = [order.pieces(terms[a:b], a, n) for a, b in zip(edges, edges[1:])]
+    assert all(r.dtype == torch.float64 and r.shape[1] == 3 for r in rows)
+    want = ordered_sum(terms)
+    assert order.total_from_pieces(torch.cat(rows + rows[:1]), n) == want
+    assert order.total_from_pieces(torch.cat(rows[::-1]), n) == want   # the rows in any order
+    if n > 1000:
+        assert float(torch.cat(rows)[:, 2].sum()) != want
+        kinds = torch.cat(rows)[:, 0]
+        assert (kinds == order.UNIT_SUM).any() and (kinds == order.TERM).any()
+
+
+def test_pieces_refuse_what_they_cannot_place():
+    terms = torch.ones(20)
+    with pytest.raises(ValueError, match="first: elements \\[10, 30\\) are not inside a tensor of 25"):
+        order.pieces(terms, 10, 25)
+    with pytest.raises(TypeError, match="terms: expected a float32 tensor, got torch.float64"):
+        order.pieces(terms.double(), 0, 20)
+    with pytest.raises(ValueError, match="pieces: element 3 of a tensor of 40 elements is in no piece"):
+        order.total_from_pieces(order.pieces(terms[:3], 0, 40), 40)

@@ -106,7 +106,8 @@ def two_ranks(first_rank):
             "reload": True, "load": ["kahan-1", "exact-1", f"{w.CODED}-1"], "mp": ["fp32", "bf16"],
             "reduce_scatter": True, "errors": True, "gather": True, "coded": w.CODED_CASES,
             "plan_changes": list(w.PLAN_CHANGES), "grad_scaler": GRAD_SCALER_CASES, "coded_plans": w.CODED_PLAN_CASES,
-            "remainder_failure": True, "decode": True, "per_tensor_coded": True, "coded_state_dicts": coded_dicts()}
+            "remainder_failure": True, "decode": True, "per_tensor_coded": True, "sums": True,
+            "coded_state_dicts": coded_dicts()}
     return folder, run_local_group(w.session, 2, spec, timeout_s=120)
 
 
@@ -146,7 +147,8 @@ def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[to
                             want: torch.Tensor) -> None:
     """Where the elements of a sharded run went, per rank ``(fused, reference)`` element-steps,
     against the single-process run's ``want``: FSDP shards (contiguous rows) split the same
-    elements over the ranks, replicated ranks and per-tensor optimizers (gathered full tensors)
+    elements over the ranks, replicated ranks and per-tensor optimizers (gathered full tensors:
+    these shapes are below ``sharding.SUMS_MIN_NUMEL``, :func:`assert_sums_case` has the exchange)
     each run all of them, and ``Shard(1)`` slices of a matrix (not one contiguous range) take the
     reference pipeline. The compiled backend leaves one-element shards (4 ranks) to the reference
     too. ``-1``: a backend without kernels."""
@@ -155,7 +157,7 @@ def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[to
         assert torch.equal(want, torch.tensor([-1, -1])) and all(torch.equal(r, want) for r in ranks)
         return
     assert (int(want[0]) == 0) == (name == "Adafactor"), f"{name}: {want.tolist()}"  # no fused form of Adafactor
-    if layout == "replicate" or not w.OPTIMIZERS[name][0].elementwise:
+    if layout == "replicate" or not w.OPTIMIZERS[name][0].elementwise:   # SHAPES are below SUMS_MIN_NUMEL
         assert all(torch.equal(r, want) for r in ranks), f"{ranks} against {want}"
     elif layout == "fsdp":
         assert int(total.sum()) == int(want.sum()), f"{ranks} against {want}"
@@ -406,6 +408,38 @@ def test_block_scaled_states_of_a_per_tensor_optimizer(two_ranks):
         assert_same(results["per_tensor_coded"], want, f"rank {rank}")
 
 
+def assert_sums_case(ranks: list[dict], world_size: int) -> None:
+    """StableAdamW on FSDP2 shards with the whole tensors' sums exchanged (lowp.optim.sharded_sums):
+    the single-process bits on every rank, native kernel and reference, every parameter's sum
+    exchanged (``SUMS_MIN_NUMEL`` 0) with nothing gathered, or (the default threshold) the large
+    parameter's exchanged and the small ones gathered in the same step; the native kernel's
+    element-steps add up to the single process's only when nothing is gathered."""
+    sharded = (len(w.SUMS_SHAPES) + 1) * w.STEPS if world_size > 1 else 0
+    large = sum(math.prod(s) >= sharding.SUMS_MIN_NUMEL for s in w.SUMS_SHAPES) * w.STEPS if world_size > 1 else 0
+    for backend, threshold in w.SUMS_RUNS:
+        params = [p.clone().requires_grad_() for p in w.sums_full(0)]
+        want = w.sums_run(params, w._set_plain_grad, backend, threshold)
+        assert want["counts"] == {"gathered": 0, "exchanged": 0}
+        fused = 0
+        for rank, results in enumerate(ranks):
+            got = results["sums"][f"{backend}-{threshold}"]
+            assert_same(got["snapshot"], want["snapshot"], f"{backend}, rank {rank} of {world_size}")
+            if threshold == 0:
+                assert got["counts"] == {"gathered": 0, "exchanged": sharded}, (backend, rank, got["counts"])
+            else:   # the small parameters' weight, gradient, two states and buffer (the fp32 one has none)
+                small = len(w.SUMS_SHAPES) - large // w.STEPS
+                assert got["counts"]["exchanged"] == large and 0 < large < sharded, (rank, got["counts"])
+                assert got["counts"]["gathered"] == (5 * small + 4) * w.STEPS, (rank, got["counts"])
+            fused += got["fused"]
+        if backend == "fused" and threshold == 0:
+            assert fused == want["fused"] > 0, (fused, want["fused"])
+
+
+def test_per_tensor_sums_exchanged_not_gathered(two_ranks):
+    _, ranks = two_ranks
+    assert_sums_case(ranks, 2)
+
+
 @pytest.mark.parametrize("where", w.FAILURES)
 def test_an_error_in_a_step_with_a_remainder_changes_nothing(two_ranks, where):
     """A step from a plan runs its remainder's full step on gathered copies (block scales
@@ -558,15 +592,17 @@ def test_fp32_reduce_scatter_in_fsdp_and_advisor(two_ranks):
 
 @pytest.mark.slow
 def test_four_ranks_and_one_to_many_reshard(tmp_path):
-    """4 ranks (one with an empty shard of the (6, 5) parameter), the compiled backend too; a
+    """4 ranks (one with an empty shard of the (6, 5) parameter), the compiled backend too,
+    StableAdamW's exchanged sums (:func:`assert_sums_case`); a
     1-rank checkpoint resumed at 4; block-scaled states where fewer blocks fit the shards than at
     2 ranks (the 64-vector's codes are replicated at 4 ranks, sharded at 2)."""
     modes = ["kahan", "exact", w.CODED]
     one = run_local_group(w.session, 1, {"folder": str(tmp_path), "save": modes}, timeout_s=120)[0]
     cases = CASES + COMPILED_CASES
     spec = {"folder": str(tmp_path), "steps": cases, "load": [f"{m}-1" for m in modes], "coded": w.CODED_CASES,
-            "coded_state_dicts": coded_dicts(), "gather": True}
+            "coded_state_dicts": coded_dicts(), "gather": True, "sums": True}
     ranks = run_local_group(w.session, 4, spec, timeout_s=300)
+    assert_sums_case(ranks, 4)   # the (3, 40000) parameter leaves rank 3 an empty shard
     for rank, results in enumerate(ranks):
         assert_gather_many(results, 4)
         for case, got in zip(w.CODED_CASES, results["coded"]):

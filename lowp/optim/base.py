@@ -238,6 +238,15 @@ class LowpOptimizer(torch.optim.Optimizer):
             return None
         return spec
 
+    @classmethod
+    def shards_sums(cls) -> bool:
+        """Whether this per-tensor optimizer steps the shards of a DTensor parameter with the
+        whole tensor's sum exchanged between the ranks (:mod:`lowp.optim.sharded_sums`) rather
+        than on gathered copies: its class's spec has a ``tensor_sum``, its ``update`` is the one
+        the spec mirrors, and it gives the terms (``tensor_terms``)."""
+        return cls.spec is not None and cls.spec.tensor_sum is not None and cls.update is cls._spec_update \
+            and callable(getattr(cls, "tensor_terms", None))
+
     # ---- subclass hooks -------------------------------------------------------------------
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
         """Names of the optimizer states of ``param`` (the spec's, by default)."""

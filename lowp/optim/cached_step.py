@@ -343,6 +343,8 @@ class CachedStep:
                ) -> CachedStep | None:
         backend = optimizer.backend
         gathered = {id(full.param) for full, _, _ in plan.gathered}
+        if any(s.tensor_sum is not None for slices in plan.jobs.values() for s in slices):
+            return None   # a shard's per-tensor sum is exchanged anew by every step (a full one)
         if not (type(backend) is FusedBackend and backend.kernel.keeps_plans) or (gathered and subset is not None):
             return None
         spec = optimizer.kernel_spec()

@@ -23,7 +23,7 @@ from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.storage import store, working_copy
 from lowp.optim.writeback import LOW_PRECISION
 
-__all__ = ["apply_batch"]
+__all__ = ["apply_batch", "working_grads"]
 
 #: Batches of fewer elements take fresh temporaries: the heap serves them without page faults,
 #: and the scratch's bookkeeping would cost more than it saves.
@@ -35,8 +35,10 @@ class LowpOptimizer(Protocol):
     which imports this module)."""
 
     def update(self, group: dict[str, Any], weights: list[torch.Tensor], grads: list[torch.Tensor],
-               states: dict[str, list[torch.Tensor]], step: int) -> list[torch.Tensor]:
-        """The intended weight changes (fresh fp32 tensors)."""
+               states: dict[str, list[torch.Tensor]], step: int, **sums: Any) -> list[torch.Tensor]:
+        """The intended weight changes (fresh fp32 tensors); a per-tensor optimizer that steps
+        shards (:attr:`ParamSlice.tensor_sum <lowp.optim.slices.ParamSlice.tensor_sum>`) takes
+        ``sums``: per tensor its whole tensor's ``(total, numel)`` or ``None``."""
 
 
 def _scratch_copies(tensors: list[torch.Tensor], scratch: Scratch, name: str, device: torch.device
@@ -57,23 +59,33 @@ def _working_copies(tensors: list[torch.Tensor], scratch: Scratch, name: str, de
     return [t if t.dtype in (torch.float32, torch.float64) else working_copy(t, next(outs)) for t in tensors]
 
 
+def working_grads(ctx: StepContext, batch: list[ParamSlice], scratch: Scratch) -> list[torch.Tensor]:
+    """The gradients of ``batch`` as ``update`` reads them: fp32 working copies (in ``scratch``)
+    times ``-1`` under ``maximize`` and times ``ctx.inv_scale``; an fp32 gradient needing no
+    factor is the gradient itself."""
+    grads = _working_copies([s.grad for s in batch], scratch, "grads", batch[0].param.device)
+    factor = (-1.0 if ctx.group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
+    if factor != 1.0:
+        grads = [g.mul_(factor) if g is not s.grad else g * factor for g, s in zip(grads, batch)]
+    return grads
+
+
 def apply_batch(optimizer: LowpOptimizer, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
     """The reference pipeline for one batch: fp32 working copies, ``update``, store states
     with their rounding, write the weights back with the mode. Returns the stalled count.
     Working copies, random bits and the write-back's temporaries live in ``ctx.scratch``."""
     group, mode, scratch = ctx.group, ctx.mode, ctx.scratch
     device = batch[0].param.device
-    grads = _working_copies([s.grad for s in batch], scratch, "grads", device)
-    factor = (-1.0 if group["maximize"] else 1.0) * (1.0 if ctx.inv_scale is None else ctx.inv_scale)
-    if factor != 1.0:
-        grads = [g.mul_(factor) if g is not s.grad else g * factor for g, s in zip(grads, batch)]
+    grads = working_grads(ctx, batch, scratch)
     loaded = iter(_scratch_copies([s.param for s in batch if s.param.dtype in LOW_PRECISION], scratch, "weights",
                                   device))
     weights = [mode.load(s.param, s.buffer, next(loaded) if s.param.dtype in LOW_PRECISION else None)
                for s in batch]
     names = list(batch[0].states)
     states = {n: _working_copies([s.states[n] for s in batch], scratch, f"state {n}", device) for n in names}
-    updates = optimizer.update(group, weights, grads, states, ctx.step)
+    whole = [s.tensor_sum for s in batch]
+    sums = {"sums": [None if t is None else (t.total, t.numel) for t in whole]} if any(whole) else {}
+    updates = optimizer.update(group, weights, grads, states, ctx.step, **sums)
     counts: list[torch.Tensor] = []
     rounding = group["state_rounding"]
     for i, s in enumerate(batch):

@@ -10,9 +10,13 @@ needs the other ranks:
 
 - the non-finite check: one all-reduce (MIN) of the per-parameter flags of a step, so that
   ``skip_param`` / ``skip_step`` decide the same on every rank (:func:`agree`);
-- optimizers whose update is not elementwise (StableAdamW's per-tensor RMS, Adafactor's factors
-  and RMS clip): the parameter, its gradient, states and buffer are all-gathered, the step runs
-  on the full tensors exactly as on one process, and each rank keeps its box
+- a per-tensor sum (StableAdamW's RMS) of a parameter sharded in contiguous ranges (FSDP2): each
+  rank sends the pieces of the sum over its range, every rank adds them up in the one order of
+  :mod:`lowp.optim.ordered_sum`, and the step runs on the local shards
+  (:mod:`lowp.optim.sharded_sums`): one all-gather of a few numbers per boundary;
+- other updates that are not elementwise (Adafactor's factors and RMS clip, StableAdamW on other
+  layouts or with coded states): the parameter, its gradient, states and buffer are all-gathered,
+  the step runs on the full tensors exactly as on one process, and each rank keeps its box
   (:func:`make_slices`, :class:`Gathered`). This is bit-for-bit the unsharded step; the price is
   one all-gather of the tensors of all such parameters per step (:func:`gather_many`) and
   full-size temporaries;
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeGuard, cast
 import torch
 import torch.distributed as dist
 
-from lowp.optim.slices import ParamSlice
+from lowp.optim.slices import ParamSlice, TensorSum
 from lowp.optim.randomness import ElementIndex
 
 if TYPE_CHECKING:
@@ -46,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["make_slices", "gather_many", "SliceRequest", "Gathered", "is_dtensor", "local", "new_state",
            "new_tensor", "coded_placements", "new_buffer", "element_index", "box_index", "box", "gather",
            "keep_local", "local_grad", "load_state", "place", "agree", "all_ranks", "global_sums", "replicas",
-           "world_size", "check_placements", "dtensor_type"]
+           "world_size", "check_placements", "dtensor_type", "all_rows"]
 
 
 @functools.cache
@@ -378,7 +382,8 @@ SliceRequest = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.
                      dict[str, torch.Tensor]]
 
 
-def make_slices(requests: Sequence[SliceRequest], elementwise: bool) -> list[tuple[ParamSlice, float, Gathered | None]]:
+def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums: bool = False
+                ) -> list[tuple[ParamSlice, float, Gathered | None]]:
     """Per parameter of ``requests``: the :class:`ParamSlice` a backend runs, its weight in the
     diagnostics' sums and, for a gathered step, what to write back.
 
@@ -386,7 +391,13 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool) -> list[tup
     - DTensor ``p``, elementwise optimizer, every DTensor state placed like ``p``: the local
       shards with their :class:`ElementIndex`, weight ``1 / replicas`` (each element counted once
       over the ranks);
-    - DTensor ``p``, per-tensor optimizer, or a state placed otherwise (the replicated codes of
+    - DTensor ``p`` of a per-tensor optimizer that ``shards_sums``
+      (:meth:`~lowp.optim.base.LowpOptimizer.shards_sums`) whose local box is one contiguous range
+      of the whole tensor (``Shard(0)``, FSDP2's layout), every state and the buffer DTensors
+      placed like ``p``, no coded states: the local shards as above, with the whole tensor's
+      :class:`~lowp.optim.slices.TensorSum` when the layout splits it over ranks (the ranks
+      exchange the pieces of its sum before the step, :mod:`lowp.optim.sharded_sums`);
+    - DTensor ``p``, another per-tensor optimizer or layout, or a state placed otherwise (the replicated codes of
       blocks that ``p``'s shards split, :func:`coded_placements`): full copies of the parameter,
       its gradient (``p.grad``), states, buffer and block scales, weight ``1 / world size`` (every
       rank computes the whole tensor), so the step writes none of this rank's own tensors before
@@ -406,6 +417,12 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool) -> list[tup
                                None if buffer is None else local(buffer), param_id, element_index(p),
                                _flat({n: local(t) for n, t in scales.items()}))
             out.append((piece, 1.0 / replicas(p), None))
+        elif shards_sums and not scales and _sums_shard(p, (*states.values(), *([] if buffer is None else [buffer]))):
+            whole = TensorSum(p.numel()) if _split(p) else None
+            piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
+                               None if buffer is None else local(buffer), param_id, element_index(p),
+                               tensor_sum=whole)
+            out.append((piece, 1.0 / replicas(p), None))
         else:
             assert p.grad is not None, "make_slices: the optimizer passes only parameters with a gradient"
             pending.append((len(out), request))
@@ -420,6 +437,35 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool) -> list[tup
         piece.scales = _flat({n: next(fulls) for n in scales})
         out[at] = (piece, 1.0 / world_size(), Gathered(piece, cast("DTensor", p), states, buffer, scales))
     return cast(list[tuple[ParamSlice, float, "Gathered | None"]], out)
+
+
+#: the smallest parameter whose per-tensor sum is exchanged rather than gathered: below it the
+#: exchange's fixed host work per tensor (its terms, pieces and rebuilt sum: about 1 ms on a 2-core
+#: EPYC) costs more than gathering the tensor (``benchmarks/sharded_sums.py``)
+SUMS_MIN_NUMEL = 1 << 16
+
+
+def _sums_shard(p: DTensor, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a per-tensor optimizer may step ``p``'s local boxes with the sum exchanged: every
+    rank's box is one contiguous range of the whole tensor (each placement replicates, or shards a
+    dimension before which every dimension has one element: FSDP2's ``Shard(0)``), ``p`` is not
+    float64 (whose sum is taken in float64), and every tensor of ``tensors`` is a DTensor placed
+    like ``p`` with its shape. Judged from the layout alone, so every rank decides alike (a rank's
+    own box may be empty, or the whole tensor)."""
+    from torch.distributed.tensor import Shard
+    if p.numel() < SUMS_MIN_NUMEL:
+        return False
+    contiguous = all(_is_replicate(pl) or type(pl) is Shard and math.prod(p.shape[:pl.dim]) <= 1
+                     for pl in p.placements)
+    return contiguous and p.dtype != torch.float64 \
+        and all(_placed_like(t, p) and t.shape == p.shape for t in tensors)
+
+
+def _split(p: DTensor) -> bool:
+    """Whether ``p``'s layout cuts it into boxes of more than one rank (a ``Shard`` on a mesh
+    dimension of two or more ranks), judged alike on every rank."""
+    from torch.distributed.tensor import Shard
+    return any(type(pl) is Shard and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
 
 
 def _flat(scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -555,6 +601,26 @@ def global_sums(values: Sequence[float]) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The float64 rows (``[k, c]``, ``k`` may differ between ranks) of every rank of the default
+    group, concatenated in rank order: one all-gather of the row counts, one of the rows padded to
+    the longest (``rows`` itself without a group)."""
+    if not _distributed():
+        return rows
+    device = _comm_device()
+    ranks = dist.get_world_size()
+    count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(ranks)]
+    dist.all_gather(counts, count)
+    sizes = [int(c.item()) for c in counts]
+    longest = max(sizes)
+    mine = torch.zeros((longest, rows.shape[1]), dtype=torch.float64, device=device)
+    mine[:rows.shape[0]] = rows
+    everyone = [torch.empty_like(mine) for _ in range(ranks)]
+    dist.all_gather(everyone, mine)
+    return torch.cat([t[:n] for t, n in zip(everyone, sizes)]).cpu()
 
 
 def _comm_device() -> torch.device:

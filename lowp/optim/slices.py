@@ -16,7 +16,7 @@ from lowp.optim.randomness import ElementIndex, RandomStreams
 from lowp.optim.scratch import Scratch
 from lowp.optim.writeback import WriteBack
 
-__all__ = ["ParamSlice", "StepContext", "CodedState"]
+__all__ = ["ParamSlice", "StepContext", "CodedState", "TensorSum"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,23 @@ class CodedState:
     name: str
     position: int
     code: Code
+
+
+@dataclass
+class TensorSum:
+    """The per-tensor sum (a spec's ``tensor_sum``, StableAdamW's RMS) of a parameter that other
+    ranks hold parts of: the whole tensor's element count and, once the ranks have exchanged their
+    pieces of it (:mod:`lowp.optim.sharded_sums`), the sum over the whole tensor in
+    :func:`~lowp.optim.ordered_sum.ordered_sum`'s order. A step reads ``total`` in place of the sum
+    of its local elements.
+
+    Args:
+        numel: elements of the whole tensor.
+        total: the sum over the whole tensor (default ``None``: not exchanged yet).
+    """
+
+    numel: int
+    total: float | None = None
 
 
 @dataclass
@@ -59,6 +76,9 @@ class ParamSlice:
             :class:`~lowp.optim.randomness.ElementIndex` ``()``).
         scales: the block scales of the states kept as codes (:attr:`StepContext.coded`), flat,
             by state name (default: none); those states hold the codes.
+        tensor_sum: for a shard of a parameter of a per-tensor optimizer, its whole tensor's
+            :class:`TensorSum` (default ``None``: the slice is the whole tensor, or the optimizer
+            is elementwise).
     """
 
     param: torch.Tensor
@@ -68,6 +88,7 @@ class ParamSlice:
     param_id: int = 0
     index: ElementIndex = field(default_factory=ElementIndex)
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensor_sum: TensorSum | None = None
 
     @property
     def numel(self) -> int:

@@ -15,7 +15,7 @@ The RMS is per tensor, so parameters are never cut into chunks.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -27,20 +27,22 @@ from lowp.optim.ordered_sum import ordered_sum
 from lowp.optim.rule import Expr, RuleArgs, RuleResult, fma, fp32, lerp, maximum, sqrt
 from lowp.optim.spec import Numbers, OptimizerSpec
 
-__all__ = ["StableAdamW", "stableadamw_update", "STABLEADAMW"]
+__all__ = ["StableAdamW", "stableadamw_update", "stable_terms", "STABLEADAMW"]
 
 
 def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                        exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, betas: tuple[float, float],
-                       eps: float, weight_decay: float) -> list[torch.Tensor]:
-    """Functional StableAdamW on fp32 (or fp64) lists of whole tensors: updates the moments,
-    returns ``u``.
+                       eps: float, weight_decay: float,
+                       sums: Sequence[tuple[float | None, int] | None] | None = None) -> list[torch.Tensor]:
+    """Functional StableAdamW on fp32 (or fp64) lists of tensors: updates the moments, returns ``u``.
 
-    A tensor's ``RMS**2`` is the sum of its fp32 terms ``g**2 / max(v_hat, eps**2)`` in
-    :func:`~lowp.optim.ordered_sum.ordered_sum`'s order (the native kernel's) over its element
-    count, and ``lr_t`` comes from that sum by :func:`stable_tensor_numbers`, as in the kernel, so
-    every backend takes the same ``lr_t``. fp64 tensors (of fp64 parameters, which no kernel
-    runs) take the mean and ``RMS`` in fp64."""
+    A tensor's ``RMS**2`` is the sum of its fp32 terms ``g**2 / max(v_hat, eps**2)``
+    (:func:`stable_terms`) in :func:`~lowp.optim.ordered_sum.ordered_sum`'s order (the native
+    kernel's) over its element count, and ``lr_t`` comes from that sum by
+    :func:`stable_tensor_numbers`, as in the kernel, so every backend takes the same ``lr_t``.
+    fp64 tensors (of fp64 parameters, which no kernel runs) take the mean and ``RMS`` in fp64.
+    ``sums`` (default: none) gives, per tensor, its whole tensor's ``(total, numel)`` when the
+    tensor is a shard of it (:mod:`lowp.optim.sharded_sums`), or ``None``."""
     beta1, beta2 = betas
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -48,18 +50,41 @@ def stableadamw_update(weights: list[torch.Tensor], grads: list[torch.Tensor], e
     bias_correction2 = 1 - beta2 ** step
     numbers = {"lr": lr, "bias_correction1": 1 - beta1 ** step, "weight_decay": weight_decay}
     updates = []
-    for w, g, m, v in zip(weights, grads, exp_avgs, exp_avg_sqs):
+    for i, (w, g, m, v) in enumerate(zip(weights, grads, exp_avgs, exp_avg_sqs)):
         v_hat = v / bias_correction2
-        terms = (g * g).div_(v_hat.clamp(min=eps * eps))
-        if terms.dtype == torch.float64:
+        whole = sums[i] if sums is not None else None
+        if whole is not None:
+            total, numel = whole
+            if total is None:
+                raise RuntimeError("stableadamw_update: a shard's whole-tensor sum was not exchanged before its step")
+            t = stable_tensor_numbers(numbers, total, numel)
+        elif g.dtype == torch.float64:
+            terms = _terms(g, v_hat, eps)
             t = _lr_numbers(numbers, float(terms.mean().sqrt()) if terms.numel() else 0.0)
         else:
-            t = stable_tensor_numbers(numbers, ordered_sum(terms), g.numel())
+            t = stable_tensor_numbers(numbers, ordered_sum(_terms(g, v_hat, eps)), g.numel())
         u = m.div(sqrt_rn(v_hat).add_(eps)).mul_(t["step_size"])
         if weight_decay:
             u.add_(w, alpha=t["decay"])
         updates.append(u)
     return updates
+
+
+def _terms(g: torch.Tensor, v_hat: torch.Tensor, eps: float) -> torch.Tensor:
+    """``g**2 / max(v_hat, eps**2)`` elementwise (:func:`stable_ratio`)."""
+    return (g * g).div_(v_hat.clamp(min=eps * eps))
+
+
+def stable_terms(grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *, step: int,
+                 betas: tuple[float, float], eps: float) -> list[torch.Tensor]:
+    """The terms whose sum over a tensor is its ``RMS**2`` times its element count, from fp32
+    gradients and second moments *before* the step, which stay unchanged: the same operations as
+    :func:`stableadamw_update`'s, bit for bit."""
+    beta2 = betas[1]
+    second = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(second, grads, grads, 1 - beta2)
+    bias_correction2 = 1 - beta2 ** step
+    return [_terms(g, v / bias_correction2, eps) for g, v in zip(grads, second)]
 
 
 def _second_moment(r: RuleArgs) -> Expr:
@@ -136,8 +161,15 @@ class StableAdamW(TwoMomentOptimizer):
         warn_if_swapped(eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), **options)
 
-    def update(self, group, weights, grads, states, step):
-        """The reference update (:func:`stableadamw_update`)."""
+    def update(self, group, weights, grads, states, step, sums=None):
+        """The reference update (:func:`stableadamw_update`); ``sums``: the whole-tensor sums of
+        shards (:mod:`lowp.optim.sharded_sums`)."""
         return stableadamw_update(weights, grads, states["exp_avg"], states["exp_avg_sq"], step=step,
                                   lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
-                                  weight_decay=group["weight_decay"])
+                                  weight_decay=group["weight_decay"], sums=sums)
+
+    def tensor_terms(self, group: dict[str, Any], grads: list[torch.Tensor], states: dict[str, list[torch.Tensor]],
+                     step: int) -> list[torch.Tensor]:
+        """The per-tensor sum's terms of each tensor before its step (:func:`stable_terms`), from
+        the fp32 working copies ``update`` reads; nothing is written."""
+        return stable_terms(grads, states["exp_avg_sq"], step=step, betas=group["betas"], eps=group["eps"])

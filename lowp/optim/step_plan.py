@@ -10,7 +10,9 @@
    entry and folded weight is put back.
 3. **Execute** (:meth:`StepPlan.execute`): every job is first prepared by the optimizer's backend
    (:meth:`~lowp.optim.backends.Backend.prepare`: slices admitted to its kernel, the kernel's
-   library built and loaded, its arguments checked); only then are weights and states written,
+   library built and loaded, its arguments checked), and the whole-tensor sums of sharded
+   parameters of a per-tensor optimizer are exchanged (:mod:`lowp.optim.sharded_sums`); only then
+   are weights and states written,
    job after job (:mod:`lowp.optim.backends`, which writes each weight back with its mode,
    :mod:`lowp.optim.writeback`), with Ctrl-C held until all are done (:mod:`lowp.interrupts`);
    each parameter's step counter advances right after the job that wrote its weight and states.
@@ -33,12 +35,12 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence, cast
 
 import torch
 
 from lowp.interrupts import deferred_interrupts
-from lowp.optim import backends, preflight, sharding
+from lowp.optim import backends, preflight, sharded_sums, sharding
 from lowp.optim.backends import Backend, get_backend
 from lowp.optim.cached_step import Plans
 from lowp.optim.codes import scale_name
@@ -69,6 +71,9 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
 
     def check_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyper-parameters."""
+
+    def shards_sums(self) -> bool:
+        """Whether its per-tensor sums of sharded parameters are exchanged, not gathered."""
 
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:
         """Names of the optimizer states of ``param``."""
@@ -367,7 +372,7 @@ class StepPlan:
                                  state.get(mode.buffer_name) if mode.buffer_name else None, param_id,
                                  {c.name: state[scale_name(c.name)] for c in p_coded}))
                 kept.append((state, names))
-            made = sharding.make_slices(requests, optimizer.elementwise)   # the gathers, all in one
+            made = sharding.make_slices(requests, optimizer.elementwise, optimizer.shards_sums())   # the gathers
             for ((group, p, mode, _, p_coded), _), (state, names), (piece, weight, full) in zip(todo, kept, made):
                 step = state["step"] + 1
                 # one job per kind of storage: a group may hold parameters below coded_min_numel
@@ -408,6 +413,7 @@ class StepPlan:
         # writes; the jobs of gathered copies run first: an error in one of them (out of memory on
         # the full copies) comes before any write of the optimizer's own tensors
         prepared = []
+        sharded: list[tuple[StepContext, list[ParamSlice]]] = []
         for key, slices in sorted(self.jobs.items(), key=lambda job: bool(self.counters.get(job[0]))):
             gid, mode_name, step, _, _, _, weight, coded = key
             index, group = groups[gid]
@@ -415,6 +421,10 @@ class StepPlan:
                               optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
                               coded=coded)
             prepared.append((key, index, sum(s.numel for s in slices), backend.prepare(optimizer, ctx, slices)))
+            if any(s.tensor_sum is not None for s in slices):
+                sharded.append((ctx, slices))
+        sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), sharded)   # the shards' sums: read only
+        del sharded   # no context outlives its job's call (its scratch buffers)
         if new_step and update_weights:
             optimizer._last_stalled = {}
         while prepared:   # each call dropped once run: its context's scratch buffers go with it

@@ -227,7 +227,9 @@ class Launch:
     - ``numel[j]``, and ``offset[j]``: the global index of member j's element 0 in its parameter;
     - ``h``: the gradient's factor, then the variant's numbers (:meth:`OptimizerSpec.pick`);
     - ``tensor_numbers[j * T + k]``: per-tensor number k of member j, made by the spec from the
-      sums of a first call (``lowp_sums``) when it has a per-tensor reduction (else zeros);
+      sums of a first call (``lowp_sums``) when it has a per-tensor reduction (else zeros), or,
+      for a shard of a parameter (:attr:`ParamSlice.tensor_sum
+      <lowp.optim.slices.ParamSlice.tensor_sum>`), from its whole tensor's exchanged sum;
     - the optimizer's ``seed``, the ``step`` and ``param_ids[j]``, from which the kernel makes the
       stream keys (:func:`lowp.optim.randomness.stream_keys`, bit for bit);
     - ``check`` (:data:`~lowp.optim.kernels.kernel.CHECKS`) and ``finite[j]``, set to whether
@@ -258,6 +260,7 @@ class Launch:
             for role, t in enumerate([s.param, None, s.buffer, *(s.states[k] for k in names)]):
                 self.table[role * n + j] = t.data_ptr() if t is not None else None
         self.numel = (ctypes.c_int64 * n)(*(s.numel for s in members))
+        self.whole = [s.tensor_sum for s in members]   # a shard's whole-tensor sum, exchanged before the call
         self.offsets = (ctypes.c_int64 * n)(*(s.index.first() for s in members))
         self.param_ids = (ctypes.c_int64 * n)(*(s.param_id for s in members))
         self.finite = (ctypes.c_uint8 * n)()
@@ -282,9 +285,15 @@ class Launch:
             if spec.tensor_numbers is not None:
                 per_tensor = self.variant.program.tensor_numbers
                 sums = (ctypes.c_double * n)()
-                sums_function(self.source)(n, self.table, self.numel, self.numbers, sums, torch.get_num_threads())
-                for j in range(n):
-                    made = spec.tensor_numbers(numbers, sums[j], self.numel[j])
+                if any(whole is None for whole in self.whole):
+                    sums_function(self.source)(n, self.table, self.numel, self.numbers, sums, torch.get_num_threads())
+                for j, whole in enumerate(self.whole):
+                    if whole is None:
+                        made = spec.tensor_numbers(numbers, sums[j], self.numel[j])
+                    elif whole.total is None:
+                        raise RuntimeError("kernel call: a shard's whole-tensor sum was not exchanged before its step")
+                    else:
+                        made = spec.tensor_numbers(numbers, whole.total, whole.numel)
                     for k, name in enumerate(per_tensor):
                         self.tensor_numbers[j * len(per_tensor) + k] = made[name]
             return self.entry(n, self.table, self.numel, self.offsets, self.numbers, self.tensor_numbers, seed, step,
