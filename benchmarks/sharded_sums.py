@@ -8,7 +8,7 @@ scale, steps interleaved. Both lowp rows give the same bits (checked at the end)
 Prints the slowest rank's median step per row, its ratio against the gathered row, and the bytes
 each rank received in ``all_gather`` per step.
 
-    python benchmarks/sharded_sums.py [--ranks 2] [--scale 2] [--steps 7] [--threads 1]
+    python benchmarks/sharded_sums.py [--ranks 2] [--scale 2] [--steps 7] [--threads 1] [--sums-min-numel N]
 """
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ ROWS = ("torch AdamW fp32 fused (elementwise)", "lowp StableAdamW, gathered copi
 BASELINE = ROWS[1]
 
 
-def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int) -> dict[str, object]:
+def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int, min_numel: int) -> dict[str, object]:
     import torch.distributed as dist
 
     import lowp.optim as lo
+    from lowp.optim import sharding
     from lowp.optim.sharding import gather
+    sharding.SUMS_MIN_NUMEL = min_numel
 
     class Gathered(lo.StableAdamW):
         """StableAdamW stepping gathered copies (its sums not exchanged)."""
@@ -81,12 +83,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=int, default=2, help="GPT-2's dimensions divided by this")
     ap.add_argument("--steps", type=int, default=7, help="timed steps per row")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--sums-min-numel", type=int, default=None,
+                    help="the smallest parameter whose sum is exchanged (default: lowp's, sharding.SUMS_MIN_NUMEL)")
     args = ap.parse_args(argv)
-    results = run_local_group(_rank, args.ranks, args.scale, args.steps, args.threads, timeout_s=900)
+    from lowp.optim.sharding import SUMS_MIN_NUMEL
+    min_numel = SUMS_MIN_NUMEL if args.sums_min_numel is None else args.sums_min_numel
+    results = run_local_group(_rank, args.ranks, args.scale, args.steps, args.threads, min_numel, timeout_s=900)
     slowest = {row: max(r["median"][row] for r in results) for row in ROWS}
     first = results[0]
     print(f"{args.ranks} gloo ranks, GPT-2 shapes / {args.scale} ({first['tensors']} tensors, "
-          f"{first['numel'] / 1e6:.1f}M parameters), {args.threads} thread(s) per rank; the two StableAdamW rows "
+          f"{first['numel'] / 1e6:.1f}M parameters), {args.threads} thread(s) per rank, sums exchanged from "
+          f"{min_numel} elements; the two StableAdamW rows "
           f"give the same bits: {all(r['same'] for r in results)}")
     print(text_table(["row", "median step", f"vs {BASELINE}", "all_gather received per step and rank"],
                      [[row, f"{slowest[row] * 1e3:.2f} ms", f"{slowest[BASELINE] / slowest[row]:.2f}x",

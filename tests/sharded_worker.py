@@ -482,12 +482,17 @@ SUMS_RUNS = [("fused", 0), ("unfused", 0), ("fused", 1 << 16)]
 def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int) -> dict[str, Any]:
     """StableAdamW (kahan, the native kernel or the reference) for :data:`STEPS` steps with the
     whole-tensor sums of :mod:`lowp.optim.sharded_sums` for parameters of at least ``threshold``
-    elements: the snapshot, how many tensors ``gather_many`` received, and how many shards' sums
-    were exchanged."""
+    elements: the snapshot, how many tensors ``gather_many`` received, how many shards' sums were
+    exchanged and how many shards' terms torch computed (the others' pieces came from the kernel)."""
     from lowp.optim import sharded_sums, sharding
     opt = lo.StableAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, **BACKENDS[backend])
-    counts = {"gathered": 0, "exchanged": 0}
+    counts = {"gathered": 0, "exchanged": 0, "torch terms": 0}
     real_gather, real_exchange, real_threshold = sharding.gather_many, sharded_sums.exchange, sharding.SUMS_MIN_NUMEL
+    real_terms = lo.StableAdamW.tensor_terms
+
+    def tensor_terms(self, group, grads, states, step):
+        counts["torch terms"] += len(grads)
+        return real_terms(self, group, grads, states, step)
 
     def gather_many(tensors):
         counts["gathered"] += len(tensors)
@@ -498,6 +503,7 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
         counts["exchanged"] += sum(s.tensor_sum is not None and s.tensor_sum.total is not None
                                    for _, slices in jobs for s in slices)
     sharding.gather_many, sharded_sums.exchange, sharding.SUMS_MIN_NUMEL = gather_many, exchange, threshold
+    lo.StableAdamW.tensor_terms = tensor_terms
     try:
         for t in range(STEPS):
             for p, g in zip(params, sums_full(100 + t)):
@@ -505,7 +511,7 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
             opt.step()
     finally:
         sharding.gather_many, sharded_sums.exchange = real_gather, real_exchange
-        sharding.SUMS_MIN_NUMEL = real_threshold
+        sharding.SUMS_MIN_NUMEL, lo.StableAdamW.tensor_terms = real_threshold, real_terms
     return {"snapshot": snapshot(opt, params), "counts": counts,
             "fused": opt.backend.fused_elements if backend == "fused" else -1}
 

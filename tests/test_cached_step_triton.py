@@ -36,9 +36,10 @@ def test_stream_key_table_is_stream_keys():
             assert [[int(k) for k in row] for row in table] == [stream_keys(seed, step, int(i), 5) for i in ids]
 
 
-@pytest.mark.parametrize("case", ["cached", "finite"])
+@pytest.mark.parametrize("case", ["cached-defaults", pytest.param("cached", marks=pytest.mark.slow), "finite"])
 def test_through_the_interpreter(case):
-    """``cached``: :func:`check_cached` on CPU tensors; ``finite``: :func:`check_finite_flags`."""
+    """``cached``: :func:`check_cached` on CPU tensors (``cached-defaults``: its first
+    configuration, the defaults; the others in the slow suite); ``finite``: :func:`check_finite_flags`."""
     pytest.importorskip("triton")
     assert "OK" in run_interpreted(__file__, case)
 
@@ -78,11 +79,12 @@ def _run(device: str, backend: str, options: dict, steps: int = 6):
     return params, opt
 
 
-def check_cached(device: str) -> None:
-    """Every configuration of :data:`CONFIGS` on the Triton backend against the ``foreach``
-    reference on the CPU: weights, states, step counts, skips and stalled counts equal, every
-    element fused, and the planned number of steps taken from the cached plan."""
-    for options, cached in CONFIGS:
+def check_cached(device: str, configs: int = len(CONFIGS)) -> None:
+    """The first ``configs`` configurations of :data:`CONFIGS` (default all) on the Triton
+    backend against the ``foreach`` reference on the CPU: weights, states, step counts, skips and
+    stalled counts equal, every element fused, and the planned number of steps taken from the
+    cached plan."""
+    for options, cached in CONFIGS[:configs]:
         fused, opt = _run(device, "triton", options)
         reference, ref_opt = _run("cpu", "foreach", options)
         assert opt._plans.cached_steps == cached, (options, opt._plans.cached_steps)
@@ -129,5 +131,6 @@ def check_finite_flags(device: str) -> None:
 if __name__ == "__main__":
     import interpreter_fma
     interpreter_fma.install()  # Triton < 3.9 rounds the interpreter's fma twice
-    {"cached": check_cached, "finite": check_finite_flags}[sys.argv[1]]("cpu")
+    {"cached": check_cached, "cached-defaults": lambda device: check_cached(device, 1),
+     "finite": check_finite_flags}[sys.argv[1]]("cpu")
     print("OK")

@@ -216,3 +216,94 @@ def test_pieces_refuse_what_they_cannot_place():
         order.pieces(terms.double(), 0, 20)
     with pytest.raises(ValueError, match="pieces: element 3 of a tensor of 40 elements is in no piece"):
         order.total_from_pieces(order.pieces(terms[:3], 0, 40), 40)
+
+
+#: (weight dtype, mode, state dtype, maximize) of the shards whose pieces the native kernel makes
+SHARD_KINDS = [(torch.bfloat16, "kahan", torch.bfloat16, False), (torch.bfloat16, "exact", torch.float32, True),
+               (torch.float32, "nearest", torch.float32, False), (torch.float16, "kahan", torch.float16, False)]
+
+
+@NATIVE
+@pytest.mark.parametrize("kind", SHARD_KINDS, ids=lambda k: f"{k[0]}-{k[1]}-{k[2]}-max{k[3]}")
+def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
+    """The native kernel's pieces of a shard's StableAdamW terms (its lowp_sums over unit, block
+    and element members) are the rows ``pieces`` makes from the reference's terms, bit for bit,
+    for shards cut inside blocks, on unit edges and at the tensor's padded end, under a
+    GradScaler's 1/scale; the exchange takes them from the kernel (the torch terms not computed)."""
+    from lowp.optim import sharded_sums
+    from lowp.optim.randomness import ElementIndex
+    from lowp.optim.slices import ParamSlice, StepContext, TensorSum
+    from lowp.optim.writeback import MODES
+
+    dtype, mode, state_dtype, maximize = kind
+    numel = 3 * UNIT + 1000
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(numel, generator=gen).to(dtype)
+    grad = (torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-8, 8, (numel,), generator=gen))).to(dtype)
+    second = torch.rand(numel, generator=gen).to(state_dtype)
+    native = lo.StableAdamW([torch.nn.Parameter(weight.clone())], mode=mode, fused=True, maximize=maximize)
+    reference = lo.StableAdamW([torch.nn.Parameter(weight.clone())], mode=mode, fused=False, maximize=maximize)
+    buffer_dtype = {"kahan": dtype, "exact": torch.int16, "nearest": None}[mode]
+    for first, end in [(0, 9), (9, UNIT + 5), (UNIT + 5, 2 * UNIT), (2 * UNIT, numel), (37, 3 * UNIT + 17)]:
+        shard = slice(first, end)
+        plain = buffer_dtype is None or dtype == torch.float32
+        buffer = None if plain else torch.zeros(end - first, dtype=buffer_dtype)
+        s = ParamSlice(weight[shard], grad[shard], {"exp_avg": torch.zeros(end - first, dtype=state_dtype),
+                                                    "exp_avg_sq": second[shard]},
+                       buffer, 0, ElementIndex(offset=first), tensor_sum=TensorSum(numel))
+        rows = {}
+        for name, opt in (("native", native), ("reference", reference)):
+            ctx = StepContext(opt.param_groups[0], MODES[mode], 3, inv_scale=0.25)
+            if name == "native":
+                monkeypatch.setattr(lo.StableAdamW, "tensor_terms", lambda *a: pytest.fail("torch terms computed"))
+            [(_, rows[name])] = sharded_sums._pieces(opt, ctx, [s])
+            monkeypatch.undo()
+        assert torch.equal(rows["native"], rows["reference"]), (first, end)
+        assert rows["native"].shape[0] > 0 and rows["native"][:, 2].abs().sum() > 0
+
+
+def test_a_states_only_step_of_a_shard_needs_no_exchanged_sum():
+    """A states-only step (gradient release's micro-batch steps) discards the update, the only
+    reader of a shard's whole-tensor sum: it runs with the sum not exchanged and gives the states
+    of the same step on a slice without one; a whole step refuses a sum not exchanged."""
+    from lowp.optim.reference import apply_batch
+    from lowp.optim.slices import ParamSlice, StepContext, TensorSum
+    from lowp.optim.writeback import MODES
+
+    gen = torch.Generator().manual_seed(3)
+    weight, grad = torch.randn(100, generator=gen).bfloat16(), torch.randn(100, generator=gen).bfloat16()
+    opt = lo.StableAdamW([torch.nn.Parameter(weight.clone())], fused=False)
+    states = {}
+    for whole in (TensorSum(300), None):
+        s = ParamSlice(weight.clone(), grad, {"exp_avg": torch.zeros(100, dtype=torch.bfloat16),
+                                              "exp_avg_sq": torch.zeros(100, dtype=torch.bfloat16)},
+                       torch.zeros(100, dtype=torch.bfloat16), tensor_sum=whole)
+        apply_batch(opt, StepContext(opt.param_groups[0], MODES["kahan"], 1, count=False, update_weights=False), [s])
+        assert torch.equal(s.param, weight)
+        states[whole is None] = s.states
+    assert all(torch.equal(states[True][n], states[False][n]) and states[True][n].any() for n in states[True])
+    s = ParamSlice(weight.clone(), grad, {n: t.clone() for n, t in states[True].items()},
+                   torch.zeros(100, dtype=torch.bfloat16), tensor_sum=TensorSum(300))
+    with pytest.raises(RuntimeError, match="a shard's whole-tensor sum was not exchanged before its step"):
+        apply_batch(opt, StepContext(opt.param_groups[0], MODES["kahan"], 2), [s])
+
+
+def test_only_the_class_that_declares_the_spec_gives_the_terms():
+    """``shards_sums``: StableAdamW and a subclass that keeps its spec exchange sharded sums; a
+    subclass with a spec of its own (another term) or its own ``update`` does not inherit that
+    path (its shards are gathered); an elementwise optimizer has no sums."""
+    class Kept(lo.StableAdamW):
+        pass
+
+    class OwnSpec(lo.StableAdamW):
+        spec = dataclasses.replace(stableadamw.STABLEADAMW, name="stableadamw_variant")
+
+        def update(self, group, weights, grads, states, step):
+            return super().update(group, weights, grads, states, step)
+
+    class OwnUpdate(lo.StableAdamW):
+        def update(self, group, weights, grads, states, step, sums=None):
+            return super().update(group, weights, grads, states, step, sums)
+
+    assert lo.StableAdamW.shards_sums() and Kept.shards_sums()
+    assert not OwnSpec.shards_sums() and not OwnUpdate.shards_sums() and not lo.AdamW.shards_sums()

@@ -243,9 +243,11 @@ class LowpOptimizer(torch.optim.Optimizer):
         """Whether this per-tensor optimizer steps the shards of a DTensor parameter with the
         whole tensor's sum exchanged between the ranks (:mod:`lowp.optim.sharded_sums`) rather
         than on gathered copies: its class's spec has a ``tensor_sum``, its ``update`` is the one
-        the spec mirrors, and it gives the terms (``tensor_terms``)."""
+        the spec mirrors, and the class that declares the spec gives the terms (``tensor_terms``),
+        so a subclass with a spec of its own never inherits another spec's terms."""
+        owner = next((c for c in cls.__mro__ if "spec" in c.__dict__), None)
         return cls.spec is not None and cls.spec.tensor_sum is not None and cls.update is cls._spec_update \
-            and callable(getattr(cls, "tensor_terms", None))
+            and owner is not None and callable(owner.__dict__.get("tensor_terms"))
 
     # ---- subclass hooks -------------------------------------------------------------------
     def state_names(self, group: dict[str, Any], param: torch.Tensor) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ordered_sum", "pieces", "total_from_pieces", "BLOCK", "UNIT", "TERM", "BLOCK_SUM", "UNIT_SUM"]
+__all__ = ["ordered_sum", "layout", "pieces", "total_from_pieces", "BLOCK", "UNIT", "TERM", "BLOCK_SUM", "UNIT_SUM"]
 
 #: elements per block: 8 fp32 lanes of two elements each
 BLOCK = 16
@@ -68,19 +68,13 @@ def _block_sums(flat: torch.Tensor) -> torch.Tensor:
 TERM, BLOCK_SUM, UNIT_SUM = 0, 1, 2
 
 
-def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
-    """What a holder of the elements ``[first, first + n)`` of a tensor of ``numel`` elements (its
-    fp32 ``terms``, ``n`` of them, in element order) contributes to the tensor's ordered sum: rows
-    ``(kind, index, value)`` in float64, in element order: the sum of each unit it holds whole
-    (:data:`UNIT_SUM`), the sum of each other block it holds whole (:data:`BLOCK_SUM`), each term
-    of a block it holds only part of (:data:`TERM`, exact in float64). A block is held whole when
-    every element of it below ``numel`` is in the range (the last block's padding is zeros)."""
-    if not isinstance(terms, torch.Tensor) or terms.dtype != torch.float32:
-        got = terms.dtype if isinstance(terms, torch.Tensor) else type(terms).__name__
-        raise TypeError(f"terms: expected a float32 tensor, got {got}")
-    flat = terms.detach().reshape(-1)
-    n = flat.numel()
-    if first < 0 or first + n > numel:
+def layout(first: int, n: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pieces (:func:`pieces`) of the elements ``[first, first + n)`` of a tensor of ``numel``
+    elements, as int64 tensors ``(kind, index, start, length)`` in element order: each piece's
+    kind, its index (element, block or unit), and the local elements it sums, ``[start, start +
+    length)`` of the range. A block is held whole when every element of it below ``numel`` is in
+    the range (the last block's padding is zeros); a unit likewise."""
+    if first < 0 or n < 0 or first + n > numel:
         raise ValueError(f"first: elements [{first}, {first + n}) are not inside a tensor of {numel} elements")
     end = first + n
     # whole blocks: from the first block boundary at or after ``first`` to the last one at or
@@ -88,72 +82,122 @@ def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
     lo = -(-first // BLOCK) * BLOCK
     hi = end if end == numel else end // BLOCK * BLOCK
     if hi <= lo:   # no whole block: every term raw
-        return _rows(TERM, torch.arange(first, end, dtype=torch.float64), flat.double())
-    head = _rows(TERM, torch.arange(first, lo, dtype=torch.float64), flat[:lo - first].double())
-    tail = _rows(TERM, torch.arange(hi, end, dtype=torch.float64), flat[hi - first:].double())
-    body = flat[lo - first:hi - first]
-    blocks = _block_sums(F.pad(body, (0, -body.numel() % BLOCK))).cpu()
-    b0, nblocks, per_unit = lo // BLOCK, -(-numel // BLOCK), UNIT // BLOCK
-    b1 = b0 + blocks.numel()
+        lo = hi = end
+    b0, b1 = lo // BLOCK, (-(-hi // BLOCK) if hi > lo else lo // BLOCK)
+    per_unit, nblocks = UNIT // BLOCK, -(-numel // BLOCK)
+    parts = [_entries(TERM, torch.arange(first, lo), torch.ones(lo - first, dtype=torch.int64))]
+    at = b0
     # units held whole: from the first unit boundary at or after b0, each ending (at the next
     # boundary or the tensor's last block) at or before b1
-    whole = [u for u in range(-(-b0 // per_unit), b1 // per_unit + 1)
-             if u * per_unit < b1 and min((u + 1) * per_unit, nblocks) <= b1]
-    rows = [head]
-    at = b0
-    for u in whole:
+    for u in range(-(-b0 // per_unit), b1 // per_unit + 1):
         s, e = u * per_unit, min((u + 1) * per_unit, nblocks)
-        rows.append(_rows(BLOCK_SUM, torch.arange(at, s, dtype=torch.float64), blocks[at - b0:s - b0]))
-        unit = blocks[s - b0:e - b0].cumsum(0)[-1:]
-        rows.append(_rows(UNIT_SUM, torch.tensor([float(u)], dtype=torch.float64), unit))
+        if s >= b1 or e > b1:
+            continue
+        parts.append(_block_entries(at, s, numel))
+        parts.append(_entries(UNIT_SUM, torch.tensor([u]), torch.tensor([min(UNIT, numel - u * UNIT)]), s * BLOCK))
         at = e
-    rows.append(_rows(BLOCK_SUM, torch.arange(at, b1, dtype=torch.float64), blocks[at - b0:]))
-    rows.append(tail)
-    return torch.cat(rows)
+    parts.append(_block_entries(at, b1, numel))
+    parts.append(_entries(TERM, torch.arange(hi, end), torch.ones(end - hi, dtype=torch.int64)))
+    kind, index, start, length = (torch.cat(c) for c in zip(*parts))
+    return kind, index, start - first, length
 
 
-def _rows(kind: int, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Rows ``(kind, index, value)`` of :func:`pieces` (CPU float64)."""
-    return torch.stack([torch.full_like(index, kind), index, values.cpu().to(torch.float64)], dim=1)
+def _entries(kind: int, index: torch.Tensor, length: torch.Tensor, element: torch.Tensor | int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entries of :func:`layout` (``element``: each one's first global element; default ``index``)."""
+    first = index if element is None else torch.as_tensor(element).expand(index.shape)
+    return torch.full_like(index, kind), index, first.clone(), length
+
+
+def _block_entries(b: int, e: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`layout`'s entries of the whole blocks ``[b, e)``."""
+    index = torch.arange(b, e)
+    return _entries(BLOCK_SUM, index, torch.clamp(numel - index * BLOCK, max=BLOCK), index * BLOCK)
+
+
+def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
+    """What a holder of the elements ``[first, first + n)`` of a tensor of ``numel`` elements (its
+    fp32 ``terms``, ``n`` of them, in element order) contributes to the tensor's ordered sum: rows
+    ``(kind, index, value)`` in float64, in element order (:func:`layout`): the sum of each unit it
+    holds whole (:data:`UNIT_SUM`), the sum of each other block it holds whole (:data:`BLOCK_SUM`),
+    each term of a block it holds only part of (:data:`TERM`, exact in float64)."""
+    if not isinstance(terms, torch.Tensor) or terms.dtype != torch.float32:
+        got = terms.dtype if isinstance(terms, torch.Tensor) else type(terms).__name__
+        raise TypeError(f"terms: expected a float32 tensor, got {got}")
+    flat = terms.detach().reshape(-1).cpu()
+    kind, index, start, length = layout(first, flat.numel(), numel)
+    values = torch.zeros(kind.numel(), dtype=torch.float64)
+    raw = kind == TERM
+    values[raw] = flat[start[raw]].double()
+    held = ~raw
+    if held.any():   # the whole blocks, steps 1 and 2 at once, then each unit's blocks in order
+        lo, hi = int(start[held][0]), int(start[held][-1] + length[held][-1])
+        body = flat[lo:hi]
+        blocks = _block_sums(F.pad(body, (0, -body.numel() % BLOCK)) if body.numel() % BLOCK else body)
+        b0 = (first + lo) // BLOCK
+        block = kind == BLOCK_SUM
+        values[block] = blocks[index[block] - b0]
+        for at in (kind == UNIT_SUM).nonzero().flatten().tolist():
+            b = (first + int(start[at])) // BLOCK - b0
+            values[at] = blocks[b:b + -(-int(length[at]) // BLOCK)].cumsum(0)[-1]
+    return torch.stack([kind.double(), index.double(), values], dim=1)
 
 
 def total_from_pieces(rows: torch.Tensor, numel: int) -> float:
     """The ordered sum of a tensor of ``numel`` elements from the :func:`pieces` of ranges that
     cover it (rows of all holders, in any order; a range held twice, by replicas, gives the same
-    rows): steps 1-4 of the module docstring redone from the largest pieces given, vectorized per
-    unit without a unit sum. ``ValueError`` when a term the sum needs is missing."""
+    rows): steps 1-4 of the module docstring redone from the largest pieces given, every unit
+    without a unit sum at once (a row of 2,048 block sums each). ``ValueError`` when a term the
+    sum needs is missing."""
     rows = rows.detach().to("cpu", torch.float64)
-    kind, index, value = rows[:, 0], rows[:, 1].long(), rows[:, 2]
+    kind, index, value = rows[:, 0].long(), rows[:, 1].long(), rows[:, 2]
     per_unit, nblocks = UNIT // BLOCK, -(-numel // BLOCK)
     units = torch.zeros(-(-nblocks // per_unit), dtype=torch.float64)
     whole = torch.zeros(units.numel(), dtype=torch.bool)
     at = kind == UNIT_SUM
-    units[index[at]] = value[at]
-    whole[index[at]] = True
-    block_at, term_at = kind == BLOCK_SUM, kind == TERM
-    for u in (~whole).nonzero().flatten().tolist():
-        first, last = u * per_unit, min((u + 1) * per_unit, nblocks)
-        blocks = torch.zeros(last - first, dtype=torch.float64)
-        held = torch.zeros(last - first, dtype=torch.bool)
-        mine = block_at & (index >= first) & (index < last)
-        blocks[index[mine] - first] = value[mine]
-        held[index[mine] - first] = True
-        mine = term_at & (index >= first * BLOCK) & (index < last * BLOCK)
-        if mine.any():   # blocks split between holders: steps 1 and 2 from their terms
-            terms = torch.zeros((last - first) * BLOCK, dtype=torch.float32)
+    units[index[at]], whole[index[at]] = value[at], True
+    unit_of = torch.where(kind == TERM, index // UNIT, torch.where(kind == BLOCK_SUM, index // per_unit, index))
+    if ((unit_of < 0) | (unit_of >= units.numel())).any():
+        raise ValueError(f"pieces: a row of kind and index {rows[(unit_of < 0) | (unit_of >= units.numel())][0, :2]}"
+                         f" is outside a tensor of {numel} elements")
+    partial = (~whole).nonzero().flatten()
+    if partial.numel():
+        needed = ~whole[unit_of]
+        row_of = torch.full((units.numel(),), -1, dtype=torch.int64)
+        row_of[partial] = torch.arange(partial.numel())
+        blocks = torch.zeros((partial.numel() * per_unit,), dtype=torch.float64)   # [unit row, block in unit]
+        held = torch.zeros(blocks.numel(), dtype=torch.bool)
+        # the padding past the tensor's last block is held (zeros)
+        last = nblocks - int(partial[-1]) * per_unit
+        held[(partial.numel() - 1) * per_unit + last:] = True
+
+        def slot(b: torch.Tensor) -> torch.Tensor:
+            return row_of[b // per_unit] * per_unit + b % per_unit
+        at = (kind == BLOCK_SUM) & needed
+        blocks[slot(index[at])], held[slot(index[at])] = value[at], True
+        at = (kind == TERM) & needed
+        split = torch.unique(index[at] // BLOCK)
+        split = split[~held[slot(split)]]
+        if split.numel():   # blocks split between holders: steps 1 and 2 from their terms
+            where = torch.full((nblocks,), -1, dtype=torch.int64)
+            where[split] = torch.arange(split.numel())
+            terms = torch.zeros(split.numel() * BLOCK, dtype=torch.float32)
             present = torch.zeros(terms.numel(), dtype=torch.bool)
-            terms[index[mine] - first * BLOCK] = value[mine].float()   # exact: each was an fp32 term
-            present[index[mine] - first * BLOCK] = True
-            present[max(0, numel - first * BLOCK):] = True   # the last block's padding: zeros
-            split = present.view(-1, BLOCK).any(1) & ~held
-            missing = (~present.view(-1, BLOCK) & split[:, None]).nonzero()
+            b = index[at] // BLOCK
+            mine = where[b] >= 0
+            spot = where[b[mine]] * BLOCK + index[at][mine] % BLOCK
+            terms[spot] = value[at][mine].float()   # exact: each was an fp32 term
+            present[spot] = True
+            padding = (split * BLOCK)[:, None] + torch.arange(BLOCK) >= numel
+            present |= padding.reshape(-1)
+            missing = (~present).nonzero()
             if missing.numel():
-                element = first * BLOCK + int(missing[0, 0]) * BLOCK + int(missing[0, 1])
+                element = int(split[int(missing[0]) // BLOCK]) * BLOCK + int(missing[0]) % BLOCK
                 raise ValueError(f"pieces: element {element} of a tensor of {numel} elements is in no piece")
-            blocks[split] = _block_sums(terms.view(-1, BLOCK)[split].reshape(-1))
-            held |= split
+            blocks[slot(split)], held[slot(split)] = _block_sums(terms), True
         if not held.all():
-            block = first + int((~held).nonzero()[0])
-            raise ValueError(f"pieces: element {block * BLOCK} of a tensor of {numel} elements is in no piece")
-        units[u] = float(blocks.cumsum(0)[-1])
+            first = int((~held).nonzero()[0])
+            element = (int(partial[first // per_unit]) * per_unit + first % per_unit) * BLOCK
+            raise ValueError(f"pieces: element {element} of a tensor of {numel} elements is in no piece")
+        units[partial] = blocks.view(-1, per_unit).cumsum(1)[:, -1]   # zeros after a short unit add nothing
     return float(torch.cat([torch.zeros(1, dtype=torch.float64), units]).cumsum(0)[-1])

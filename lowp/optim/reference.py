@@ -83,7 +83,7 @@ def apply_batch(optimizer: LowpOptimizer, ctx: StepContext, batch: list[ParamSli
                for s in batch]
     names = list(batch[0].states)
     states = {n: _working_copies([s.states[n] for s in batch], scratch, f"state {n}", device) for n in names}
-    whole = [s.tensor_sum for s in batch]
+    whole = [s.tensor_sum for s in batch] if ctx.update_weights else []   # a states-only step discards the update
     sums = {"sums": [None if t is None else (t.total, t.numel) for t in whole]} if any(whole) else {}
     updates = optimizer.update(group, weights, grads, states, ctx.step, **sums)
     counts: list[torch.Tensor] = []

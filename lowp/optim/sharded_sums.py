@@ -11,11 +11,15 @@ So per step and parameter a rank sends a few numbers per shard boundary (at most
 and 15 terms on each side) instead of all-gathering the weight, gradient, states and buffer, and
 steps its shard only; the result is the single process's, bit for bit.
 
-:func:`exchange` runs before the step's first write (:meth:`lowp.optim.step_plan.StepPlan.run_jobs`):
-the terms come from the optimizer's ``tensor_terms`` on the reference's fp32 working copies
-(:func:`~lowp.optim.reference.working_grads`), which the kernels match bit for bit, and nothing
-is written; one all-gather (:func:`~lowp.optim.sharding.all_rows`) carries every parameter's
-pieces, keyed by the parameter's position in the groups (the same on every rank).
+:func:`exchange` runs before the step's first write (:meth:`lowp.optim.step_plan.StepPlan.run_jobs`)
+and writes nothing. A shard the native kernel admits has its pieces made by the kernel's own
+per-tensor pre-pass (``lowp_sums`` over members that are its whole units, whole blocks and
+single elements); any other shard's terms come from the optimizer's ``tensor_terms`` on the
+reference's fp32 working copies (:func:`~lowp.optim.reference.working_grads`), the same bits.
+One exchange (:func:`~lowp.optim.sharding.all_rows`: an all-gather of the row counts, then one of
+the rows) carries every parameter's pieces, keyed by the parameter's position in the groups (the
+same on every rank). A shard smaller than a unit sends a sum per block of it (32 bytes per 16
+elements); larger shards send one per unit they hold whole.
 """
 from __future__ import annotations
 
@@ -24,10 +28,14 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from lowp.optim import sharding
+from lowp.optim.backends import Backend, FusedBackend
+from lowp.optim.kernels.checks import Span
+from lowp.optim.kernels.kernel import partition
 from lowp.optim.ordered_sum import pieces, total_from_pieces
 from lowp.optim.reference import working_grads
 from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import working_copy
 
 __all__ = ["exchange"]
@@ -36,9 +44,39 @@ __all__ = ["exchange"]
 class SumsOptimizer(Protocol):
     """What :func:`exchange` reads of the optimizer (StableAdamW's ``tensor_terms``)."""
 
+    backend: Backend
+
+    def kernel_spec(self) -> OptimizerSpec | None:
+        """The spec its fused kernels run, if any."""
+
     def tensor_terms(self, group: dict[str, Any], grads: list[torch.Tensor], states: dict[str, list[torch.Tensor]],
                      step: int) -> list[torch.Tensor]:
         """Per tensor, the fp32 terms of its sum before the step (nothing written)."""
+
+
+def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
+            ) -> list[tuple[ParamSlice, torch.Tensor]]:
+    """Each slice with the pieces of its terms: by the backend's kernel for the slices it admits
+    and has a pass for (:meth:`Kernel.pieces <lowp.optim.kernels.kernel.Kernel.pieces>`: the
+    native kernel's pre-pass), the others from the optimizer's ``tensor_terms`` on the
+    reference's fp32 working copies (the same bits), one shard at a time."""
+    backend, spec = optimizer.backend, optimizer.kernel_spec()
+    done = [(s, torch.zeros((0, 3), dtype=torch.float64)) for s in slices if s.numel == 0]   # an empty shard
+    rest = [s for s in slices if s.numel > 0]
+    if isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec):
+        spans: list[Span] = []
+        admitted, others = partition(rest, lambda s: backend.kernel.admits(spec, ctx, s, spans))
+        rows = backend.kernel.pieces(spec, ctx, admitted) if admitted else None
+        if rows is not None:
+            done, rest = done + list(zip(admitted, rows)), others
+    scratch = Scratch()
+    for s in rest:   # one shard at a time: the temporaries of one
+        grads = working_grads(ctx, [s], scratch)
+        states = {n: [working_copy(t)] for n, t in s.states.items()}
+        [terms] = optimizer.tensor_terms(ctx.group, grads, states, ctx.step)
+        assert s.tensor_sum is not None
+        done.append((s, pieces(terms, s.index.first(), s.tensor_sum.numel)))
+    return done
 
 
 def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[ParamSlice]]]) -> None:
@@ -53,18 +91,15 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
         todo = [s for s in slices if s.tensor_sum is not None]
         if not todo:
             continue
-        scratch = Scratch()
-        grads = working_grads(ctx, todo, scratch)
-        states = {n: [working_copy(s.states[n]) for s in todo] for n in todo[0].states}
-        for s, terms in zip(todo, optimizer.tensor_terms(ctx.group, grads, states, ctx.step)):
-            assert s.tensor_sum is not None
-            rows = pieces(terms, s.index.first(), s.tensor_sum.numel)
+        for s, rows in _pieces(optimizer, ctx, todo):
             mine.append(torch.cat([torch.full((rows.shape[0], 1), float(s.param_id), dtype=torch.float64), rows], 1))
             sharded.append(s)
     if not sharded:
         return
     everyone = sharding.all_rows(torch.cat(mine))
-    by_param = everyone[:, 0]
+    everyone = everyone[torch.argsort(everyone[:, 0], stable=True)]   # each parameter's rows together
+    ids, counts = torch.unique_consecutive(everyone[:, 0], return_counts=True)
+    by_param = dict(zip(ids.long().tolist(), everyone[:, 1:].split(counts.tolist())))
     for s in sharded:
         assert s.tensor_sum is not None
-        s.tensor_sum.total = total_from_pieces(everyone[by_param == s.param_id, 1:], s.tensor_sum.numel)
+        s.tensor_sum.total = total_from_pieces(by_param.get(s.param_id, everyone[:0, 1:]), s.tensor_sum.numel)

@@ -421,9 +421,10 @@ class StepPlan:
                               optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
                               coded=coded)
             prepared.append((key, index, sum(s.numel for s in slices), backend.prepare(optimizer, ctx, slices)))
-            if any(s.tensor_sum is not None for s in slices):
+            if update_weights and any(s.tensor_sum is not None for s in slices):
                 sharded.append((ctx, slices))
-        sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), sharded)   # the shards' sums: read only
+        # the shards' sums, read only (a states-only step discards the update that reads them)
+        sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), sharded)
         del sharded   # no context outlives its job's call (its scratch buffers)
         if new_step and update_weights:
             optimizer._last_stalled = {}

@@ -208,6 +208,13 @@ class Kernel(ABC):
         makes such slices only while it writes. Default: nothing to load."""
         return None
 
+    def pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[torch.Tensor] | None:
+        """Per admitted slice (a shard with a :class:`~lowp.optim.slices.TensorSum`), the
+        :func:`~lowp.optim.ordered_sum.pieces` of its per-tensor reduction's terms at ``ctx``'s step,
+        computed by this kernel without writing anything; ``None`` (default) when the kernel has no
+        such pass (:mod:`lowp.optim.sharded_sums` then computes them with torch)."""
+        return None
+
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
                       launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
         """Run the prepared ``launches`` of one job, ``numel`` elements in all, at ``ctx``'s step

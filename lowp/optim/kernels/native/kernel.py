@@ -22,6 +22,7 @@ from typing import Any, Sequence, cast
 
 import torch
 
+from lowp.optim.ordered_sum import layout
 from lowp.optim.kernels.checks import (PLAIN_TYPES, all_kernel_memory, check_kernel_args, kernel_memory, plain,
                                        storage_fits)
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
@@ -137,6 +138,37 @@ class NativeKernel(Kernel):
         a per-tensor reduction, its sums come from it). The caller passes dtypes the kernel admits
         (:func:`~lowp.optim.kernels.kernel.fusable_dtypes`); others have no variant (``KeyError``)."""
         step_function(variant_source(spec.name, variant_for(spec, ctx, dtypes)))
+
+    def pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[torch.Tensor] | None:
+        """The pieces of each admitted shard's reduction terms by the variant's own pre-pass:
+        ``lowp_sums`` over members that are the shard's whole units, whole blocks and single
+        elements at their places in the tensor (:func:`~lowp.optim.ordered_sum.layout`). Each
+        member's sum starts from zero and adds in :func:`~lowp.optim.ordered_sum.ordered_sum`'s
+        order, so a unit member gives the unit's sum, a block member the block's, an element
+        member its term, exactly: the rows :func:`~lowp.optim.ordered_sum.pieces` makes from the
+        same terms. The members are ranges of the checked slice (their pointers offsets into its
+        tensors, their lengths inside it); nothing is written."""
+        numbers = spec.numbers(ctx.group, ctx.step)
+        out = []
+        for s in slices:
+            assert s.tensor_sum is not None, "pieces: a shard of a tensor has its TensorSum"
+            kind, index, start, length = layout(s.index.first(), s.numel, s.tensor_sum.numel)
+            if int((start + length).max()) > s.numel or int(start.min()) < 0:
+                raise RuntimeError("kernel pieces: a member outside its slice")
+            variant = variant_for(spec, ctx, slice_dtypes(s))
+            check_kernel_args([s], list(variant.program.state_names), variant.dtypes)
+            grad = s.grad if s.grad.is_contiguous() else s.grad.contiguous()
+            tensors = [s.param, grad, s.buffer, *(s.states[name] for name in variant.program.state_names)]
+            table = torch.zeros((len(tensors), kind.numel()), dtype=torch.int64)
+            for role, t in enumerate(tensors):
+                if t is not None:
+                    table[role] = start * t.element_size() + t.data_ptr()
+            h = torch.tensor([grad_factor(ctx), *spec.pick(variant.numbers, numbers)], dtype=torch.float64)
+            sums = torch.zeros(kind.numel(), dtype=torch.float64)
+            sums_function(variant_source(spec.name, variant))(kind.numel(), table.data_ptr(), length.data_ptr(),
+                                                              h.data_ptr(), sums.data_ptr(), torch.get_num_threads())
+            out.append(torch.stack([kind.double(), index.double(), sums], dim=1))
+        return out
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
                       launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
