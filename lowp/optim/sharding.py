@@ -13,7 +13,8 @@ needs the other ranks:
 - a per-tensor sum (StableAdamW's RMS) of a parameter sharded in contiguous ranges (FSDP2): each
   rank sends the pieces of the sum over its range, every rank adds them up in the one order of
   :mod:`lowp.optim.ordered_sum`, and the step runs on the local shards
-  (:mod:`lowp.optim.sharded_sums`): one all-gather of a few numbers per boundary;
+  (:mod:`lowp.optim.sharded_sums`): an all-gather of the row counts, then of the pieces (a few
+  numbers per whole unit and per shard boundary);
 - other updates that are not elementwise (Adafactor's factors and RMS clip, StableAdamW on other
   layouts or with coded states): the parameter, its gradient, states and buffer are all-gathered,
   the step runs on the full tensors exactly as on one process, and each rank keeps its box
@@ -412,16 +413,15 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums
         p, grad, states, buffer, param_id, scales = request
         if not is_dtensor(p):
             out.append((ParamSlice(p, grad, states, buffer, param_id, scales=_flat(scales)), 0.0, None))
-        elif elementwise and all(_placed_like(t, p) for t in (*states.values(), *scales.values()) if is_dtensor(t)):
+            continue
+        exchanged = not elementwise and shards_sums and not scales \
+            and _sums_shard(p, (*states.values(), *([] if buffer is None else [buffer])))
+        if exchanged or elementwise and all(_placed_like(t, p) for t in (*states.values(), *scales.values())
+                                            if is_dtensor(t)):
             piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
                                None if buffer is None else local(buffer), param_id, element_index(p),
-                               _flat({n: local(t) for n, t in scales.items()}))
-            out.append((piece, 1.0 / replicas(p), None))
-        elif shards_sums and not scales and _sums_shard(p, (*states.values(), *([] if buffer is None else [buffer]))):
-            whole = TensorSum(p.numel()) if _split(p) else None
-            piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
-                               None if buffer is None else local(buffer), param_id, element_index(p),
-                               tensor_sum=whole)
+                               _flat({n: local(t) for n, t in scales.items()}),
+                               TensorSum(p.numel()) if exchanged and _split(p) else None)
             out.append((piece, 1.0 / replicas(p), None))
         else:
             assert p.grad is not None, "make_slices: the optimizer passes only parameters with a gradient"
