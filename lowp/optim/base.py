@@ -34,7 +34,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
 
-from lowp.optim import checkpointing, options, reference, state_layout, step_plan
+from lowp.optim import checkpointing, options, reference, sharding, state_layout, step_plan
 from lowp.optim.backends import Backend, backend_for, get_backend
 from lowp.optim.cached_step import Plans
 from lowp.optim.diagnostics import report
@@ -192,9 +192,8 @@ class LowpOptimizer(torch.optim.Optimizer):
         seed = None if seed is None else check_seed(seed)
         self.skipped_params = 0
         self.skipped_steps = 0
-        # per group: (stalled count, elements, weight) of each job of the last step; weight 0 for
-        # plain parameters, else the share of this rank in a sum over all ranks
-        self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = {}
+        # per group: (stalled count, elements, sharding.Share) of each job of the last step
+        self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]] = {}
         # parameter -> (group index, index in the group, position over all groups), a cache of
         # lowp.optim.step_plan.prepare_subset
         self._positions: dict[torch.Tensor, tuple[int, int, int]] = {}

@@ -26,7 +26,7 @@ whole local box as one contiguous range of the global tensor (a ``Shard(0)`` sha
 an empty shard needs no launch: its step count advances with its job's) and its gradient is a
 DTensor placed like it: the plan keeps the local tensors and the boxes'
 offsets (the random streams). Their non-finite check must agree over the ranks, as a full
-step's does (:func:`lowp.optim.sharding.agree`): each step checks the local gradients first and
+step's does (:func:`lowp.optim.collectives.agree`): each step checks the local gradients first and
 all-reduces the flags, in the order of the parameters in the groups, the same collective a
 full step makes, so ranks whose plans hold and ranks taking a full step agree; only when every
 flag holds does the kernel run (without its own check). A skipped step is skipped here; a
@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeGuard, 
 import torch
 
 from lowp.interrupts import deferred_interrupts
-from lowp.optim import backends, sharding
+from lowp.optim import backends, collectives, sharding
 from lowp.optim.backends import FusedBackend
 from lowp.optim.codes import scale_name
 from lowp.optim.kernels import coded_slices
@@ -98,7 +98,7 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
     diagnostics_enabled: bool
     skipped_params: int
     skipped_steps: int
-    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]]
+    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]]
 
     def check_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyper-parameters."""
@@ -228,7 +228,7 @@ class _Job:
     members (an empty shard: no launch, its step count advances with the job's) and the
     diagnostics entry."""
 
-    def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, weight: float,
+    def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, weight: sharding.Share,
                  launches: list[tuple[KernelLaunch, list[int]]], numel: int, empty: list[int]) -> None:
         self.group, self.index, self.mode, self.coded, self.step = group, index, mode, coded, step
         self.weight, self.launches, self.numel, self.empty = weight, launches, numel, empty
@@ -296,6 +296,7 @@ class CachedStep:
         self.remainder_at = [place[id(p)] for p in self.remainder]
         flagged = self.stepped_at + self.remainder_at
         self.group_order = sorted(range(len(flagged)), key=flagged.__getitem__)
+        self.agreement = collectives.agreement([[*stepped, *self.remainder][i] for i in self.group_order])
         # DTensors (parameters, states): each keeps its local tensor; a parameter its layout too
         # (its box picks the random streams; a state's layout is read by nothing the plan runs)
         self.wrappers = [t for t in (*stepped, *self.owned_tensors) if not _plain(t)]
@@ -488,7 +489,7 @@ class CachedStep:
     def agreed_flags(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], checked: bool,
                      rest: Sequence[torch.Tensor] = ()) -> list[bool] | None:
         """The finite flags of ``grads`` (from :meth:`matches`) and of the remainder's local
-        gradients ``rest`` agreed over the ranks (:func:`lowp.optim.sharding.all_ranks`), in the
+        gradients ``rest`` agreed over the ranks (:func:`lowp.optim.collectives.agree_by`), in the
         order of the parameters in the groups, as a full step agrees them
         (:func:`lowp.optim.step_plan.finite_flags`), for a plan with DTensor parameters under a
         non-finite policy whose gradients are not ``checked``; ``None`` for the others (the kernel
@@ -496,7 +497,7 @@ class CachedStep:
         if not (self.sharded or self.remainder) or checked or optimizer.nonfinite == "off":
             return None
         flags = optimizer.backend.finite_flags([*grads, *rest])
-        return sharding.all_ranks(list(map(flags.__getitem__, self.group_order)))
+        return collectives.agree_by(list(map(flags.__getitem__, self.group_order)), self.agreement)
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
@@ -533,7 +534,7 @@ class CachedStep:
                     optimizer._last_stalled = before
                     raise
                 new_step = False   # the remainder's stalled counts start the step's
-            stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]] = \
+            stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]] = \
                 {} if new_step else optimizer._last_stalled
             for job in self.jobs:   # each job's counters advance right after its writes (step_plan)
                 step = job.step + 1

@@ -28,7 +28,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from lowp.optim import options, preflight, sharding
+from lowp.optim import collectives, options, preflight, sharding
 from lowp.optim.codes import CODES, SCALE_DTYPES, Code, code_for, decode, encode, scale_name, stored_shapes
 from lowp.optim.slices import CodedState
 from lowp.optim.preflight import check_seed
@@ -156,7 +156,7 @@ def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
             casts[-1] = _cast_into_layout(optimizer, group, live_group, p, entry, live, where)
             entries.append((group, p, entry, where))
     params = [p for group in groups for p in group["params"]]
-    for cast, ok in zip(casts, sharding.agree([cast is None for cast in casts], params)):
+    for cast, ok in zip(casts, collectives.agree([cast is None for cast in casts], params)):
         if cast is not None:
             raise LayoutCastError(cast)
         if not ok:
@@ -293,7 +293,7 @@ def check_values(optimizer: LowpOptimizer, groups: list[dict[str, Any]],
                               if isinstance(value, torch.Tensor)
                               for why in [_value_problem(sharding.local(value), name in never_negative)] if why),
                              None))
-    agreed = sharding.agree([problem is None for problem in problems], params)
+    agreed = collectives.agree([problem is None for problem in problems], params)
     for problem, ok in zip(problems, agreed):
         if problem is not None:
             raise ValueError(problem)

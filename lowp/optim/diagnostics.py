@@ -1,10 +1,11 @@
 """The optimizer's ``diagnostics()`` (:func:`report`, bound as its method): per parameter group,
 how much of the last step rounding lost and how large the Kahan compensation has grown.
 
-``stalled_fraction`` counts, over the jobs of the last step (the optimizer's ``_last_stalled``: per
-group, a (count, elements, weight) triple per job, weight 0 for plain parameters, else this rank's
-share of a sum over ranks), the elements whose stored weight did not change; ``compensation_rel``
-is ``||k|| / ||theta||`` over the group's Kahan buffers ``k`` and their weights ``theta``.
+``stalled_fraction`` counts, over the jobs of the last step (the optimizer's ``_last_stalled``:
+per group, a (count, elements, :class:`~lowp.optim.sharding.Share`) triple per job: a plain
+parameter's counts are its rank's, a DTensor's this rank's share of a sum over its mesh's ranks),
+the elements whose stored weight did not change; ``compensation_rel`` is ``||k|| / ||theta||``
+over the group's Kahan buffers ``k`` and their weights ``theta``.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lowp.optim import sharding
+from lowp.optim import collectives, sharding
 
 __all__ = ["report"]
 
@@ -27,35 +28,48 @@ class LowpOptimizer(Protocol):
     state: defaultdict[torch.Tensor, Any]
     skipped_params: int
     skipped_steps: int
-    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]]
+    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]]
 
 
 def report(optimizer: LowpOptimizer) -> list[dict[str, float]]:
     """Per parameter group: ``stalled_fraction`` (elements of the last step whose stored
     weight did not change: their update was lost to rounding, or zero), ``compensation_rel``
     (``||k|| / ||theta||`` over the group's Kahan buffers, 0 without any) and skip counters.
-    With DTensor parameters the counts and squares are summed over ranks (one all-reduce:
-    every rank must call it)."""
-    sums = []   # per group: stalled, elements, ||k||^2, ||theta||^2; plain (local) then DTensor shares
+    With DTensor parameters the counts and squares are summed over the ranks of their meshes
+    (:func:`lowp.optim.collectives.sums_by_mesh`: every rank of a mesh must call it)."""
+    n = len(optimizer.param_groups)
+    plain = [[0.0] * 4 for _ in range(n)]   # per group: stalled, elements, ||k||^2, ||theta||^2
+    meshes: dict[collectives.Groups, list[float]] = {}   # per mesh: those 4 sums of every group
+    mesh_groups = sharding.MeshGroups()
+    for g in optimizer.param_groups:   # the meshes in the order of their first parameter
+        for p in g["params"]:
+            if sharding.is_dtensor(p) and (groups := mesh_groups(p)):
+                meshes.setdefault(groups, [0.0] * (4 * n))
+
+    def add(i: int, share: sharding.Share, at: int, value: float) -> None:
+        if share.weight == 0 or not share.groups:
+            plain[i][at] += value * (share.weight or 1.0)
+        else:
+            meshes[share.groups][4 * i + at] += value * share.weight
+
     for i, group in enumerate(optimizer.param_groups):
-        plain, shared = [0.0] * 4, [0.0] * 4
-        for stalled, n, weight in optimizer._last_stalled.get(i, []):
-            acc, w = (plain, 1.0) if weight == 0 else (shared, weight)
-            acc[0] += w * float(stalled) if stalled is not None else math.nan
-            acc[1] += w * n
+        for stalled, numel, share in optimizer._last_stalled.get(i, []):
+            add(i, share, 0, float(stalled) if stalled is not None else math.nan)
+            add(i, share, 1, numel)
         for p in group["params"]:
             k = optimizer.state.get(p, {}).get("compensation")
             if k is not None:
-                acc, w = (shared, 1.0 / sharding.replicas(p)) if sharding.is_dtensor(p) else (plain, 1.0)
-                acc[2] += w * float(sharding.local(k).float().square().sum())
-                acc[3] += w * float(sharding.local(p).detach().float().square().sum())
-        sums.append((plain, shared))
-    if any(sharding.is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
-        reduced = iter(sharding.global_sums([v for _, shared in sums for v in shared]))
-        sums = [(plain, [next(reduced) for _ in shared]) for plain, shared in sums]
+                share = sharding.Share(1.0 / sharding.replicas(p), mesh_groups(p)) \
+                    if sharding.is_dtensor(p) else sharding.OWN
+                add(i, share, 2, float(sharding.local(k).float().square().sum()))
+                add(i, share, 3, float(sharding.local(p).detach().float().square().sum()))
+    sums = [list(v) for v in plain]
+    for vals in collectives.sums_by_mesh(meshes).values():
+        for i in range(n):
+            for at in range(4):
+                sums[i][at] += vals[4 * i + at]
     out: list[dict[str, float]] = []
-    for plain, shared in sums:
-        stalled_sum, count, comp_sq, weight_sq = (a + b for a, b in zip(plain, shared))
+    for stalled_sum, count, comp_sq, weight_sq in sums:
         out.append({
             "stalled_fraction": stalled_sum / count if count and not math.isnan(stalled_sum) else 0.0,
             "compensation_rel": math.sqrt(comp_sq / weight_sq) if weight_sq else 0.0,

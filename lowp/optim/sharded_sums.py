@@ -16,9 +16,10 @@ and writes nothing. A shard the native kernel admits has its pieces made by the 
 per-tensor pre-pass (``lowp_sums`` over members that are its whole units, whole blocks and
 single elements); any other shard's terms come from the optimizer's ``tensor_terms`` on the
 reference's fp32 working copies (:func:`~lowp.optim.reference.working_grads`), the same bits.
-One exchange (:func:`~lowp.optim.sharding.all_rows`: an all-gather of the row counts, then one of
-the rows) carries every parameter's pieces, keyed by the parameter's position in the groups (the
-same on every rank). A shard smaller than a unit sends a sum per block of it (32 bytes per 16
+One exchange per mesh (:func:`~lowp.optim.collectives.all_rows` over its sharded dimensions: an
+all-gather of the row counts, then one of the rows; a replica's ranks send nothing to each other)
+carries the pieces of all its parameters, keyed by the parameter's position in the groups (the
+same on every rank of the mesh). A shard smaller than a unit sends a sum per block of it (32 bytes per 16
 elements); larger shards send one per unit they hold whole.
 """
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from lowp.optim import sharding
 from lowp.optim.backends import Backend, FusedBackend
+from lowp.optim.collectives import Groups, all_rows
 from lowp.optim.kernels.checks import Span
 from lowp.optim.kernels.kernel import partition
 from lowp.optim.ordered_sum import pieces, total_from_pieces
@@ -81,25 +82,27 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
 
 def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[ParamSlice]]]) -> None:
     """Set ``tensor_sum.total`` of every slice of ``jobs`` that has a
-    :class:`~lowp.optim.slices.TensorSum`: its terms cut into pieces, one all-gather of the pieces
-    of all of them, each whole tensor's sum rebuilt from every rank's pieces. Every rank calls it
-    with the same parameters (the collective); a rank with no such slice makes no call, and
-    neither does any other (they step the same parameters)."""
-    mine: list[torch.Tensor] = []
-    sharded: list[ParamSlice] = []
+    :class:`~lowp.optim.slices.TensorSum`: its terms cut into pieces, one exchange of the pieces
+    of all of them per mesh (over the process groups of the mesh's sharded dimensions,
+    :func:`~lowp.optim.collectives.all_rows`, in the order of each mesh's first slice), each whole
+    tensor's sum rebuilt from every rank's pieces. The ranks of a mesh call it with the same
+    parameters (the collectives); a rank with no such slice makes no call, and neither does any
+    other rank of its meshes (they step the same parameters)."""
+    by_mesh: dict[Groups, tuple[list[torch.Tensor], list[ParamSlice]]] = {}
     for ctx, slices in jobs:
         todo = [s for s in slices if s.tensor_sum is not None]
         if not todo:
             continue
         for s, rows in _pieces(optimizer, ctx, todo):
+            assert s.tensor_sum is not None
+            mine, sharded = by_mesh.setdefault(s.tensor_sum.groups, ([], []))
             mine.append(torch.cat([torch.full((rows.shape[0], 1), float(s.param_id), dtype=torch.float64), rows], 1))
             sharded.append(s)
-    if not sharded:
-        return
-    everyone = sharding.all_rows(torch.cat(mine))
-    everyone = everyone[torch.argsort(everyone[:, 0], stable=True)]   # each parameter's rows together
-    ids, counts = torch.unique_consecutive(everyone[:, 0], return_counts=True)
-    by_param = dict(zip(ids.long().tolist(), everyone[:, 1:].split(counts.tolist())))
-    for s in sharded:
-        assert s.tensor_sum is not None
-        s.tensor_sum.total = total_from_pieces(by_param.get(s.param_id, everyone[:0, 1:]), s.tensor_sum.numel)
+    for groups, (mine, sharded) in by_mesh.items():
+        everyone = all_rows(torch.cat(mine), groups)
+        everyone = everyone[torch.argsort(everyone[:, 0], stable=True)]   # each parameter's rows together
+        ids, counts = torch.unique_consecutive(everyone[:, 0], return_counts=True)
+        by_param = dict(zip(ids.long().tolist(), everyone[:, 1:].split(counts.tolist())))
+        for s in sharded:
+            assert s.tensor_sum is not None
+            s.tensor_sum.total = total_from_pieces(by_param.get(s.param_id, everyone[:0, 1:]), s.tensor_sum.numel)

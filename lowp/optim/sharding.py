@@ -8,8 +8,8 @@ mesh dimension). lowp keeps every state sharded like its parameter and runs the 
 work on the local boxes, so the kernels only ever see plain tensors. What is not elementwise
 needs the other ranks:
 
-- the non-finite check: one all-reduce (MIN) of the per-parameter flags of a step, so that
-  ``skip_param`` / ``skip_step`` decide the same on every rank (:func:`agree`);
+- the non-finite check: an all-reduce (MIN) of the per-parameter flags of a step, so that
+  ``skip_param`` / ``skip_step`` decide the same on every rank (:func:`lowp.optim.collectives.agree`);
 - a per-tensor sum (StableAdamW's RMS) of a parameter sharded in contiguous ranges (FSDP2): each
   rank sends the pieces of the sum over its range, every rank adds them up in the one order of
   :mod:`lowp.optim.ordered_sum`, and the step runs on the local shards
@@ -21,10 +21,11 @@ needs the other ranks:
   (:func:`make_slices`, :class:`Gathered`). This is bit-for-bit the unsharded step; the price is
   one all-gather of the tensors of all such parameters per step (:func:`gather_many`) and
   full-size temporaries;
-- diagnostics: sums of counts and squares over ranks (:func:`global_sums`).
+- diagnostics: sums of counts and squares over ranks (:class:`Share`).
 
-Collectives run on the default process group, so every rank must step the same list of
-parameters (as FSDP2 and tensor parallelism do).
+Each collective runs over the ranks of the parameters' device meshes
+(:mod:`lowp.optim.collectives`), so the ranks of a mesh must step the same parameters (as FSDP2,
+HSDP and tensor parallelism do), and other ranks (another pipeline stage) may step others.
 
 Every element is placed by :class:`~lowp.optim.randomness.ElementIndex` (:func:`element_index`),
 so stochastic rounding can draw the same bits for it at any sharding.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence, TypeGuard, cast
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,8 @@ if TYPE_CHECKING:
 
 __all__ = ["make_slices", "gather_many", "SliceRequest", "Gathered", "is_dtensor", "local", "new_state",
            "new_tensor", "coded_placements", "new_buffer", "element_index", "box_index", "box", "gather",
-           "keep_local", "local_grad", "load_state", "place", "agree", "all_ranks", "global_sums", "replicas",
-           "world_size", "check_placements", "dtensor_type", "all_rows"]
+           "keep_local", "local_grad", "load_state", "place", "replicas", "mesh_groups", "MeshGroups", "Share",
+           "check_placements", "dtensor_type"]
 
 
 @functools.cache
@@ -329,9 +330,46 @@ def replicas(t: torch.Tensor) -> int:
     return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if isinstance(pl, Replicate))
 
 
-def world_size() -> int:
-    """Ranks in the default group (1 without one)."""
-    return dist.get_world_size() if _distributed() else 1
+def mesh_groups(t: DTensor, shards_only: bool = False) -> tuple[dist.ProcessGroup, ...]:
+    """The process groups of the dimensions of ``t``'s device mesh that hold more than one rank,
+    in mesh order (only those along which ``t`` is sharded, with ``shards_only``: a replica's
+    ranks hold the same box)."""
+    return MeshGroups()(t, shards_only)
+
+
+class MeshGroups:
+    """:func:`mesh_groups` for many tensors, each mesh's groups looked up once (a lookup costs
+    about 5 us per dimension). Keep one only while the tensors asked about are alive: it knows
+    a mesh by its ``id``."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, tuple[bool, ...] | None], tuple[dist.ProcessGroup, ...]] = {}
+
+    def __call__(self, t: DTensor, shards_only: bool = False) -> tuple[dist.ProcessGroup, ...]:
+        """:func:`mesh_groups` of ``t``."""
+        from torch.distributed.tensor import Shard
+        mesh = t.device_mesh
+        sharded = tuple(isinstance(pl, Shard) for pl in t.placements) if shards_only else None
+        key = (id(mesh), sharded)
+        groups = self._known.get(key)
+        if groups is None:
+            groups = self._known[key] = tuple(mesh.get_group(i) for i in range(mesh.ndim)
+                                              if mesh.size(i) > 1 and (sharded is None or sharded[i]))
+        return groups
+
+
+class Share(NamedTuple):
+    """How a rank's counts of a slice (diagnostics) add up to its parameter's: ``weight`` times
+    each count, summed over the ranks of ``groups`` (its mesh's, :func:`mesh_groups`), ``weight``
+    1 / the ranks that compute the same elements. A plain tensor's counts are its rank's own
+    (:data:`OWN`)."""
+
+    weight: float
+    groups: tuple[dist.ProcessGroup, ...]
+
+
+#: the :class:`Share` of a plain tensor
+OWN = Share(0.0, ())
 
 
 @dataclass
@@ -384,14 +422,14 @@ SliceRequest = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.
 
 
 def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums: bool = False
-                ) -> list[tuple[ParamSlice, float, Gathered | None]]:
-    """Per parameter of ``requests``: the :class:`ParamSlice` a backend runs, its weight in the
-    diagnostics' sums and, for a gathered step, what to write back.
+                ) -> list[tuple[ParamSlice, Share, Gathered | None]]:
+    """Per parameter of ``requests``: the :class:`ParamSlice` a backend runs, its :class:`Share`
+    of the diagnostics' sums and, for a gathered step, what to write back.
 
-    - plain ``p``: the tensors themselves, weight 0 (counted on this rank only);
+    - plain ``p``: the tensors themselves, :data:`OWN` (counted on this rank only);
     - DTensor ``p``, elementwise optimizer, every DTensor state placed like ``p``: the local
-      shards with their :class:`ElementIndex`, weight ``1 / replicas`` (each element counted once
-      over the ranks);
+      shards with their :class:`ElementIndex`, weight ``1 / replicas`` over the mesh's ranks (each
+      element counted once);
     - DTensor ``p`` of a per-tensor optimizer that ``shards_sums``
       (:meth:`~lowp.optim.base.LowpOptimizer.shards_sums`) whose local box is one contiguous range
       of the whole tensor (``Shard(0)``, FSDP2's layout), every state and the buffer DTensors
@@ -400,19 +438,20 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums
       exchange the pieces of its sum before the step, :mod:`lowp.optim.sharded_sums`);
     - DTensor ``p``, another per-tensor optimizer or layout, or a state placed otherwise (the replicated codes of
       blocks that ``p``'s shards split, :func:`coded_placements`): full copies of the parameter,
-      its gradient (``p.grad``), states, buffer and block scales, weight ``1 / world size`` (every
-      rank computes the whole tensor), so the step writes none of this rank's own tensors before
+      its gradient (``p.grad``), states, buffer and block scales, weight ``1 / the mesh's size``
+      (every rank computes the whole tensor), so the step writes none of this rank's own tensors before
       :meth:`Gathered.write_back`. The full copies of all such parameters come from one
       :func:`gather_many`.
 
     Block scales reach the piece flat (:attr:`ParamSlice.scales`).
     """
-    out: list[tuple[ParamSlice, float, Gathered | None] | None] = []
+    out: list[tuple[ParamSlice, Share, Gathered | None] | None] = []
     pending: list[tuple[int, SliceRequest]] = []
+    groups = MeshGroups()
     for request in requests:
         p, grad, states, buffer, param_id, scales = request
         if not is_dtensor(p):
-            out.append((ParamSlice(p, grad, states, buffer, param_id, scales=_flat(scales)), 0.0, None))
+            out.append((ParamSlice(p, grad, states, buffer, param_id, scales=_flat(scales)), OWN, None))
             continue
         exchanged = not elementwise and shards_sums and not scales \
             and _sums_shard(p, (*states.values(), *([] if buffer is None else [buffer])))
@@ -421,8 +460,9 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums
             piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
                                None if buffer is None else local(buffer), param_id, element_index(p),
                                _flat({n: local(t) for n, t in scales.items()}),
-                               TensorSum(p.numel()) if exchanged and _split(p) else None)
-            out.append((piece, 1.0 / replicas(p), None))
+                               TensorSum(p.numel(), groups(p, shards_only=True))
+                               if exchanged and _split(p) else None)
+            out.append((piece, Share(1.0 / replicas(p), groups(p)), None))
         else:
             assert p.grad is not None, "make_slices: the optimizer passes only parameters with a gradient"
             pending.append((len(out), request))
@@ -435,8 +475,10 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums
         piece = ParamSlice(weight, grad, {n: next(fulls) for n in states}, None if buffer is None else next(fulls),
                            param_id)
         piece.scales = _flat({n: next(fulls) for n in scales})
-        out[at] = (piece, 1.0 / world_size(), Gathered(piece, cast("DTensor", p), states, buffer, scales))
-    return cast(list[tuple[ParamSlice, float, "Gathered | None"]], out)
+        whole = cast("DTensor", p)
+        out[at] = (piece, Share(1.0 / whole.device_mesh.size(), groups(whole)),
+                   Gathered(piece, whole, states, buffer, scales))
+    return cast(list[tuple[ParamSlice, Share, "Gathered | None"]], out)
 
 
 #: the smallest parameter whose per-tensor sum is exchanged rather than gathered: below it the
@@ -566,65 +608,3 @@ def _gather_batch(tensors: Sequence[torch.Tensor], members: list[int], group: di
             offset, nbytes, shape = parts[r][k]
             boxes.append(received[r][offset:offset + nbytes].view(loc.dtype).reshape(shape))
         out[i] = torch.cat(boxes, dim=dim)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def agree(flags: Sequence[bool], params: Sequence[torch.Tensor]) -> list[bool]:
-    """The finite flags of all parameters, true only when true on every rank: :func:`all_ranks`
-    when any parameter is a DTensor, else ``flags`` unchanged."""
-    flags = list(flags)
-    if not any(is_dtensor(p) for p in params):
-        return flags
-    return all_ranks(flags)
-
-
-def all_ranks(flags: Sequence[bool]) -> list[bool]:
-    """``flags``, each true only when true on every rank: one all-reduce (MIN) over the default
-    group (a step's non-finite flags, in the order of the parameters in the groups, so that every
-    rank makes the same collective: every rank must step the same parameters, as FSDP2 and tensor
-    parallelism do), unchanged without a group."""
-    flags = list(flags)
-    if not flags or not _distributed():
-        return flags
-    t = torch.tensor(flags, dtype=torch.int32, device=_comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return [bool(v) for v in t.tolist()]
-
-
-def global_sums(values: Sequence[float]) -> list[float]:
-    """``values`` summed over the ranks of the default group in fp64 (unchanged without one)."""
-    if not _distributed():
-        return list(values)
-    t = torch.tensor(list(values), dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_rows(rows: torch.Tensor) -> torch.Tensor:
-    """The float64 rows (``[k, c]``, ``k`` may differ between ranks) of every rank of the default
-    group, concatenated in rank order: one all-gather of the row counts, one of the rows padded to
-    the longest (``rows`` itself without a group)."""
-    if not _distributed():
-        return rows
-    device = _comm_device()
-    ranks = dist.get_world_size()
-    count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(ranks)]
-    dist.all_gather(counts, count)
-    sizes = [int(c.item()) for c in counts]
-    longest = max(sizes)
-    mine = torch.zeros((longest, rows.shape[1]), dtype=torch.float64, device=device)
-    mine[:rows.shape[0]] = rows
-    everyone = [torch.empty_like(mine) for _ in range(ranks)]
-    dist.all_gather(everyone, mine)
-    return torch.cat([t[:n] for t, n in zip(everyone, sizes)]).cpu()
-
-
-def _comm_device() -> torch.device:
-    """The device the default group's backend communicates from (CUDA for NCCL, else CPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -45,10 +45,13 @@ class TensorSum:
 
     Args:
         numel: elements of the whole tensor.
+        groups: the process groups whose ranks hold its parts (its mesh's sharded dimensions,
+            :func:`~lowp.optim.sharding.mesh_groups`), over which the pieces travel.
         total: the sum over the whole tensor (default ``None``: not exchanged yet).
     """
 
     numel: int
+    groups: tuple[Any, ...] = ()
     total: float | None = None
 
 

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, Protocol, Sequence, cast
 import torch
 
 from lowp.interrupts import deferred_interrupts
-from lowp.optim import backends, preflight, sharded_sums, sharding
+from lowp.optim import backends, collectives, preflight, sharded_sums, sharding
 from lowp.optim.backends import Backend, get_backend
 from lowp.optim.cached_step import Plans
 from lowp.optim.codes import scale_name
@@ -64,7 +64,7 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
     diagnostics_enabled: bool
     skipped_params: int
     skipped_steps: int
-    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, float]]]
+    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]]
     _positions: dict[torch.Tensor, tuple[int, int, int]]
     _released_by: Any
     _plans: Plans
@@ -155,7 +155,7 @@ def finite_flags(optimizer: LowpOptimizer, grads: list[torch.Tensor], params: li
     without a look under ``nonfinite="off"``, unless ``force``."""
     if optimizer.nonfinite == "off" and not force:
         return [True] * len(grads)
-    return sharding.agree(optimizer.backend.finite_flags(grads), params)
+    return collectives.agree(optimizer.backend.finite_flags(grads), params)
 
 
 def _checked_param(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, index: int) -> Checked:

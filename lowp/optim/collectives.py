@@ -1,0 +1,117 @@
+"""The few collectives of a step on DTensor parameters, each over the ranks that hold the parameter.
+
+A rank joins a collective only with the ranks of its parameters' device meshes, never the whole
+default group: under pipeline parallelism each stage's ranks hold other parameters (another
+number of them, maybe another optimizer configuration), and a collective over the default group
+would pair one stage's message with another's (a hang, or flags mixed between parameters).
+
+A mesh's collective runs over each of its dimensions' process groups in turn (those of more than
+one rank): a reduction over dimension 0's group, then dimension 1's, ... reduces over every rank
+of the mesh (each rank has then combined the values of all ranks that share its other
+coordinates, then of those that share none); an all-gather the same way gathers every rank's
+rows. Parameters are taken mesh by mesh, in the order of each mesh's first parameter, so every
+rank of a group makes the same collectives in the same order, as long as the ranks of a mesh
+step the same parameters (what FSDP2, tensor parallelism and HSDP guarantee).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lowp.optim.sharding import MeshGroups, is_dtensor
+
+__all__ = ["Groups", "Agreement", "agreement", "agree", "agree_by", "sums_by_mesh", "all_rows"]
+
+#: the process groups of a mesh's dimensions of more than one rank, in mesh order
+Groups = tuple[dist.ProcessGroup, ...]
+#: per mesh: its groups and the positions of its parameters in a list of parameters
+Agreement = list[tuple[Groups, list[int]]]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def agreement(params: Sequence[torch.Tensor]) -> Agreement:
+    """Which ranks must agree on a flag of each of ``params``: the positions of the DTensor
+    parameters by the process groups of their meshes (in the order of each mesh's first
+    parameter; a mesh of one rank needs nobody), the plain tensors' positions with every mesh
+    (so that ``skip_step``, which reads all flags, decides alike on the ranks of a mesh). Without
+    a DTensor parameter, every flag is its rank's own."""
+    by_mesh: dict[Groups, list[int]] = {}
+    plain: list[int] = []
+    mesh_groups = MeshGroups()
+    for i, p in enumerate(params):
+        if not is_dtensor(p):
+            plain.append(i)
+        elif groups := mesh_groups(p):
+            by_mesh.setdefault(groups, []).append(i)
+    return [(groups, sorted(members + plain)) for groups, members in by_mesh.items()]
+
+
+def agree_by(flags: Sequence[bool], plan: Agreement) -> list[bool]:
+    """``flags``, each flag of ``plan``'s positions true only when true on every rank of its
+    mesh: per mesh, one all-reduce (MIN) over each group (unchanged without a process group)."""
+    flags = list(flags)
+    if not plan or not _distributed():
+        return flags
+    for groups, members in plan:
+        t = torch.tensor([flags[i] for i in members], dtype=torch.int32, device=_device(groups))
+        for group in groups:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        for i, ok in zip(members, t.tolist()):
+            flags[i] = bool(ok)
+    return flags
+
+
+def agree(flags: Sequence[bool], params: Sequence[torch.Tensor]) -> list[bool]:
+    """:func:`agree_by` the :func:`agreement` of ``params`` (a step's non-finite flags, a load's
+    checks: ``skip_param`` / ``skip_step`` and an aborted load decide alike on every rank that
+    holds the parameter)."""
+    return agree_by(flags, agreement(params))
+
+
+def sums_by_mesh(values: dict[Groups, list[float]]) -> dict[Groups, list[float]]:
+    """Each mesh's ``values`` summed over its ranks in float64: per mesh (in the dict's order,
+    which every rank of a mesh must share), one all-reduce over each group."""
+    out = dict(values)
+    if not _distributed():
+        return out
+    for groups, vals in values.items():
+        t = torch.tensor(vals, dtype=torch.float64, device=_device(groups))
+        for group in groups:
+            dist.all_reduce(t, group=group)
+        out[groups] = t.tolist()
+    return out
+
+
+def all_rows(rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """The float64 rows (``[k, c]``, ``k`` may differ between ranks) of every rank of ``groups``
+    (a mesh's, :func:`~lowp.optim.sharding.mesh_groups`), concatenated: over each group in turn,
+    one all-gather of the row counts and one of the rows padded to the longest (``rows`` itself
+    without a process group)."""
+    if not groups or not _distributed():
+        return rows
+    device = _device(groups)
+    rows = rows.to(device)
+    for group in groups:
+        ranks = dist.get_world_size(group)
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(count) for _ in range(ranks)]
+        dist.all_gather(counts, count, group=group)
+        sizes = [int(c.item()) for c in counts]
+        mine = torch.zeros((max(sizes), rows.shape[1]), dtype=torch.float64, device=device)
+        mine[:rows.shape[0]] = rows
+        everyone = [torch.empty_like(mine) for _ in range(ranks)]
+        dist.all_gather(everyone, mine, group=group)
+        rows = torch.cat([t[:n] for t, n in zip(everyone, sizes)])
+    return rows.cpu()
+
+
+def _device(groups: Groups) -> torch.device:
+    """The device ``groups``' backend communicates from (CUDA for NCCL, else the CPU)."""
+    if dist.get_backend(groups[0]) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

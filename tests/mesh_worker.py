@@ -1,0 +1,141 @@
+"""Rank functions for tests/test_meshes.py: lowp's optimizers on DTensor parameters of meshes that
+are not the whole default group, run by :func:`lowp.distributed.launch.run_local_group` on 4 gloo
+ranks.
+
+- ``stages``: pipeline parallelism's layout. A ``(pp, dp)`` mesh of 2 x 2 ranks; ranks 0-1 hold
+  stage 0's parameters, ranks 2-3 stage 1's (other shapes, another number of them), each stage's
+  sharded ``Shard(0)`` over its ``dp`` sub-mesh (FSDP2 per stage), each stage with its own
+  optimizer. Nothing may pass between the stages.
+- ``hsdp``: HSDP's layout, ``(Replicate(), Shard(0))`` on a ``(replicate, shard)`` mesh of 2 x 2.
+
+Every rank builds the same full tensors and the same full gradients of its stage (no reduction
+noise), and returns full copies of its stage's parameters and states for the test process to
+compare with a single-process run of that stage, bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import lowp.optim as lo
+
+STEPS = 3
+#: per stage, its parameters' shapes: parameters whose StableAdamW sums are exchanged (at least
+#: 65,536 elements: (300, 300), (3, 40000)) or gathered ((5, 13107) has 65,535), a small matrix
+#: and a vector
+STAGE_SHAPES = [[(300, 300), (7,)], [(5, 13107), (3, 40000), (6, 5)]]
+HSDP_SHAPES = [(4, 40000), (9, 9)]
+#: (layout, optimizer, nonfinite policy, NaN at (stage, parameter, flat index, step) or None):
+#: the NaN of ``stages`` is in stage 1's second parameter, in rank 2's shard only; the NaN of
+#: ``hsdp`` in the first parameter's last row, in rank 3's gradient only (not its replica's on
+#: rank 1), so only the agreement over both mesh dimensions makes every rank skip it
+MESH_CASES = [("stages", "AdamW", "skip_param", (1, 1, 5, 1)), ("stages", "AdamW", "skip_step", (1, 1, 5, 1)),
+              ("stages", "StableAdamW", "skip_param", None), ("stages", "Adafactor", "skip_param", None),
+              ("hsdp", "AdamW", "skip_param", (0, 0, 3 * 40000 + 7, 1)), ("hsdp", "StableAdamW", "skip_param", None)]
+
+
+def shapes(layout: str, stage: int) -> list[tuple[int, ...]]:
+    return STAGE_SHAPES[stage] if layout == "stages" else HSDP_SHAPES
+
+
+def full_params(layout: str, stage: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + stage)
+    return [torch.randn(s, generator=g).bfloat16() for s in shapes(layout, stage)]
+
+
+def full_grads(layout: str, stage: int, step: int, nan_at: tuple[int, int, int, int] | None
+               ) -> list[torch.Tensor]:
+    """Step ``step``'s gradients of a stage's parameters, of mixed scales (StableAdamW's clip
+    is active on some), with a NaN at ``nan_at`` (stage, parameter, flat index, step)."""
+    g = torch.Generator().manual_seed(100 * stage + step)
+    grads = [(torch.randn(s, generator=g) * 10.0 ** (step % 3 - 1)).bfloat16() for s in shapes(layout, stage)]
+    if nan_at is not None and nan_at[0] == stage and nan_at[3] == step:
+        grads[nan_at[1]].view(-1)[nan_at[2]] = float("nan")
+    return grads
+
+
+def make_optimizer(name: str, params: list[torch.Tensor], nonfinite: str):
+    return getattr(lo, name)(params, lr=1e-2, weight_decay=0.1, seed=5, nonfinite=nonfinite)
+
+
+def diagnostics(opt) -> list[float]:
+    d = opt.diagnostics()[0]
+    return [d["stalled_fraction"], d["compensation_rel"], d["skipped_params"], d["skipped_steps"]]
+
+
+def run(opt, params: list[torch.Tensor], set_grad, layout: str, stage: int, nan_at) -> list[list[float]]:
+    """:data:`STEPS` steps; the diagnostics after each."""
+    out = []
+    for t in range(STEPS):
+        for p, g in zip(params, full_grads(layout, stage, t, nan_at)):
+            set_grad(p, g)
+        opt.step()
+        out.append(diagnostics(opt))
+    return out
+
+
+def snapshot(opt, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    from lowp.optim.sharding import gather
+    out = {}
+    for i, p in enumerate(params):
+        out[f"p{i}"] = gather(p.detach()).clone()
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"p{i}.{k}"] = gather(v).clone()
+    return out
+
+
+def reference(layout: str, stage: int, name: str, nonfinite: str, nan_at) -> dict[str, Any]:
+    """The single-process run of a stage (plain tensors)."""
+    params = [p.clone().requires_grad_() for p in full_params(layout, stage)]
+    opt = make_optimizer(name, params, nonfinite)
+
+    def set_grad(p, g):
+        p.grad = g.clone()
+    diag = run(opt, params, set_grad, layout, stage, nan_at)
+    return {"snapshot": snapshot(opt, params), "diagnostics": diag}
+
+
+def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict[str, Any]:
+    """One case on this rank: its stage, the snapshot and diagnostics, and the collectives of the
+    steps: per exchange of sums, the sizes of the groups it went over; the tensors gathered."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lowp.optim import sharded_sums, sharding
+    if layout == "stages":
+        stage = rank // 2
+        mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"], [Shard(0)]
+    else:
+        stage = 0
+        mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), \
+            [Replicate(), Shard(0)]
+    params = [torch.nn.Parameter(distribute_tensor(p, mesh, placements, src_data_rank=None))
+              for p in full_params(layout, stage)]
+    opt = make_optimizer(name, params, nonfinite)
+    seen: dict[str, list] = {"exchanges": [], "gathered": [0]}
+    real_rows, real_gather = sharded_sums.all_rows, sharding.gather_many
+
+    def all_rows(rows, groups):
+        seen["exchanges"].append([dist.get_world_size(g) for g in groups])
+        return real_rows(rows, groups)
+
+    def gather_many(tensors):
+        seen["gathered"][0] += len(tensors)
+        return real_gather(tensors)
+
+    def set_grad(p, g):
+        p.grad = distribute_tensor(g.clone(), mesh, placements, src_data_rank=None)
+    sharded_sums.all_rows, sharding.gather_many = all_rows, gather_many
+    try:
+        diag = run(opt, params, set_grad, layout, stage, nan_at if layout == "stages" or rank == 3 else None)
+    finally:
+        sharded_sums.all_rows, sharding.gather_many = real_rows, real_gather
+    return {"stage": stage, "snapshot": snapshot(opt, params), "diagnostics": diag, **seen}
+
+
+def session(rank: int, world_size: int, cases: list) -> list[dict[str, Any]]:
+    assert world_size == 4, world_size
+    return [mesh_case(rank, *case) for case in cases]

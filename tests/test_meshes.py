@@ -1,0 +1,63 @@
+"""lowp's optimizers on meshes that are not the whole default group: pipeline stages (each stage's
+parameters FSDP2-sharded over its own sub-mesh, another number of them per stage) and HSDP
+(``(Replicate(), Shard(0))``), on 4 real gloo ranks (tests/mesh_worker.py).
+
+The step's collectives (the non-finite flags' agreement, StableAdamW's exchanged sums, the
+gathers, the diagnostics' sums) run over each parameter's mesh: the stages neither wait for nor
+mix with each other, and an HSDP sum travels over the sharded dimension only. Every stage's
+result equals its single-process run bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mesh_worker as w
+from lowp.distributed.launch import run_local_group
+from lowp.optim import sharding
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_local_group(w.session, 4, w.MESH_CASES, timeout_s=60)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("k", range(len(w.MESH_CASES)), ids=lambda k: "-".join(map(str, w.MESH_CASES[k][:3])))
+def test_each_mesh_steps_as_one_process(four_ranks, k):
+    """Per rank: the full parameters and states of its stage equal the single-process run's bit
+    for bit, and so do the diagnostics' counts (``compensation_rel`` sums squares per shard: to
+    rounding); StableAdamW's large parameters exchange their sums once per step over one group of
+    2 ranks (a stage's ``dp``, HSDP's sharded dimension) and gather nothing else; an elementwise
+    optimizer gathers and exchanges nothing. The NaN of a case is skipped on every rank of its
+    mesh, and only there."""
+    layout, name, nonfinite, nan_at = w.MESH_CASES[k]
+    wants = {stage: w.reference(layout, stage, name, nonfinite, nan_at) for stage in (0, 1)}
+    for rank, results in enumerate(four_ranks):
+        got = results[k]
+        stage = got["stage"]
+        assert stage == (rank // 2 if layout == "stages" else 0)
+        want = wants[stage]
+        assert sorted(got["snapshot"]) == sorted(want["snapshot"])
+        for key, t in want["snapshot"].items():
+            assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, {key} differs"
+        for step, (g, r) in enumerate(zip(got["diagnostics"], want["diagnostics"])):
+            assert g[0] == r[0] and g[2:] == r[2:], (rank, step, g, r)
+            assert math.isclose(g[1], r[1], rel_tol=1e-6), (rank, step, g, r)
+        small = sum(math.prod(s) < sharding.SUMS_MIN_NUMEL for s in w.shapes(layout, stage))
+        if name == "StableAdamW":
+            assert got["exchanges"] == [[2]] * w.STEPS, (rank, got["exchanges"])
+            assert got["gathered"] == [5 * small * w.STEPS], (rank, got["gathered"])   # weight, grad, 2 states, buffer
+        elif name == "AdamW":
+            assert got["exchanges"] == [] and got["gathered"] == [0], (rank, got)
+        else:
+            assert got["exchanges"] == [] and got["gathered"][0] > 0, (rank, got)
+    if nan_at is not None:   # the NaN's parameter (its whole step) skipped on its mesh, nothing elsewhere
+        counter = 2 if nonfinite == "skip_param" else 3
+        skipped = {stage: want["diagnostics"][-1][counter] for stage, want in wants.items()}
+        assert skipped[nan_at[0]] == 1 and (layout == "hsdp" or skipped[1 - nan_at[0]] == 0), skipped
