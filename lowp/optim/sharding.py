@@ -360,9 +360,13 @@ class MeshGroups:
 
 class Share(NamedTuple):
     """How a rank's counts of a slice (diagnostics) add up to its parameter's: ``weight`` times
-    each count, summed over the ranks of ``groups`` (its mesh's, :func:`mesh_groups`), ``weight``
-    1 / the ranks that compute the same elements. A plain tensor's counts are its rank's own
-    (:data:`OWN`)."""
+    each count, summed over the ranks of ``groups``. A plain tensor's counts are its rank's own
+    (:data:`OWN`).
+
+    Args:
+        weight: 1 / the ranks that compute the same elements (0 for a plain tensor).
+        groups: the process groups of the parameter's mesh (:func:`mesh_groups`).
+    """
 
     weight: float
     groups: tuple[dist.ProcessGroup, ...]
