@@ -6,7 +6,8 @@ ranks.
   stage 0's parameters, ranks 2-3 stage 1's (other shapes, another number of them), each stage's
   sharded ``Shard(0)`` over its ``dp`` sub-mesh (FSDP2 per stage), each stage with its own
   optimizer. Nothing may pass between the stages.
-- ``hsdp``: HSDP's layout, ``(Replicate(), Shard(0))`` on a ``(replicate, shard)`` mesh of 2 x 2.
+- ``hsdp``: HSDP's layout, ``(Replicate(), Shard(0))`` on a ``(replicate, shard)`` mesh of 2 x 2;
+- ``shard2d``: ``(Shard(0), Shard(0))`` on a 2 x 2 mesh: each rank one contiguous range, cut twice.
 
 Every rank builds the same full tensors and the same full gradients of its stage (no reduction
 noise), and returns full copies of its stage's parameters and states for the test process to
@@ -28,15 +29,20 @@ STAGE_SHAPES = [[(300, 300), (7,)], [(5, 13107), (3, 40000), (6, 5)]]
 HSDP_SHAPES = [(4, 40000), (9, 9)]
 #: (layout, optimizer, nonfinite policy, NaN at (stage, parameter, flat index, step) or None):
 #: the NaN of ``stages`` is in stage 1's second parameter, in rank 2's shard only; the NaN of
-#: ``hsdp`` in the first parameter's last row, in rank 3's gradient only (not its replica's on
-#: rank 1), so only the agreement over both mesh dimensions makes every rank skip it
+#: ``hsdp`` and ``shard2d`` in the first parameter's last row, in rank 3's gradient only (not
+#: its replica's on rank 1 under HSDP), so only the agreement over both mesh dimensions makes
+#: every rank skip it
+LAST_ROW = (0, 0, 3 * 40000 + 7, 1)
 MESH_CASES = [("stages", "AdamW", "skip_param", (1, 1, 5, 1)), ("stages", "AdamW", "skip_step", (1, 1, 5, 1)),
               ("stages", "StableAdamW", "skip_param", None), ("stages", "Adafactor", "skip_param", None),
-              ("hsdp", "AdamW", "skip_param", (0, 0, 3 * 40000 + 7, 1)), ("hsdp", "StableAdamW", "skip_param", None)]
+              ("hsdp", "AdamW", "skip_param", LAST_ROW), ("hsdp", "StableAdamW", "skip_param", None),
+              ("shard2d", "AdamW", "skip_step", LAST_ROW), ("shard2d", "StableAdamW", "skip_param", None)]
+#: the sizes of the process groups each exchange of StableAdamW's sums goes over, per layout
+EXCHANGE_GROUPS = {"stages": [2], "hsdp": [2], "shard2d": [2, 2]}
 
 
 def shapes(layout: str, stage: int) -> list[tuple[int, ...]]:
-    return STAGE_SHAPES[stage] if layout == "stages" else HSDP_SHAPES
+    return STAGE_SHAPES[stage] if layout == "stages" else HSDP_SHAPES   # shard2d: HSDP's shapes
 
 
 def full_params(layout: str, stage: int) -> list[torch.Tensor]:
@@ -108,10 +114,13 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
     if layout == "stages":
         stage = rank // 2
         mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"], [Shard(0)]
-    else:
+    elif layout == "hsdp":
         stage = 0
         mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), \
             [Replicate(), Shard(0)]
+    else:
+        stage = 0
+        mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")), [Shard(0), Shard(0)]
     params = [torch.nn.Parameter(distribute_tensor(p, mesh, placements, src_data_rank=None))
               for p in full_params(layout, stage)]
     opt = make_optimizer(name, params, nonfinite)
@@ -136,6 +145,46 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
     return {"stage": stage, "snapshot": snapshot(opt, params), "diagnostics": diag, **seen}
 
 
-def session(rank: int, world_size: int, cases: list) -> list[dict[str, Any]]:
+def failure_case(rank: int) -> dict[str, Any]:
+    """StableAdamW on the ``stages`` layout whose step 1 fails on rank 3 while it makes its
+    pieces of the sums (as running out of memory would): the error of each rank of that step,
+    whether every parameter and state of the rank's stage is as before it, and the snapshot after
+    stage 1 took the step again (stage 0 steps on undisturbed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lowp.optim import sharded_sums
+    stage = rank // 2
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None))
+              for p in full_params("stages", stage)]
+    opt = make_optimizer("StableAdamW", params, "skip_param")
+    real_pieces = sharded_sums._pieces
+    out: dict[str, Any] = {"stage": stage, "error": None, "unchanged": None}
+
+    def failing(*args, **kwargs):
+        raise MemoryError("injected into rank 3's pieces")
+    for t in range(STEPS):
+        for p, g in zip(params, full_grads("stages", stage, t, None)):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
+        if t == 1 and stage == 1:
+            before = snapshot(opt, params)
+            if rank == 3:
+                sharded_sums._pieces = failing
+            try:
+                opt.step()
+            except Exception as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                sharded_sums._pieces = real_pieces
+            after = snapshot(opt, params)
+            out["unchanged"] = sorted(before) == sorted(after) and all(
+                torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)
+        opt.step()
+    out["snapshot"] = snapshot(opt, params)
+    return out
+
+
+def session(rank: int, world_size: int, cases: list) -> dict[str, Any]:
     assert world_size == 4, world_size
-    return [mesh_case(rank, *case) for case in cases]
+    return {"cases": [mesh_case(rank, *case) for case in cases], "failure": failure_case(rank)}

@@ -1,6 +1,7 @@
 """lowp's optimizers on meshes that are not the whole default group: pipeline stages (each stage's
 parameters FSDP2-sharded over its own sub-mesh, another number of them per stage) and HSDP
-(``(Replicate(), Shard(0))``), on 4 real gloo ranks (tests/mesh_worker.py).
+(``(Replicate(), Shard(0))``) and a parameter cut twice (``(Shard(0), Shard(0))``), on 4 real
+gloo ranks (tests/mesh_worker.py).
 
 The step's collectives (the non-finite flags' agreement, StableAdamW's exchanged sums, the
 gathers, the diagnostics' sums) run over each parameter's mesh: the stages neither wait for nor
@@ -32,14 +33,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_each_mesh_steps_as_one_process(four_ranks, k):
     """Per rank: the full parameters and states of its stage equal the single-process run's bit
     for bit, and so do the diagnostics' counts (``compensation_rel`` sums squares per shard: to
-    rounding); StableAdamW's large parameters exchange their sums once per step over one group of
-    2 ranks (a stage's ``dp``, HSDP's sharded dimension) and gather nothing else; an elementwise
+    rounding); StableAdamW's large parameters exchange their sums once per step over the groups
+    of the sharded dimensions (a stage's ``dp``, HSDP's sharded one, both dimensions of a tensor
+    cut twice), the small ones gathered; an elementwise
     optimizer gathers and exchanges nothing. The NaN of a case is skipped on every rank of its
     mesh, and only there."""
     layout, name, nonfinite, nan_at = w.MESH_CASES[k]
     wants = {stage: w.reference(layout, stage, name, nonfinite, nan_at) for stage in (0, 1)}
     for rank, results in enumerate(four_ranks):
-        got = results[k]
+        got = results["cases"][k]
         stage = got["stage"]
         assert stage == (rank // 2 if layout == "stages" else 0)
         want = wants[stage]
@@ -51,7 +53,7 @@ def test_each_mesh_steps_as_one_process(four_ranks, k):
             assert math.isclose(g[1], r[1], rel_tol=1e-6), (rank, step, g, r)
         small = sum(math.prod(s) < sharding.SUMS_MIN_NUMEL for s in w.shapes(layout, stage))
         if name == "StableAdamW":
-            assert got["exchanges"] == [[2]] * w.STEPS, (rank, got["exchanges"])
+            assert got["exchanges"] == [w.EXCHANGE_GROUPS[layout]] * w.STEPS, (rank, got["exchanges"])
             assert got["gathered"] == [5 * small * w.STEPS], (rank, got["gathered"])   # weight, grad, 2 states, buffer
         elif name == "AdamW":
             assert got["exchanges"] == [] and got["gathered"] == [0], (rank, got)
@@ -60,4 +62,21 @@ def test_each_mesh_steps_as_one_process(four_ranks, k):
     if nan_at is not None:   # the NaN's parameter (its whole step) skipped on its mesh, nothing elsewhere
         counter = 2 if nonfinite == "skip_param" else 3
         skipped = {stage: want["diagnostics"][-1][counter] for stage, want in wants.items()}
-        assert skipped[nan_at[0]] == 1 and (layout == "hsdp" or skipped[1 - nan_at[0]] == 0), skipped
+        assert skipped[nan_at[0]] == 1 and (layout != "stages" or skipped[1 - nan_at[0]] == 0), skipped
+
+
+def test_a_rank_that_cannot_make_its_pieces_fails_its_stage_cleanly(four_ranks):
+    """Rank 3 fails while making its pieces of StableAdamW's sums (injected): it still takes part
+    in the exchange, so rank 2 raises ``ExchangeError`` instead of waiting for it, rank 3 raises
+    its own error, neither wrote anything of the step, and the step taken again gives the
+    single-process bits; the other stage never noticed."""
+    want = {stage: w.reference("stages", stage, "StableAdamW", "skip_param", None) for stage in (0, 1)}
+    errors = [r["failure"]["error"] for r in four_ranks]
+    assert errors[:2] == [None, None], errors
+    assert errors[2].startswith("ExchangeError: sharded sums: another rank could not make its pieces"), errors
+    assert errors[3] == "MemoryError: injected into rank 3's pieces", errors
+    for rank, results in enumerate(four_ranks):
+        got = results["failure"]
+        assert got["unchanged"] is (True if rank >= 2 else None), (rank, got["unchanged"])
+        for key, t in want[got["stage"]]["snapshot"].items():
+            assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, {key} differs"

@@ -122,6 +122,52 @@ def test_kernel_memory_accepts_plain_contiguous_aligned_tensors_only():
     assert not checks.kernel_memory(TwoTensor(base, base.clone()), ok)
 
 
+def test_kernel_grad_copies_strided_and_misaligned_gradients_only():
+    base = torch.randn(64).bfloat16()
+    assert checks.kernel_grad(base) is base and checks.kernel_grad(base[3:40]).data_ptr() == base[3:40].data_ptr()
+    raw = torch.frombuffer(bytearray(130), dtype=torch.bfloat16, offset=1, count=64)
+    raw.copy_(base)
+    for t in (raw, base.view(8, 8).t(), base[::2]):
+        copy = checks.kernel_grad(t)
+        assert copy.is_contiguous() and copy.data_ptr() % 2 == 0 and torch.equal(copy, t)
+        assert copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+@native
+def test_a_misaligned_gradient_reaches_the_kernel_aligned(monkeypatch):
+    """A contiguous gradient at an odd address (a view of a byte buffer) is stepped by the native
+    kernel (not sent elsewhere) from an aligned copy: every gradient pointer the C++ entry
+    receives is a multiple of its element size, and the step equals the reference's bits."""
+    from lowp.optim.kernels.native import kernel as native_kernel
+    seen: list[int] = []
+    real = native_kernel.step_function
+
+    def entry_of(source):
+        entry = real(source)
+
+        def checked(n, table, *rest):
+            seen.extend(table[n + j] for j in range(n))
+            return entry(n, table, *rest)
+        return checked
+    monkeypatch.setattr(native_kernel, "step_function", entry_of)
+    values = torch.randn(64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    grad = torch.frombuffer(bytearray(130), dtype=torch.bfloat16, offset=1, count=64)
+    grad.copy_(values)
+    assert grad.data_ptr() % 2 == 1
+    weights = torch.randn(64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = {}
+    for fused in (True, False):
+        p = torch.nn.Parameter(weights.clone())
+        p.grad = grad
+        opt = lo.AdamW([p], lr=1e-2, fused=fused)
+        opt.step()
+        out[fused] = p.detach().clone()
+        if fused:
+            assert opt.backend.fused_elements == 64 and opt.backend.reference_elements == 0
+    assert seen and all(ptr % 2 == 0 for ptr in seen), seen
+    assert torch.equal(out[True].view(torch.int16), out[False].view(torch.int16))
+
+
 def test_overlapping_finds_shared_written_memory_only():
     ctx = _slice_ctx("nearest")
     flat = torch.zeros(300)

@@ -218,6 +218,47 @@ def test_pieces_refuse_what_they_cannot_place():
         order.total_from_pieces(order.pieces(terms[:3], 0, 40), 40)
 
 
+def _row(kind: float, index: float, value: float) -> torch.Tensor:
+    return torch.tensor([[kind, index, value]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("extra,error", [
+    (_row(order.TERM, 20, 1e6), "a row of kind 0 and index 20 is outside a tensor of 18 elements"),   # in the padding
+    (_row(order.BLOCK_SUM, 5, 1e6), "a row of kind 1 and index 5 is outside"),   # inside the last unit
+    (_row(order.UNIT_SUM, 1, 1e6), "a row of kind 2 and index 1 is outside"),
+    (_row(order.TERM, -1, 1.0), "a row of kind 0 and index -1 is outside"),
+    (_row(3, 0, 1e6), "a row of kind 3, expected 0 \\(term\\), 1 \\(block sum\\) or 2 \\(unit sum\\)"),
+    (_row(0.5, 0, 1.0), "a row whose kind or index is not an integer"),
+    (_row(order.BLOCK_SUM, 0, 100.0), "rows of kind 1 and index 0 disagree"),   # block 0's sum is 16
+    (_row(order.TERM, 17, 2.0), "rows of kind 0 and index 17 disagree"),
+])
+def test_rows_that_are_not_pieces_of_the_tensor_are_refused(extra, error):
+    """A row outside the tensor (in the last block's or unit's padding too), of an unknown kind,
+    or repeating a piece with another value is refused wherever it sits among the rows, rather
+    than added (or winning by its place); a replica's rows repeated exactly are accepted."""
+    terms = torch.ones(18)
+    rows = torch.cat([order.pieces(terms[:17], 0, 18), order.pieces(terms[17:], 17, 18)])
+    assert order.total_from_pieces(torch.cat([rows, rows]), 18) == order.ordered_sum(terms) == 18.0
+    for together in (torch.cat([rows, extra]), torch.cat([extra, rows])):
+        with pytest.raises(ValueError, match=f"pieces: {error}"):
+            order.total_from_pieces(together, 18)
+
+
+def test_the_rebuilt_sum_needs_no_memory_per_element_of_the_tensor():
+    """The rebuilt sum of a tensor of 2**28 elements whose first block is split places the
+    block's terms without a table over all the tensor's blocks: no operation of it allocates
+    anywhere near one int64 per block (128 MiB)."""
+    from torch.profiler import ProfilerActivity, profile
+    numel = 1 << 28
+    rows = [order.pieces(torch.full((7,), 0.5), 0, numel), order.pieces(torch.full((UNIT - 7,), 0.5), 7, numel),
+            torch.tensor([[order.UNIT_SUM, u, UNIT * 0.5] for u in range(1, numel // UNIT)], dtype=torch.float64)]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        total = order.total_from_pieces(torch.cat(rows), numel)
+    assert total == numel * 0.5
+    largest = max(e.cpu_memory_usage for e in prof.key_averages())
+    assert 0 < largest < 1 << 24, largest
+
+
 #: (weight dtype, mode, state dtype, maximize) of the shards whose pieces the native kernel makes
 SHARD_KINDS = [(torch.bfloat16, "kahan", torch.bfloat16, False), (torch.bfloat16, "exact", torch.float32, True),
                (torch.float32, "nearest", torch.float32, False), (torch.float16, "kahan", torch.float16, False)]
@@ -226,11 +267,13 @@ SHARD_KINDS = [(torch.bfloat16, "kahan", torch.bfloat16, False), (torch.bfloat16
 @NATIVE
 @pytest.mark.parametrize("kind", SHARD_KINDS, ids=lambda k: f"{k[0]}-{k[1]}-{k[2]}-max{k[3]}")
 def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
-    """The native kernel's pieces of a shard's StableAdamW terms (its lowp_sums over unit, block
+    """The native kernel's pieces of shards' StableAdamW terms (its lowp_sums over unit, block
     and element members) are the rows ``pieces`` makes from the reference's terms, bit for bit,
     for shards cut inside blocks, on unit edges and at the tensor's padded end, under a
-    GradScaler's 1/scale; the exchange takes them from the kernel (the torch terms not computed)."""
+    GradScaler's 1/scale; the exchange takes them from the kernel (the torch terms not computed),
+    all shards of one dtype signature in one native call."""
     from lowp.optim import sharded_sums
+    from lowp.optim.kernels.native import kernel as native_kernel
     from lowp.optim.randomness import ElementIndex
     from lowp.optim.slices import ParamSlice, StepContext, TensorSum
     from lowp.optim.writeback import MODES
@@ -244,22 +287,31 @@ def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
     native = lo.StableAdamW([torch.nn.Parameter(weight.clone())], mode=mode, fused=True, maximize=maximize)
     reference = lo.StableAdamW([torch.nn.Parameter(weight.clone())], mode=mode, fused=False, maximize=maximize)
     buffer_dtype = {"kahan": dtype, "exact": torch.int16, "nearest": None}[mode]
+    shards = []
     for first, end in [(0, 9), (9, UNIT + 5), (UNIT + 5, 2 * UNIT), (2 * UNIT, numel), (37, 3 * UNIT + 17)]:
         shard = slice(first, end)
         plain = buffer_dtype is None or dtype == torch.float32
         buffer = None if plain else torch.zeros(end - first, dtype=buffer_dtype)
-        s = ParamSlice(weight[shard], grad[shard], {"exp_avg": torch.zeros(end - first, dtype=state_dtype),
-                                                    "exp_avg_sq": second[shard]},
-                       buffer, 0, ElementIndex(offset=first), tensor_sum=TensorSum(numel))
-        rows = {}
-        for name, opt in (("native", native), ("reference", reference)):
-            ctx = StepContext(opt.param_groups[0], MODES[mode], 3, inv_scale=0.25)
-            if name == "native":
-                monkeypatch.setattr(lo.StableAdamW, "tensor_terms", lambda *a: pytest.fail("torch terms computed"))
-            [(_, rows[name])] = sharded_sums._pieces(opt, ctx, [s])
-            monkeypatch.undo()
-        assert torch.equal(rows["native"], rows["reference"]), (first, end)
-        assert rows["native"].shape[0] > 0 and rows["native"][:, 2].abs().sum() > 0
+        shards.append(ParamSlice(weight[shard], grad[shard], {"exp_avg": torch.zeros(end - first, dtype=state_dtype),
+                                                              "exp_avg_sq": second[shard]},
+                                 buffer, 0, ElementIndex(offset=first), tensor_sum=TensorSum(numel)))
+    ctx = StepContext(reference.param_groups[0], MODES[mode], 3, inv_scale=0.25)
+    want = [rows for s in shards for [(_, rows)] in [sharded_sums._pieces(reference, ctx, [s])]]
+    calls = []
+    real = native_kernel.sums_function
+
+    def counted(source):
+        calls.append(source)
+        return real(source)
+    monkeypatch.setattr(native_kernel, "sums_function", counted)
+    monkeypatch.setattr(lo.StableAdamW, "tensor_terms", lambda *a: pytest.fail("torch terms computed"))
+    ctx = StepContext(native.param_groups[0], MODES[mode], 3, inv_scale=0.25)
+    got = sharded_sums._pieces(native, ctx, shards)
+    assert len(calls) == 1, len(calls)
+    assert all(a is b for (a, _), b in zip(got, shards)) and len(got) == len(shards)
+    for (s, rows), rows_want in zip(got, want):
+        assert torch.equal(rows, rows_want), s.index
+        assert rows.shape[0] > 0 and rows[:, 2].abs().sum() > 0
 
 
 def test_a_states_only_step_of_a_shard_needs_no_exchanged_sum():

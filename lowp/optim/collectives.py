@@ -87,27 +87,33 @@ def sums_by_mesh(values: dict[Groups, list[float]]) -> dict[Groups, list[float]]
     return out
 
 
-def all_rows(rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+def all_rows(rows: torch.Tensor | None, groups: Groups) -> torch.Tensor | None:
     """The float64 rows (``[k, c]``, ``k`` may differ between ranks) of every rank of ``groups``
     (a mesh's, :func:`~lowp.optim.sharding.mesh_groups`), concatenated: over each group in turn,
     one all-gather of the row counts and one of the rows padded to the longest (``rows`` itself
-    without a process group)."""
+    without a process group). ``rows=None`` says this rank failed: it sends a count of -1 in
+    place of its rows, and every rank of the groups returns ``None`` (a rank that learns of a
+    failure passes it on to the next group) without waiting for rows that will not come."""
     if not groups or not _distributed():
         return rows
     device = _device(groups)
-    rows = rows.to(device)
+    failed = rows is None
     for group in groups:
         ranks = dist.get_world_size(group)
-        count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
+        count = torch.tensor([-1 if rows is None else rows.shape[0]], dtype=torch.int64, device=device)
         counts = [torch.empty_like(count) for _ in range(ranks)]
         dist.all_gather(counts, count, group=group)
         sizes = [int(c.item()) for c in counts]
+        if min(sizes) < 0:
+            rows, failed = None, True
+            continue
+        assert rows is not None
         mine = torch.zeros((max(sizes), rows.shape[1]), dtype=torch.float64, device=device)
         mine[:rows.shape[0]] = rows
         everyone = [torch.empty_like(mine) for _ in range(ranks)]
         dist.all_gather(everyone, mine, group=group)
         rows = torch.cat([t[:n] for t, n in zip(everyone, sizes)])
-    return rows.cpu()
+    return None if failed or rows is None else rows.cpu()
 
 
 def _device(groups: Groups) -> torch.device:

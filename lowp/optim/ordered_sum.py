@@ -85,19 +85,19 @@ def layout(first: int, n: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, 
         lo = hi = end
     b0, b1 = lo // BLOCK, (-(-hi // BLOCK) if hi > lo else lo // BLOCK)
     per_unit, nblocks = UNIT // BLOCK, -(-numel // BLOCK)
-    parts = [_entries(TERM, torch.arange(first, lo), torch.ones(lo - first, dtype=torch.int64))]
-    at = b0
-    # units held whole: from the first unit boundary at or after b0, each ending (at the next
-    # boundary or the tensor's last block) at or before b1
-    for u in range(-(-b0 // per_unit), b1 // per_unit + 1):
-        s, e = u * per_unit, min((u + 1) * per_unit, nblocks)
-        if s >= b1 or e > b1:
-            continue
-        parts.append(_block_entries(at, s, numel))
-        parts.append(_entries(UNIT_SUM, torch.tensor([u]), torch.tensor([min(UNIT, numel - u * UNIT)]), s * BLOCK))
-        at = e
-    parts.append(_block_entries(at, b1, numel))
-    parts.append(_entries(TERM, torch.arange(hi, end), torch.ones(end - hi, dtype=torch.int64)))
+    # units held whole, [u0, u1): starting at or after b0, ending (at the next boundary or the
+    # tensor's last block) at or before b1
+    u0 = -(-b0 // per_unit)
+    u1 = max(u0, -(-nblocks // per_unit) if b1 == nblocks else b1 // per_unit)
+    head = _entries(TERM, torch.arange(first, lo), torch.ones(lo - first, dtype=torch.int64))
+    tail = _entries(TERM, torch.arange(hi, end), torch.ones(end - hi, dtype=torch.int64))
+    if u1 > u0:
+        units = torch.arange(u0, u1)
+        parts = [head, _block_entries(b0, u0 * per_unit, numel),
+                 _entries(UNIT_SUM, units, torch.clamp(numel - units * UNIT, max=UNIT), units * UNIT),
+                 _block_entries(min(u1 * per_unit, nblocks), b1, numel), tail]
+    else:
+        parts = [head, _block_entries(b0, b1, numel), tail]
     kind, index, start, length = (torch.cat(c) for c in zip(*parts))
     return kind, index, start - first, length
 
@@ -137,10 +137,39 @@ def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
         b0 = (first + lo) // BLOCK
         block = kind == BLOCK_SUM
         values[block] = blocks[index[block] - b0]
-        for at in (kind == UNIT_SUM).nonzero().flatten().tolist():
-            b = (first + int(start[at])) // BLOCK - b0
-            values[at] = blocks[b:b + -(-int(length[at]) // BLOCK)].cumsum(0)[-1]
+        unit = kind == UNIT_SUM
+        if unit.any():   # the units held whole are consecutive: their blocks, a row each (the
+            # last one's zeros past its end add nothing), summed in block order
+            b = (first + int(start[unit][0])) // BLOCK - b0
+            per_unit, count = UNIT // BLOCK, int(unit.sum())
+            rows = F.pad(blocks[b:b + count * per_unit], (0, max(0, b + count * per_unit - blocks.numel())))
+            values[unit] = rows.view(count, per_unit).cumsum(1)[:, -1]
     return torch.stack([kind.double(), index.double(), values], dim=1)
+
+
+def _check_rows(kind: torch.Tensor, index: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
+                numel: int) -> None:
+    """``ValueError`` unless every row is a piece of a tensor of ``numel`` elements (a known kind,
+    its index below ``bounds[kind]``: the elements, blocks or units) and rows of the same kind
+    and index carry the same value bit for bit (replicas' rows repeat; different ones would make
+    the sum depend on the rows' order)."""
+    known = (kind >= TERM) & (kind <= UNIT_SUM)
+    if not known.all():
+        bad = int(kind[~known][0])
+        raise ValueError(f"pieces: a row of kind {bad}, expected {TERM} (term), {BLOCK_SUM} (block sum) "
+                         f"or {UNIT_SUM} (unit sum)")
+    outside = (index < 0) | (index >= bounds[kind])
+    if outside.any():
+        k, i = int(kind[outside][0]), int(index[outside][0])
+        raise ValueError(f"pieces: a row of kind {k} and index {i} is outside a tensor of {numel} elements")
+    key, order = torch.sort(index * 3 + kind)
+    same = key[1:] == key[:-1]
+    if same.any():
+        bits = value.view(torch.int64)[order]
+        differ = same & (bits[1:] != bits[:-1])
+        if differ.any():
+            at = int(order[1:][differ][0])
+            raise ValueError(f"pieces: rows of kind {int(kind[at])} and index {int(index[at])} disagree")
 
 
 def total_from_pieces(rows: torch.Tensor, numel: int) -> float:
@@ -148,18 +177,18 @@ def total_from_pieces(rows: torch.Tensor, numel: int) -> float:
     cover it (rows of all holders, in any order; a range held twice, by replicas, gives the same
     rows): steps 1-4 of the module docstring redone from the largest pieces given, every unit
     without a unit sum at once (a row of 2,048 block sums each). ``ValueError`` when a term the
-    sum needs is missing."""
+    sum needs is missing, or a row is not a piece of the tensor (:func:`_check_rows`)."""
     rows = rows.detach().to("cpu", torch.float64)
+    if not torch.equal(rows[:, :2], rows[:, :2].trunc()):
+        raise ValueError("pieces: a row whose kind or index is not an integer")
     kind, index, value = rows[:, 0].long(), rows[:, 1].long(), rows[:, 2]
     per_unit, nblocks = UNIT // BLOCK, -(-numel // BLOCK)
     units = torch.zeros(-(-nblocks // per_unit), dtype=torch.float64)
+    _check_rows(kind, index, value, torch.tensor([numel, nblocks, units.numel()]), numel)
     whole = torch.zeros(units.numel(), dtype=torch.bool)
     at = kind == UNIT_SUM
     units[index[at]], whole[index[at]] = value[at], True
     unit_of = torch.where(kind == TERM, index // UNIT, torch.where(kind == BLOCK_SUM, index // per_unit, index))
-    if ((unit_of < 0) | (unit_of >= units.numel())).any():
-        raise ValueError(f"pieces: a row of kind and index {rows[(unit_of < 0) | (unit_of >= units.numel())][0, :2]}"
-                         f" is outside a tensor of {numel} elements")
     partial = (~whole).nonzero().flatten()
     if partial.numel():
         needed = ~whole[unit_of]
@@ -179,13 +208,12 @@ def total_from_pieces(rows: torch.Tensor, numel: int) -> float:
         split = torch.unique(index[at] // BLOCK)
         split = split[~held[slot(split)]]
         if split.numel():   # blocks split between holders: steps 1 and 2 from their terms
-            where = torch.full((nblocks,), -1, dtype=torch.int64)
-            where[split] = torch.arange(split.numel())
             terms = torch.zeros(split.numel() * BLOCK, dtype=torch.float32)
             present = torch.zeros(terms.numel(), dtype=torch.bool)
             b = index[at] // BLOCK
-            mine = where[b] >= 0
-            spot = where[b[mine]] * BLOCK + index[at][mine] % BLOCK
+            where = torch.searchsorted(split, b).clamp(max=split.numel() - 1)   # split is sorted
+            mine = split[where] == b
+            spot = where[mine] * BLOCK + index[at][mine] % BLOCK
             terms[spot] = value[at][mine].float()   # exact: each was an fp32 term
             present[spot] = True
             padding = (split * BLOCK)[:, None] + torch.arange(BLOCK) >= numel

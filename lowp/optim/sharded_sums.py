@@ -39,11 +39,12 @@ from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import working_copy
 
-__all__ = ["exchange"]
+__all__ = ["exchange", "ExchangeError"]
 
 
 class SumsOptimizer(Protocol):
-    """What :func:`exchange` reads of the optimizer (StableAdamW's ``tensor_terms``)."""
+    """What :func:`exchange` reads of the optimizer: its backend, the spec its kernels run and
+    the terms of its sums (StableAdamW's ``tensor_terms``)."""
 
     backend: Backend
 
@@ -58,17 +59,20 @@ class SumsOptimizer(Protocol):
 def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
             ) -> list[tuple[ParamSlice, torch.Tensor]]:
     """Each slice with the pieces of its terms: by the backend's kernel for the slices it admits
-    and has a pass for (:meth:`Kernel.pieces <lowp.optim.kernels.kernel.Kernel.pieces>`: the
+    and has a pass for (:meth:`Kernel.sum_pieces <lowp.optim.kernels.kernel.Kernel.sum_pieces>`: the
     native kernel's pre-pass), the others from the optimizer's ``tensor_terms`` on the
     reference's fp32 working copies (the same bits), one shard at a time."""
     backend, spec = optimizer.backend, optimizer.kernel_spec()
     done = [(s, torch.zeros((0, 3), dtype=torch.float64)) for s in slices if s.numel == 0]   # an empty shard
     rest = [s for s in slices if s.numel > 0]
     if isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec):
-        spans: list[Span] = []
+        spans: list[Span] = []   # admission's record for overlap checks: nothing is written here
         admitted, others = partition(rest, lambda s: backend.kernel.admits(spec, ctx, s, spans))
-        rows = backend.kernel.pieces(spec, ctx, admitted) if admitted else None
+        rows = backend.kernel.sum_pieces(spec, ctx, admitted) if admitted else None
         if rows is not None:
+            if len(rows) != len(admitted):
+                raise RuntimeError(f"sharded sums: the kernel made the pieces of {len(rows)} shards, "
+                                   f"expected {len(admitted)}")
             done, rest = done + list(zip(admitted, rows)), others
     scratch = Scratch()
     for s in rest:   # one shard at a time: the temporaries of one
@@ -87,22 +91,54 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
     :func:`~lowp.optim.collectives.all_rows`, in the order of each mesh's first slice), each whole
     tensor's sum rebuilt from every rank's pieces. The ranks of a mesh call it with the same
     parameters (the collectives); a rank with no such slice makes no call, and neither does any
-    other rank of its meshes (they step the same parameters)."""
-    by_mesh: dict[Groups, tuple[list[torch.Tensor], list[ParamSlice]]] = {}
+    other rank of its meshes (they step the same parameters).
+
+    When this rank cannot make its pieces (an error, out of memory), it still takes part in every
+    exchange, sending a failure instead of rows, then raises its error: the ranks it exchanges
+    with raise :class:`ExchangeError` rather than wait for it. Nothing is written either way."""
+    by_mesh: dict[Groups, list[tuple[StepContext, list[ParamSlice]]]] = {}
     for ctx, slices in jobs:
-        todo = [s for s in slices if s.tensor_sum is not None]
-        if not todo:
+        for s in slices:
+            if s.tensor_sum is not None:
+                parts = by_mesh.setdefault(s.tensor_sum.groups, [])
+                if not parts or parts[-1][0] is not ctx:
+                    parts.append((ctx, []))
+                parts[-1][1].append(s)
+    made: dict[Groups, list[tuple[ParamSlice, torch.Tensor]]] = {}
+    failure: Exception | None = None
+    try:
+        for groups, parts in by_mesh.items():
+            made[groups] = [row for ctx, slices in parts for row in _pieces(optimizer, ctx, slices)]
+    except Exception as exc:   # told to the other ranks below, raised after every exchange
+        failure = exc
+    failed_elsewhere = False
+    for groups in by_mesh:
+        sent = None if failure is not None or failed_elsewhere else torch.cat(
+            [torch.cat([torch.full((rows.shape[0], 1), float(s.param_id), dtype=torch.float64), rows], 1)
+             for s, rows in made[groups]])
+        everyone = all_rows(sent, groups)
+        if everyone is None:
+            failed_elsewhere = True
             continue
-        for s, rows in _pieces(optimizer, ctx, todo):
-            assert s.tensor_sum is not None
-            mine, sharded = by_mesh.setdefault(s.tensor_sum.groups, ([], []))
-            mine.append(torch.cat([torch.full((rows.shape[0], 1), float(s.param_id), dtype=torch.float64), rows], 1))
-            sharded.append(s)
-    for groups, (mine, sharded) in by_mesh.items():
-        everyone = all_rows(torch.cat(mine), groups)
         everyone = everyone[torch.argsort(everyone[:, 0], stable=True)]   # each parameter's rows together
         ids, counts = torch.unique_consecutive(everyone[:, 0], return_counts=True)
         by_param = dict(zip(ids.long().tolist(), everyone[:, 1:].split(counts.tolist())))
-        for s in sharded:
+        for s, _ in made[groups]:
             assert s.tensor_sum is not None
             s.tensor_sum.total = total_from_pieces(by_param.get(s.param_id, everyone[:0, 1:]), s.tensor_sum.numel)
+    if failure is not None:
+        raise failure
+    if failed_elsewhere:
+        raise ExchangeError("sharded sums: another rank could not make its pieces of a per-tensor sum (its own "
+                            "error says why); no rank wrote anything of this step")
+
+
+class ExchangeError(RuntimeError):
+    """Another rank could not make its pieces of a per-tensor sum: the step wrote nothing.
+
+    Args:
+        message: what failed, and that nothing was written.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)

@@ -36,7 +36,7 @@ from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.preflight import extent as _extent, storage_fits
 
 __all__ = ["PLAIN_TYPES", "Span", "plain", "storage_fits", "kernel_memory", "all_kernel_memory", "check_slice",
-           "check_kernel_args", "overlapping"]
+           "check_kernel_args", "kernel_grad", "overlapping"]
 
 #: Tensor types whose memory is their own storage (``nn.Parameter`` only adds autograd metadata).
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -198,6 +198,16 @@ def check_kernel_args(slices: Iterable[ParamSlice], names: Sequence[str],
         if bad is not None:
             raise RuntimeError(f"kernel call: {bad} is not a CPU tensor of {n} elements of {dtypes} in plain "
                                f"contiguous memory; the admission checks should have sent it elsewhere")
+
+
+def kernel_grad(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as a kernel reads it: ``g`` itself when contiguous and aligned to its element
+    size, else a contiguous, aligned copy (a strided gradient; one at an odd address, such as a
+    view of a byte buffer at an odd offset, whose every load would be misaligned, undefined
+    behaviour in C++). Keep it alive until the kernel has read it."""
+    if g.is_contiguous() and g.data_ptr() % g.element_size() == 0:
+        return g
+    return g.clone(memory_format=torch.contiguous_format)
 
 
 def _plain_cpu(t: torch.Tensor | None, dtype: torch.dtype | None, n: int) -> bool:

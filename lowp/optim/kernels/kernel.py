@@ -208,7 +208,8 @@ class Kernel(ABC):
         makes such slices only while it writes. Default: nothing to load."""
         return None
 
-    def pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[torch.Tensor] | None:
+    def sum_pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+                   ) -> list[torch.Tensor] | None:
         """Per admitted slice (a shard with a :class:`~lowp.optim.slices.TensorSum`), the
         :func:`~lowp.optim.ordered_sum.pieces` of its per-tensor reduction's terms at ``ctx``'s step,
         computed by this kernel without writing anything; ``None`` (default) when the kernel has no

@@ -23,8 +23,8 @@ from typing import Any, Sequence, cast
 import torch
 
 from lowp.optim.ordered_sum import layout
-from lowp.optim.kernels.checks import (PLAIN_TYPES, all_kernel_memory, check_kernel_args, kernel_memory, plain,
-                                       storage_fits)
+from lowp.optim.kernels.checks import (PLAIN_TYPES, all_kernel_memory, check_kernel_args, kernel_grad, kernel_memory,
+                                       plain, storage_fits)
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
 from lowp.optim.kernels.native.source import DTYPE_CODES, CodedLayout, Variant, variant_source
 from lowp.optim.kernels.kernel import Kernel, KernelLaunch, by_signature, grad_factor
@@ -139,36 +139,44 @@ class NativeKernel(Kernel):
         (:func:`~lowp.optim.kernels.kernel.fusable_dtypes`); others have no variant (``KeyError``)."""
         step_function(variant_source(spec.name, variant_for(spec, ctx, dtypes)))
 
-    def pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[torch.Tensor] | None:
+    def sum_pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[torch.Tensor] | None:
         """The pieces of each admitted shard's reduction terms by the variant's own pre-pass:
         ``lowp_sums`` over members that are the shard's whole units, whole blocks and single
-        elements at their places in the tensor (:func:`~lowp.optim.ordered_sum.layout`). Each
-        member's sum starts from zero and adds in :func:`~lowp.optim.ordered_sum.ordered_sum`'s
-        order, so a unit member gives the unit's sum, a block member the block's, an element
-        member its term, exactly: the rows :func:`~lowp.optim.ordered_sum.pieces` makes from the
-        same terms. The members are ranges of the checked slice (their pointers offsets into its
-        tensors, their lengths inside it); nothing is written."""
+        elements at their places in the tensor (:func:`~lowp.optim.ordered_sum.layout`), one call
+        per dtype signature for all its shards. Each member's sum starts from zero and adds in
+        :func:`~lowp.optim.ordered_sum.ordered_sum`'s order, so a unit member gives the unit's sum,
+        a block member the block's, an element member its term, exactly: the rows
+        :func:`~lowp.optim.ordered_sum.pieces` makes from the same terms. The members are ranges
+        of the checked slices (their pointers offsets into its tensors, their lengths inside it);
+        nothing is written."""
         numbers = spec.numbers(ctx.group, ctx.step)
-        out = []
-        for s in slices:
-            assert s.tensor_sum is not None, "pieces: a shard of a tensor has its TensorSum"
-            kind, index, start, length = layout(s.index.first(), s.numel, s.tensor_sum.numel)
-            if int((start + length).max()) > s.numel or int(start.min()) < 0:
-                raise RuntimeError("kernel pieces: a member outside its slice")
-            variant = variant_for(spec, ctx, slice_dtypes(s))
-            check_kernel_args([s], list(variant.program.state_names), variant.dtypes)
-            grad = s.grad if s.grad.is_contiguous() else s.grad.contiguous()
-            tensors = [s.param, grad, s.buffer, *(s.states[name] for name in variant.program.state_names)]
-            table = torch.zeros((len(tensors), kind.numel()), dtype=torch.int64)
-            for role, t in enumerate(tensors):
-                if t is not None:
-                    table[role] = start * t.element_size() + t.data_ptr()
+        made: dict[int, torch.Tensor] = {}
+        for dtypes, members in by_signature(slices, slice_dtypes).items():
+            variant = variant_for(spec, ctx, dtypes)
+            check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
+            layouts, tables, grads = [], [], []   # the gradients alive until the call returns
+            for s in members:
+                assert s.tensor_sum is not None, "sum_pieces: a shard of a tensor has its TensorSum"
+                kind, index, start, length = layout(s.index.first(), s.numel, s.tensor_sum.numel)
+                if int((start + length).max()) > s.numel or int(start.min()) < 0:
+                    raise RuntimeError("kernel pieces: a member outside its slice")
+                grads.append(kernel_grad(s.grad))
+                tensors = [s.param, grads[-1], s.buffer, *(s.states[name] for name in variant.program.state_names)]
+                table = torch.zeros((len(tensors), kind.numel()), dtype=torch.int64)
+                for role, t in enumerate(tensors):
+                    if t is not None:
+                        table[role] = start * t.element_size() + t.data_ptr()
+                layouts.append((kind, index, length))
+                tables.append(table)
+            table = torch.cat(tables, dim=1).contiguous()   # [role][member], all shards' members
+            length = torch.cat([lay[2] for lay in layouts])
             h = torch.tensor([grad_factor(ctx), *spec.pick(variant.numbers, numbers)], dtype=torch.float64)
-            sums = torch.zeros(kind.numel(), dtype=torch.float64)
-            sums_function(variant_source(spec.name, variant))(kind.numel(), table.data_ptr(), length.data_ptr(),
+            sums = torch.zeros(length.numel(), dtype=torch.float64)
+            sums_function(variant_source(spec.name, variant))(length.numel(), table.data_ptr(), length.data_ptr(),
                                                               h.data_ptr(), sums.data_ptr(), torch.get_num_threads())
-            out.append(torch.stack([kind.double(), index.double(), sums], dim=1))
-        return out
+            for s, (kind, index, _), part in zip(members, layouts, sums.split([lay[0].numel() for lay in layouts])):
+                made[id(s)] = torch.stack([kind.double(), index.double(), part], dim=1)
+        return [made[id(s)] for s in slices]
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
                       launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
@@ -254,8 +262,9 @@ class Launch:
     The arguments of ``lowp_step`` (``native/step.h``), with ``n`` members of ``S`` states:
 
     - ``n``;
-    - ``ptrs[role * n + j]``: member j's weight (role 0), gradient (1; a contiguous copy if it is
-      not contiguous), mode buffer or null (2), state k (3 + k; a coded state: its codes);
+    - ``ptrs[role * n + j]``: member j's weight (role 0), gradient (1; a contiguous, aligned copy
+      if it is strided or misaligned), mode buffer or null (2), state k (3 + k; a coded state:
+      its codes);
     - ``numel[j]``, and ``offset[j]``: the global index of member j's element 0 in its parameter;
     - ``h``: the gradient's factor, then the variant's numbers (:meth:`OptimizerSpec.pick`);
     - ``tensor_numbers[j * T + k]``: per-tensor number k of member j, made by the spec from the
@@ -301,15 +310,16 @@ class Launch:
 
     def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
              check: int = 0) -> int:
-        """The step with the members' ``grads`` (checked; a strided one is copied contiguous), the
-        spec's ``numbers`` and the gradient ``factor``, after the non-finite ``check``
+        """The step with the members' ``grads`` (checked; a strided or misaligned one is copied,
+        :func:`~lowp.optim.kernels.checks.kernel_grad`), the spec's ``numbers`` and the gradient
+        ``factor``, after the non-finite ``check``
         (:data:`~lowp.optim.kernels.kernel.CHECKS`; the flags land in :attr:`finite`); returns
         the stalled count. The table holds the gradients' pointers for the call only: a kept
         launch holds no gradient between steps."""
         spec, n = self.spec, self.n
         if len(grads) != n:
             raise RuntimeError(f"kernel call: {len(grads)} gradients for {n} tensors")
-        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]   # alive until the call returns
+        grads = list(map(kernel_grad, grads))   # alive until the call returns
         self.table[n:2 * n] = [g.data_ptr() for g in grads]
         values = spec.pick(self.variant.numbers, numbers)
         self.numbers[:] = [factor, *values]

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lowp.optim.codes import Code
-from lowp.optim.kernels.checks import PLAIN_TYPES
+from lowp.optim.kernels.checks import PLAIN_TYPES, kernel_grad
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of
 from lowp.optim.kernels.kernel import Kernel, KernelLaunch, by_signature, grad_factor, stream_count
 from lowp.optim.kernels.triton.source import kernel_source
@@ -255,7 +255,7 @@ class TritonLaunch:
         n, tables = self.n, self.tables
         if len(grads) != n:
             raise RuntimeError(f"kernel call: {len(grads)} gradients for {n} tensors")
-        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]   # alive until the launch is queued
+        grads = list(map(kernel_grad, grads))   # alive until the launch is queued
         keys_at, flags_at, numbers_at, end = self._layout
         host = np.zeros(end, dtype=np.uint8)
         host[:keys_at].view(np.int64)[:] = [g.data_ptr() for g in grads]
