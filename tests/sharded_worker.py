@@ -474,8 +474,9 @@ def sums_full(seed: int) -> list[torch.Tensor]:
     return out + [torch.randn(9, generator=g)]
 
 
-#: (backend, sharding.SUMS_MIN_NUMEL) of :func:`sums_case`: every sum exchanged, native and
-#: reference, then the default threshold (the large parameter exchanged, the others gathered)
+#: (backend, sharding.SUMS_MIN_NUMEL) of :func:`sums_case`: every sum exchanged (the default),
+#: native and reference, then a threshold of 65,536 (the large parameter exchanged, the others
+#: gathered in the same step)
 SUMS_RUNS = [("fused", 0), ("unfused", 0), ("fused", 1 << 16)]
 
 

@@ -208,6 +208,56 @@ def test_pieces_of_ranges_give_the_whole_sum_bit_for_bit(n, cuts):
         assert (kinds == order.UNIT_SUM).any() and (kinds == order.TERM).any()
 
 
+def test_the_layouts_of_many_ranges_are_each_ones_layout():
+    """``layouts`` of every range of :data:`CUTS` (empty ones too) at once: each range's entries,
+    in order, are its ``layout``, whose pieces cover exactly its elements (each element in one
+    piece: a term, a whole block or a whole unit) in element order."""
+    ranges = [(a, b - a, n) for n, cuts in CUTS for a, b in zip([0, *cuts], [*cuts, n])]
+    kind, index, start, length, counts = order.layouts(*zip(*ranges))
+    assert counts.tolist() == [order.layout(*r)[0].numel() for r in ranges]
+    at = 0
+    for (first, n, numel), count in zip(ranges, counts.tolist()):
+        alone = order.layout(first, n, numel)
+        together = (kind[at:at + count], index[at:at + count], start[at:at + count], length[at:at + count])
+        assert all(torch.equal(a, b) for a, b in zip(alone, together)), (first, n, numel)
+        covered = torch.cat([torch.arange(s, s + k) for s, k in zip(together[2].tolist(), together[3].tolist())]
+                            + [torch.arange(0)])
+        assert torch.equal(covered, torch.arange(n)), (first, n, numel)
+        at += count
+    assert at == kind.numel()
+    with pytest.raises(ValueError, match="first: elements \\[5, 12\\) are not inside a tensor of 10 elements"):
+        order.layouts([0, 5], [3, 7], [10, 10])
+
+
+def test_the_sums_of_many_tensors_at_once_are_each_ones_own():
+    """``totals_from_pieces`` over the rows of all tensors of :data:`CUTS` (each cut into its
+    ranges, a replica's rows repeated, all rows shuffled together) gives each tensor's ordered
+    sum bit for bit, as it does alone; a missing piece or a row outside its tensor names the
+    tensor."""
+    gen = torch.Generator().manual_seed(5)
+    rows, want = [], []
+    for t, (n, cuts) in enumerate(CUTS):
+        terms = torch.rand(n, generator=gen) * torch.exp2(torch.randint(-40, 40, (n,), generator=gen).float())
+        edges = [0, *cuts, n]
+        mine = [order.pieces(terms[a:b], a, n) for a, b in zip(edges, edges[1:])]
+        mine = torch.cat(mine + mine[:1])
+        rows.append(torch.cat([torch.full((mine.shape[0], 1), float(t), dtype=torch.float64), mine], 1))
+        want.append(ordered_sum(terms))
+        assert order.total_from_pieces(mine, n) == want[-1]
+    together = torch.cat(rows)
+    together = together[torch.randperm(together.shape[0], generator=gen)]
+    numels = [n for n, _ in CUTS]
+    assert order.totals_from_pieces(together, numels).tolist() == want
+    last = len(CUTS) - 1
+    missing = f"pieces: element 0 of a tensor of 1000 elements is in no piece \\(tensor {last}\\)"
+    with pytest.raises(ValueError, match=missing):
+        order.totals_from_pieces(together[(together[:, 0] != last) | (together[:, 2] != 0)], numels)
+    with pytest.raises(ValueError, match="kind 0 and index 17 is outside a tensor of 17 elements \\(tensor 0\\)"):
+        order.totals_from_pieces(torch.cat([together, torch.tensor([[0, 0, 17, 1.0]], dtype=torch.float64)]), numels)
+    with pytest.raises(ValueError, match=f"a row of tensor {len(CUTS)}, expected one of {len(CUTS)}"):
+        order.totals_from_pieces(torch.tensor([[len(CUTS), 0, 0, 1.0]], dtype=torch.float64), numels)
+
+
 def test_pieces_refuse_what_they_cannot_place():
     terms = torch.ones(20)
     with pytest.raises(ValueError, match="first: elements \\[10, 30\\) are not inside a tensor of 25"):
@@ -228,7 +278,7 @@ def _row(kind: float, index: float, value: float) -> torch.Tensor:
     (_row(order.UNIT_SUM, 1, 1e6), "a row of kind 2 and index 1 is outside"),
     (_row(order.TERM, -1, 1.0), "a row of kind 0 and index -1 is outside"),
     (_row(3, 0, 1e6), "a row of kind 3, expected 0 \\(term\\), 1 \\(block sum\\) or 2 \\(unit sum\\)"),
-    (_row(0.5, 0, 1.0), "a row whose kind or index is not an integer"),
+    (_row(0.5, 0, 1.0), "a row whose tensor, kind or index is not an integer"),
     (_row(order.BLOCK_SUM, 0, 100.0), "rows of kind 1 and index 0 disagree"),   # block 0's sum is 16
     (_row(order.TERM, 17, 2.0), "rows of kind 0 and index 17 disagree"),
 ])

@@ -147,9 +147,10 @@ def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[to
                             want: torch.Tensor) -> None:
     """Where the elements of a sharded run went, per rank ``(fused, reference)`` element-steps,
     against the single-process run's ``want``: FSDP shards (contiguous rows) split the same
-    elements over the ranks, replicated ranks and per-tensor optimizers (gathered full tensors:
-    these shapes are below ``sharding.SUMS_MIN_NUMEL``, :func:`assert_sums_case` has the exchange)
-    each run all of them, and ``Shard(1)`` slices of a matrix (not one contiguous range) take the
+    elements over the ranks, and so do per-tensor optimizers that exchange their sums (StableAdamW,
+    :func:`assert_sums_case`; under ``Shard(1)`` only the vectors' sums, the matrices gathered);
+    replicated ranks and the other per-tensor optimizers (gathered full tensors: Adafactor) each
+    run all of them, and ``Shard(1)`` slices of a matrix (not one contiguous range) take the
     reference pipeline. The compiled backend leaves one-element shards (4 ranks) to the reference
     too. ``-1``: a backend without kernels."""
     total = torch.stack(ranks).sum(0)
@@ -157,8 +158,12 @@ def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[to
         assert torch.equal(want, torch.tensor([-1, -1])) and all(torch.equal(r, want) for r in ranks)
         return
     assert (int(want[0]) == 0) == (name == "Adafactor"), f"{name}: {want.tolist()}"  # no fused form of Adafactor
-    if layout == "replicate" or not w.OPTIMIZERS[name][0].elementwise:   # SHAPES are below SUMS_MIN_NUMEL
+    cls = w.OPTIMIZERS[name][0]
+    if layout == "replicate" or not (cls.elementwise or cls.shards_sums()):
         assert all(torch.equal(r, want) for r in ranks), f"{ranks} against {want}"
+    elif not cls.elementwise and layout == "shard1":   # the vectors' sums exchanged, the matrices gathered
+        assert all(0 < int(r.sum()) < int(want.sum()) for r in ranks) and int(total.sum()) > int(want.sum()), \
+            f"{ranks} against {want}"
     elif layout == "fsdp":
         assert int(total.sum()) == int(want.sum()), f"{ranks} against {want}"
         assert torch.equal(total, want) if backend == "fused" else int(total[0]) > 0, f"{ranks} against {want}"
@@ -411,13 +416,13 @@ def test_block_scaled_states_of_a_per_tensor_optimizer(two_ranks):
 def assert_sums_case(ranks: list[dict], world_size: int) -> None:
     """StableAdamW on FSDP2 shards with the whole tensors' sums exchanged (lowp.optim.sharded_sums):
     the single-process bits on every rank, native kernel and reference, every parameter's sum
-    exchanged (``SUMS_MIN_NUMEL`` 0) with nothing gathered, or (the default threshold) the large
-    parameter's exchanged and the small ones gathered in the same step; the native kernel makes
+    exchanged (``SUMS_MIN_NUMEL`` 0, the default) with nothing gathered, or (a threshold of 65,536)
+    the large parameter's exchanged and the small ones gathered in the same step; the native kernel makes
     the pieces of its shards (no terms computed with torch), the reference computes them; the
     native kernel's element-steps add up to the single process's only when nothing is gathered."""
     sharded = (len(w.SUMS_SHAPES) + 1) * w.STEPS if world_size > 1 else 0
-    large = sum(math.prod(s) >= sharding.SUMS_MIN_NUMEL for s in w.SUMS_SHAPES) * w.STEPS if world_size > 1 else 0
     for backend, threshold in w.SUMS_RUNS:
+        large = sum(math.prod(s) >= threshold for s in w.SUMS_SHAPES) * w.STEPS if world_size > 1 else 0
         params = [p.clone().requires_grad_() for p in w.sums_full(0)]
         want = w.sums_run(params, w._set_plain_grad, backend, threshold)
         assert want["counts"] == {"gathered": 0, "exchanged": 0, "torch terms": 0}

@@ -25,10 +25,13 @@ whole, the raw terms of the blocks it shares with a neighbour), the ranks exchan
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ordered_sum", "layout", "pieces", "total_from_pieces", "BLOCK", "UNIT", "TERM", "BLOCK_SUM", "UNIT_SUM"]
+__all__ = ["ordered_sum", "layout", "layouts", "pieces", "total_from_pieces", "totals_from_pieces", "BLOCK", "UNIT",
+           "TERM", "BLOCK_SUM", "UNIT_SUM"]
 
 #: elements per block: 8 fp32 lanes of two elements each
 BLOCK = 16
@@ -47,11 +50,15 @@ def ordered_sum(terms: torch.Tensor) -> float:
         return 0.0
     if flat.numel() % BLOCK:
         flat = F.pad(flat, (0, -flat.numel() % BLOCK))
-    blocks = _block_sums(flat)
+    return float(_unit_sums(_block_sums(flat).cpu()).cumsum(0)[-1])
+
+
+def _unit_sums(blocks: torch.Tensor) -> torch.Tensor:
+    """Step 3 over consecutive block sums (float64, on the CPU) from a unit's first block: each
+    unit's sum, its blocks added in order (the last unit's missing blocks as zeros, which end a
+    sum unchanged)."""
     per_unit = UNIT // BLOCK
-    blocks = F.pad(blocks.cpu(), (0, -blocks.numel() % per_unit)).view(-1, per_unit)  # zeros end a sum unchanged
-    units = blocks.cumsum(1)[:, -1]
-    return float(units.cumsum(0)[-1])
+    return F.pad(blocks, (0, -blocks.numel() % per_unit)).view(-1, per_unit).cumsum(1)[:, -1]
 
 
 def _block_sums(flat: torch.Tensor) -> torch.Tensor:
@@ -73,46 +80,54 @@ def layout(first: int, n: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, 
     elements, as int64 tensors ``(kind, index, start, length)`` in element order: each piece's
     kind, its index (element, block or unit), and the local elements it sums, ``[start, start +
     length)`` of the range. A block is held whole when every element of it below ``numel`` is in
-    the range (the last block's padding is zeros); a unit likewise."""
-    if first < 0 or n < 0 or first + n > numel:
-        raise ValueError(f"first: elements [{first}, {first + n}) are not inside a tensor of {numel} elements")
+    the range (the last block's padding is zeros); a unit likewise (:func:`layouts` of one range)."""
+    kind, index, start, length, _ = layouts([first], [n], [numel])
+    return kind, index, start, length
+
+
+def layouts(firsts: Sequence[int], ns: Sequence[int], numels: Sequence[int]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`layout` of many ranges at once (range ``r``: elements ``[firsts[r], firsts[r] +
+    ns[r])`` of a tensor of ``numels[r]``), their entries one after the other, and the number of
+    entries of each range. A range is, in element order: the raw terms before its first whole
+    block, whole blocks up to its first whole unit, its whole units, whole blocks after them, the
+    raw terms after its last whole block (each part maybe empty); every part of every range is
+    made at once (a ragged ``arange``)."""
+    first, n, numel = (torch.tensor(list(v), dtype=torch.int64) for v in (firsts, ns, numels))
     end = first + n
+    bad = (first < 0) | (n < 0) | (end > numel)
+    if bad.any():
+        r = int(bad.nonzero()[0])
+        raise ValueError(f"first: elements [{int(first[r])}, {int(end[r])}) are not inside a tensor of "
+                         f"{int(numel[r])} elements")
+    per_unit, nblocks = UNIT // BLOCK, -(-numel // BLOCK)
     # whole blocks: from the first block boundary at or after ``first`` to the last one at or
     # before ``end`` (or to ``end`` itself when it is the tensor's end: the padded last block)
     lo = -(-first // BLOCK) * BLOCK
-    hi = end if end == numel else end // BLOCK * BLOCK
-    if hi <= lo:   # no whole block: every term raw
-        lo = hi = end
-    b0, b1 = lo // BLOCK, (-(-hi // BLOCK) if hi > lo else lo // BLOCK)
-    per_unit, nblocks = UNIT // BLOCK, -(-numel // BLOCK)
+    hi = torch.where(end == numel, end, end // BLOCK * BLOCK)
+    none = hi <= lo   # no whole block: every term raw
+    lo, hi = torch.where(none, end, lo), torch.where(none, end, hi)
+    b0, b1 = lo // BLOCK, torch.where(none, lo // BLOCK, -(-hi // BLOCK))
     # units held whole, [u0, u1): starting at or after b0, ending (at the next boundary or the
     # tensor's last block) at or before b1
     u0 = -(-b0 // per_unit)
-    u1 = max(u0, -(-nblocks // per_unit) if b1 == nblocks else b1 // per_unit)
-    head = _entries(TERM, torch.arange(first, lo), torch.ones(lo - first, dtype=torch.int64))
-    tail = _entries(TERM, torch.arange(hi, end), torch.ones(end - hi, dtype=torch.int64))
-    if u1 > u0:
-        units = torch.arange(u0, u1)
-        parts = [head, _block_entries(b0, u0 * per_unit, numel),
-                 _entries(UNIT_SUM, units, torch.clamp(numel - units * UNIT, max=UNIT), units * UNIT),
-                 _block_entries(min(u1 * per_unit, nblocks), b1, numel), tail]
-    else:
-        parts = [head, _block_entries(b0, b1, numel), tail]
-    kind, index, start, length = (torch.cat(c) for c in zip(*parts))
-    return kind, index, start - first, length
-
-
-def _entries(kind: int, index: torch.Tensor, length: torch.Tensor, element: torch.Tensor | int | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Entries of :func:`layout` (``element``: each one's first global element; default ``index``)."""
-    first = index if element is None else torch.as_tensor(element).expand(index.shape)
-    return torch.full_like(index, kind), index, first.clone(), length
-
-
-def _block_entries(b: int, e: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`layout`'s entries of the whole blocks ``[b, e)``."""
-    index = torch.arange(b, e)
-    return _entries(BLOCK_SUM, index, torch.clamp(numel - index * BLOCK, max=BLOCK), index * BLOCK)
+    u1 = torch.maximum(u0, torch.where(b1 == nblocks, -(-nblocks // per_unit), b1 // per_unit))
+    units = u1 > u0
+    after = torch.minimum(u1 * per_unit, nblocks)
+    # per range, its five parts: (kind, first index, count)
+    kinds = torch.tensor([TERM, BLOCK_SUM, UNIT_SUM, BLOCK_SUM, TERM]).repeat(first.numel())
+    starts = torch.stack([first, b0, u0, after, hi], 1).reshape(-1)
+    counts = torch.stack([lo - first, torch.where(units, u0 * per_unit, b1) - b0, u1 - u0,
+                          torch.where(units, b1 - after, 0), end - hi], 1).reshape(-1)
+    index = torch.repeat_interleave(starts - (torch.cumsum(counts, 0) - counts), counts) \
+        + torch.arange(int(counts.sum()))
+    kind = torch.repeat_interleave(kinds, counts)
+    size = torch.tensor([1, BLOCK, UNIT])[kind]   # elements of a term, block, unit
+    whole = torch.repeat_interleave(numel.repeat_interleave(5), counts)
+    element = index * size   # each piece's first element
+    length = torch.minimum(whole - element, size)
+    start = element - torch.repeat_interleave(first.repeat_interleave(5), counts)
+    return kind, index, start, length, counts.view(-1, 5).sum(1)
 
 
 def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
@@ -138,94 +153,132 @@ def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
         block = kind == BLOCK_SUM
         values[block] = blocks[index[block] - b0]
         unit = kind == UNIT_SUM
-        if unit.any():   # the units held whole are consecutive: their blocks, a row each (the
-            # last one's zeros past its end add nothing), summed in block order
+        if unit.any():   # the units held whole are consecutive, from the first one's first block
             b = (first + int(start[unit][0])) // BLOCK - b0
-            per_unit, count = UNIT // BLOCK, int(unit.sum())
-            rows = F.pad(blocks[b:b + count * per_unit], (0, max(0, b + count * per_unit - blocks.numel())))
-            values[unit] = rows.view(count, per_unit).cumsum(1)[:, -1]
+            values[unit] = _unit_sums(blocks[b:b + int(unit.sum()) * (UNIT // BLOCK)])
     return torch.stack([kind.double(), index.double(), values], dim=1)
 
 
-def _check_rows(kind: torch.Tensor, index: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-                numel: int) -> None:
-    """``ValueError`` unless every row is a piece of a tensor of ``numel`` elements (a known kind,
-    its index below ``bounds[kind]``: the elements, blocks or units) and rows of the same kind
-    and index carry the same value bit for bit (replicas' rows repeat; different ones would make
-    the sum depend on the rows' order)."""
+def _check_rows(tensor: torch.Tensor, kind: torch.Tensor, index: torch.Tensor, value: torch.Tensor,
+                bounds: torch.Tensor, key: torch.Tensor) -> None:
+    """``ValueError`` unless every row is a piece of its tensor (a known kind, its index below
+    ``bounds[tensor, kind]``: the tensor's elements, blocks or units) and rows of the same ``key``
+    (tensor, kind and index) carry the same value bit for bit (replicas' rows repeat; different
+    ones would make the sum depend on the rows' order)."""
     known = (kind >= TERM) & (kind <= UNIT_SUM)
     if not known.all():
         bad = int(kind[~known][0])
         raise ValueError(f"pieces: a row of kind {bad}, expected {TERM} (term), {BLOCK_SUM} (block sum) "
                          f"or {UNIT_SUM} (unit sum)")
-    outside = (index < 0) | (index >= bounds[kind])
+    outside = (index < 0) | (index >= bounds[tensor, kind])
     if outside.any():
-        k, i = int(kind[outside][0]), int(index[outside][0])
-        raise ValueError(f"pieces: a row of kind {k} and index {i} is outside a tensor of {numel} elements")
-    key, order = torch.sort(index * 3 + kind)
+        t, k, i = int(tensor[outside][0]), int(kind[outside][0]), int(index[outside][0])
+        raise ValueError(f"pieces: a row of kind {k} and index {i} is outside a tensor of {int(bounds[t, 0])} "
+                         f"elements{_which(t, bounds.shape[0])}")
+    key, order = torch.sort(key * 3 + kind)
     same = key[1:] == key[:-1]
     if same.any():
         bits = value.view(torch.int64)[order]
         differ = same & (bits[1:] != bits[:-1])
         if differ.any():
             at = int(order[1:][differ][0])
-            raise ValueError(f"pieces: rows of kind {int(kind[at])} and index {int(index[at])} disagree")
+            raise ValueError(f"pieces: rows of kind {int(kind[at])} and index {int(index[at])} disagree"
+                             f"{_which(int(tensor[at]), bounds.shape[0])}")
+
+
+def _which(t: int, count: int) -> str:
+    """`` (tensor t)`` in an error of :func:`totals_from_pieces` over several tensors."""
+    return f" (tensor {t})" if count > 1 else ""
 
 
 def total_from_pieces(rows: torch.Tensor, numel: int) -> float:
     """The ordered sum of a tensor of ``numel`` elements from the :func:`pieces` of ranges that
     cover it (rows of all holders, in any order; a range held twice, by replicas, gives the same
-    rows): steps 1-4 of the module docstring redone from the largest pieces given, every unit
-    without a unit sum at once (a row of 2,048 block sums each). ``ValueError`` when a term the
-    sum needs is missing, or a row is not a piece of the tensor (:func:`_check_rows`)."""
+    rows): :func:`totals_from_pieces` of one tensor."""
     rows = rows.detach().to("cpu", torch.float64)
-    if not torch.equal(rows[:, :2], rows[:, :2].trunc()):
-        raise ValueError("pieces: a row whose kind or index is not an integer")
-    kind, index, value = rows[:, 0].long(), rows[:, 1].long(), rows[:, 2]
-    per_unit, nblocks = UNIT // BLOCK, -(-numel // BLOCK)
-    units = torch.zeros(-(-nblocks // per_unit), dtype=torch.float64)
-    _check_rows(kind, index, value, torch.tensor([numel, nblocks, units.numel()]), numel)
+    return float(totals_from_pieces(torch.cat([torch.zeros((rows.shape[0], 1), dtype=torch.float64), rows], 1),
+                                    [numel])[0])
+
+
+def totals_from_pieces(rows: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
+    """The ordered sums (float64) of tensors of ``numels`` elements from the :func:`pieces` of
+    ranges that cover each, as rows ``(tensor, kind, index, value)`` (``tensor`` its position in
+    ``numels``; rows of all holders, in any order; a range held twice, by replicas, gives the same
+    rows): steps 1-4 of the module docstring redone from the largest pieces given, for all
+    tensors at once. The tensors' units are laid end to end (tensor ``t``'s unit ``u`` is unit
+    ``base[t] + u``), every unit without a unit sum rebuilt from its blocks at once (a row of
+    2,048 block sums each), then each tensor's units added in order from ``+0.0``. ``ValueError``
+    when a term a sum needs is missing, or a row is not a piece of its tensor (outside it, of an
+    unknown kind, repeating a piece with another value)."""
+    rows = rows.detach().to("cpu", torch.float64)
+    if not torch.equal(rows[:, :3], rows[:, :3].trunc()):
+        raise ValueError("pieces: a row whose tensor, kind or index is not an integer")
+    tensor, kind, index, value = rows[:, 0].long(), rows[:, 1].long(), rows[:, 2].long(), rows[:, 3]
+    numel = torch.tensor(list(numels), dtype=torch.int64)
+    count, per_unit = numel.numel(), UNIT // BLOCK
+    if ((tensor < 0) | (tensor >= count)).any():
+        raise ValueError(f"pieces: a row of tensor {int(tensor[(tensor < 0) | (tensor >= count)][0])}, "
+                         f"expected one of {count}")
+    nblocks = -(-numel // BLOCK)
+    nunits = -(-nblocks // per_unit)
+    base = torch.cumsum(nunits, 0) - nunits   # each tensor's first unit
+    unit_of = torch.where(kind == TERM, index // UNIT, torch.where(kind == BLOCK_SUM, index // per_unit, index))
+    _check_rows(tensor, kind, index, value, torch.stack([numel, nblocks, nunits], 1),
+                torch.where(kind == TERM, index, torch.where(kind == BLOCK_SUM, index * BLOCK, index * UNIT))
+                + base[tensor] * UNIT)
+    units = torch.zeros(int(nunits.sum()), dtype=torch.float64)
+    owner = torch.repeat_interleave(torch.arange(count), nunits)   # each unit's tensor
+    unit = base[tensor] + unit_of   # each row's unit
     whole = torch.zeros(units.numel(), dtype=torch.bool)
     at = kind == UNIT_SUM
-    units[index[at]], whole[index[at]] = value[at], True
-    unit_of = torch.where(kind == TERM, index // UNIT, torch.where(kind == BLOCK_SUM, index // per_unit, index))
+    units[unit[at]], whole[unit[at]] = value[at], True
     partial = (~whole).nonzero().flatten()
     if partial.numel():
-        needed = ~whole[unit_of]
+        needed = ~whole[unit]
         row_of = torch.full((units.numel(),), -1, dtype=torch.int64)
         row_of[partial] = torch.arange(partial.numel())
-        blocks = torch.zeros((partial.numel() * per_unit,), dtype=torch.float64)   # [unit row, block in unit]
-        held = torch.zeros(blocks.numel(), dtype=torch.bool)
-        # the padding past the tensor's last block is held (zeros)
-        last = nblocks - int(partial[-1]) * per_unit
-        held[(partial.numel() - 1) * per_unit + last:] = True
+        # [unit row, block in unit]; the blocks past a tensor's last block are held (zeros)
+        ends = nblocks[owner[partial]] - (partial - base[owner[partial]]) * per_unit
+        held = (torch.arange(per_unit) >= ends[:, None]).reshape(-1)
+        blocks = torch.zeros(held.numel(), dtype=torch.float64)
 
-        def slot(b: torch.Tensor) -> torch.Tensor:
-            return row_of[b // per_unit] * per_unit + b % per_unit
+        def slot(u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:   # unit ``u``'s block ``b`` (of its unit)
+            return row_of[u] * per_unit + b
         at = (kind == BLOCK_SUM) & needed
-        blocks[slot(index[at])], held[slot(index[at])] = value[at], True
+        blocks[slot(unit[at], index[at] % per_unit)], held[slot(unit[at], index[at] % per_unit)] = value[at], True
         at = (kind == TERM) & needed
-        split = torch.unique(index[at] // BLOCK)
-        split = split[~held[slot(split)]]
+        block = unit[at] * per_unit + index[at] % UNIT // BLOCK   # its block among all units' blocks
+        split = torch.unique(block)
+        split = split[~held[slot(split // per_unit, split % per_unit)]]
         if split.numel():   # blocks split between holders: steps 1 and 2 from their terms
             terms = torch.zeros(split.numel() * BLOCK, dtype=torch.float32)
             present = torch.zeros(terms.numel(), dtype=torch.bool)
-            b = index[at] // BLOCK
-            where = torch.searchsorted(split, b).clamp(max=split.numel() - 1)   # split is sorted
-            mine = split[where] == b
+            where = torch.searchsorted(split, block).clamp(max=split.numel() - 1)   # split is sorted
+            mine = split[where] == block
             spot = where[mine] * BLOCK + index[at][mine] % BLOCK
             terms[spot] = value[at][mine].float()   # exact: each was an fp32 term
             present[spot] = True
-            padding = (split * BLOCK)[:, None] + torch.arange(BLOCK) >= numel
-            present |= padding.reshape(-1)
+            first = (split - base[owner[split // per_unit]] * per_unit) * BLOCK   # each one's first element
+            present |= (first[:, None] + torch.arange(BLOCK) >= numel[owner[split // per_unit]][:, None]).reshape(-1)
             missing = (~present).nonzero()
             if missing.numel():
-                element = int(split[int(missing[0]) // BLOCK]) * BLOCK + int(missing[0]) % BLOCK
-                raise ValueError(f"pieces: element {element} of a tensor of {numel} elements is in no piece")
-            blocks[slot(split)], held[slot(split)] = _block_sums(terms), True
+                at_missing = int(missing[0]) // BLOCK
+                t = int(owner[split[at_missing] // per_unit])
+                raise ValueError(f"pieces: element {int(first[at_missing]) + int(missing[0]) % BLOCK} of a tensor of "
+                                 f"{int(numel[t])} elements is in no piece{_which(t, count)}")
+            blocks[slot(split // per_unit, split % per_unit)] = _block_sums(terms)
+            held[slot(split // per_unit, split % per_unit)] = True
         if not held.all():
-            first = int((~held).nonzero()[0])
-            element = (int(partial[first // per_unit]) * per_unit + first % per_unit) * BLOCK
-            raise ValueError(f"pieces: element {element} of a tensor of {numel} elements is in no piece")
-        units[partial] = blocks.view(-1, per_unit).cumsum(1)[:, -1]   # zeros after a short unit add nothing
-    return float(torch.cat([torch.zeros(1, dtype=torch.float64), units]).cumsum(0)[-1])
+            at_missing = int((~held).nonzero()[0])
+            u = int(partial[at_missing // per_unit])
+            t = int(owner[u])
+            element = ((u - int(base[t])) * per_unit + at_missing % per_unit) * BLOCK
+            raise ValueError(f"pieces: element {element} of a tensor of {int(numel[t])} elements is in no piece"
+                             f"{_which(t, count)}")
+        units[partial] = _unit_sums(blocks)   # a row of per_unit blocks per partial unit
+    totals = torch.zeros(count, dtype=torch.float64)
+    for n in torch.unique(nunits[nunits > 0]).tolist():   # step 4, the tensors of n units together
+        of_n = (nunits == n).nonzero().flatten()
+        at_units = units[base[of_n][:, None] + torch.arange(n)]
+        totals[of_n] = torch.cat([torch.zeros((of_n.numel(), 1), dtype=torch.float64), at_units], 1).cumsum(1)[:, -1]
+    return totals

@@ -32,7 +32,7 @@ from lowp.optim.backends import Backend, FusedBackend
 from lowp.optim.collectives import Groups, all_rows
 from lowp.optim.kernels.checks import Span
 from lowp.optim.kernels.kernel import partition
-from lowp.optim.ordered_sum import pieces, total_from_pieces
+from lowp.optim.ordered_sum import pieces, totals_from_pieces
 from lowp.optim.reference import working_grads
 from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext
@@ -88,8 +88,9 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
     """Set ``tensor_sum.total`` of every slice of ``jobs`` that has a
     :class:`~lowp.optim.slices.TensorSum`: its terms cut into pieces, one exchange of the pieces
     of all of them per mesh (over the process groups of the mesh's sharded dimensions,
-    :func:`~lowp.optim.collectives.all_rows`, in the order of each mesh's first slice), each whole
-    tensor's sum rebuilt from every rank's pieces. The ranks of a mesh call it with the same
+    :func:`~lowp.optim.collectives.all_rows`, in the order of each mesh's first slice), the whole
+    tensors' sums rebuilt from every rank's pieces, all at once
+    (:func:`~lowp.optim.ordered_sum.totals_from_pieces`). The ranks of a mesh call it with the same
     parameters (the collectives); a rank with no such slice makes no call, and neither does any
     other rank of its meshes (they step the same parameters).
 
@@ -120,12 +121,15 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
         if everyone is None:
             failed_elsewhere = True
             continue
-        everyone = everyone[torch.argsort(everyone[:, 0], stable=True)]   # each parameter's rows together
-        ids, counts = torch.unique_consecutive(everyone[:, 0], return_counts=True)
-        by_param = dict(zip(ids.long().tolist(), everyone[:, 1:].split(counts.tolist())))
+        numels = {s.param_id: s.tensor_sum.numel for s, _ in made[groups] if s.tensor_sum is not None}
+        ids = sorted(numels)
+        position = torch.full((ids[-1] + 2,), -1, dtype=torch.int64)   # a parameter id's tensor; -1: not ours
+        position[ids] = torch.arange(len(ids))
+        everyone[:, 0] = position[everyone[:, 0].long().clamp(0, ids[-1] + 1)].double()
+        totals = dict(zip(ids, totals_from_pieces(everyone, [numels[i] for i in ids]).tolist()))
         for s, _ in made[groups]:
             assert s.tensor_sum is not None
-            s.tensor_sum.total = total_from_pieces(by_param.get(s.param_id, everyone[:0, 1:]), s.tensor_sum.numel)
+            s.tensor_sum.total = totals[s.param_id]
     if failure is not None:
         raise failure
     if failed_elsewhere:

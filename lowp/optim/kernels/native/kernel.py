@@ -22,7 +22,7 @@ from typing import Any, Sequence, cast
 
 import torch
 
-from lowp.optim.ordered_sum import layout
+from lowp.optim.ordered_sum import layouts
 from lowp.optim.kernels.checks import (PLAIN_TYPES, all_kernel_memory, check_kernel_args, kernel_grad, kernel_memory,
                                        plain, storage_fits)
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
@@ -31,7 +31,7 @@ from lowp.optim.kernels.kernel import Kernel, KernelLaunch, by_signature, grad_f
 from lowp.optim.kernels.native.build import (coded_step_function, finite_function, native_available, step_function,
                                              sums_function)
 from lowp.optim.kernels.native.codec import grid_numbers, scale_code
-from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
 
 __all__ = ["NativeKernel", "Launch", "slice_dtypes", "variant_for", "by_coded_signature"]
@@ -142,7 +142,7 @@ class NativeKernel(Kernel):
     def sum_pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[torch.Tensor] | None:
         """The pieces of each admitted shard's reduction terms by the variant's own pre-pass:
         ``lowp_sums`` over members that are the shard's whole units, whole blocks and single
-        elements at their places in the tensor (:func:`~lowp.optim.ordered_sum.layout`), one call
+        elements at their places in the tensor (:func:`~lowp.optim.ordered_sum.layouts`), one call
         per dtype signature for all its shards. Each member's sum starts from zero and adds in
         :func:`~lowp.optim.ordered_sum.ordered_sum`'s order, so a unit member gives the unit's sum,
         a block member the block's, an element member its term, exactly: the rows
@@ -154,28 +154,29 @@ class NativeKernel(Kernel):
         for dtypes, members in by_signature(slices, slice_dtypes).items():
             variant = variant_for(spec, ctx, dtypes)
             check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-            layouts, tables, grads = [], [], []   # the gradients alive until the call returns
-            for s in members:
-                assert s.tensor_sum is not None, "sum_pieces: a shard of a tensor has its TensorSum"
-                kind, index, start, length = layout(s.index.first(), s.numel, s.tensor_sum.numel)
-                if int((start + length).max()) > s.numel or int(start.min()) < 0:
-                    raise RuntimeError("kernel pieces: a member outside its slice")
-                grads.append(kernel_grad(s.grad))
-                tensors = [s.param, grads[-1], s.buffer, *(s.states[name] for name in variant.program.state_names)]
-                table = torch.zeros((len(tensors), kind.numel()), dtype=torch.int64)
-                for role, t in enumerate(tensors):
-                    if t is not None:
-                        table[role] = start * t.element_size() + t.data_ptr()
-                layouts.append((kind, index, length))
-                tables.append(table)
-            table = torch.cat(tables, dim=1).contiguous()   # [role][member], all shards' members
-            length = torch.cat([lay[2] for lay in layouts])
+            if any(s.tensor_sum is None for s in members):
+                raise RuntimeError("kernel pieces: a shard without its TensorSum")
+            kind, index, start, length, counts = layouts([s.index.first() for s in members], [s.numel for s in members],
+                                                         [cast(TensorSum, s.tensor_sum).numel for s in members])
+            inside = torch.tensor([s.numel for s in members]).repeat_interleave(counts)
+            if bool(((start < 0) | (start + length > inside)).any()):
+                raise RuntimeError("kernel pieces: a member outside its slice")
+            grads = list(map(kernel_grad, (s.grad for s in members)))   # alive until the call returns
+            roles: list[list[torch.Tensor | None]] = [[s.param for s in members], list(grads),
+                                                      [s.buffer for s in members]]
+            roles += [[s.states[name] for s in members] for name in variant.program.state_names]
+            table = torch.zeros((len(roles), start.numel()), dtype=torch.int64)   # [role][member]
+            for role, tensors in enumerate(roles):
+                if tensors[0] is not None:   # a role's dtype is the signature's: every member has it or none
+                    first = torch.tensor([cast(torch.Tensor, t).data_ptr() for t in tensors])
+                    table[role] = start * tensors[0].element_size() + first.repeat_interleave(counts)
             h = torch.tensor([grad_factor(ctx), *spec.pick(variant.numbers, numbers)], dtype=torch.float64)
-            sums = torch.zeros(length.numel(), dtype=torch.float64)
-            sums_function(variant_source(spec.name, variant))(length.numel(), table.data_ptr(), length.data_ptr(),
+            sums = torch.zeros(start.numel(), dtype=torch.float64)
+            sums_function(variant_source(spec.name, variant))(start.numel(), table.data_ptr(), length.data_ptr(),
                                                               h.data_ptr(), sums.data_ptr(), torch.get_num_threads())
-            for s, (kind, index, _), part in zip(members, layouts, sums.split([lay[0].numel() for lay in layouts])):
-                made[id(s)] = torch.stack([kind.double(), index.double(), part], dim=1)
+            rows = torch.stack([kind.double(), index.double(), sums], dim=1)
+            for s, part in zip(members, rows.split(counts.tolist())):
+                made[id(s)] = part
         return [made[id(s)] for s in slices]
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
