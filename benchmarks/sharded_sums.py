@@ -31,9 +31,9 @@ def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int, min_
     import torch.distributed as dist
 
     import lowp.optim as lo
-    from lowp.optim import sharding
+    from lowp.optim import sharded_sums
     from lowp.optim.sharding import gather
-    sharding.SUMS_MIN_NUMEL = min_numel
+    sharded_sums.BATCHED_MIN_NUMEL = min_numel
 
     class Gathered(lo.StableAdamW):
         """StableAdamW stepping gathered copies (its sums not exchanged)."""
@@ -84,10 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=7, help="timed steps per row")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--sums-min-numel", type=int, default=None,
-                    help="the smallest parameter whose sum is exchanged (default: lowp's, sharding.SUMS_MIN_NUMEL)")
+                    help="the smallest parameter whose sum is exchanged (default: lowp's for the native kernel, "
+                         "sharded_sums.BATCHED_MIN_NUMEL)")
     args = ap.parse_args(argv)
-    from lowp.optim.sharding import SUMS_MIN_NUMEL
-    min_numel = SUMS_MIN_NUMEL if args.sums_min_numel is None else args.sums_min_numel
+    from lowp.optim.sharded_sums import BATCHED_MIN_NUMEL
+    min_numel = BATCHED_MIN_NUMEL if args.sums_min_numel is None else args.sums_min_numel
     results = run_local_group(_rank, args.ranks, args.scale, args.steps, args.threads, min_numel, timeout_s=900)
     slowest = {row: max(r["median"][row] for r in results) for row in ROWS}
     first = results[0]

@@ -7,7 +7,11 @@ ranks.
   sharded ``Shard(0)`` over its ``dp`` sub-mesh (FSDP2 per stage), each stage with its own
   optimizer. Nothing may pass between the stages.
 - ``hsdp``: HSDP's layout, ``(Replicate(), Shard(0))`` on a ``(replicate, shard)`` mesh of 2 x 2;
-- ``shard2d``: ``(Shard(0), Shard(0))`` on a 2 x 2 mesh: each rank one contiguous range, cut twice.
+- ``shard2d``: ``(Shard(0), Shard(0))`` on a 2 x 2 mesh: each rank one contiguous range, cut twice;
+- ``submesh``: FSDP2 with tensor parallelism's meshes: a parameter on a ``(dp, tp)`` mesh
+  (``(Shard(0), Shard(0))``) and one on its ``mesh["dp"]`` sub-mesh, which each ``tp`` column
+  holds on its own; a NaN in the sub-mesh parameter of one column only must still make every rank
+  skip the step under ``skip_step``.
 
 Every rank builds the same full tensors and the same full gradients of its stage (no reduction
 noise), and returns full copies of its stage's parameters and states for the test process to
@@ -22,9 +26,10 @@ import torch
 import lowp.optim as lo
 
 STEPS = 3
-#: per stage, its parameters' shapes: parameters whose StableAdamW sums are exchanged (at least
-#: 65,536 elements: (300, 300), (3, 40000)) or gathered ((5, 13107) has 65,535), a small matrix
-#: and a vector
+#: per stage, its parameters' shapes: parameters of at least 65,536 elements ((300, 300),
+#: (3, 40000)), one just below ((5, 13107)), a small matrix and a vector; StableAdamW exchanges
+#: the sums of those at or above ``sharded_sums.min_numel`` (0 on the native kernel) and gathers
+#: the others
 STAGE_SHAPES = [[(300, 300), (7,)], [(5, 13107), (3, 40000), (6, 5)]]
 HSDP_SHAPES = [(4, 40000), (9, 9)]
 #: (layout, optimizer, nonfinite policy, NaN at (stage, parameter, flat index, step) or None):
@@ -36,13 +41,15 @@ LAST_ROW = (0, 0, 3 * 40000 + 7, 1)
 MESH_CASES = [("stages", "AdamW", "skip_param", (1, 1, 5, 1)), ("stages", "AdamW", "skip_step", (1, 1, 5, 1)),
               ("stages", "StableAdamW", "skip_param", None), ("stages", "Adafactor", "skip_param", None),
               ("hsdp", "AdamW", "skip_param", LAST_ROW), ("hsdp", "StableAdamW", "skip_param", None),
-              ("shard2d", "AdamW", "skip_step", LAST_ROW), ("shard2d", "StableAdamW", "skip_param", None)]
-#: the sizes of the process groups each exchange of StableAdamW's sums goes over, per layout
-EXCHANGE_GROUPS = {"stages": [2], "hsdp": [2], "shard2d": [2, 2]}
+              ("shard2d", "AdamW", "skip_step", LAST_ROW), ("shard2d", "StableAdamW", "skip_param", None),
+              ("submesh", "AdamW", "skip_step", (0, 1, 5, 1)), ("submesh", "StableAdamW", "skip_step", (0, 1, 5, 1))]
+SUBMESH_SHAPES = [(8, 8192), (8, 8192)]   # sums exchanged on every backend (65,536 elements each)
+#: per layout, the sizes of the process groups of each exchange of StableAdamW's sums of a step
+EXCHANGE_GROUPS = {"stages": [[2]], "hsdp": [[2]], "shard2d": [[2, 2]], "submesh": [[2, 2], [2]]}
 
 
 def shapes(layout: str, stage: int) -> list[tuple[int, ...]]:
-    return STAGE_SHAPES[stage] if layout == "stages" else HSDP_SHAPES   # shard2d: HSDP's shapes
+    return {"stages": STAGE_SHAPES[stage], "submesh": SUBMESH_SHAPES}.get(layout, HSDP_SHAPES)
 
 
 def full_params(layout: str, stage: int) -> list[torch.Tensor]:
@@ -111,18 +118,19 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from lowp.optim import sharded_sums, sharding
+    stage = rank // 2 if layout == "stages" else 0
     if layout == "stages":
-        stage = rank // 2
         mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"], [Shard(0)]
     elif layout == "hsdp":
-        stage = 0
         mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), \
             [Replicate(), Shard(0)]
     else:
-        stage = 0
         mesh, placements = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")), [Shard(0), Shard(0)]
-    params = [torch.nn.Parameter(distribute_tensor(p, mesh, placements, src_data_rank=None))
-              for p in full_params(layout, stage)]
+    layouts = [(mesh, placements)] * len(shapes(layout, stage))
+    if layout == "submesh":
+        layouts[1] = (mesh["a"], [Shard(0)])
+    params = [torch.nn.Parameter(distribute_tensor(p, m, pl, src_data_rank=None))
+              for p, (m, pl) in zip(full_params(layout, stage), layouts)]
     opt = make_optimizer(name, params, nonfinite)
     seen: dict[str, list] = {"exchanges": [], "gathered": [0]}
     real_rows, real_gather = sharded_sums.all_rows, sharding.gather_many
@@ -136,13 +144,17 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
         return real_gather(tensors)
 
     def set_grad(p, g):
-        p.grad = distribute_tensor(g.clone(), mesh, placements, src_data_rank=None)
+        p.grad = distribute_tensor(g.clone(), p.device_mesh, p.placements, src_data_rank=None)
+    # the NaN: in the stage's gradients; under HSDP and shard2d on rank 3 only; under submesh on
+    # the tp column 0 only (ranks 0 and 2)
+    here = {"stages": True, "submesh": rank % 2 == 0}.get(layout, rank == 3)
     sharded_sums.all_rows, sharding.gather_many = all_rows, gather_many
     try:
-        diag = run(opt, params, set_grad, layout, stage, nan_at if layout == "stages" or rank == 3 else None)
+        diag = run(opt, params, set_grad, layout, stage, nan_at if here else None)
     finally:
         sharded_sums.all_rows, sharding.gather_many = real_rows, real_gather
-    return {"stage": stage, "snapshot": snapshot(opt, params), "diagnostics": diag, **seen}
+    return {"stage": stage, "snapshot": snapshot(opt, params), "diagnostics": diag,
+            "min_numel": sharded_sums.min_numel(opt), **seen}
 
 
 def failure_case(rank: int) -> dict[str, Any]:

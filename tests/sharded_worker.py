@@ -474,9 +474,9 @@ def sums_full(seed: int) -> list[torch.Tensor]:
     return out + [torch.randn(9, generator=g)]
 
 
-#: (backend, sharding.SUMS_MIN_NUMEL) of :func:`sums_case`: every sum exchanged (the default),
-#: native and reference, then a threshold of 65,536 (the large parameter exchanged, the others
-#: gathered in the same step)
+#: (backend, the smallest parameter whose sum is exchanged: both thresholds of
+#: lowp.optim.sharded_sums) of :func:`sums_case`: every sum exchanged, native and reference, then
+#: 65,536 (the large parameter exchanged, the others gathered in the same step)
 SUMS_RUNS = [("fused", 0), ("unfused", 0), ("fused", 1 << 16)]
 
 
@@ -488,7 +488,8 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
     from lowp.optim import sharded_sums, sharding
     opt = lo.StableAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, **BACKENDS[backend])
     counts = {"gathered": 0, "exchanged": 0, "torch terms": 0}
-    real_gather, real_exchange, real_threshold = sharding.gather_many, sharded_sums.exchange, sharding.SUMS_MIN_NUMEL
+    real_gather, real_exchange = sharding.gather_many, sharded_sums.exchange
+    real_thresholds = sharded_sums.BATCHED_MIN_NUMEL, sharded_sums.UNBATCHED_MIN_NUMEL
     real_terms = lo.StableAdamW.tensor_terms
 
     def tensor_terms(self, group, grads, states, step):
@@ -503,7 +504,8 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
         real_exchange(optimizer, jobs)
         counts["exchanged"] += sum(s.tensor_sum is not None and s.tensor_sum.total is not None
                                    for _, slices in jobs for s in slices)
-    sharding.gather_many, sharded_sums.exchange, sharding.SUMS_MIN_NUMEL = gather_many, exchange, threshold
+    sharding.gather_many, sharded_sums.exchange = gather_many, exchange
+    sharded_sums.BATCHED_MIN_NUMEL = sharded_sums.UNBATCHED_MIN_NUMEL = threshold
     lo.StableAdamW.tensor_terms = tensor_terms
     try:
         for t in range(STEPS):
@@ -512,7 +514,8 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
             opt.step()
     finally:
         sharding.gather_many, sharded_sums.exchange = real_gather, real_exchange
-        sharding.SUMS_MIN_NUMEL, lo.StableAdamW.tensor_terms = real_threshold, real_terms
+        sharded_sums.BATCHED_MIN_NUMEL, sharded_sums.UNBATCHED_MIN_NUMEL = real_thresholds
+        lo.StableAdamW.tensor_terms = real_terms
     return {"snapshot": snapshot(opt, params), "counts": counts,
             "fused": opt.backend.fused_elements if backend == "fused" else -1}
 

@@ -17,7 +17,6 @@ import torch
 
 import mesh_worker as w
 from lowp.distributed.launch import run_local_group
-from lowp.optim import sharding
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +32,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_each_mesh_steps_as_one_process(four_ranks, k):
     """Per rank: the full parameters and states of its stage equal the single-process run's bit
     for bit, and so do the diagnostics' counts (``compensation_rel`` sums squares per shard: to
-    rounding); StableAdamW's large parameters exchange their sums once per step over the groups
-    of the sharded dimensions (a stage's ``dp``, HSDP's sharded one, both dimensions of a tensor
-    cut twice), the small ones gathered; an elementwise
+    rounding); StableAdamW's parameters from ``sharded_sums.min_numel`` up exchange their sums
+    once per step over the groups of the sharded dimensions (a stage's ``dp``, HSDP's sharded
+    one, both dimensions of a tensor cut twice), the smaller ones gathered; an elementwise
     optimizer gathers and exchanges nothing. The NaN of a case is skipped on every rank of its
     mesh, and only there."""
     layout, name, nonfinite, nan_at = w.MESH_CASES[k]
@@ -51,10 +50,11 @@ def test_each_mesh_steps_as_one_process(four_ranks, k):
         for step, (g, r) in enumerate(zip(got["diagnostics"], want["diagnostics"])):
             assert g[0] == r[0] and g[2:] == r[2:], (rank, step, g, r)
             assert math.isclose(g[1], r[1], rel_tol=1e-6), (rank, step, g, r)
-        small = sum(math.prod(s) < sharding.SUMS_MIN_NUMEL for s in w.shapes(layout, stage))
+        small = sum(math.prod(s) < (got["min_numel"] or 0) for s in w.shapes(layout, stage))
         if name == "StableAdamW":
-            assert got["exchanges"] == [w.EXCHANGE_GROUPS[layout]] * w.STEPS, (rank, got["exchanges"])
-            assert got["gathered"] == [5 * small * w.STEPS], (rank, got["gathered"])   # weight, grad, 2 states, buffer
+            stepped = w.STEPS - (nan_at is not None and nonfinite == "skip_step")
+            assert got["exchanges"] == w.EXCHANGE_GROUPS[layout] * stepped, (rank, got["exchanges"])
+            assert got["gathered"] == [5 * small * stepped], (rank, got["gathered"])   # weight, grad, 2 states, buffer
         elif name == "AdamW":
             assert got["exchanges"] == [] and got["gathered"] == [0], (rank, got)
         else:
@@ -63,6 +63,10 @@ def test_each_mesh_steps_as_one_process(four_ranks, k):
         counter = 2 if nonfinite == "skip_param" else 3
         skipped = {stage: want["diagnostics"][-1][counter] for stage, want in wants.items()}
         assert skipped[nan_at[0]] == 1 and (layout != "stages" or skipped[1 - nan_at[0]] == 0), skipped
+        for rank, results in enumerate(four_ranks):   # every rank of the NaN's stage skipped as its reference
+            got = results["cases"][k]
+            if got["stage"] == nan_at[0]:
+                assert got["diagnostics"][-1][counter] == 1, (rank, got["diagnostics"])
 
 
 def test_a_rank_that_cannot_make_its_pieces_fails_its_stage_cleanly(four_ranks):

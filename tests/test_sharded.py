@@ -159,7 +159,8 @@ def assert_sharded_elements(layout: str, name: str, backend: str, ranks: list[to
         return
     assert (int(want[0]) == 0) == (name == "Adafactor"), f"{name}: {want.tolist()}"  # no fused form of Adafactor
     cls = w.OPTIMIZERS[name][0]
-    if layout == "replicate" or not (cls.elementwise or cls.shards_sums()):
+    exchanged = cls.shards_sums() and backend == "fused"   # the native kernel's threshold is 0 (sharded_sums)
+    if layout == "replicate" or not (cls.elementwise or exchanged):
         assert all(torch.equal(r, want) for r in ranks), f"{ranks} against {want}"
     elif not cls.elementwise and layout == "shard1":   # the vectors' sums exchanged, the matrices gathered
         assert all(0 < int(r.sum()) < int(want.sum()) for r in ranks) and int(total.sum()) > int(want.sum()), \
@@ -416,7 +417,7 @@ def test_block_scaled_states_of_a_per_tensor_optimizer(two_ranks):
 def assert_sums_case(ranks: list[dict], world_size: int) -> None:
     """StableAdamW on FSDP2 shards with the whole tensors' sums exchanged (lowp.optim.sharded_sums):
     the single-process bits on every rank, native kernel and reference, every parameter's sum
-    exchanged (``SUMS_MIN_NUMEL`` 0, the default) with nothing gathered, or (a threshold of 65,536)
+    exchanged (a threshold of 0, the native kernel's default) with nothing gathered, or (65,536)
     the large parameter's exchanged and the small ones gathered in the same step; the native kernel makes
     the pieces of its shards (no terms computed with torch), the reference computes them; the
     native kernel's element-steps add up to the single process's only when nothing is gathered."""

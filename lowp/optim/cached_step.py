@@ -497,7 +497,8 @@ class CachedStep:
         if not (self.sharded or self.remainder) or checked or optimizer.nonfinite == "off":
             return None
         flags = optimizer.backend.finite_flags([*grads, *rest])
-        return collectives.agree_by(list(map(flags.__getitem__, self.group_order)), self.agreement)
+        return collectives.agree_by(list(map(flags.__getitem__, self.group_order)), self.agreement,
+                                    optimizer.nonfinite == "skip_step")
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,

@@ -156,7 +156,7 @@ def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
             casts[-1] = _cast_into_layout(optimizer, group, live_group, p, entry, live, where)
             entries.append((group, p, entry, where))
     params = [p for group in groups for p in group["params"]]
-    for cast, ok in zip(casts, collectives.agree([cast is None for cast in casts], params)):
+    for cast, ok in zip(casts, collectives.agree([cast is None for cast in casts], params, whole=True)):
         if cast is not None:
             raise LayoutCastError(cast)
         if not ok:
@@ -293,7 +293,7 @@ def check_values(optimizer: LowpOptimizer, groups: list[dict[str, Any]],
                               if isinstance(value, torch.Tensor)
                               for why in [_value_problem(sharding.local(value), name in never_negative)] if why),
                              None))
-    agreed = collectives.agree([problem is None for problem in problems], params)
+    agreed = collectives.agree([problem is None for problem in problems], params, whole=True)
     for problem, ok in zip(problems, agreed):
         if problem is not None:
             raise ValueError(problem)

@@ -37,40 +37,50 @@ def _distributed() -> bool:
 def agreement(params: Sequence[torch.Tensor]) -> Agreement:
     """Which ranks must agree on a flag of each of ``params``: the positions of the DTensor
     parameters by the process groups of their meshes (in the order of each mesh's first
-    parameter; a mesh of one rank needs nobody), the plain tensors' positions with every mesh
-    (so that ``skip_step``, which reads all flags, decides alike on the ranks of a mesh). Without
-    a DTensor parameter, every flag is its rank's own."""
+    parameter; a mesh of one rank needs nobody), the plain tensors' positions with every mesh.
+    Without a DTensor parameter, every flag is its rank's own."""
     by_mesh: dict[Groups, list[int]] = {}
     plain: list[int] = []
-    mesh_groups = MeshGroups()
+    groups_of = MeshGroups()
     for i, p in enumerate(params):
         if not is_dtensor(p):
             plain.append(i)
-        elif groups := mesh_groups(p):
+        elif groups := groups_of(p):
             by_mesh.setdefault(groups, []).append(i)
     return [(groups, sorted(members + plain)) for groups, members in by_mesh.items()]
 
 
-def agree_by(flags: Sequence[bool], plan: Agreement) -> list[bool]:
+def agree_by(flags: Sequence[bool], plan: Agreement, whole: bool = False) -> list[bool]:
     """``flags``, each flag of ``plan``'s positions true only when true on every rank of its
-    mesh: per mesh, one all-reduce (MIN) over each group (unchanged without a process group)."""
+    mesh: per mesh, one all-reduce (MIN) over each group (unchanged without a process group).
+
+    Each mesh's all-reduce also carries one more flag, this rank's "every flag true" so far; with
+    ``whole`` (a decision that reads every flag: ``skip_step``, an aborted load), all flags come
+    back false when it came back false. The meshes of one model are the mesh of its parameters
+    and sub-meshes of it (FSDP2 with tensor parallelism: parameters on ``(dp, tp)`` and on
+    ``mesh["dp"]``), so the largest one's all-reduce reaches every rank whose parameters share a
+    rank with this one's, and all of them decide alike; pipeline stages (disjoint meshes) do not
+    meet."""
     flags = list(flags)
     if not plan or not _distributed():
         return flags
+    every = all(flags)
     for groups, members in plan:
-        t = torch.tensor([flags[i] for i in members], dtype=torch.int32, device=_device(groups))
+        t = torch.tensor([flags[i] for i in members] + [every], dtype=torch.int32, device=_device(groups))
         for group in groups:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        for i, ok in zip(members, t.tolist()):
+        *agreed, all_true = t.tolist()
+        for i, ok in zip(members, agreed):
             flags[i] = bool(ok)
-    return flags
+        every = every and bool(all_true)
+    return [False] * len(flags) if whole and not every else flags
 
 
-def agree(flags: Sequence[bool], params: Sequence[torch.Tensor]) -> list[bool]:
+def agree(flags: Sequence[bool], params: Sequence[torch.Tensor], whole: bool = False) -> list[bool]:
     """:func:`agree_by` the :func:`agreement` of ``params`` (a step's non-finite flags, a load's
-    checks: ``skip_param`` / ``skip_step`` and an aborted load decide alike on every rank that
-    holds the parameter)."""
-    return agree_by(flags, agreement(params))
+    checks: ``skip_param`` decides alike on every rank that holds the parameter, ``skip_step``
+    and an aborted load, ``whole``, on every rank whose parameters share a rank with this one's)."""
+    return agree_by(flags, agreement(params), whole)
 
 
 def sums_by_mesh(values: dict[Groups, list[float]]) -> dict[Groups, list[float]]:
@@ -103,7 +113,7 @@ def all_rows(rows: torch.Tensor | None, groups: Groups) -> torch.Tensor | None:
         count = torch.tensor([-1 if rows is None else rows.shape[0]], dtype=torch.int64, device=device)
         counts = [torch.empty_like(count) for _ in range(ranks)]
         dist.all_gather(counts, count, group=group)
-        sizes = [int(c.item()) for c in counts]
+        sizes = torch.cat(counts).tolist()   # one copy to the host
         if min(sizes) < 0:
             rows, failed = None, True
             continue

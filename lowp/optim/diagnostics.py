@@ -40,10 +40,10 @@ def report(optimizer: LowpOptimizer) -> list[dict[str, float]]:
     n = len(optimizer.param_groups)
     plain = [[0.0] * 4 for _ in range(n)]   # per group: stalled, elements, ||k||^2, ||theta||^2
     meshes: dict[collectives.Groups, list[float]] = {}   # per mesh: those 4 sums of every group
-    mesh_groups = sharding.MeshGroups()
+    groups_of = sharding.MeshGroups()
     for g in optimizer.param_groups:   # the meshes in the order of their first parameter
         for p in g["params"]:
-            if sharding.is_dtensor(p) and (groups := mesh_groups(p)):
+            if sharding.is_dtensor(p) and (groups := groups_of(p)):
                 meshes.setdefault(groups, [0.0] * (4 * n))
 
     def add(i: int, share: sharding.Share, at: int, value: float) -> None:
@@ -59,7 +59,7 @@ def report(optimizer: LowpOptimizer) -> list[dict[str, float]]:
         for p in group["params"]:
             k = optimizer.state.get(p, {}).get("compensation")
             if k is not None:
-                share = sharding.Share(1.0 / sharding.replicas(p), mesh_groups(p)) \
+                share = sharding.Share(1.0 / sharding.replicas(p), groups_of(p)) \
                     if sharding.is_dtensor(p) else sharding.OWN
                 add(i, share, 2, float(sharding.local(k).float().square().sum()))
                 add(i, share, 3, float(sharding.local(p).detach().float().square().sum()))

@@ -425,7 +425,7 @@ SliceRequest = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.
                      dict[str, torch.Tensor]]
 
 
-def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums: bool = False
+def make_slices(requests: Sequence[SliceRequest], elementwise: bool, sums_min_numel: int | None = None
                 ) -> list[tuple[ParamSlice, Share, Gathered | None]]:
     """Per parameter of ``requests``: the :class:`ParamSlice` a backend runs, its :class:`Share`
     of the diagnostics' sums and, for a gathered step, what to write back.
@@ -434,8 +434,10 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums
     - DTensor ``p``, elementwise optimizer, every DTensor state placed like ``p``: the local
       shards with their :class:`ElementIndex`, weight ``1 / replicas`` over the mesh's ranks (each
       element counted once);
-    - DTensor ``p`` of a per-tensor optimizer that ``shards_sums``
-      (:meth:`~lowp.optim.base.LowpOptimizer.shards_sums`) whose local box is one contiguous range
+    - DTensor ``p`` of at least ``sums_min_numel`` elements of a per-tensor optimizer that
+      exchanges its sums (``sums_min_numel`` not ``None``:
+      :meth:`~lowp.optim.base.LowpOptimizer.shards_sums`, the threshold
+      :func:`lowp.optim.sharded_sums.min_numel`) whose local box is one contiguous range
       of the whole tensor (``Shard(0)``, FSDP2's layout), every state and the buffer DTensors
       placed like ``p``, no coded states: the local shards as above, with the whole tensor's
       :class:`~lowp.optim.slices.TensorSum` when the layout splits it over ranks (the ranks
@@ -457,8 +459,8 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums
         if not is_dtensor(p):
             out.append((ParamSlice(p, grad, states, buffer, param_id, scales=_flat(scales)), OWN, None))
             continue
-        exchanged = not elementwise and shards_sums and not scales \
-            and _sums_shard(p, (*states.values(), *([] if buffer is None else [buffer])))
+        exchanged = not elementwise and sums_min_numel is not None and p.numel() >= sums_min_numel \
+            and not scales and _sums_shard(p, (*states.values(), *([] if buffer is None else [buffer])))
         if exchanged or elementwise and all(_placed_like(t, p) for t in (*states.values(), *scales.values())
                                             if is_dtensor(t)):
             piece = ParamSlice(local(p), grad, {n: local(t) for n, t in states.items()},
@@ -485,14 +487,6 @@ def make_slices(requests: Sequence[SliceRequest], elementwise: bool, shards_sums
     return cast(list[tuple[ParamSlice, Share, "Gathered | None"]], out)
 
 
-#: the smallest parameter whose per-tensor sum is exchanged rather than gathered: 0, every one.
-#: The exchange's host work is batched over all parameters of a step (one layout, one native
-#: pre-pass and one rebuild for all), so it beats gathering even the smallest parameters:
-#: GPT-2's shapes / 8 on 2 gloo ranks step 1.6x faster than gathered with every sum exchanged,
-#: 1.2-1.3x with parameters under 65,536 elements gathered (``benchmarks/sharded_sums.py``)
-SUMS_MIN_NUMEL = 0
-
-
 def _sums_shard(p: DTensor, tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a per-tensor optimizer may step ``p``'s local boxes with the sum exchanged: every
     rank's box is one contiguous range of the whole tensor (each placement replicates, or shards a
@@ -501,8 +495,6 @@ def _sums_shard(p: DTensor, tensors: Sequence[torch.Tensor]) -> bool:
     like ``p`` with its shape. Judged from the layout alone, so every rank decides alike (a rank's
     own box may be empty, or the whole tensor)."""
     from torch.distributed.tensor import Shard
-    if p.numel() < SUMS_MIN_NUMEL:
-        return False
     contiguous = all(_is_replicate(pl) or type(pl) is Shard and math.prod(p.shape[:pl.dim]) <= 1
                      for pl in p.placements)
     return contiguous and p.dtype != torch.float64 \

@@ -7,7 +7,7 @@ storage of a job, so a backend is called one way (:meth:`lowp.optim.backends.Bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from lowp.optim.encodings import Code
 from lowp.optim.randomness import ElementIndex, RandomStreams
 from lowp.optim.scratch import Scratch
 from lowp.optim.writeback import WriteBack
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["ParamSlice", "StepContext", "CodedState", "TensorSum"]
 
@@ -51,7 +54,7 @@ class TensorSum:
     """
 
     numel: int
-    groups: tuple[Any, ...] = ()
+    groups: tuple[ProcessGroup, ...] = ()
     total: float | None = None
 
 

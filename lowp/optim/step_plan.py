@@ -155,7 +155,7 @@ def finite_flags(optimizer: LowpOptimizer, grads: list[torch.Tensor], params: li
     without a look under ``nonfinite="off"``, unless ``force``."""
     if optimizer.nonfinite == "off" and not force:
         return [True] * len(grads)
-    return collectives.agree(optimizer.backend.finite_flags(grads), params)
+    return collectives.agree(optimizer.backend.finite_flags(grads), params, optimizer.nonfinite == "skip_step")
 
 
 def _checked_param(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, index: int) -> Checked:
@@ -372,7 +372,8 @@ class StepPlan:
                                  state.get(mode.buffer_name) if mode.buffer_name else None, param_id,
                                  {c.name: state[scale_name(c.name)] for c in p_coded}))
                 kept.append((state, names))
-            made = sharding.make_slices(requests, optimizer.elementwise, optimizer.shards_sums())   # the gathers
+            made = sharding.make_slices(requests, optimizer.elementwise,   # the gathers
+                                        sharded_sums.min_numel(cast(sharded_sums.SumsOptimizer, optimizer)))
             for ((group, p, mode, _, p_coded), _), (state, names), (piece, weight, full) in zip(todo, kept, made):
                 step = state["step"] + 1
                 # one job per kind of storage: a group may hold parameters below coded_min_numel
