@@ -67,9 +67,7 @@ def agree_by(flags: Sequence[bool], plan: Agreement, whole: bool = False) -> lis
     every = all(flags)
     for groups, members in plan:
         t = torch.tensor([flags[i] for i in members] + [every], dtype=torch.int32, device=_device(groups))
-        for group in groups:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        *agreed, all_true = t.tolist()
+        *agreed, all_true = _all_reduce(t, groups, dist.ReduceOp.MIN).tolist()
         for i, ok in zip(members, agreed):
             flags[i] = bool(ok)
         every = every and bool(all_true)
@@ -91,15 +89,13 @@ def sums_by_mesh(values: dict[Groups, list[float]]) -> dict[Groups, list[float]]
         return out
     for groups, vals in values.items():
         t = torch.tensor(vals, dtype=torch.float64, device=_device(groups))
-        for group in groups:
-            dist.all_reduce(t, group=group)
-        out[groups] = t.tolist()
+        out[groups] = _all_reduce(t, groups, dist.ReduceOp.SUM).tolist()
     return out
 
 
 def all_rows(rows: torch.Tensor | None, groups: Groups) -> torch.Tensor | None:
     """The float64 rows (``[k, c]``, ``k`` may differ between ranks) of every rank of ``groups``
-    (a mesh's, :func:`~lowp.optim.sharding.mesh_groups`), concatenated: over each group in turn,
+    (a mesh's, :class:`~lowp.optim.sharding.MeshGroups`), concatenated: over each group in turn,
     one all-gather of the row counts and one of the rows padded to the longest (``rows`` itself
     without a process group). ``rows=None`` says this rank failed: it sends a count of -1 in
     place of its rows, and every rank of the groups returns ``None`` (a rank that learns of a
@@ -124,6 +120,13 @@ def all_rows(rows: torch.Tensor | None, groups: Groups) -> torch.Tensor | None:
         dist.all_gather(everyone, mine, group=group)
         rows = torch.cat([t[:n] for t, n in zip(everyone, sizes)])
     return None if failed or rows is None else rows.cpu()
+
+
+def _all_reduce(t: torch.Tensor, groups: Groups, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    """``t`` reduced with ``op`` over every rank of a mesh: over each of its groups in turn."""
+    for group in groups:
+        dist.all_reduce(t, op=op, group=group)
+    return t
 
 
 def _device(groups: Groups) -> torch.device:

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["make_slices", "gather_many", "SliceRequest", "Gathered", "is_dtensor", "local", "new_state",
            "new_tensor", "coded_placements", "new_buffer", "element_index", "box_index", "box", "gather",
-           "keep_local", "local_grad", "load_state", "place", "replicas", "mesh_groups", "MeshGroups", "Share",
+           "keep_local", "local_grad", "load_state", "place", "replicas", "MeshGroups", "Share",
            "check_placements", "dtensor_type"]
 
 
@@ -330,23 +330,18 @@ def replicas(t: torch.Tensor) -> int:
     return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if isinstance(pl, Replicate))
 
 
-def mesh_groups(t: DTensor, shards_only: bool = False) -> tuple[dist.ProcessGroup, ...]:
-    """The process groups of the dimensions of ``t``'s device mesh that hold more than one rank,
-    in mesh order (only those along which ``t`` is sharded, with ``shards_only``: a replica's
-    ranks hold the same box)."""
-    return MeshGroups()(t, shards_only)
-
-
 class MeshGroups:
-    """:func:`mesh_groups` for many tensors, each mesh's groups looked up once (a lookup costs
-    about 5 us per dimension). Keep one only while the tensors asked about are alive: it knows
-    a mesh by its ``id``."""
+    """Called with a DTensor ``t``: the process groups of the dimensions of its device mesh that
+    hold more than one rank, in mesh order (only those along which ``t`` is sharded, with
+    ``shards_only``: a replica's ranks hold the same box). Each mesh's groups are looked up once
+    (a lookup costs about 5 us per dimension); keep one only while the tensors asked about are
+    alive: it knows a mesh by its ``id``."""
 
     def __init__(self) -> None:
         self._known: dict[tuple[int, tuple[bool, ...] | None], tuple[dist.ProcessGroup, ...]] = {}
 
     def __call__(self, t: DTensor, shards_only: bool = False) -> tuple[dist.ProcessGroup, ...]:
-        """:func:`mesh_groups` of ``t``."""
+        """The groups of ``t``'s mesh (the class docstring)."""
         from torch.distributed.tensor import Shard
         mesh = t.device_mesh
         sharded = tuple(isinstance(pl, Shard) for pl in t.placements) if shards_only else None
@@ -365,7 +360,7 @@ class Share(NamedTuple):
 
     Args:
         weight: 1 / the ranks that compute the same elements (0 for a plain tensor).
-        groups: the process groups of the parameter's mesh (:func:`mesh_groups`).
+        groups: the process groups of the parameter's mesh (:class:`MeshGroups`).
     """
 
     weight: float

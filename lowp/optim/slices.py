@@ -49,7 +49,7 @@ class TensorSum:
     Args:
         numel: elements of the whole tensor.
         groups: the process groups whose ranks hold its parts (its mesh's sharded dimensions,
-            :func:`~lowp.optim.sharding.mesh_groups`), over which the pieces travel.
+            :class:`~lowp.optim.sharding.MeshGroups`), over which the pieces travel.
         total: the sum over the whole tensor (default ``None``: not exchanged yet).
     """
 
