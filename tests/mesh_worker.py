@@ -157,38 +157,47 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
             "min_numel": sharded_sums.min_numel(opt), **seen}
 
 
-def failure_case(rank: int) -> dict[str, Any]:
-    """StableAdamW on the ``stages`` layout whose step 1 fails on rank 3 while it makes its
-    pieces of the sums (as running out of memory would): the error of each rank of that step,
-    whether every parameter and state of the rank's stage is as before it, and the snapshot after
-    stage 1 took the step again (stage 0 steps on undisturbed)."""
+#: (optimizer, where rank 3 fails in step 1 of stage 1): making StableAdamW's pieces of the sums,
+#: its non-finite check of AdamW's gradients (the cached plan's agreement), the value check of a
+#: load of its own state dict
+FAILURES = [("StableAdamW", "pieces"), ("AdamW", "flags"), ("AdamW", "load")]
+
+
+def failure_case(rank: int, name: str, where: str) -> dict[str, Any]:
+    """``name`` on the ``stages`` layout whose step 1 (with ``where="load"``: a load of its own
+    state dict before it) fails on rank 3 at ``where`` (as running out of memory would): the
+    error of each rank of that call, whether every parameter and state of the rank's stage is as
+    before it, and the snapshot after stage 1 took the step (stage 0 steps on undisturbed)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lowp.optim import sharded_sums
+    from lowp.optim import checkpointing, sharded_sums
     stage = rank // 2
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
     params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None))
               for p in full_params("stages", stage)]
-    opt = make_optimizer("StableAdamW", params, "skip_param")
-    real_pieces = sharded_sums._pieces
+    opt = make_optimizer(name, params, "skip_param")
+    owner, attribute = {"pieces": (sharded_sums, "_pieces"), "flags": (opt.backend, "finite_flags"),
+                        "load": (checkpointing, "_value_problem")}[where]
+    real = getattr(owner, attribute)
     out: dict[str, Any] = {"stage": stage, "error": None, "unchanged": None}
 
     def failing(*args, **kwargs):
-        raise MemoryError("injected into rank 3's pieces")
+        raise MemoryError(f"injected into rank 3's {where}")
     for t in range(STEPS):
         for p, g in zip(params, full_grads("stages", stage, t, None)):
             p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
         if t == 1 and stage == 1:
             before = snapshot(opt, params)
+            saved = opt.state_dict() if where == "load" else None
             if rank == 3:
-                sharded_sums._pieces = failing
+                setattr(owner, attribute, failing)
             try:
-                opt.step()
+                opt.step() if saved is None else opt.load_state_dict(saved)
             except Exception as exc:
                 out["error"] = f"{type(exc).__name__}: {exc}"
             finally:
-                sharded_sums._pieces = real_pieces
+                setattr(owner, attribute, real)
             after = snapshot(opt, params)
             out["unchanged"] = sorted(before) == sorted(after) and all(
                 torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)
@@ -199,4 +208,5 @@ def failure_case(rank: int) -> dict[str, Any]:
 
 def session(rank: int, world_size: int, cases: list) -> dict[str, Any]:
     assert world_size == 4, world_size
-    return {"cases": [mesh_case(rank, *case) for case in cases], "failure": failure_case(rank)}
+    return {"cases": [mesh_case(rank, *case) for case in cases],
+            "failures": [failure_case(rank, *failure) for failure in FAILURES]}

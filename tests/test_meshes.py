@@ -69,18 +69,27 @@ def test_each_mesh_steps_as_one_process(four_ranks, k):
                 assert got["diagnostics"][-1][counter] == 1, (rank, got["diagnostics"])
 
 
-def test_a_rank_that_cannot_make_its_pieces_fails_its_stage_cleanly(four_ranks):
-    """Rank 3 fails while making its pieces of StableAdamW's sums (injected): it still takes part
-    in the exchange, so rank 2 raises ``ExchangeError`` instead of waiting for it, rank 3 raises
-    its own error, neither wrote anything of the step, and the step taken again gives the
-    single-process bits; the other stage never noticed."""
-    want = {stage: w.reference("stages", stage, "StableAdamW", "skip_param", None) for stage in (0, 1)}
-    errors = [r["failure"]["error"] for r in four_ranks]
+#: per failure of mesh_worker.FAILURES: the error the other rank of the stage raises
+PEER_ERRORS = {"pieces": "ExchangeError: sharded sums: another rank could not make its pieces",
+               "flags": "PeerFailed: another rank failed before the ranks agreed on their checks",
+               "load": "PeerFailed: another rank failed before the ranks agreed on their checks"}
+
+
+@pytest.mark.parametrize("k", range(len(w.FAILURES)), ids=lambda k: "-".join(w.FAILURES[k]))
+def test_a_rank_that_fails_before_a_collective_fails_its_stage_cleanly(four_ranks, k):
+    """Rank 3 fails (injected) while making its pieces of StableAdamW's sums, checking its
+    gradients for the agreement on non-finite ones, or checking a loaded state's values: it still
+    takes part in the collective, so rank 2 raises instead of waiting for it, rank 3 raises its
+    own error, neither changed anything, and the step taken again gives the single-process bits;
+    the other stage never noticed."""
+    name, where = w.FAILURES[k]
+    want = {stage: w.reference("stages", stage, name, "skip_param", None) for stage in (0, 1)}
+    errors = [r["failures"][k]["error"] for r in four_ranks]
     assert errors[:2] == [None, None], errors
-    assert errors[2].startswith("ExchangeError: sharded sums: another rank could not make its pieces"), errors
-    assert errors[3] == "MemoryError: injected into rank 3's pieces", errors
+    assert errors[2].startswith(PEER_ERRORS[where]), errors
+    assert errors[3] == f"MemoryError: injected into rank 3's {where}", errors
     for rank, results in enumerate(four_ranks):
-        got = results["failure"]
+        got = results["failures"][k]
         assert got["unchanged"] is (True if rank >= 2 else None), (rank, got["unchanged"])
         for key, t in want[got["stage"]]["snapshot"].items():
             assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, {key} differs"

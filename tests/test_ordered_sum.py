@@ -227,6 +227,8 @@ def test_the_layouts_of_many_ranges_are_each_ones_layout():
     assert at == kind.numel()
     with pytest.raises(ValueError, match="first: elements \\[5, 12\\) are not inside a tensor of 10 elements"):
         order.layouts([0, 5], [3, 7], [10, 10])
+    with pytest.raises(ValueError, match="firsts, ns, numels: expected one entry per range in each, got 2, 1 and 2"):
+        order.layouts([0, 5], [3], [10, 10])
 
 
 def test_the_sums_of_many_tensors_at_once_are_each_ones_own():

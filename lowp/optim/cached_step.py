@@ -107,7 +107,7 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
 class StepPlan(Protocol):
     """What a cached plan reads of a full step's plan (:class:`lowp.optim.step_plan.StepPlan`)."""
 
-    jobs: dict[tuple, list[ParamSlice]]   # keyed by (group id, mode, step, dtype, device, names, weight, coded)
+    jobs: dict[tuple, list[ParamSlice]]   # keyed by (group id, mode, step, dtype, device, names, share, coded)
     counters: dict[tuple, list[dict[str, Any]]]
     gathered: list[Any]
 
@@ -228,10 +228,10 @@ class _Job:
     members (an empty shard: no launch, its step count advances with the job's) and the
     diagnostics entry."""
 
-    def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, weight: sharding.Share,
+    def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, share: sharding.Share,
                  launches: list[tuple[KernelLaunch, list[int]]], numel: int, empty: list[int]) -> None:
         self.group, self.index, self.mode, self.coded, self.step = group, index, mode, coded, step
-        self.weight, self.launches, self.numel, self.empty = weight, launches, numel, empty
+        self.share, self.launches, self.numel, self.empty = share, launches, numel, empty
 
 
 class CachedStep:
@@ -360,7 +360,7 @@ class CachedStep:
         grad_dtypes: list[torch.dtype] = []
         jobs = []
         for key, slices in plan.jobs.items():
-            gid, mode, step, _, _, _, weight, coded = key
+            gid, mode, step, _, _, _, share, coded = key
             index, group = groups[gid]
             if not all(0 <= s.param_id < len(flat) for s in slices):
                 return None
@@ -392,7 +392,7 @@ class CachedStep:
                 states.append(state)
                 grad_dtypes.append(s.grad.dtype)
                 owned.extend((state, name, state[name]) for name in names)
-            jobs.append(_Job(group, index, mode, coded, step, weight,
+            jobs.append(_Job(group, index, mode, coded, step, share,
                              [(launch, [position[id(s)] for s in part]) for launch, part in launches],
                              sum(s.numel for s in slices), [position[id(s)] for s in slices if not s.numel]))
         remainder = [p for p in flat if id(p) in gathered]
@@ -496,9 +496,10 @@ class CachedStep:
         checks its own tensors, :meth:`run`)."""
         if not (self.sharded or self.remainder) or checked or optimizer.nonfinite == "off":
             return None
-        flags = optimizer.backend.finite_flags([*grads, *rest])
-        return collectives.agree_by(list(map(flags.__getitem__, self.group_order)), self.agreement,
-                                    optimizer.nonfinite == "skip_step")
+        def flags() -> list[bool]:
+            local = optimizer.backend.finite_flags([*grads, *rest])
+            return list(map(local.__getitem__, self.group_order))
+        return collectives.agree_by(flags, self.agreement, optimizer.nonfinite == "skip_step")
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
@@ -560,7 +561,7 @@ class CachedStep:
                 for i in job.empty:
                     self.states[i]["step"] = step
                 job.step = step
-                stalled.setdefault(job.index, []).append((_total(counts) if self.count else None, numel, job.weight))
+                stalled.setdefault(job.index, []).append((_total(counts) if self.count else None, numel, job.share))
             everything = all(finite)
             self.steps = [st["step"] for st in self.states]
             optimizer._last_stalled = stalled

@@ -140,23 +140,29 @@ def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
     live = _live_tensors(optimizer)
     entries: list[tuple[dict[str, Any], torch.Tensor, Mapping[str, Any], str]] = []
     casts: list[str | None] = []   # per parameter of every group: a state cast into this run's layout
-    for group, live_group, new in zip(groups, optimizer.param_groups, saved_groups):
-        for key, p in zip(new["params"], group["params"]):
-            where = f"state_dict['state'][{key!r}]"
-            entry = saved_state.get(key)
-            casts.append(None)
-            if entry is None:
-                continue
-            if not isinstance(entry, Mapping):
-                raise TypeError(f"{where}: expected a dict of states, got {type(entry).__name__}")
-            _check_entry_names(optimizer, group, p, entry, where)
-            for name, value in entry.items():
-                if name != "step" and isinstance(value, torch.Tensor):
-                    preflight.check_saved(value, f"{where}[{name!r}]")
-            casts[-1] = _cast_into_layout(optimizer, group, live_group, p, entry, live, where)
-            entries.append((group, p, entry, where))
+
+    def read_entries() -> list[bool]:
+        """Check each parameter's saved entry (on this rank: its shards); per parameter, whether
+        its states arrived in this run's layout."""
+        for group, live_group, new in zip(groups, optimizer.param_groups, saved_groups):
+            for key, p in zip(new["params"], group["params"]):
+                where = f"state_dict['state'][{key!r}]"
+                entry = saved_state.get(key)
+                casts.append(None)
+                if entry is None:
+                    continue
+                if not isinstance(entry, Mapping):
+                    raise TypeError(f"{where}: expected a dict of states, got {type(entry).__name__}")
+                _check_entry_names(optimizer, group, p, entry, where)
+                for name, value in entry.items():
+                    if name != "step" and isinstance(value, torch.Tensor):
+                        preflight.check_saved(value, f"{where}[{name!r}]")
+                casts[-1] = _cast_into_layout(optimizer, group, live_group, p, entry, live, where)
+                entries.append((group, p, entry, where))
+        return [cast is None for cast in casts]
+
     params = [p for group in groups for p in group["params"]]
-    for cast, ok in zip(casts, collectives.agree([cast is None for cast in casts], params, whole=True)):
+    for cast, ok in zip(casts, collectives.agree(read_entries, params, whole=True)):
         if cast is not None:
             raise LayoutCastError(cast)
         if not ok:
@@ -282,18 +288,20 @@ def check_values(optimizer: LowpOptimizer, groups: list[dict[str, Any]],
     ``sqrt(v)`` NaN) and nonnegative scales. With DTensor states each rank checks its shards
     and the ranks agree (one all-reduce), so all of them refuse or none does."""
     nonnegative = set(optimizer.spec.nonnegative) if optimizer.spec is not None else set()
-    params, problems = [], []
-    for index, (group, p) in enumerate((g, p) for g in groups for p in g["params"]):
-        entry = state.get(p)
-        if not entry:
-            continue
-        never_negative = nonnegative | {scale_name(n) for n in optimizer.state_names(group, p)}
-        params.append(p)
-        problems.append(next((f"state_dict['state'][{index}][{name!r}]: {why}" for name, value in entry.items()
-                              if isinstance(value, torch.Tensor)
-                              for why in [_value_problem(sharding.local(value), name in never_negative)] if why),
-                             None))
-    agreed = collectives.agree([problem is None for problem in problems], params, whole=True)
+    checked = [(index, group, p) for index, (group, p) in enumerate((g, p) for g in groups for p in g["params"])
+               if state.get(p)]
+    problems: list[str | None] = []
+
+    def find_problems() -> list[bool]:
+        for index, group, p in checked:
+            never_negative = nonnegative | {scale_name(n) for n in optimizer.state_names(group, p)}
+            problems.append(next((f"state_dict['state'][{index}][{name!r}]: {why}" for name, value in state[p].items()
+                                  if isinstance(value, torch.Tensor)
+                                  for why in [_value_problem(sharding.local(value), name in never_negative)] if why),
+                                 None))
+        return [problem is None for problem in problems]
+
+    agreed = collectives.agree(find_problems, [p for _, _, p in checked], whole=True)
     for problem, ok in zip(problems, agreed):
         if problem is not None:
             raise ValueError(problem)

@@ -15,14 +15,14 @@ step the same parameters (what FSDP2, tensor parallelism and HSDP guarantee).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lowp.optim.sharding import MeshGroups, is_dtensor
 
-__all__ = ["Groups", "Agreement", "agreement", "agree", "agree_by", "sums_by_mesh", "all_rows"]
+__all__ = ["Groups", "Agreement", "agreement", "agree", "agree_by", "PeerFailed", "sums_by_mesh", "all_rows"]
 
 #: the process groups of a mesh's dimensions of more than one rank, in mesh order
 Groups = tuple[dist.ProcessGroup, ...]
@@ -50,9 +50,10 @@ def agreement(params: Sequence[torch.Tensor]) -> Agreement:
     return [(groups, sorted(members + plain)) for groups, members in by_mesh.items()]
 
 
-def agree_by(flags: Sequence[bool], plan: Agreement, whole: bool = False) -> list[bool]:
-    """``flags``, each flag of ``plan``'s positions true only when true on every rank of its
-    mesh: per mesh, one all-reduce (MIN) over each group (unchanged without a process group).
+def agree_by(compute: Callable[[], Sequence[bool]], plan: Agreement, whole: bool = False) -> list[bool]:
+    """This rank's flags, ``compute()``, each flag of ``plan``'s positions true only when true on
+    every rank of its mesh: per mesh, one all-reduce (MIN) over each group (unchanged without a
+    process group).
 
     Each mesh's all-reduce also carries one more flag, this rank's "every flag true" so far; with
     ``whole`` (a decision that reads every flag: ``skip_step``, an aborted load), all flags come
@@ -60,25 +61,64 @@ def agree_by(flags: Sequence[bool], plan: Agreement, whole: bool = False) -> lis
     and sub-meshes of it (FSDP2 with tensor parallelism: parameters on ``(dp, tp)`` and on
     ``mesh["dp"]``), so the largest one's all-reduce reaches every rank whose parameters share a
     rank with this one's, and all of them decide alike; pipeline stages (disjoint meshes) do not
-    meet."""
-    flags = list(flags)
+    meet.
+
+    When ``compute`` raises (an ``Exception``: out of memory, a bad tensor on this rank only),
+    this rank still takes part in every all-reduce of ``plan``, sending -1 in place of its flags,
+    then raises its error; a rank that receives a -1 passes it on to its next mesh and raises
+    :class:`PeerFailed` rather than decide, so no rank waits for a rank that will not come."""
+    try:
+        flags: list[bool] | None = list(compute())
+    except Exception:
+        if plan and _distributed():
+            _reduced(None, plan)
+        raise
+    assert flags is not None
     if not plan or not _distributed():
         return flags
-    every = all(flags)
+    agreed, every = _reduced(flags, plan)
+    return [False] * len(flags) if whole and not every else agreed
+
+
+def _reduced(flags: list[bool] | None, plan: Agreement) -> tuple[list[bool], bool]:
+    """:func:`agree_by`'s all-reduces: the agreed flags and "every flag true" (``flags=None``:
+    this rank failed). Raises :class:`PeerFailed` when another rank failed."""
+    failed = flags is None
+    agreed = list(flags or [])
+    every = all(agreed)
     for groups, members in plan:
-        t = torch.tensor([flags[i] for i in members] + [every], dtype=torch.int32, device=_device(groups))
-        *agreed, all_true = _all_reduce(t, groups, dist.ReduceOp.MIN).tolist()
-        for i, ok in zip(members, agreed):
-            flags[i] = bool(ok)
+        sent = [-1] * (len(members) + 1) if failed else [int(agreed[i]) for i in members] + [int(every)]
+        t = torch.tensor(sent, dtype=torch.int32, device=_device(groups))
+        *values, all_true = _all_reduce(t, groups, dist.ReduceOp.MIN).tolist()
+        if min(values + [all_true]) < 0:
+            failed = True   # passed on to the next mesh's ranks
+            continue
+        for i, ok in zip(members, values):
+            agreed[i] = bool(ok)
         every = every and bool(all_true)
-    return [False] * len(flags) if whole and not every else flags
+    if failed and flags is not None:
+        raise PeerFailed("another rank failed before the ranks agreed on their checks (its own error says why); "
+                         "no rank acted on them")
+    return agreed, every
 
 
-def agree(flags: Sequence[bool], params: Sequence[torch.Tensor], whole: bool = False) -> list[bool]:
+def agree(compute: Callable[[], Sequence[bool]], params: Sequence[torch.Tensor], whole: bool = False) -> list[bool]:
     """:func:`agree_by` the :func:`agreement` of ``params`` (a step's non-finite flags, a load's
     checks: ``skip_param`` decides alike on every rank that holds the parameter, ``skip_step``
     and an aborted load, ``whole``, on every rank whose parameters share a rank with this one's)."""
-    return agree_by(flags, agreement(params), whole)
+    return agree_by(compute, agreement(params), whole)
+
+
+class PeerFailed(RuntimeError):
+    """Another rank of a collective failed before its part: it sent a failure, not its data, and
+    raised its own error; nothing was written on this rank.
+
+    Args:
+        message: what the other rank could not do, and that nothing was written.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
 
 
 def sums_by_mesh(values: dict[Groups, list[float]]) -> dict[Groups, list[float]]:

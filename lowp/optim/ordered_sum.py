@@ -93,6 +93,9 @@ def layouts(firsts: Sequence[int], ns: Sequence[int], numels: Sequence[int]
     block, whole blocks up to its first whole unit, its whole units, whole blocks after them, the
     raw terms after its last whole block (each part maybe empty); every part of every range is
     made at once (a ragged ``arange``)."""
+    if not len(firsts) == len(ns) == len(numels):
+        raise ValueError(f"firsts, ns, numels: expected one entry per range in each, got {len(firsts)}, "
+                         f"{len(ns)} and {len(numels)} entries")
     first, n, numel = (torch.tensor(list(v), dtype=torch.int64) for v in (firsts, ns, numels))
     end = first + n
     bad = (first < 0) | (n < 0) | (end > numel)

@@ -29,7 +29,7 @@ from typing import Any, Protocol, Sequence, cast
 import torch
 
 from lowp.optim.backends import Backend, FusedBackend
-from lowp.optim.collectives import Groups, all_rows
+from lowp.optim.collectives import Groups, PeerFailed, all_rows
 from lowp.optim.kernels.checks import Span
 from lowp.optim.kernels.kernel import Kernel, partition
 from lowp.optim.ordered_sum import pieces, totals_from_pieces
@@ -177,7 +177,7 @@ def _set_totals(made: list[tuple[ParamSlice, torch.Tensor]], everyone: torch.Ten
         cast(TensorSum, s.tensor_sum).total = totals[s.param_id]
 
 
-class ExchangeError(RuntimeError):
+class ExchangeError(PeerFailed):
     """Another rank could not make its pieces of a per-tensor sum: the step wrote nothing.
 
     Args:

@@ -155,7 +155,8 @@ def finite_flags(optimizer: LowpOptimizer, grads: list[torch.Tensor], params: li
     without a look under ``nonfinite="off"``, unless ``force``."""
     if optimizer.nonfinite == "off" and not force:
         return [True] * len(grads)
-    return collectives.agree(optimizer.backend.finite_flags(grads), params, optimizer.nonfinite == "skip_step")
+    return collectives.agree(lambda: optimizer.backend.finite_flags(grads), params,
+                            optimizer.nonfinite == "skip_step")
 
 
 def _checked_param(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, index: int) -> Checked:
@@ -335,9 +336,10 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
 
 class StepPlan:
     """The jobs of one step: the parameters of one group, mode, step count, dtype, device, state
-    names, diagnostics weight and coded states run together. Each job, keyed by those (the group
-    by its id and the mode by its name), has its slices (each with the flat block scales of its
-    coded states), its coded states and the states whose counters advance with it;
+    names, diagnostics share (:class:`~lowp.optim.sharding.Share`) and coded states run together.
+    Each job, keyed by those (the group by its id and the mode by its name), has its slices (each
+    with the flat block scales of its coded states), its coded states and the states whose
+    counters advance with it;
     gathered DTensor steps are written back with their states and counts after all jobs.
 
     Planning creates missing states and buffers (zeros, or a mode switch's folded buffer) and
@@ -374,10 +376,10 @@ class StepPlan:
                 kept.append((state, names))
             made = sharding.make_slices(requests, optimizer.elementwise,   # the gathers
                                         sharded_sums.min_numel(cast(sharded_sums.SumsOptimizer, optimizer)))
-            for ((group, p, mode, _, p_coded), _), (state, names), (piece, weight, full) in zip(todo, kept, made):
+            for ((group, p, mode, _, p_coded), _), (state, names), (piece, share, full) in zip(todo, kept, made):
                 step = state["step"] + 1
                 # one job per kind of storage: a group may hold parameters below coded_min_numel
-                key = (id(group), mode.name, step, p.dtype, p.device, names, weight, tuple(p_coded))
+                key = (id(group), mode.name, step, p.dtype, p.device, names, share, tuple(p_coded))
                 self.jobs[key].append(piece)
                 if full is None:
                     self.counters[key].append(state)
@@ -416,7 +418,7 @@ class StepPlan:
         prepared = []
         sharded: list[tuple[StepContext, list[ParamSlice]]] = []
         for key, slices in sorted(self.jobs.items(), key=lambda job: bool(self.counters.get(job[0]))):
-            gid, mode_name, step, _, _, _, weight, coded = key
+            gid, mode_name, step, _, _, _, _, coded = key
             index, group = groups[gid]
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
                               optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
@@ -432,11 +434,11 @@ class StepPlan:
         while prepared:   # each call dropped once run: its context's scratch buffers go with it
             key, index, numel, call = prepared.pop(0)
             stalled = call()
-            step, weight = key[2], key[6]
+            step, share = key[2], key[6]
             for state in self.counters[key]:
                 state["step"] = step
             if update_weights:
-                optimizer._last_stalled.setdefault(index, []).append((stalled, numel, weight))
+                optimizer._last_stalled.setdefault(index, []).append((stalled, numel, share))
 
     def write_back(self) -> None:
         """Each gathered DTensor parameter's shards of its stepped copies (weight, states,
