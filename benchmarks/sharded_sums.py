@@ -6,9 +6,11 @@ StableAdamW step under FSDP2 did before), with torch's fused fp32 AdamW on the s
 scale, steps interleaved. Both lowp rows give the same bits (checked at the end).
 
 Prints the slowest rank's median step per row, its ratio against the gathered row, and the bytes
-each rank received in ``all_gather`` per step.
+each rank received in ``all_gather`` per step. ``--backend foreach`` runs both lowp rows on the
+reference pipeline (``fused=False``), whose pieces come from torch (the route CUDA takes too).
 
     python benchmarks/sharded_sums.py [--ranks 2] [--scale 2] [--steps 7] [--threads 1] [--sums-min-numel N]
+                                      [--backend native|foreach]
 """
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ ROWS = ("torch AdamW fp32 fused (elementwise)", "lowp StableAdamW, gathered copi
 BASELINE = ROWS[1]
 
 
-def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int, min_numel: int) -> dict[str, object]:
+def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int, min_numel: int | None,
+          fused: bool) -> dict[str, object]:
     import torch.distributed as dist
 
     import lowp.optim as lo
     from lowp.optim import sharded_sums
     from lowp.optim.sharding import gather
-    sharded_sums.BATCHED_MIN_NUMEL = min_numel
+    if min_numel is not None:
+        sharded_sums.MIN_NUMEL = sharded_sums.CUDA_REFERENCE_MIN_NUMEL = min_numel
 
     class Gathered(lo.StableAdamW):
         """StableAdamW stepping gathered copies (its sums not exchanged)."""
@@ -45,8 +49,8 @@ def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int, min_
     torch.set_num_threads(threads)
     shapes = gpt2_shapes(scale)
     runs = {ROWS[0]: torch.optim.AdamW(fsdp_params(shapes, torch.float32, world_size), lr=1e-3, fused=True),
-            ROWS[1]: Gathered(fsdp_params(shapes, torch.bfloat16, world_size), lr=1e-3, fused=True, seed=0),
-            ROWS[2]: lo.StableAdamW(fsdp_params(shapes, torch.bfloat16, world_size), lr=1e-3, fused=True, seed=0)}
+            ROWS[1]: Gathered(fsdp_params(shapes, torch.bfloat16, world_size), lr=1e-3, fused=fused, seed=0),
+            ROWS[2]: lo.StableAdamW(fsdp_params(shapes, torch.bfloat16, world_size), lr=1e-3, fused=fused, seed=0)}
     times: dict[str, list[float]] = {row: [] for row in ROWS}
     received = {row: 0 for row in ROWS}
     real_all_gather = dist.all_gather
@@ -72,6 +76,7 @@ def _rank(rank: int, world_size: int, scale: int, steps: int, threads: int, min_
     same = all(torch.equal(gather(a.detach()).view(torch.int16), gather(b.detach()).view(torch.int16))
                for a, b in zip(runs[ROWS[1]].param_groups[0]["params"], runs[ROWS[2]].param_groups[0]["params"]))
     return {"median": {row: statistics.median(v) for row, v in times.items()},
+            "min_numel": sharded_sums.min_numel(runs[ROWS[2]]),
             "received": {row: received[row] / (steps + 1) for row in ROWS}, "same": same, "tensors": len(shapes),
             "numel": sum(p.numel() for p in runs[ROWS[2]].param_groups[0]["params"])}
 
@@ -84,16 +89,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=7, help="timed steps per row")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--sums-min-numel", type=int, default=None,
-                    help="the smallest parameter whose sum is exchanged (default: lowp's for the native kernel, "
-                         "sharded_sums.BATCHED_MIN_NUMEL)")
+                    help="the smallest parameter whose sum is exchanged (default: lowp's for the backend, "
+                         "sharded_sums.min_numel)")
+    ap.add_argument("--backend", choices=("native", "foreach"), default="native",
+                    help="the lowp rows' backend: the native kernel (fused=True) or the reference (fused=False)")
     args = ap.parse_args(argv)
-    from lowp.optim.sharded_sums import BATCHED_MIN_NUMEL
-    min_numel = BATCHED_MIN_NUMEL if args.sums_min_numel is None else args.sums_min_numel
-    results = run_local_group(_rank, args.ranks, args.scale, args.steps, args.threads, min_numel, timeout_s=900)
+    results = run_local_group(_rank, args.ranks, args.scale, args.steps, args.threads, args.sums_min_numel,
+                              args.backend == "native", timeout_s=900)
+    min_numel = results[0]["min_numel"]
     slowest = {row: max(r["median"][row] for r in results) for row in ROWS}
     first = results[0]
     print(f"{args.ranks} gloo ranks, GPT-2 shapes / {args.scale} ({first['tensors']} tensors, "
-          f"{first['numel'] / 1e6:.1f}M parameters), {args.threads} thread(s) per rank, sums exchanged from "
+          f"{first['numel'] / 1e6:.1f}M parameters), {args.threads} thread(s) per rank, lowp on {args.backend}, "
+          f"sums exchanged from "
           f"{min_numel} elements; the two StableAdamW rows "
           f"give the same bits: {all(r['same'] for r in results)}")
     print(text_table(["row", "median step", f"vs {BASELINE}", "all_gather received per step and rank"],

@@ -489,7 +489,7 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
     opt = lo.StableAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, **BACKENDS[backend])
     counts = {"gathered": 0, "exchanged": 0, "torch terms": 0}
     real_gather, real_exchange = sharding.gather_many, sharded_sums.exchange
-    real_thresholds = sharded_sums.BATCHED_MIN_NUMEL, sharded_sums.UNBATCHED_MIN_NUMEL
+    real_thresholds = sharded_sums.MIN_NUMEL, sharded_sums.CUDA_REFERENCE_MIN_NUMEL
     real_terms = lo.StableAdamW.tensor_terms
 
     def tensor_terms(self, group, grads, states, step):
@@ -505,7 +505,7 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
         counts["exchanged"] += sum(s.tensor_sum is not None and s.tensor_sum.total is not None
                                    for _, slices in jobs for s in slices)
     sharding.gather_many, sharded_sums.exchange = gather_many, exchange
-    sharded_sums.BATCHED_MIN_NUMEL = sharded_sums.UNBATCHED_MIN_NUMEL = threshold
+    sharded_sums.MIN_NUMEL = sharded_sums.CUDA_REFERENCE_MIN_NUMEL = threshold
     lo.StableAdamW.tensor_terms = tensor_terms
     try:
         for t in range(STEPS):
@@ -514,7 +514,7 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
             opt.step()
     finally:
         sharding.gather_many, sharded_sums.exchange = real_gather, real_exchange
-        sharded_sums.BATCHED_MIN_NUMEL, sharded_sums.UNBATCHED_MIN_NUMEL = real_thresholds
+        sharded_sums.MIN_NUMEL, sharded_sums.CUDA_REFERENCE_MIN_NUMEL = real_thresholds
         lo.StableAdamW.tensor_terms = real_terms
     return {"snapshot": snapshot(opt, params), "counts": counts,
             "fused": opt.backend.fused_elements if backend == "fused" else -1}

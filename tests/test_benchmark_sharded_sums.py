@@ -1,5 +1,6 @@
-"""``benchmarks/sharded_sums.py``: a small run on 2 gloo ranks prints every row, the two StableAdamW
-rows (gathered copies, sums exchanged) give the same bits, and the exchange receives fewer bytes."""
+"""``benchmarks/sharded_sums.py``: a small run on 2 gloo ranks, on the native kernel and on the
+reference, prints every row, the two StableAdamW rows (gathered copies, sums exchanged) give the
+same bits, and the exchange receives fewer bytes."""
 import re
 import subprocess
 import sys
@@ -14,11 +15,13 @@ SCRIPT = ROOT / "benchmarks" / "sharded_sums.py"
 
 
 @pytest.mark.slow
-def test_a_small_run_gives_the_gathered_bits_for_fewer_bytes():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--steps", "1", "--scale", "8"], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+@pytest.mark.parametrize("backend", ["native", "foreach"])
+def test_a_small_run_gives_the_gathered_bits_for_fewer_bytes(backend):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--steps", "1", "--scale", "8", "--backend", backend],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "the two StableAdamW rows give the same bits: True" in done.stdout, done.stdout
+    assert f"lowp on {backend}," in done.stdout, done.stdout
     received = {}
     for row in benchmark("sharded_sums").ROWS:
         line = next(line for line in done.stdout.splitlines() if line.startswith(row))

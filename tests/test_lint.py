@@ -2,7 +2,8 @@
 
 CI runs only ``python -m pytest``, so this is where ``ruff`` (pycodestyle, pyflakes, bugbear and
 pydocstyle rules) and ``mypy`` (``check_untyped_defs`` on ``lowp``) are enforced. mypy keeps its
-incremental cache in ``.mypy_cache`` at the repository root, so later runs take a few seconds.
+incremental cache in ``.mypy_cache`` at the repository root, so later runs take a few seconds; a
+session that runs the type check starts it as soon as the tests are collected, alongside them.
 """
 import os
 import subprocess
@@ -23,8 +24,9 @@ def test_ruff_finds_nothing():
     assert result.returncode == 0, f"ruff check failed:\n{result.stdout}\n{result.stderr}"
 
 
-def test_mypy_finds_nothing():
-    result = _run("mypy")
+def test_mypy_finds_nothing(mypy_run):
+    """mypy, started in the background when the tests were collected (``tests/conftest.py``)."""
+    result = mypy_run
     assert result.returncode == 0, f"mypy failed:\n{result.stdout}\n{result.stderr}"
     assert "Success: no issues found" in result.stdout
 

@@ -181,6 +181,23 @@ def test_the_same_sum_on_cuda():
     assert ordered_sum(terms.cuda()) == ordered_sum(terms)
 
 
+@pytest.mark.gpu
+def test_the_same_pieces_from_cuda_terms():
+    """``Pieces`` of ranges whose terms are on the GPU (the CUDA reference route): the block sums
+    made there, one copy to the host, the rows of the same terms on the CPU bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    n, cuts = 2 * UNIT + 77, [5, UNIT + 16]
+    terms = torch.randn(n, generator=gen).mul(4).exp()
+    ranges = list(zip([0, *cuts], [*cuts, n]))
+    made = {}
+    for device in ("cpu", "cuda"):
+        made[device] = order.Pieces([a for a, _ in ranges], [b - a for a, b in ranges], [n] * len(ranges))
+        for a, b in ranges:
+            made[device].add(terms[a:b].to(device))
+    for got, want in zip(made["cuda"].rows(), made["cpu"].rows()):
+        assert got.device.type == "cpu" and torch.equal(got, want)
+
+
 #: (elements, cut points): ranges of FSDP-like shards and worse: inside a block, on block and
 #: unit edges, several ranges inside one block, a range of one element, empty ranges, the padded
 #: last block split, and a range holding whole units between two partial ones
@@ -258,6 +275,49 @@ def test_the_sums_of_many_tensors_at_once_are_each_ones_own():
         order.totals_from_pieces(torch.cat([together, torch.tensor([[0, 0, 17, 1.0]], dtype=torch.float64)]), numels)
     with pytest.raises(ValueError, match=f"a row of tensor {len(CUTS)}, expected one of {len(CUTS)}"):
         order.totals_from_pieces(torch.tensor([[len(CUTS), 0, 0, 1.0]], dtype=torch.float64), numels)
+
+
+def test_the_pieces_of_many_ranges_are_each_pieces_own_sums(monkeypatch):
+    """``Pieces`` over every range of :data:`CUTS` (empty ones too), the ranges of all tensors
+    shuffled together and each range's terms given in turn: each row is the ordered sum of the
+    elements it covers (a term itself, a block's or a unit's sum: :func:`ordered_sum` of those
+    elements alone), in the range's layout, and the rows of all ranges give each tensor's sum; all
+    of it reaches the host in one copy. Terms of the wrong count, dtype or number are refused by
+    name."""
+    gen = torch.Generator().manual_seed(7)
+    tensors = [torch.rand(n, generator=gen) * torch.exp2(torch.randint(-40, 40, (n,), generator=gen).float())
+               for n, _ in CUTS]
+    ranges = [(t, a, b - a) for t, (n, cuts) in enumerate(CUTS) for a, b in zip([0, *cuts], [*cuts, n])]
+    ranges = [ranges[i] for i in torch.randperm(len(ranges), generator=gen).tolist()]
+    copies = []
+    monkeypatch.setattr(order, "_to_host", lambda parts, real=order._to_host: copies.append(len(parts)) or real(parts))
+    made = order.Pieces([a for _, a, _ in ranges], [n for _, _, n in ranges], [CUTS[t][0] for t, _, _ in ranges])
+    for t, a, n in ranges:
+        made.add(tensors[t][a:a + n])
+    rows = made.rows()
+    assert copies == [2 * len(ranges)]
+    for (t, a, n), got in zip(ranges, rows):
+        kind, index, start, length = order.layout(a, n, CUTS[t][0])
+        local = tensors[t][a:a + n]
+        want = [float(local[s]) if k == order.TERM else ordered_sum(local[s:s + m])
+                for k, s, m in zip(kind.tolist(), start.tolist(), length.tolist())]
+        assert torch.equal(got[:, 0], kind.double()) and torch.equal(got[:, 1], index.double()), (t, a, n)
+        assert got[:, 2].tolist() == want, (t, a, n)
+    together = torch.cat([torch.cat([torch.full((r.shape[0], 1), float(t), dtype=torch.float64), r], 1)
+                          for (t, _, _), r in zip(ranges, rows)])
+    assert order.totals_from_pieces(together, [n for n, _ in CUTS]).tolist() == list(map(ordered_sum, tensors))
+    made = order.Pieces([0, 5], [5, 4], [9, 9])
+    with pytest.raises(ValueError, match="terms: 0 of 2 ranges have their terms"):
+        made.rows()
+    with pytest.raises(ValueError, match="terms: range 0 holds 5 elements, got 4 terms"):
+        made.add(torch.ones(4))
+    with pytest.raises(TypeError, match="terms: expected a float32 tensor, got torch.bfloat16"):
+        made.add(torch.ones(5, dtype=torch.bfloat16))
+    made.add(torch.ones(5))
+    made.add(torch.ones(4))
+    with pytest.raises(ValueError, match="terms: every one of the 2 ranges has its terms already"):
+        made.add(torch.ones(4))
+    assert order.total_from_pieces(torch.cat(made.rows()), 9) == 9.0
 
 
 def test_pieces_refuse_what_they_cannot_place():
@@ -364,6 +424,25 @@ def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
     for (s, rows), rows_want in zip(got, want):
         assert torch.equal(rows, rows_want), s.index
         assert rows.shape[0] > 0 and rows[:, 2].abs().sum() > 0
+
+
+def test_every_sum_is_exchanged_but_small_ones_of_the_cuda_reference(monkeypatch):
+    """``sharded_sums.min_numel``: every parameter's sum is exchanged (0) on the native kernel and
+    on the reference on the CPU (their pieces are made for all shards together); on a CUDA device
+    without a kernel pieces pass (the Triton kernel has no per-tensor pass) parameters under
+    ``CUDA_REFERENCE_MIN_NUMEL`` are gathered; an optimizer that exchanges no sums has none."""
+    from types import SimpleNamespace
+
+    from lowp.optim import sharded_sums
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]
+    native, reference = lo.StableAdamW(params, fused=True), lo.StableAdamW(params, fused=False)
+    assert sharded_sums.min_numel(native) == sharded_sums.min_numel(reference) == sharded_sums.MIN_NUMEL == 0
+    on_cuda = SimpleNamespace(param_groups=[{"params": [SimpleNamespace(device=torch.device("cuda", 0))]}])
+    for opt in (native, reference):
+        monkeypatch.setattr(opt, "param_groups", on_cuda.param_groups)
+    assert sharded_sums.min_numel(reference) == sharded_sums.CUDA_REFERENCE_MIN_NUMEL == 1 << 16
+    assert sharded_sums.min_numel(native) == 0   # a kernel with a pieces pass (not one a CUDA run takes)
+    assert sharded_sums.min_numel(lo.AdamW(params)) is None
 
 
 def test_a_states_only_step_of_a_shard_needs_no_exchanged_sum():

@@ -30,8 +30,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ordered_sum", "layout", "layouts", "pieces", "total_from_pieces", "totals_from_pieces", "BLOCK", "UNIT",
-           "TERM", "BLOCK_SUM", "UNIT_SUM"]
+__all__ = ["ordered_sum", "layout", "layouts", "pieces", "Pieces", "total_from_pieces", "totals_from_pieces",
+           "BLOCK", "UNIT", "TERM", "BLOCK_SUM", "UNIT_SUM"]
 
 #: elements per block: 8 fp32 lanes of two elements each
 BLOCK = 16
@@ -138,28 +138,105 @@ def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
     fp32 ``terms``, ``n`` of them, in element order) contributes to the tensor's ordered sum: rows
     ``(kind, index, value)`` in float64, in element order (:func:`layout`): the sum of each unit it
     holds whole (:data:`UNIT_SUM`), the sum of each other block it holds whole (:data:`BLOCK_SUM`),
-    each term of a block it holds only part of (:data:`TERM`, exact in float64)."""
+    each term of a block it holds only part of (:data:`TERM`, exact in float64). :class:`Pieces`
+    of one range."""
+    _check_terms(terms)
+    made = Pieces([first], [terms.numel()], [numel])
+    made.add(terms)
+    return made.rows()[0]
+
+
+def _check_terms(terms: object) -> None:
     if not isinstance(terms, torch.Tensor) or terms.dtype != torch.float32:
         got = terms.dtype if isinstance(terms, torch.Tensor) else type(terms).__name__
         raise TypeError(f"terms: expected a float32 tensor, got {got}")
-    flat = terms.detach().reshape(-1).cpu()
-    kind, index, start, length = layout(first, flat.numel(), numel)
-    values = torch.zeros(kind.numel(), dtype=torch.float64)
-    raw = kind == TERM
-    values[raw] = flat[start[raw]].double()
-    held = ~raw
-    if held.any():   # the whole blocks, steps 1 and 2 at once, then each unit's blocks in order
-        lo, hi = int(start[held][0]), int(start[held][-1] + length[held][-1])
+
+
+class Pieces:
+    """The :func:`pieces` of many ranges (range ``r``: elements ``[firsts[r], firsts[r] + ns[r])``
+    of a tensor of ``numels[r]``), made from one range's terms at a time (:meth:`add`), so only
+    one range's fp32 terms need exist at once.
+
+    :meth:`add` keeps, on the terms' device, what the rows need of them: the raw terms outside
+    the range's whole blocks (at most 15 on each side) and the whole blocks' sums (steps 1 and 2
+    of the module docstring, elementwise; float64, 1 / 8 of the terms' bytes). :meth:`rows` copies
+    all of it to the host at once (one transfer and one synchronisation for every range, where a
+    range at a time cost one each and the whole terms' bytes) and makes every unit's sum (step 3,
+    a left-to-right ``cumsum`` on the CPU) and every row together.
+
+    Args:
+        firsts: each range's first element in its tensor.
+        ns: each range's element count.
+        numels: the element count of each range's tensor.
+    """
+
+    def __init__(self, firsts: Sequence[int], ns: Sequence[int], numels: Sequence[int]) -> None:
+        self.kind, self.index, start, length, self.counts = layouts(firsts, ns, numels)
+        self.ns = [int(n) for n in ns]
+        ranges = len(self.ns)
+        self.range_of = torch.repeat_interleave(torch.arange(ranges), self.counts)   # each row's range
+        # each range's whole blocks are its local elements [lo, hi); its raw terms the rest
+        held = self.kind != TERM
+        n = torch.tensor(self.ns, dtype=torch.int64)
+        lo = n.clone().scatter_reduce_(0, self.range_of[held], start[held], "amin")
+        hi = torch.zeros_like(n).scatter_reduce_(0, self.range_of[held], (start + length)[held], "amax")
+        hi = torch.where(torch.bincount(self.range_of[held], minlength=ranges) > 0, hi, n)
+        self.lo, self.hi = lo.tolist(), hi.tolist()
+        self.first_block = (torch.tensor(list(firsts), dtype=torch.int64) + lo) // BLOCK
+        self._raw: list[torch.Tensor] = []
+        self._blocks: list[torch.Tensor] = []
+
+    def add(self, terms: torch.Tensor) -> None:
+        """The next range's fp32 ``terms`` (``ns[r]`` of them, in element order, on any device):
+        its raw terms and block sums kept on that device."""
+        _check_terms(terms)
+        r = len(self._raw)
+        if r == len(self.ns):
+            raise ValueError(f"terms: every one of the {r} ranges has its terms already")
+        flat = terms.detach().reshape(-1)
+        if flat.numel() != self.ns[r]:
+            raise ValueError(f"terms: range {r} holds {self.ns[r]} elements, got {flat.numel()} terms")
+        lo, hi = self.lo[r], self.hi[r]
         body = flat[lo:hi]
-        blocks = _block_sums(F.pad(body, (0, -body.numel() % BLOCK)) if body.numel() % BLOCK else body)
-        b0 = (first + lo) // BLOCK
-        block = kind == BLOCK_SUM
-        values[block] = blocks[index[block] - b0]
-        unit = kind == UNIT_SUM
-        if unit.any():   # the units held whole are consecutive, from the first one's first block
-            b = (first + int(start[unit][0])) // BLOCK - b0
-            values[unit] = _unit_sums(blocks[b:b + int(unit.sum()) * (UNIT // BLOCK)])
-    return torch.stack([kind.double(), index.double(), values], dim=1)
+        if body.numel() % BLOCK:   # the tensor's last block: padded with zeros
+            body = F.pad(body, (0, -body.numel() % BLOCK))
+        self._raw.append(torch.cat([flat[:lo], flat[hi:]]).double())
+        self._blocks.append(_block_sums(body))
+
+    def rows(self) -> list[torch.Tensor]:
+        """Each range's rows ``(kind, index, value)``, float64 on the CPU, in element order."""
+        if len(self._raw) != len(self.ns):
+            raise ValueError(f"terms: {len(self._raw)} of {len(self.ns)} ranges have their terms")
+        raw_count = sum(t.numel() for t in self._raw)
+        host = _to_host(self._raw + self._blocks)
+        raw, blocks = host[:raw_count], host[raw_count:]
+        nblocks = torch.tensor([t.numel() for t in self._blocks], dtype=torch.int64)
+        offset = torch.cumsum(nblocks, 0) - nblocks   # each range's first block sum in ``blocks``
+        kind, index, range_of = self.kind, self.index, self.range_of
+        values = torch.zeros(kind.numel(), dtype=torch.float64)
+        values[kind == TERM] = raw   # the raw terms, before and after each range's whole blocks, in order
+        at = kind == BLOCK_SUM
+        values[at] = blocks[offset[range_of[at]] + index[at] - self.first_block[range_of[at]]]
+        at = kind == UNIT_SUM
+        if at.any():   # a range's whole units are consecutive, and so are their blocks' sums
+            per_unit = UNIT // BLOCK
+            unit_range = range_of[at]
+            begins = offset[unit_range] + index[at] * per_unit - self.first_block[unit_range]   # in ``blocks``
+            with_units, units = torch.unique_consecutive(unit_range, return_counts=True)
+            begin = begins[torch.cumsum(units, 0) - units].tolist()
+            end = (offset + nblocks)[with_units].tolist()   # the tensor's last unit may be shorter
+            values[at] = torch.cat([_unit_sums(blocks[b:min(b + u * per_unit, e)])
+                                    for b, e, u in zip(begin, end, units.tolist())])
+        return list(torch.stack([kind.double(), index.double(), values], dim=1).split(self.counts.tolist()))
+
+
+def _to_host(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (float64) end to end on the CPU: one copy from a device they share."""
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    if len({t.device for t in parts}) == 1:
+        return torch.cat(parts).cpu()
+    return torch.cat([t.cpu() for t in parts])
 
 
 def _check_rows(tensor: torch.Tensor, kind: torch.Tensor, index: torch.Tensor, value: torch.Tensor,

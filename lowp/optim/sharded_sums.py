@@ -32,24 +32,26 @@ from lowp.optim.backends import Backend, FusedBackend
 from lowp.optim.collectives import Groups, PeerFailed, all_rows
 from lowp.optim.kernels.checks import Span
 from lowp.optim.kernels.kernel import Kernel, partition
-from lowp.optim.ordered_sum import pieces, totals_from_pieces
+from lowp.optim.ordered_sum import Pieces, totals_from_pieces
 from lowp.optim.reference import working_grads
 from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import working_copy
 
-__all__ = ["exchange", "ExchangeError", "min_numel", "BATCHED_MIN_NUMEL", "UNBATCHED_MIN_NUMEL"]
+__all__ = ["exchange", "ExchangeError", "min_numel", "MIN_NUMEL", "CUDA_REFERENCE_MIN_NUMEL"]
 
-#: the smallest parameter whose sum is exchanged rather than gathered when the backend's kernel
-#: makes the pieces of all shards of a step in one pass (the native kernel's pre-pass): 0, every
-#: one. With the layout and the rebuild also done for all parameters at once, GPT-2's shapes / 8
-#: on 2 gloo ranks step 1.6x faster than gathered with every sum exchanged, 1.2-1.3x with the
-#: parameters under 65,536 elements gathered (``benchmarks/sharded_sums.py``)
-BATCHED_MIN_NUMEL = 0
-#: the same for the other backends, whose pieces come from torch shard by shard (about 1 ms of
-#: host work each, and on CUDA a copy to the host): there gathering a small parameter is cheaper
-UNBATCHED_MIN_NUMEL = 1 << 16
+#: the smallest parameter whose sum is exchanged rather than gathered: 0, every one. The pieces of
+#: all shards of a step are made together (the native kernel's pre-pass; the reference's
+#: :class:`~lowp.optim.ordered_sum.Pieces`, one copy to the host), laid out and rebuilt together:
+#: on 2 gloo ranks GPT-2's shapes / 8 step 1.6x faster than gathered with every sum exchanged on
+#: the native kernel, 1.2-1.4x on the reference (``benchmarks/sharded_sums.py``)
+MIN_NUMEL = 0
+#: the same where the parameters are on a CUDA device and no kernel makes the pieces (the Triton
+#: kernel has no per-tensor pass: the reference computes each shard's terms, several launches per
+#: shard, while an all-gather of a small parameter over NCCL is cheap); kept from before the
+#: pieces were batched, not yet measured on a GPU
+CUDA_REFERENCE_MIN_NUMEL = 1 << 16
 
 
 class SumsOptimizer(Protocol):
@@ -57,6 +59,7 @@ class SumsOptimizer(Protocol):
     the terms of its sums (StableAdamW's ``tensor_terms``)."""
 
     backend: Backend
+    param_groups: list[dict[str, Any]]
 
     def kernel_spec(self) -> OptimizerSpec | None:
         """The spec its fused kernels run, if any."""
@@ -72,15 +75,18 @@ class SumsOptimizer(Protocol):
 
 def min_numel(optimizer: SumsOptimizer) -> int | None:
     """The smallest parameter whose sum ``optimizer`` exchanges (``None``: it exchanges none,
-    :meth:`~lowp.optim.base.LowpOptimizer.shards_sums`): :data:`BATCHED_MIN_NUMEL` when its
-    backend's kernel has a pieces pass for its spec, else :data:`UNBATCHED_MIN_NUMEL`. The same
-    on every rank (the optimizer's configuration)."""
+    :meth:`~lowp.optim.base.LowpOptimizer.shards_sums`): :data:`CUDA_REFERENCE_MIN_NUMEL` when its
+    parameters are on a CUDA device (its first one's) and its backend's kernel has no pieces pass
+    for its spec, else :data:`MIN_NUMEL`. The same on every rank (the optimizer's configuration
+    and its parameters' device type)."""
     if not optimizer.shards_sums():
         return None
     backend, spec = optimizer.backend, optimizer.kernel_spec()
     batched = isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec) \
         and type(backend.kernel).sum_pieces is not Kernel.sum_pieces
-    return BATCHED_MIN_NUMEL if batched else UNBATCHED_MIN_NUMEL
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    on_cuda = first is not None and first.device.type == "cuda"
+    return CUDA_REFERENCE_MIN_NUMEL if on_cuda and not batched else MIN_NUMEL
 
 
 def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
@@ -88,7 +94,8 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
     """Each slice with the pieces of its terms: by the backend's kernel for the slices it admits
     and has a pass for (:meth:`Kernel.sum_pieces <lowp.optim.kernels.kernel.Kernel.sum_pieces>`: the
     native kernel's pre-pass), the others from the optimizer's ``tensor_terms`` on the
-    reference's fp32 working copies (the same bits), one shard at a time."""
+    reference's fp32 working copies (the same bits), one shard at a time, their pieces made
+    together (:class:`~lowp.optim.ordered_sum.Pieces`: one copy to the host)."""
     backend, spec = optimizer.backend, optimizer.kernel_spec()
     done = [(s, torch.zeros((0, 3), dtype=torch.float64)) for s in slices if s.numel == 0]   # an empty shard
     rest = [s for s in slices if s.numel > 0]
@@ -101,14 +108,17 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
                 raise RuntimeError(f"sharded sums: the kernel made the pieces of {len(rows)} shards, "
                                    f"expected {len(admitted)}")
             done, rest = done + list(zip(admitted, rows)), others
+    if not rest:
+        return done
+    made = Pieces([s.index.first() for s in rest], [s.numel for s in rest],
+                  [cast(TensorSum, s.tensor_sum).numel for s in rest])
     scratch = Scratch()
     for s in rest:   # one shard at a time: the temporaries of one
         grads = working_grads(ctx, [s], scratch)
         states = {n: [working_copy(t)] for n, t in s.states.items()}
         [terms] = optimizer.tensor_terms(ctx.group, grads, states, ctx.step)
-        assert s.tensor_sum is not None
-        done.append((s, pieces(terms, s.index.first(), s.tensor_sum.numel)))
-    return done
+        made.add(terms)
+    return done + list(zip(rest, made.rows()))
 
 
 def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[ParamSlice]]]) -> None:
