@@ -68,8 +68,8 @@ def full_grads(layout: str, stage: int, step: int, nan_at: tuple[int, int, int, 
     return grads
 
 
-def make_optimizer(name: str, params: list[torch.Tensor], nonfinite: str):
-    return getattr(lo, name)(params, lr=1e-2, weight_decay=0.1, seed=5, nonfinite=nonfinite)
+def make_optimizer(name: str, params: list[torch.Tensor], nonfinite: str, **kw: Any):
+    return getattr(lo, name)(params, lr=1e-2, weight_decay=0.1, seed=5, nonfinite=nonfinite, **kw)
 
 
 def diagnostics(opt) -> list[float]:
@@ -157,17 +157,19 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
             "min_numel": sharded_sums.min_numel(opt), **seen}
 
 
-#: (optimizer, where rank 3 fails in step 1 of stage 1): making StableAdamW's pieces of the sums,
-#: its non-finite check of AdamW's gradients (the cached plan's agreement), the value check of a
-#: load of its own state dict
-FAILURES = [("StableAdamW", "pieces"), ("AdamW", "flags"), ("AdamW", "load")]
+#: (optimizer, where rank 3 fails in step 1 of stage 1, backend): making StableAdamW's pieces of
+#: the sums, its non-finite check of AdamW's gradients, the value check of a load of its own state
+#: dict; on the reference (a full step) and on the native kernel (the step 1 of a cached plan)
+FAILURES = [("StableAdamW", "pieces", "foreach"), ("StableAdamW", "pieces", "native"), ("AdamW", "flags", "foreach"),
+            ("AdamW", "flags", "native"), ("AdamW", "load", "foreach")]
 
 
-def failure_case(rank: int, name: str, where: str) -> dict[str, Any]:
-    """``name`` on the ``stages`` layout whose step 1 (with ``where="load"``: a load of its own
+def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, Any]:
+    """``name`` on ``backend`` on the ``stages`` layout whose step 1 (with ``where="load"``: a load of its own
     state dict before it) fails on rank 3 at ``where`` (as running out of memory would): the
     error of each rank of that call, whether every parameter and state of the rank's stage is as
-    before it, and the snapshot after stage 1 took the step (stage 0 steps on undisturbed)."""
+    before it, whether a cached plan was there to take the step, and the snapshot after stage 1
+    took the step (stage 0 steps on undisturbed)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -176,7 +178,7 @@ def failure_case(rank: int, name: str, where: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
     params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None))
               for p in full_params("stages", stage)]
-    opt = make_optimizer(name, params, "skip_param")
+    opt = make_optimizer(name, params, "skip_param", fused=backend == "native")
     owner, attribute = {"pieces": (sharded_sums, "_pieces"), "flags": (opt.backend, "finite_flags"),
                         "load": (checkpointing, "_value_problem")}[where]
     real = getattr(owner, attribute)
@@ -189,6 +191,7 @@ def failure_case(rank: int, name: str, where: str) -> dict[str, Any]:
             p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
         if t == 1 and stage == 1:
             before = snapshot(opt, params)
+            out["planned"] = opt._plans.current is not None   # the step comes from the cached plan
             saved = opt.state_dict() if where == "load" else None
             if rank == 3:
                 setattr(owner, attribute, failing)

@@ -500,8 +500,8 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
         counts["gathered"] += len(tensors)
         return real_gather(tensors)
 
-    def exchange(optimizer, jobs):
-        real_exchange(optimizer, jobs)
+    def exchange(optimizer, jobs, admitted=False):
+        real_exchange(optimizer, jobs, admitted)
         counts["exchanged"] += sum(s.tensor_sum is not None and s.tensor_sum.total is not None
                                    for _, slices in jobs for s in slices)
     sharding.gather_many, sharded_sums.exchange = gather_many, exchange
@@ -517,7 +517,7 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
         sharded_sums.MIN_NUMEL, sharded_sums.CUDA_REFERENCE_MIN_NUMEL = real_thresholds
         lo.StableAdamW.tensor_terms = real_terms
     return {"snapshot": snapshot(opt, params), "counts": counts,
-            "fused": opt.backend.fused_elements if backend == "fused" else -1}
+            "fused": opt.backend.fused_elements if backend == "fused" else -1, "cached": opt._plans.cached_steps}
 
 
 def sums_case(world_size: int) -> dict[str, Any]:

@@ -44,7 +44,11 @@ PLAN_NAN_CASES = [("fsdp", "AdamW", "kahan", "fused", (0, 29, 2), "skip_param"),
                   ("fsdp", "Lion", "exact", "fused", (0, 29, 2), "skip_step", 1),
                   ("fsdp", "AdamW", "kahan", "fused", None, "skip_param", 1),
                   ("fsdp", "AdamW", "exact", "fused", None, "off"),
-                  ("fsdp", "AdamW", "kahan", "fused", None, "off", 0)]
+                  ("fsdp", "AdamW", "kahan", "fused", None, "off", 0),
+                  # StableAdamW's plan exchanges the sums each step: a rank on its full step meets it
+                  ("fsdp", "StableAdamW", "kahan", "fused", (0, 29, 2), "skip_param"),
+                  ("fsdp", "StableAdamW", "kahan", "fused", (0, 29, 2), "skip_step", 1),
+                  ("fsdp", "StableAdamW", "exact", "fused", None, "skip_param", 0)]
 # the modes that draw the weight stream (indexed by global element: the shards must draw the whole
 # tensor's bits)
 SR_CASES = [("fsdp", name, mode, backend, None, "skip_param") for mode in ("stochastic", "exact8")
@@ -129,13 +133,16 @@ def _case_id(case) -> str:
 def expected_plan_counts(case, rank: int) -> tuple[int, int]:
     """(cached, agreed) steps of ``rank`` (lowp.optim.cached_step.Plans): DTensor parameters whose
     local boxes are contiguous ranges (FSDP rows, replicas) of an elementwise optimizer on the
-    native kernel take every step from a plan after the first full step whose gradients were all
-    finite, and (unless nonfinite="off") agree their flags over the ranks in each. A NaN at the
-    first step makes no plan; at the last, a plan skips the step whole (skip_step, counted) or
+    native kernel, or shards of one that exchanges its sums (StableAdamW), take every step from
+    a plan after the first full step whose gradients were all finite, and (unless
+    nonfinite="off") agree their flags over the ranks in each. A NaN at the first step makes no
+    plan; at the last, a plan skips the step whole (skip_step, counted) or
     agrees and hands it to a full step (skip_param: the kernel cannot skip a tensor for another
     rank's shard). A rank whose plan was dropped before the last step takes it in full."""
     layout, name, mode, backend, nan_at, nonfinite, *full_step_rank = case
-    if backend != "fused" or layout == "shard1" or not w.OPTIMIZERS[name][0].elementwise:
+    cls = w.OPTIMIZERS[name][0]
+    sums = cls.shards_sums() and layout in ("fsdp", "shard1")   # shard1: the vectors', the matrices its remainder
+    if backend != "fused" or not (sums or (cls.elementwise and layout != "shard1")):
         return 0, 0
     at_first = nan_at is not None and len(nan_at) < 3
     planned = w.STEPS - 1 - at_first - (full_step_rank == [rank])   # steps that met a plan
@@ -420,7 +427,9 @@ def assert_sums_case(ranks: list[dict], world_size: int) -> None:
     exchanged (a threshold of 0, the native kernel's default) with nothing gathered, or (65,536)
     the large parameter's exchanged and the small ones gathered in the same step; the native kernel makes
     the pieces of its shards (no terms computed with torch), the reference computes them; the
-    native kernel's element-steps add up to the single process's only when nothing is gathered."""
+    native kernel's element-steps add up to the single process's only when nothing is gathered;
+    on the native kernel every step after the first is taken from the cached plan, which exchanges
+    the sums itself (with the small parameters gathered as its remainder)."""
     sharded = (len(w.SUMS_SHAPES) + 1) * w.STEPS if world_size > 1 else 0
     for backend, threshold in w.SUMS_RUNS:
         large = sum(math.prod(s) >= threshold for s in w.SUMS_SHAPES) * w.STEPS if world_size > 1 else 0
@@ -441,6 +450,7 @@ def assert_sums_case(ranks: list[dict], world_size: int) -> None:
                 assert got["counts"]["exchanged"] == large and 0 < large < sharded, (rank, got["counts"])
                 assert got["counts"]["gathered"] == (5 * small + 4) * w.STEPS, (rank, got["counts"])
             fused += got["fused"]
+            assert got["cached"] == (w.STEPS - 1 if backend == "fused" else 0), (backend, rank, got["cached"])
         if backend == "fused" and threshold == 0:
             assert fused == want["fused"] > 0, (fused, want["fused"])
 

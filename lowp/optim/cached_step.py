@@ -32,7 +32,14 @@ full step makes, so ranks whose plans hold and ranks taking a full step agree; o
 flag holds does the kernel run (without its own check). A skipped step is skipped here; a
 parameter to skip hands the step, with the agreed flags, to a full step (:meth:`Plans.try_step`).
 
-The DTensor parameters a full step gathers (a per-tensor optimizer's; block-scaled states of a
+A per-tensor optimizer's shards whose sums a full step exchanges (StableAdamW under FSDP2,
+:mod:`lowp.optim.sharded_sums`) take a plan too: the plan keeps each such slice without its
+gradient, and each step, after the flags' agreement and the remainder's gathers, exchanges the
+sums with the new gradients (:meth:`CachedStep.exchange_sums`: the kernel's pre-pass makes the
+pieces, one exchange per mesh), which the launches then read, as a full step does.
+
+The DTensor parameters a full step gathers (a per-tensor optimizer's below the exchange's
+threshold or with shards that are not contiguous ranges; block-scaled states of a
 parameter whose shards split blocks, replicated by :func:`lowp.optim.sharding.coded_placements`)
 are the plan's *remainder*: each step from the plan takes their full step too
 (:class:`lowp.optim.step_plan.Remainder`): their checks, then the flags of all parameters agreed
@@ -67,19 +74,20 @@ Values never enter the signature: a step reads them, and a weight changed in pla
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeGuard, cast
 
 import torch
 
 from lowp.interrupts import deferred_interrupts
-from lowp.optim import backends, collectives, sharding
+from lowp.optim import backends, collectives, sharded_sums, sharding
 from lowp.optim.backends import FusedBackend
 from lowp.optim.codes import scale_name
 from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import CHECKS, Kernel, KernelLaunch, gradient_factor
-from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.writeback import MODES
 
@@ -135,6 +143,8 @@ class Executable(Protocol):
 __all__ = ["CachedStep", "Plans", "Remainder", "structure"]
 
 _TENSOR = torch.Tensor
+#: a kept slice's gradient between steps: none (a plan never holds a step's gradient)
+_NO_GRAD = torch.empty(0)
 _TENSOR_TYPE = {torch.Tensor}
 _STRIDED_LAYOUT = {torch.strided}
 # property and method readers for the signature's maps (:meth:`CachedStep.matches`)
@@ -179,9 +189,17 @@ def _target(owner: torch.Tensor, s: ParamSlice) -> torch.Tensor | None:
     local = owner._local_tensor
     if not _plain(local) or s.param.data_ptr() != local.data_ptr() or s.param.shape != local.shape \
             or s.numel != local.numel() or tuple(grad.placements) != tuple(owner.placements) \
-            or grad.device_mesh is not owner.device_mesh or s.grad is not grad._local_tensor:
+            or not _same_mesh(grad.device_mesh, owner.device_mesh) or s.grad is not grad._local_tensor:
         return None
     return local
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    """Device meshes ``a`` and ``b`` lay out the same ranks alike: the same object (FSDP2 makes a
+    gradient with its parameter's mesh), or an equal one (``DeviceMesh.__eq__``: the same ranks,
+    shape, dimension names and device type; a mesh made again in the same process, whose
+    DTensors then carry another object)."""
+    return a is b or a == b
 
 
 def _local_of(t: torch.Tensor) -> torch.Tensor | None:
@@ -225,13 +243,16 @@ def structure(spec: OptimizerSpec | None, group: dict[str, Any]) -> tuple[Any, .
 class _Job:
     """One job of the plan: its group, mode, coded states and step, its launches (each with the
     positions of its members among the plan's stepped parameters), the positions of its empty
-    members (an empty shard: no launch, its step count advances with the job's) and the
-    diagnostics entry."""
+    members (an empty shard: no launch, its step count advances with the job's), the
+    diagnostics entry, and its shards whose whole-tensor sums each step exchanges (``sums``: each
+    one's position and its slice without a gradient, whose :class:`~lowp.optim.slices.TensorSum`
+    its launch reads)."""
 
     def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, share: sharding.Share,
-                 launches: list[tuple[KernelLaunch, list[int]]], numel: int, empty: list[int]) -> None:
+                 launches: list[tuple[KernelLaunch, list[int]]], numel: int, empty: list[int],
+                 sums: list[tuple[int, ParamSlice]]) -> None:
         self.group, self.index, self.mode, self.coded, self.step = group, index, mode, coded, step
-        self.share, self.launches, self.numel, self.empty = share, launches, numel, empty
+        self.share, self.launches, self.numel, self.empty, self.sums = share, launches, numel, empty, sums
 
 
 class CachedStep:
@@ -344,8 +365,6 @@ class CachedStep:
                ) -> CachedStep | None:
         backend = optimizer.backend
         gathered = {id(full.param) for full, _, _ in plan.gathered}
-        if any(s.tensor_sum is not None for slices in plan.jobs.values() for s in slices):
-            return None   # a shard's per-tensor sum is exchanged anew by every step (a full one)
         if not (type(backend) is FusedBackend and backend.kernel.keeps_plans) or (gathered and subset is not None):
             return None
         spec = optimizer.kernel_spec()
@@ -394,7 +413,9 @@ class CachedStep:
                 owned.extend((state, name, state[name]) for name in names)
             jobs.append(_Job(group, index, mode, coded, step, share,
                              [(launch, [position[id(s)] for s in part]) for launch, part in launches],
-                             sum(s.numel for s in slices), [position[id(s)] for s in slices if not s.numel]))
+                             sum(s.numel for s in slices), [position[id(s)] for s in slices if not s.numel],
+                             [(position[id(s)], replace(s, grad=_NO_GRAD)) for s in slices
+                              if s.tensor_sum is not None]))
         remainder = [p for p in flat if id(p) in gathered]
         if (gathered and not jobs) or len(remainder) != len(gathered) or not all(map(_exact_dtensor, remainder)):
             return None
@@ -446,7 +467,7 @@ class CachedStep:
             # FSDP2 makes each gradient with its parameter's own spec (mesh, placements, shape)
             if not all(map(operator.is_, map(_SPEC, dgrads), self.specs)) \
                     and (list(map(_PLACEMENTS, dgrads)) != self.grad_placements
-                         or not all(map(operator.is_, map(_MESH, dgrads), self.grad_meshes))
+                         or not all(map(_same_mesh, map(_MESH, dgrads), self.grad_meshes))
                          or list(map(_SHAPE, dgrads)) != self.global_shapes):
                 return None
             for i, g in zip(self.sharded, map(_LOCAL_TENSOR, dgrads)):
@@ -501,6 +522,24 @@ class CachedStep:
             return list(map(local.__getitem__, self.group_order))
         return collectives.agree_by(flags, self.agreement, optimizer.nonfinite == "skip_step")
 
+    def exchange_sums(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None) -> None:
+        """The whole-tensor sums of the plan's shards of a per-tensor optimizer (StableAdamW under
+        FSDP2) for the step with ``grads``: each job's kept slices with their new gradients, at
+        the job's next step, through :func:`lowp.optim.sharded_sums.exchange` (the pieces by the
+        kernel's pre-pass, one exchange per mesh: the collectives a full step makes at this point,
+        after the flags and the remainder's gathers). Every sum is cleared first, so a launch
+        never reads a sum of an earlier step; nothing else is written."""
+        jobs = []
+        for job in self.jobs:
+            if job.sums:
+                for _, s in job.sums:
+                    cast(TensorSum, s.tensor_sum).total = None
+                ctx = StepContext(job.group, MODES[job.mode], job.step + 1, inv_scale, optimizer.seed, False,
+                                  coded=job.coded)
+                jobs.append((ctx, [replace(s, grad=grads[i]) for i, s in job.sums]))
+        if jobs:
+            sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), jobs, admitted=True)
+
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
             rest: Executable | None = None) -> tuple[bool, bool]:
@@ -525,6 +564,7 @@ class CachedStep:
                 optimizer.skipped_steps += 1
                 return False, True
             check = CHECKS["off"]
+        self.exchange_sums(optimizer, grads, inv_scale)
         finite = [True] * len(grads)
         seed = optimizer.seed
         with deferred_interrupts():

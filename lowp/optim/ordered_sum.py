@@ -291,9 +291,10 @@ def totals_from_pieces(rows: torch.Tensor, numels: Sequence[int]) -> torch.Tenso
     when a term a sum needs is missing, or a row is not a piece of its tensor (outside it, of an
     unknown kind, repeating a piece with another value)."""
     rows = rows.detach().to("cpu", torch.float64)
-    if not torch.equal(rows[:, :3], rows[:, :3].trunc()):
+    ints = rows[:, :3].long()
+    if not torch.equal(ints.double(), rows[:, :3]):   # a fraction, a NaN or an infinity does not come back
         raise ValueError("pieces: a row whose tensor, kind or index is not an integer")
-    tensor, kind, index, value = rows[:, 0].long(), rows[:, 1].long(), rows[:, 2].long(), rows[:, 3]
+    (tensor, kind, index), value = ints.t().contiguous(), rows[:, 3]
     numel = torch.tensor(list(numels), dtype=torch.int64)
     count, per_unit = numel.numel(), UNIT // BLOCK
     if ((tensor < 0) | (tensor >= count)).any():

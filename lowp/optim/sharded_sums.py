@@ -89,25 +89,27 @@ def min_numel(optimizer: SumsOptimizer) -> int | None:
     return CUDA_REFERENCE_MIN_NUMEL if on_cuda and not batched else MIN_NUMEL
 
 
-def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
+def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice], admitted: bool = False
             ) -> list[tuple[ParamSlice, torch.Tensor]]:
     """Each slice with the pieces of its terms: by the backend's kernel for the slices it admits
     and has a pass for (:meth:`Kernel.sum_pieces <lowp.optim.kernels.kernel.Kernel.sum_pieces>`: the
     native kernel's pre-pass), the others from the optimizer's ``tensor_terms`` on the
     reference's fp32 working copies (the same bits), one shard at a time, their pieces made
-    together (:class:`~lowp.optim.ordered_sum.Pieces`: one copy to the host)."""
+    together (:class:`~lowp.optim.ordered_sum.Pieces`: one copy to the host). ``admitted``:
+    every slice is known to be the kernel's (:func:`exchange`)."""
     backend, spec = optimizer.backend, optimizer.kernel_spec()
     done = [(s, torch.zeros((0, 3), dtype=torch.float64)) for s in slices if s.numel == 0]   # an empty shard
     rest = [s for s in slices if s.numel > 0]
     if isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec):
         spans: list[Span] = []   # admission's record for overlap checks: nothing is written here
-        admitted, others = partition(rest, lambda s: backend.kernel.admits(spec, ctx, s, spans))
-        rows = backend.kernel.sum_pieces(spec, ctx, admitted) if admitted else None
+        taken, others = (rest, []) if admitted else \
+            partition(rest, lambda s: backend.kernel.admits(spec, ctx, s, spans))
+        rows = backend.kernel.sum_pieces(spec, ctx, taken) if taken else None
         if rows is not None:
-            if len(rows) != len(admitted):
+            if len(rows) != len(taken):
                 raise RuntimeError(f"sharded sums: the kernel made the pieces of {len(rows)} shards, "
-                                   f"expected {len(admitted)}")
-            done, rest = done + list(zip(admitted, rows)), others
+                                   f"expected {len(taken)}")
+            done, rest = done + list(zip(taken, rows)), others
     if not rest:
         return done
     made = Pieces([s.index.first() for s in rest], [s.numel for s in rest],
@@ -121,11 +123,12 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
     return done + list(zip(rest, made.rows()))
 
 
-def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[ParamSlice]]]) -> None:
+def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[ParamSlice]]],
+             admitted: bool = False) -> None:
     """Set ``tensor_sum.total`` of every slice of ``jobs`` that has a
     :class:`~lowp.optim.slices.TensorSum`: its terms cut into pieces, one exchange of the pieces
     of all of them per mesh (over the process groups of the mesh's sharded dimensions,
-    :func:`~lowp.optim.collectives.all_rows`, in the order of each mesh's first slice), the whole
+    :func:`~lowp.optim.collectives.all_rows`, in the order of each mesh's first parameter), the whole
     tensors' sums rebuilt from every rank's pieces, all at once
     (:func:`~lowp.optim.ordered_sum.totals_from_pieces`). The ranks of a mesh call it with the same
     parameters (the collectives); a rank with no such slice makes no call, and neither does any
@@ -133,7 +136,11 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
 
     When this rank cannot make its pieces (an error, out of memory), it still takes part in every
     exchange, sending a failure instead of rows, then raises its error: the ranks it exchanges
-    with raise :class:`ExchangeError` rather than wait for it. Nothing is written either way."""
+    with raise :class:`ExchangeError` rather than wait for it. Nothing is written either way.
+
+    ``admitted``: the backend's kernel took every slice of ``jobs`` in a step whose plan holds
+    (a cached plan's: its tensors the same, its gradients checked), so its pieces pass takes them
+    all without their admission again; default ``False``."""
     by_mesh: dict[Groups, list[tuple[StepContext, list[ParamSlice]]]] = {}
     for ctx, slices in jobs:
         for s in slices:
@@ -142,11 +149,14 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
                 if not parts or parts[-1][0] is not ctx:
                     parts.append((ctx, []))
                 parts[-1][1].append(s)
+    # meshes in the order of their first parameter in the groups, whatever the order of the jobs
+    # (a full step's or a cached plan's): every rank of a mesh exchanges over the same groups in turn
+    by_mesh = dict(sorted(by_mesh.items(), key=lambda mesh: min(s.param_id for _, part in mesh[1] for s in part)))
     made: dict[Groups, list[tuple[ParamSlice, torch.Tensor]]] = {}
     failure: Exception | None = None
     try:
         for groups, parts in by_mesh.items():
-            made[groups] = [row for ctx, slices in parts for row in _pieces(optimizer, ctx, slices)]
+            made[groups] = [row for ctx, slices in parts for row in _pieces(optimizer, ctx, slices, admitted)]
     except Exception as exc:   # told to the other ranks below, raised after every exchange
         failure = exc
     failed_elsewhere = False
@@ -175,13 +185,15 @@ def _set_totals(made: list[tuple[ParamSlice, torch.Tensor]], everyone: torch.Ten
     (:func:`~lowp.optim.ordered_sum.totals_from_pieces` of all of them at once)."""
     numels = {s.param_id: cast(TensorSum, s.tensor_sum).numel for s, _ in made}
     ids = sorted(numels)
-    known = torch.isin(everyone[:, 0].long(), torch.tensor(ids))
-    if not known.all():
-        raise RuntimeError(f"sharded sums: pieces of parameter {int(everyone[~known][0, 0])}, which this rank does "
-                           f"not step with an exchanged sum (every rank of a mesh must step the same parameters)")
-    position = torch.zeros(ids[-1] + 1, dtype=torch.int64)   # a parameter id's tensor
+    position = torch.full((ids[-1] + 2,), -1, dtype=torch.int64)   # a parameter id's tensor; -1: not stepped here
     position[ids] = torch.arange(len(ids))
-    everyone[:, 0] = position[everyone[:, 0].long()].double()
+    pid = everyone[:, 0].long().clamp(-1, ids[-1] + 1)   # an id outside [0, ids[-1]] lands on the -1 at either end
+    tensor = position[pid]
+    unknown = tensor < 0
+    if unknown.any():
+        raise RuntimeError(f"sharded sums: pieces of parameter {int(everyone[unknown][0, 0])}, which this rank does "
+                           f"not step with an exchanged sum (every rank of a mesh must step the same parameters)")
+    everyone[:, 0] = tensor.double()
     totals = dict(zip(ids, totals_from_pieces(everyone, [numels[i] for i in ids]).tolist()))
     for s, _ in made:
         cast(TensorSum, s.tensor_sum).total = totals[s.param_id]
