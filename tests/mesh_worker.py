@@ -161,17 +161,20 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
 #: the sums, its non-finite check of AdamW's gradients, the value check of a load of its own state
 #: dict; on the reference (a full step) and on the native kernel (the step 1 of a cached plan)
 FAILURES = [("StableAdamW", "pieces", "foreach"), ("StableAdamW", "pieces", "native"), ("AdamW", "flags", "foreach"),
-            ("AdamW", "flags", "native"), ("AdamW", "load", "foreach")]
+            ("AdamW", "flags", "native"), ("AdamW", "load", "foreach"), ("StableAdamW", "interrupt", "native")]
 
 
 def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, Any]:
     """``name`` on ``backend`` on the ``stages`` layout whose step 1 (with ``where="load"``: a load of its own
-    state dict before it) fails on rank 3 at ``where`` (as running out of memory would): the
-    error of each rank of that call, whether every parameter and state of the rank's stage is as
-    before it, whether a cached plan was there to take the step, and the snapshot after stage 1
-    took the step (stage 0 steps on undisturbed)."""
+    state dict before it) fails on rank 3 at ``where`` (as running out of memory would;
+    ``"interrupt"``: a Ctrl-C arrives on rank 3 right after the sums' exchange, which the step
+    holds until it is done): the error of each rank of that call, whether every parameter and
+    state of the rank's stage is as before it, whether a cached plan was there to take the step,
+    and the snapshot after stage 1 took the step (stage 0 steps on undisturbed)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    import signal
 
     from lowp.optim import checkpointing, sharded_sums
     stage = rank // 2
@@ -180,11 +183,15 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
               for p in full_params("stages", stage)]
     opt = make_optimizer(name, params, "skip_param", fused=backend == "native")
     owner, attribute = {"pieces": (sharded_sums, "_pieces"), "flags": (opt.backend, "finite_flags"),
-                        "load": (checkpointing, "_value_problem")}[where]
+                        "load": (checkpointing, "_value_problem"), "interrupt": (sharded_sums, "exchange")}[where]
     real = getattr(owner, attribute)
     out: dict[str, Any] = {"stage": stage, "error": None, "unchanged": None}
 
     def failing(*args, **kwargs):
+        if where == "interrupt":
+            real(*args, **kwargs)
+            signal.raise_signal(signal.SIGINT)
+            return
         raise MemoryError(f"injected into rank 3's {where}")
     for t in range(STEPS):
         for p, g in zip(params, full_grads("stages", stage, t, None)):
@@ -197,19 +204,46 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
                 setattr(owner, attribute, failing)
             try:
                 opt.step() if saved is None else opt.load_state_dict(saved)
-            except Exception as exc:
+            except (Exception, KeyboardInterrupt) as exc:
                 out["error"] = f"{type(exc).__name__}: {exc}"
             finally:
                 setattr(owner, attribute, real)
             after = snapshot(opt, params)
             out["unchanged"] = sorted(before) == sorted(after) and all(
                 torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)
+            if where == "interrupt":   # the step was taken whole; the interrupt came after it
+                continue
         opt.step()
     out["snapshot"] = snapshot(opt, params)
     return out
 
 
+def remainder_case(rank: int) -> dict[str, Any]:
+    """StableAdamW on the native kernel on the ``stages`` layout with each stage's first parameter
+    cut along dimension 1 (not a contiguous range: gathered, the cached plan's remainder) and the
+    others along dimension 0 (their sums exchanged by the plan), on a mesh made again in this
+    process: the steps taken from the plan, the snapshot, and whether the gathered parameter's
+    gradient holds its parameter's mesh object (run again, torch's sharding cache hands the
+    gradient an equal mesh of the first run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    stage = rank // 2
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    placements = [[Shard(1 if i == 0 else 0)] for i in range(len(shapes("stages", stage)))]
+    params = [torch.nn.Parameter(distribute_tensor(p, mesh, placed, src_data_rank=None))
+              for p, placed in zip(full_params("stages", stage), placements)]
+    opt = make_optimizer("StableAdamW", params, "skip_param", fused=True)
+    for t in range(STEPS):
+        for p, g, placed in zip(params, full_grads("stages", stage, t, None), placements):
+            p.grad = distribute_tensor(g.clone(), mesh, placed, src_data_rank=None)
+        opt.step()
+    return {"stage": stage, "cached": opt._plans.cached_steps, "remainder": len(opt._plans.current.remainder),
+            "snapshot": snapshot(opt, params), "same mesh": params[0].grad.device_mesh is params[0].device_mesh}
+
+
 def session(rank: int, world_size: int, cases: list) -> dict[str, Any]:
     assert world_size == 4, world_size
     return {"cases": [mesh_case(rank, *case) for case in cases],
-            "failures": [failure_case(rank, *failure) for failure in FAILURES]}
+            "failures": [failure_case(rank, *failure) for failure in FAILURES],
+            "remainder": [remainder_case(rank) for _ in range(2)]}

@@ -484,10 +484,20 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
     """StableAdamW (kahan, the native kernel or the reference) for :data:`STEPS` steps with the
     whole-tensor sums of :mod:`lowp.optim.sharded_sums` for parameters of at least ``threshold``
     elements: the snapshot, how many tensors ``gather_many`` received, how many shards' sums were
-    exchanged and how many shards' terms torch computed (the others' pieces came from the kernel)."""
+    exchanged and how many shards' terms torch computed (the others' pieces came from the kernel),
+    the steps taken from the cached plan, and how many native variants the steps after the first
+    asked for that the first did not."""
     from lowp.optim import sharded_sums, sharding
+    from lowp.optim.kernels.native import kernel as native_kernel
     opt = lo.StableAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, **BACKENDS[backend])
     counts = {"gathered": 0, "exchanged": 0, "torch terms": 0}
+    variants: list[set] = [set()]   # the native variants each step asked for, step by step
+    real_variant_for = native_kernel.variant_for
+
+    def variant_for(*args, **kwargs):
+        made = real_variant_for(*args, **kwargs)
+        variants[-1].add(made)
+        return made
     real_gather, real_exchange = sharding.gather_many, sharded_sums.exchange
     real_thresholds = sharded_sums.MIN_NUMEL, sharded_sums.CUDA_REFERENCE_MIN_NUMEL
     real_terms = lo.StableAdamW.tensor_terms
@@ -507,17 +517,21 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
     sharding.gather_many, sharded_sums.exchange = gather_many, exchange
     sharded_sums.MIN_NUMEL = sharded_sums.CUDA_REFERENCE_MIN_NUMEL = threshold
     lo.StableAdamW.tensor_terms = tensor_terms
+    native_kernel.variant_for = variant_for
     try:
         for t in range(STEPS):
             for p, g in zip(params, sums_full(100 + t)):
                 set_grad(p, g)
             opt.step()
+            variants.append(set())
     finally:
+        native_kernel.variant_for = real_variant_for
         sharding.gather_many, sharded_sums.exchange = real_gather, real_exchange
         sharded_sums.MIN_NUMEL, sharded_sums.CUDA_REFERENCE_MIN_NUMEL = real_thresholds
         lo.StableAdamW.tensor_terms = real_terms
     return {"snapshot": snapshot(opt, params), "counts": counts,
-            "fused": opt.backend.fused_elements if backend == "fused" else -1, "cached": opt._plans.cached_steps}
+            "fused": opt.backend.fused_elements if backend == "fused" else -1, "cached": opt._plans.cached_steps,
+            "new variants": len(set().union(*variants[1:]) - variants[0])}
 
 
 def sums_case(world_size: int) -> dict[str, Any]:

@@ -84,17 +84,38 @@ def test_a_rank_that_fails_before_a_collective_fails_its_stage_cleanly(four_rank
     the other stage never noticed. On the native kernel the failing step is the cached plan's
     (StableAdamW's plan exchanges its sums itself), on the reference a full step. Each case makes
     its mesh again (a process's second ``init_device_mesh``: its gradients' mesh is equal to the
-    parameters', not the same object), which the plan takes."""
+    parameters', not the same object), which the plan takes. A Ctrl-C on rank 3 right after the
+    exchange of the plan's sums is held until the step is done: both ranks step (rank 2 would
+    otherwise write alone), rank 3 raises ``KeyboardInterrupt`` after it."""
     name, where, backend = w.FAILURES[k]
     want = {stage: w.reference("stages", stage, name, "skip_param", None) for stage in (0, 1)}
     errors = [r["failures"][k]["error"] for r in four_ranks]
-    assert errors[:2] == [None, None], errors
-    assert errors[2].startswith(PEER_ERRORS[where]), errors
-    assert errors[3] == f"MemoryError: injected into rank 3's {where}", errors
+    if where == "interrupt":
+        assert errors[:3] == [None, None, None] and errors[3].startswith("KeyboardInterrupt"), errors
+    else:
+        assert errors[:2] == [None, None], errors
+        assert errors[2].startswith(PEER_ERRORS[where]), errors
+        assert errors[3] == f"MemoryError: injected into rank 3's {where}", errors
     for rank, results in enumerate(four_ranks):
         got = results["failures"][k]
-        assert got["unchanged"] is (True if rank >= 2 else None), (rank, got["unchanged"])
+        unchanged = None if rank < 2 else where != "interrupt"
+        assert got["unchanged"] is unchanged, (rank, got["unchanged"])
         if rank >= 2:   # on the native kernel the failing step is the cached plan's (StableAdamW: its own exchange)
             assert got["planned"] is (backend == "native"), (rank, got)
         for key, t in want[got["stage"]]["snapshot"].items():
             assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, {key} differs"
+
+
+def test_a_plan_with_exchanged_sums_and_a_gathered_remainder(four_ranks):
+    """StableAdamW with one parameter per stage gathered (cut along dimension 1) and the others'
+    sums exchanged, on a mesh made again in the process: every step after the first comes from
+    the cached plan (the gathered parameter its remainder), bit-identical to the single process;
+    also when run again, where the gathered parameter's gradient holds an equal mesh, not its
+    parameter's own object."""
+    want = {stage: w.reference("stages", stage, "StableAdamW", "skip_param", None) for stage in (0, 1)}
+    for rank, results in enumerate(four_ranks):
+        for run, got in enumerate(results["remainder"]):
+            assert (got["cached"], got["remainder"]) == (w.STEPS - 1, 1), (rank, run, got["cached"], got["remainder"])
+            for key, t in want[got["stage"]]["snapshot"].items():
+                assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, run {run}, {key} differs"
+        assert not all(got["same mesh"] for got in results["remainder"]), rank   # the equal mesh was met

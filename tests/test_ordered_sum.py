@@ -428,20 +428,20 @@ def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
 
 def test_every_sum_is_exchanged_but_small_ones_of_the_cuda_reference(monkeypatch):
     """``sharded_sums.min_numel``: every parameter's sum is exchanged (0) on the native kernel and
-    on the reference on the CPU (their pieces are made for all shards together); on a CUDA device
-    without a kernel pieces pass (the Triton kernel has no per-tensor pass) parameters under
-    ``CUDA_REFERENCE_MIN_NUMEL`` are gathered; an optimizer that exchanges no sums has none."""
+    on the reference on the CPU (their pieces are made for all shards together); with parameters
+    on a CUDA device, where no kernel makes the pieces (the Triton kernel has no per-tensor pass),
+    those under ``CUDA_REFERENCE_MIN_NUMEL`` are gathered, whatever the backend asked for; an
+    optimizer that exchanges no sums has none."""
     from types import SimpleNamespace
 
     from lowp.optim import sharded_sums
     params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]
     native, reference = lo.StableAdamW(params, fused=True), lo.StableAdamW(params, fused=False)
     assert sharded_sums.min_numel(native) == sharded_sums.min_numel(reference) == sharded_sums.MIN_NUMEL == 0
-    on_cuda = SimpleNamespace(param_groups=[{"params": [SimpleNamespace(device=torch.device("cuda", 0))]}])
+    on_cuda = [{"params": [SimpleNamespace(is_cuda=False), SimpleNamespace(is_cuda=True)]}]
     for opt in (native, reference):
-        monkeypatch.setattr(opt, "param_groups", on_cuda.param_groups)
-    assert sharded_sums.min_numel(reference) == sharded_sums.CUDA_REFERENCE_MIN_NUMEL == 1 << 16
-    assert sharded_sums.min_numel(native) == 0   # a kernel with a pieces pass (not one a CUDA run takes)
+        monkeypatch.setattr(opt, "param_groups", on_cuda)
+        assert sharded_sums.min_numel(opt) == sharded_sums.CUDA_REFERENCE_MIN_NUMEL == 1 << 16
     assert sharded_sums.min_numel(lo.AdamW(params)) is None
 
 

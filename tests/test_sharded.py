@@ -451,6 +451,7 @@ def assert_sums_case(ranks: list[dict], world_size: int) -> None:
                 assert got["counts"]["gathered"] == (5 * small + 4) * w.STEPS, (rank, got["counts"])
             fused += got["fused"]
             assert got["cached"] == (w.STEPS - 1 if backend == "fused" else 0), (backend, rank, got["cached"])
+            assert got["new variants"] == 0, (backend, rank)   # the plan's pieces pass is the full step's variant
         if backend == "fused" and threshold == 0:
             assert fused == want["fused"] > 0, (fused, want["fused"])
 

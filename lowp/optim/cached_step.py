@@ -453,7 +453,7 @@ class CachedStep:
             rest = list(map(every.__getitem__, self.remainder_at))
             if set(map(type, rest)) != {sharding.dtensor_type()} \
                     or list(map(_PLACEMENTS, rest)) != self.remainder_placements \
-                    or not all(map(operator.is_, map(_MESH, rest), self.remainder_meshes)):
+                    or not all(map(_same_mesh, map(_MESH, rest), self.remainder_meshes)):
                 return None
         wrappers = self.wrappers
         if wrappers and not all(map(operator.is_, map(_LOCAL_TENSOR, wrappers), self.wrapped_locals)):
@@ -534,8 +534,8 @@ class CachedStep:
             if job.sums:
                 for _, s in job.sums:
                     cast(TensorSum, s.tensor_sum).total = None
-                ctx = StepContext(job.group, MODES[job.mode], job.step + 1, inv_scale, optimizer.seed, False,
-                                  coded=job.coded)
+                ctx = StepContext(job.group, MODES[job.mode], job.step + 1, inv_scale, optimizer.seed, self.count,
+                                  coded=job.coded)   # the launches' variant (its count switch too)
                 jobs.append((ctx, [replace(s, grad=grads[i]) for i, s in job.sums]))
         if jobs:
             sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), jobs, admitted=True)
@@ -543,10 +543,11 @@ class CachedStep:
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
             rest: Executable | None = None) -> tuple[bool, bool]:
-        """One step from the plan with ``grads`` (from :meth:`matches`): the remainder's planned
-        full step ``rest`` (gradients ``checked`` with them) on its gathered copies, then each
-        job's launches at the next step count, then the remainder's write-back, with Ctrl-C held
-        until all are done (an error in the remainder's step, such as running out of memory on
+        """One step from the plan with ``grads`` (from :meth:`matches`): the exchange of its shards'
+        sums (:meth:`exchange_sums`), the remainder's planned full step ``rest`` (gradients
+        ``checked`` with them) on its gathered copies, then each job's launches at the next step
+        count, then the remainder's write-back, with Ctrl-C held from the exchange until all are
+        done (an error in the remainder's step, such as running out of memory on
         its full copies, comes before any write and changes nothing); the non-finite policy as the
         full step applies it (``checked``: the gradients are known to be finite; ``force_check``:
         a non-finite gradient is skipped even under ``nonfinite="off"``, as ``step_params`` with a
@@ -564,10 +565,10 @@ class CachedStep:
                 optimizer.skipped_steps += 1
                 return False, True
             check = CHECKS["off"]
-        self.exchange_sums(optimizer, grads, inv_scale)
         finite = [True] * len(grads)
         seed = optimizer.seed
-        with deferred_interrupts():
+        with deferred_interrupts():   # from the exchange on, as a full step: every rank that exchanged writes
+            self.exchange_sums(optimizer, grads, inv_scale)
             if rest is not None:
                 before = {k: list(v) for k, v in optimizer._last_stalled.items()}
                 try:
@@ -674,7 +675,8 @@ class Plans:
         A plan with a remainder (:class:`CachedStep`) takes the step only with ``remainder``, the
         maker of its full step, called (the remainder's checks) before the flags are agreed, and
         its step planned (gathered) before the plan writes anything, so the collectives are a full
-        step's, in its order: the flags of every parameter, then the gathers."""
+        step's, in its order: the flags of every parameter, the gathers, then the exchange of the
+        shards' sums (:meth:`CachedStep.exchange_sums`)."""
         plan = self.current
         grads = None if plan is None else self._take(None, plan, optimizer)
         if plan is None or grads is None:

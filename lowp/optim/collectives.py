@@ -68,12 +68,11 @@ def agree_by(compute: Callable[[], Sequence[bool]], plan: Agreement, whole: bool
     then raises its error; a rank that receives a -1 passes it on to its next mesh and raises
     :class:`PeerFailed` rather than decide, so no rank waits for a rank that will not come."""
     try:
-        flags: list[bool] | None = list(compute())
+        flags = list(compute())
     except Exception:
         if plan and _distributed():
             _reduced(None, plan)
         raise
-    assert flags is not None
     if not plan or not _distributed():
         return flags
     agreed, every = _reduced(flags, plan)

@@ -31,7 +31,7 @@ import torch
 from lowp.optim.backends import Backend, FusedBackend
 from lowp.optim.collectives import Groups, PeerFailed, all_rows
 from lowp.optim.kernels.checks import Span
-from lowp.optim.kernels.kernel import Kernel, partition
+from lowp.optim.kernels.kernel import partition
 from lowp.optim.ordered_sum import Pieces, totals_from_pieces
 from lowp.optim.reference import working_grads
 from lowp.optim.scratch import Scratch
@@ -47,10 +47,10 @@ __all__ = ["exchange", "ExchangeError", "min_numel", "MIN_NUMEL", "CUDA_REFERENC
 #: on 2 gloo ranks GPT-2's shapes / 8 step 1.6x faster than gathered with every sum exchanged on
 #: the native kernel, 1.2-1.4x on the reference (``benchmarks/sharded_sums.py``)
 MIN_NUMEL = 0
-#: the same where the parameters are on a CUDA device and no kernel makes the pieces (the Triton
-#: kernel has no per-tensor pass: the reference computes each shard's terms, several launches per
-#: shard, while an all-gather of a small parameter over NCCL is cheap); kept from before the
-#: pieces were batched, not yet measured on a GPU
+#: the same where the parameters are on a CUDA device, where no kernel makes the pieces (the
+#: Triton kernel has no per-tensor pass: the reference computes each shard's terms, several
+#: launches per shard, while an all-gather of a small parameter over NCCL is cheap); kept from
+#: before the pieces were batched, not yet measured on a GPU
 CUDA_REFERENCE_MIN_NUMEL = 1 << 16
 
 
@@ -75,18 +75,23 @@ class SumsOptimizer(Protocol):
 
 def min_numel(optimizer: SumsOptimizer) -> int | None:
     """The smallest parameter whose sum ``optimizer`` exchanges (``None``: it exchanges none,
-    :meth:`~lowp.optim.base.LowpOptimizer.shards_sums`): :data:`CUDA_REFERENCE_MIN_NUMEL` when its
-    parameters are on a CUDA device (its first one's) and its backend's kernel has no pieces pass
-    for its spec, else :data:`MIN_NUMEL`. The same on every rank (the optimizer's configuration
-    and its parameters' device type)."""
+    :meth:`~lowp.optim.base.LowpOptimizer.shards_sums`): :data:`CUDA_REFERENCE_MIN_NUMEL` when any
+    of its parameters is on a CUDA device (as :func:`~lowp.optim.backends.backend_for` decides:
+    there no kernel makes the pieces, the native kernel being the CPU's), else :data:`MIN_NUMEL`.
+    The same on every rank (its parameters' devices)."""
     if not optimizer.shards_sums():
         return None
-    backend, spec = optimizer.backend, optimizer.kernel_spec()
-    batched = isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec) \
-        and type(backend.kernel).sum_pieces is not Kernel.sum_pieces
-    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-    on_cuda = first is not None and first.device.type == "cuda"
-    return CUDA_REFERENCE_MIN_NUMEL if on_cuda and not batched else MIN_NUMEL
+    on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+    return CUDA_REFERENCE_MIN_NUMEL if on_cuda else MIN_NUMEL
+
+
+def _admitted(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
+              ) -> tuple[list[ParamSlice], list[ParamSlice]]:
+    """``slices`` split into those the backend's kernel admits and the others (nothing is written:
+    admission's overlap record is dropped)."""
+    backend, spec = cast(FusedBackend, optimizer.backend), cast(OptimizerSpec, optimizer.kernel_spec())
+    spans: list[Span] = []
+    return partition(slices, lambda s: backend.kernel.admits(spec, ctx, s, spans))
 
 
 def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice], admitted: bool = False
@@ -101,9 +106,7 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
     done = [(s, torch.zeros((0, 3), dtype=torch.float64)) for s in slices if s.numel == 0]   # an empty shard
     rest = [s for s in slices if s.numel > 0]
     if isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec):
-        spans: list[Span] = []   # admission's record for overlap checks: nothing is written here
-        taken, others = (rest, []) if admitted else \
-            partition(rest, lambda s: backend.kernel.admits(spec, ctx, s, spans))
+        taken, others = (rest, []) if admitted else _admitted(optimizer, ctx, rest)
         rows = backend.kernel.sum_pieces(spec, ctx, taken) if taken else None
         if rows is not None:
             if len(rows) != len(taken):
@@ -171,8 +174,11 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
         everyone = all_rows(sent, groups)
         if everyone is None:
             failed_elsewhere = True
-        else:   # the same rows on every rank of the mesh: the same sums, or the same error
-            _set_totals(made[groups], everyone)
+        elif failure is None:   # the same rows on every rank of the mesh: the same sums, or the same error
+            try:
+                _set_totals(made[groups], everyone)
+            except Exception as exc:   # told to the ranks of the later meshes as a failure
+                failure = exc
     if failure is not None:
         raise failure
     if failed_elsewhere:
