@@ -211,14 +211,15 @@ def plan_change_case(world_size: int, change: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def grad_scaler_case(world_size: int, nan_at: tuple[int, ...] | None) -> dict[str, torch.Tensor]:
-    """FSDP AdamW (kahan, native) stepped by FSDP2's ``ShardedGradScaler`` (scale 16, gradients
+def grad_scaler_case(world_size: int, name: str, nan_at: tuple[int, ...] | None) -> dict[str, torch.Tensor]:
+    """FSDP ``name`` (kahan, native) stepped by FSDP2's ``ShardedGradScaler`` (scale 16, gradients
     scaled by it; ``nan_at`` as in :func:`run_steps`): the snapshot, the skip counts and the
     (cached, agreed) steps of its plans. The scaler hands the optimizer ``found_inf``, agreed over
-    the ranks, so a step from the plan makes no collective of its own."""
+    the ranks, so a step from the plan makes no collective of its own (StableAdamW's: but the
+    exchange of its sums, whose terms read the unscaled gradients)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     params = fsdp_params(world_size)
-    opt = make_optimizer("AdamW", params, "kahan", "fused", nonfinite="skip_step")
+    opt = make_optimizer(name, params, "kahan", "fused", nonfinite="skip_step")
     scaler = ShardedGradScaler(device="cpu", init_scale=16.0)
     nan_step = None if nan_at is None else nan_at[2]
     for t in range(STEPS):
@@ -724,7 +725,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     - ``errors``: :func:`placement_errors`;
     - ``gather``: :func:`gather_checks`;
     - ``plan_changes``: cases of :func:`plan_change_case`;
-    - ``grad_scaler``: the ``nan_at`` of cases of :func:`grad_scaler_case`.
+    - ``grad_scaler``: the (optimizer, ``nan_at``) of cases of :func:`grad_scaler_case`.
     """
     torch.manual_seed(0)
     folder = Path(spec.get("folder", "."))
@@ -759,7 +760,7 @@ def session(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         out["gather"] = gather_checks(world_size)
         out["gather_many"] = gather_many_checks(world_size)
     out["plan_changes"] = {c: plan_change_case(world_size, c) for c in spec.get("plan_changes", [])}
-    out["grad_scaler"] = [grad_scaler_case(world_size, nan_at) for nan_at in spec.get("grad_scaler", [])]
+    out["grad_scaler"] = [grad_scaler_case(world_size, *case) for case in spec.get("grad_scaler", [])]
     return out
 
 

@@ -205,19 +205,21 @@ def test_sharded_step_equals_unsharded(two_ranks, case):
 
 
 # FSDP2's ShardedGradScaler: clean, and a NaN in rank 1's shard at the last step (found_inf,
-# all-reduced by the scaler, skips the step on every rank)
-GRAD_SCALER_CASES = [None, (0, 29, 2)]
+# all-reduced by the scaler, skips the step on every rank); AdamW, and StableAdamW, whose plan
+# exchanges sums of the unscaled gradients' terms
+GRAD_SCALER_CASES = [(name, nan_at) for name in ("AdamW", "StableAdamW") for nan_at in (None, (0, 29, 2))]
 
 
-@pytest.mark.parametrize("nan_at", GRAD_SCALER_CASES, ids=["finite", "NaN at the last step"])
-def test_sharded_grad_scaler_steps_take_the_plan(two_ranks, nan_at):
+@pytest.mark.parametrize("case", GRAD_SCALER_CASES, ids=lambda c: f"{c[0]}-{'NaN at the last step' if c[1] else 'ok'}")
+def test_sharded_grad_scaler_steps_take_the_plan(two_ranks, case):
     """GradScaler hands the optimizer gradients it has checked: the plan runs without a check or
     a collective of its own (no agreed steps) and gives the unscaled single-process run's bits
     (a scale of 16 is exact)."""
     _, ranks = two_ranks
-    want, want_extra = split(w.reference("AdamW", "kahan", "fused", nan_at, "skip_step"))
+    name, nan_at = case
+    want, want_extra = split(w.reference(name, "kahan", "fused", nan_at, "skip_step"))
     for rank, results in enumerate(ranks):
-        got = dict(results["grad_scaler"][GRAD_SCALER_CASES.index(nan_at)])
+        got = dict(results["grad_scaler"][GRAD_SCALER_CASES.index(case)])
         plans, skipped = got.pop("plans"), got.pop("skipped")
         assert plans.tolist() == [1 if nan_at else 2, 0], f"rank {rank}: (cached, agreed) steps"
         assert skipped.tolist() == want_extra["skipped"].tolist() == [0, int(nan_at is not None)]
