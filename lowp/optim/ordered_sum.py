@@ -42,15 +42,20 @@ UNIT = 1 << 15
 def ordered_sum(terms: torch.Tensor) -> float:
     """The sum of the fp32 tensor ``terms`` (any shape, any device, read in row-major order) in
     the order of the module docstring, as a Python float (float64); ``0.0`` when empty."""
-    if not isinstance(terms, torch.Tensor) or terms.dtype != torch.float32:
-        got = terms.dtype if isinstance(terms, torch.Tensor) else type(terms).__name__
-        raise TypeError(f"terms: expected a float32 tensor, got {got}")
+    _check_terms(terms)
     flat = terms.detach().reshape(-1)
     if flat.numel() == 0:
         return 0.0
     if flat.numel() % BLOCK:
         flat = F.pad(flat, (0, -flat.numel() % BLOCK))
     return float(_unit_sums(_block_sums(flat).cpu()).cumsum(0)[-1])
+
+
+def _check_terms(terms: object) -> None:
+    """``TypeError`` unless ``terms`` is a float32 tensor."""
+    if not isinstance(terms, torch.Tensor) or terms.dtype != torch.float32:
+        got = terms.dtype if isinstance(terms, torch.Tensor) else type(terms).__name__
+        raise TypeError(f"terms: expected a float32 tensor, got {got}")
 
 
 def _unit_sums(blocks: torch.Tensor) -> torch.Tensor:
@@ -144,12 +149,6 @@ def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
     made = Pieces([first], [terms.numel()], [numel])
     made.add(terms)
     return made.rows()[0]
-
-
-def _check_terms(terms: object) -> None:
-    if not isinstance(terms, torch.Tensor) or terms.dtype != torch.float32:
-        got = terms.dtype if isinstance(terms, torch.Tensor) else type(terms).__name__
-        raise TypeError(f"terms: expected a float32 tensor, got {got}")
 
 
 class Pieces:

@@ -31,7 +31,7 @@ import torch
 from lowp.optim.backends import Backend, FusedBackend
 from lowp.optim.collectives import Groups, PeerFailed, all_rows
 from lowp.optim.kernels.checks import Span
-from lowp.optim.kernels.kernel import partition
+from lowp.optim.kernels.kernel import Kernel, partition
 from lowp.optim.ordered_sum import Pieces, totals_from_pieces
 from lowp.optim.reference import working_grads
 from lowp.optim.scratch import Scratch
@@ -85,13 +85,12 @@ def min_numel(optimizer: SumsOptimizer) -> int | None:
     return CUDA_REFERENCE_MIN_NUMEL if on_cuda else MIN_NUMEL
 
 
-def _admitted(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
+def _admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
               ) -> tuple[list[ParamSlice], list[ParamSlice]]:
-    """``slices`` split into those the backend's kernel admits and the others (nothing is written:
+    """``slices`` split into those ``kernel`` admits and the others (nothing is written:
     admission's overlap record is dropped)."""
-    backend, spec = cast(FusedBackend, optimizer.backend), cast(OptimizerSpec, optimizer.kernel_spec())
     spans: list[Span] = []
-    return partition(slices, lambda s: backend.kernel.admits(spec, ctx, s, spans))
+    return partition(slices, lambda s: kernel.admits(spec, ctx, s, spans))
 
 
 def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice], admitted: bool = False
@@ -106,7 +105,7 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
     done = [(s, torch.zeros((0, 3), dtype=torch.float64)) for s in slices if s.numel == 0]   # an empty shard
     rest = [s for s in slices if s.numel > 0]
     if isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec):
-        taken, others = (rest, []) if admitted else _admitted(optimizer, ctx, rest)
+        taken, others = (rest, []) if admitted else _admitted(backend.kernel, spec, ctx, rest)
         rows = backend.kernel.sum_pieces(spec, ctx, taken) if taken else None
         if rows is not None:
             if len(rows) != len(taken):
