@@ -184,7 +184,7 @@ def test_the_same_sum_on_cuda():
 @pytest.mark.gpu
 def test_the_same_pieces_from_cuda_terms():
     """``Pieces`` of ranges whose terms are on the GPU (the CUDA reference route): the block sums
-    made there, one copy to the host, the rows of the same terms on the CPU bit for bit."""
+    made there, one copy to the host, the runs of the same terms on the CPU bit for bit."""
     gen = torch.Generator().manual_seed(2)
     n, cuts = 2 * UNIT + 77, [5, UNIT + 16]
     terms = torch.randn(n, generator=gen).mul(4).exp()
@@ -194,8 +194,15 @@ def test_the_same_pieces_from_cuda_terms():
         made[device] = order.Pieces([a for a, _ in ranges], [b - a for a, b in ranges], [n] * len(ranges))
         for a, b in ranges:
             made[device].add(terms[a:b].to(device))
-    for got, want in zip(made["cuda"].rows(), made["cpu"].rows()):
-        assert got.device.type == "cpu" and torch.equal(got, want)
+    for got, want in zip(made["cuda"].runs(), made["cpu"].runs()):
+        assert got.values.device.type == "cpu" and torch.equal(got.head, want.head)
+        assert torch.equal(got.values, want.values)
+
+
+def _together(pieces: list[tuple[int, order.Runs]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``totals_from_pieces``' arguments from runs of tensors ``t``: the heads with ``t`` first."""
+    head = torch.cat([torch.cat([torch.full((r.head.shape[0], 1), t), r.head], 1) for t, r in pieces])
+    return head, torch.cat([r.values for _, r in pieces])
 
 
 #: (elements, cut points): ranges of FSDP-like shards and worse: inside a block, on block and
@@ -208,39 +215,43 @@ CUTS = [(17, [9]), (33, [1, 2, 3, 20]), (UNIT + 3, [UNIT + 1]), (2 * UNIT + 7, [
 
 @pytest.mark.parametrize("n,cuts", CUTS)
 def test_pieces_of_ranges_give_the_whole_sum_bit_for_bit(n, cuts):
-    """The pieces of contiguous ranges covering a tensor (a replica's rows repeated) rebuild its
+    """The pieces of contiguous ranges covering a tensor (a replica's runs repeated) rebuild its
     ordered sum exactly in float64; the same pieces added in another order (their plain sum) do
     not, so the data tell the orders apart."""
     gen = torch.Generator().manual_seed(n)
     terms = torch.rand(n, generator=gen) * torch.exp2(torch.randint(-40, 40, (n,), generator=gen).float())
     edges = [0, *cuts, n]
-    rows = [order.pieces(terms[a:b], a, n) for a, b in zip(edges, edges[1:])]
-    assert all(r.dtype == torch.float64 and r.shape[1] == 3 for r in rows)
+    runs = [order.pieces(terms[a:b], a, n) for a, b in zip(edges, edges[1:])]
+    assert all(r.values.dtype == torch.float64 and r.head.dtype == torch.int64 and r.head.shape[0] <= 5 for r in runs)
     want = ordered_sum(terms)
-    assert order.total_from_pieces(torch.cat(rows + rows[:1]), n) == want
-    assert order.total_from_pieces(torch.cat(rows[::-1]), n) == want   # the rows in any order
+    assert order.total_from_pieces(runs + runs[:1], n) == want
+    assert order.total_from_pieces(runs[::-1], n) == want   # the runs in any order
     if n > 1000:
-        assert float(torch.cat(rows)[:, 2].sum()) != want
-        kinds = torch.cat(rows)[:, 0]
+        assert float(torch.cat([r.values for r in runs]).sum()) != want
+        kinds = torch.cat([r.head[:, 0] for r in runs])
         assert (kinds == order.UNIT_SUM).any() and (kinds == order.TERM).any()
 
 
 def test_the_layouts_of_many_ranges_are_each_ones_layout():
-    """``layouts`` of every range of :data:`CUTS` (empty ones too) at once: each range's entries,
-    in order, are its ``layout``, whose pieces cover exactly its elements (each element in one
-    piece: a term, a whole block or a whole unit) in element order."""
+    """``layouts`` of every range of :data:`CUTS` (empty ones too) at once: each range's runs, in
+    order, are its ``layout``, at most five of them, which cover exactly its elements (each
+    element in one piece: a term, a whole block or a whole unit) in element order, each run's
+    pieces consecutive ones of its kind."""
     ranges = [(a, b - a, n) for n, cuts in CUTS for a, b in zip([0, *cuts], [*cuts, n])]
-    kind, index, start, length, counts = order.layouts(*zip(*ranges))
-    assert counts.tolist() == [order.layout(*r)[0].numel() for r in ranges]
+    kind, index, count, start, length, runs = order.layouts(*zip(*ranges))
+    assert runs.tolist() == [order.layout(*r)[0].numel() for r in ranges] and runs.max() <= 5
     at = 0
-    for (first, n, numel), count in zip(ranges, counts.tolist()):
+    for (first, n, numel), r in zip(ranges, runs.tolist()):
         alone = order.layout(first, n, numel)
-        together = (kind[at:at + count], index[at:at + count], start[at:at + count], length[at:at + count])
+        together = (kind[at:at + r], index[at:at + r], count[at:at + r], start[at:at + r], length[at:at + r])
         assert all(torch.equal(a, b) for a, b in zip(alone, together)), (first, n, numel)
-        covered = torch.cat([torch.arange(s, s + k) for s, k in zip(together[2].tolist(), together[3].tolist())]
+        covered = torch.cat([torch.arange(s, s + k) for s, k in zip(together[3].tolist(), together[4].tolist())]
                             + [torch.arange(0)])
         assert torch.equal(covered, torch.arange(n)), (first, n, numel)
-        at += count
+        size = torch.tensor(order.PIECE_SIZE)[together[0]]
+        assert torch.equal(together[3] + first, together[1] * size), (first, n, numel)   # each run's first piece
+        assert torch.equal(-(-together[4] // size), together[2]) and bool((together[2] > 0).all())
+        at += r
     assert at == kind.numel()
     with pytest.raises(ValueError, match="first: elements \\[5, 12\\) are not inside a tensor of 10 elements"):
         order.layouts([0, 5], [3, 7], [10, 10])
@@ -249,39 +260,39 @@ def test_the_layouts_of_many_ranges_are_each_ones_layout():
 
 
 def test_the_sums_of_many_tensors_at_once_are_each_ones_own():
-    """``totals_from_pieces`` over the rows of all tensors of :data:`CUTS` (each cut into its
-    ranges, a replica's rows repeated, all rows shuffled together) gives each tensor's ordered
+    """``totals_from_pieces`` over the runs of all tensors of :data:`CUTS` (each cut into its
+    ranges, a replica's runs repeated, all runs shuffled together) gives each tensor's ordered
     sum bit for bit, as it does alone; a missing piece or a row outside its tensor names the
     tensor."""
     gen = torch.Generator().manual_seed(5)
-    rows, want = [], []
+    pieces, want = [], []
     for t, (n, cuts) in enumerate(CUTS):
         terms = torch.rand(n, generator=gen) * torch.exp2(torch.randint(-40, 40, (n,), generator=gen).float())
         edges = [0, *cuts, n]
         mine = [order.pieces(terms[a:b], a, n) for a, b in zip(edges, edges[1:])]
-        mine = torch.cat(mine + mine[:1])
-        rows.append(torch.cat([torch.full((mine.shape[0], 1), float(t), dtype=torch.float64), mine], 1))
+        pieces += [(t, r) for r in mine + mine[:1]]
         want.append(ordered_sum(terms))
-        assert order.total_from_pieces(mine, n) == want[-1]
-    together = torch.cat(rows)
-    together = together[torch.randperm(together.shape[0], generator=gen)]
+        assert order.total_from_pieces(mine + mine[:1], n) == want[-1]
+    pieces = [pieces[i] for i in torch.randperm(len(pieces), generator=gen).tolist()]
     numels = [n for n, _ in CUTS]
-    assert order.totals_from_pieces(together, numels).tolist() == want
+    assert order.totals_from_pieces(*_together(pieces), numels).tolist() == want
     last = len(CUTS) - 1
     missing = f"pieces: element 0 of a tensor of 1000 elements is in no piece \\(tensor {last}\\)"
     with pytest.raises(ValueError, match=missing):
-        order.totals_from_pieces(together[(together[:, 0] != last) | (together[:, 2] != 0)], numels)
-    with pytest.raises(ValueError, match="kind 0 and index 17 is outside a tensor of 17 elements \\(tensor 0\\)"):
-        order.totals_from_pieces(torch.cat([together, torch.tensor([[0, 0, 17, 1.0]], dtype=torch.float64)]), numels)
-    with pytest.raises(ValueError, match=f"a row of tensor {len(CUTS)}, expected one of {len(CUTS)}"):
-        order.totals_from_pieces(torch.tensor([[len(CUTS), 0, 0, 1.0]], dtype=torch.float64), numels)
+        order.totals_from_pieces(*_together([(t, r) for t, r in pieces if t != last]), numels)
+    outside = (0, order.Runs(torch.tensor([[order.TERM, 17, 1]]), torch.ones(1, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="kind 0 of 1 pieces from index 17 is outside a tensor of 17 elements "
+                                         "\\(tensor 0\\)"):
+        order.totals_from_pieces(*_together(pieces + [outside]), numels)
+    with pytest.raises(ValueError, match=f"a run of tensor {len(CUTS)}, expected one of {len(CUTS)}"):
+        order.totals_from_pieces(*_together([(len(CUTS), outside[1])]), numels)
 
 
 def test_the_pieces_of_many_ranges_are_each_pieces_own_sums(monkeypatch):
     """``Pieces`` over every range of :data:`CUTS` (empty ones too), the ranges of all tensors
     shuffled together and each range's terms given in turn: each row is the ordered sum of the
     elements it covers (a term itself, a block's or a unit's sum: :func:`ordered_sum` of those
-    elements alone), in the range's layout, and the rows of all ranges give each tensor's sum; all
+    elements alone), in the range's layout, and the runs of all ranges give each tensor's sum; all
     of it reaches the host in one copy. Terms of the wrong count, dtype or number are refused by
     name."""
     gen = torch.Generator().manual_seed(7)
@@ -294,21 +305,21 @@ def test_the_pieces_of_many_ranges_are_each_pieces_own_sums(monkeypatch):
     made = order.Pieces([a for _, a, _ in ranges], [n for _, _, n in ranges], [CUTS[t][0] for t, _, _ in ranges])
     for t, a, n in ranges:
         made.add(tensors[t][a:a + n])
-    rows = made.rows()
+    runs = made.runs()
     assert copies == [2 * len(ranges)]
-    for (t, a, n), got in zip(ranges, rows):
-        kind, index, start, length = order.layout(a, n, CUTS[t][0])
+    for (t, a, n), got in zip(ranges, runs):
+        kind, index, count, start, length = order.layout(a, n, CUTS[t][0])
+        assert torch.equal(got.head, torch.stack([kind, index, count], 1)), (t, a, n)
         local = tensors[t][a:a + n]
-        want = [float(local[s]) if k == order.TERM else ordered_sum(local[s:s + m])
-                for k, s, m in zip(kind.tolist(), start.tolist(), length.tolist())]
-        assert torch.equal(got[:, 0], kind.double()) and torch.equal(got[:, 1], index.double()), (t, a, n)
-        assert got[:, 2].tolist() == want, (t, a, n)
-    together = torch.cat([torch.cat([torch.full((r.shape[0], 1), float(t), dtype=torch.float64), r], 1)
-                          for (t, _, _), r in zip(ranges, rows)])
-    assert order.totals_from_pieces(together, [n for n, _ in CUTS]).tolist() == list(map(ordered_sum, tensors))
+        want = [float(local[e]) if k == order.TERM else ordered_sum(local[e:min(e + size, s + m)])
+                for k, s, m in zip(kind.tolist(), start.tolist(), length.tolist())
+                for size in [order.PIECE_SIZE[k]] for e in range(s, s + m, size)]
+        assert got.values.tolist() == want, (t, a, n)
+    together = _together([(t, r) for (t, _, _), r in zip(ranges, runs)])
+    assert order.totals_from_pieces(*together, [n for n, _ in CUTS]).tolist() == list(map(ordered_sum, tensors))
     made = order.Pieces([0, 5], [5, 4], [9, 9])
     with pytest.raises(ValueError, match="terms: 0 of 2 ranges have their terms"):
-        made.rows()
+        made.runs()
     with pytest.raises(ValueError, match="terms: range 0 holds 5 elements, got 4 terms"):
         made.add(torch.ones(4))
     with pytest.raises(TypeError, match="terms: expected a float32 tensor, got torch.bfloat16"):
@@ -317,7 +328,7 @@ def test_the_pieces_of_many_ranges_are_each_pieces_own_sums(monkeypatch):
     made.add(torch.ones(4))
     with pytest.raises(ValueError, match="terms: every one of the 2 ranges has its terms already"):
         made.add(torch.ones(4))
-    assert order.total_from_pieces(torch.cat(made.rows()), 9) == 9.0
+    assert order.total_from_pieces(made.runs(), 9) == 9.0
 
 
 def test_pieces_refuse_what_they_cannot_place():
@@ -327,33 +338,41 @@ def test_pieces_refuse_what_they_cannot_place():
     with pytest.raises(TypeError, match="terms: expected a float32 tensor, got torch.float64"):
         order.pieces(terms.double(), 0, 20)
     with pytest.raises(ValueError, match="pieces: element 3 of a tensor of 40 elements is in no piece"):
-        order.total_from_pieces(order.pieces(terms[:3], 0, 40), 40)
+        order.total_from_pieces([order.pieces(terms[:3], 0, 40)], 40)
 
 
-def _row(kind: float, index: float, value: float) -> torch.Tensor:
-    return torch.tensor([[kind, index, value]], dtype=torch.float64)
+def _one_run(kind: int, first: int, *values: float, count: int | None = None) -> order.Runs:
+    return order.Runs(torch.tensor([[kind, first, len(values) if count is None else count]]),
+                      torch.tensor(values, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("extra,error", [
-    (_row(order.TERM, 20, 1e6), "a row of kind 0 and index 20 is outside a tensor of 18 elements"),   # in the padding
-    (_row(order.BLOCK_SUM, 5, 1e6), "a row of kind 1 and index 5 is outside"),   # inside the last unit
-    (_row(order.UNIT_SUM, 1, 1e6), "a row of kind 2 and index 1 is outside"),
-    (_row(order.TERM, -1, 1.0), "a row of kind 0 and index -1 is outside"),
-    (_row(3, 0, 1e6), "a row of kind 3, expected 0 \\(term\\), 1 \\(block sum\\) or 2 \\(unit sum\\)"),
-    (_row(0.5, 0, 1.0), "a row whose tensor, kind or index is not an integer"),
-    (_row(order.BLOCK_SUM, 0, 100.0), "rows of kind 1 and index 0 disagree"),   # block 0's sum is 16
-    (_row(order.TERM, 17, 2.0), "rows of kind 0 and index 17 disagree"),
+    (_one_run(order.TERM, 20, 1e6), "a run of kind 0 of 1 pieces from index 20 is outside a tensor of 18 elements"),
+    (_one_run(order.BLOCK_SUM, 5, 1e6), "a run of kind 1 of 1 pieces from index 5 is outside"),   # inside the last unit
+    (_one_run(order.UNIT_SUM, 1, 1e6), "a run of kind 2 of 1 pieces from index 1 is outside"),
+    (_one_run(order.TERM, -1, 1.0), "a run of kind 0 of 1 pieces from index -1 is outside"),
+    (_one_run(order.TERM, 0, count=-1), "a run of kind 0 of -1 pieces from index 0 is outside"),
+    (_one_run(order.TERM, 0, 1.0, 1.0, 1.0, count=2 ** 62), "a run of kind 0 of 4611686018427387904 pieces"),
+    (_one_run(3, 0, 1e6), "a run of kind 3, expected 0 \\(term\\), 1 \\(block sum\\) or 2 \\(unit sum\\)"),
+    (_one_run(order.TERM, 0, 1.0, count=2), "the runs hold 5 pieces, got 4 values"),
+    (_one_run(order.BLOCK_SUM, 0, 100.0), "pieces of kind 1 and index 0 disagree"),   # block 0's sum is 16
+    (_one_run(order.TERM, 16, 1.0, 2.0), "pieces of kind 0 and index 17 disagree"),
 ])
-def test_rows_that_are_not_pieces_of_the_tensor_are_refused(extra, error):
-    """A row outside the tensor (in the last block's or unit's padding too), of an unknown kind,
-    or repeating a piece with another value is refused wherever it sits among the rows, rather
-    than added (or winning by its place); a replica's rows repeated exactly are accepted."""
+def test_runs_that_are_not_pieces_of_the_tensor_are_refused(extra, error):
+    """A run outside the tensor (in the last block's or unit's padding too), of an unknown kind,
+    of more pieces than values, or repeating a piece with another value is refused wherever it
+    sits among the runs, rather than added (or winning by its place); a replica's runs repeated
+    exactly are accepted."""
     terms = torch.ones(18)
-    rows = torch.cat([order.pieces(terms[:17], 0, 18), order.pieces(terms[17:], 17, 18)])
-    assert order.total_from_pieces(torch.cat([rows, rows]), 18) == order.ordered_sum(terms) == 18.0
-    for together in (torch.cat([rows, extra]), torch.cat([extra, rows])):
+    runs = [order.pieces(terms[:17], 0, 18), order.pieces(terms[17:], 17, 18)]
+    assert order.total_from_pieces(runs + runs, 18) == order.ordered_sum(terms) == 18.0
+    for together in (runs + [extra], [extra] + runs):
         with pytest.raises(ValueError, match=f"pieces: {error}"):
             order.total_from_pieces(together, 18)
+    with pytest.raises(ValueError, match="head: expected an int64 tensor of shape \\[runs, 4\\], got torch.float64"):
+        order.totals_from_pieces(runs[0].head.double(), runs[0].values, [18])
+    with pytest.raises(ValueError, match="values: expected a float64 tensor of one dimension, got torch.float32"):
+        order.totals_from_pieces(torch.zeros((0, 4), dtype=torch.int64), torch.zeros(0), [18])
 
 
 def test_the_rebuilt_sum_needs_no_memory_per_element_of_the_tensor():
@@ -362,10 +381,10 @@ def test_the_rebuilt_sum_needs_no_memory_per_element_of_the_tensor():
     anywhere near one int64 per block (128 MiB)."""
     from torch.profiler import ProfilerActivity, profile
     numel = 1 << 28
-    rows = [order.pieces(torch.full((7,), 0.5), 0, numel), order.pieces(torch.full((UNIT - 7,), 0.5), 7, numel),
-            torch.tensor([[order.UNIT_SUM, u, UNIT * 0.5] for u in range(1, numel // UNIT)], dtype=torch.float64)]
+    runs = [order.pieces(torch.full((7,), 0.5), 0, numel), order.pieces(torch.full((UNIT - 7,), 0.5), 7, numel),
+            order.pieces(torch.full((numel - UNIT,), 0.5), UNIT, numel)]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        total = order.total_from_pieces(torch.cat(rows), numel)
+        total = order.total_from_pieces(runs, numel)
     assert total == numel * 0.5
     largest = max(e.cpu_memory_usage for e in prof.key_averages())
     assert 0 < largest < 1 << 24, largest
@@ -379,8 +398,8 @@ SHARD_KINDS = [(torch.bfloat16, "kahan", torch.bfloat16, False), (torch.bfloat16
 @NATIVE
 @pytest.mark.parametrize("kind", SHARD_KINDS, ids=lambda k: f"{k[0]}-{k[1]}-{k[2]}-max{k[3]}")
 def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
-    """The native kernel's pieces of shards' StableAdamW terms (its lowp_sums over unit, block
-    and element members) are the rows ``pieces`` makes from the reference's terms, bit for bit,
+    """The native kernel's pieces of shards' StableAdamW terms (its lowp_piece_sums over each
+    shard's runs of units, blocks and terms) are the runs ``pieces`` makes from the reference's terms, bit for bit,
     for shards cut inside blocks, on unit edges and at the tensor's padded end, under a
     GradScaler's 1/scale; the exchange takes them from the kernel (the torch terms not computed),
     all shards of one dtype signature in one native call."""
@@ -408,22 +427,23 @@ def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
                                                               "exp_avg_sq": second[shard]},
                                  buffer, 0, ElementIndex(offset=first), tensor_sum=TensorSum(numel)))
     ctx = StepContext(reference.param_groups[0], MODES[mode], 3, inv_scale=0.25)
-    want = [rows for s in shards for [(_, rows)] in [sharded_sums._pieces(reference, ctx, [s])]]
+    want = [runs for s in shards for [(_, runs)] in [sharded_sums._pieces(reference, ctx, [s])]]
     calls = []
-    real = native_kernel.sums_function
+    real = native_kernel.piece_sums_function
 
     def counted(source):
         calls.append(source)
         return real(source)
-    monkeypatch.setattr(native_kernel, "sums_function", counted)
+    monkeypatch.setattr(native_kernel, "piece_sums_function", counted)
     monkeypatch.setattr(lo.StableAdamW, "tensor_terms", lambda *a: pytest.fail("torch terms computed"))
     ctx = StepContext(native.param_groups[0], MODES[mode], 3, inv_scale=0.25)
     got = sharded_sums._pieces(native, ctx, shards)
     assert len(calls) == 1, len(calls)
     assert all(a is b for (a, _), b in zip(got, shards)) and len(got) == len(shards)
-    for (s, rows), rows_want in zip(got, want):
-        assert torch.equal(rows, rows_want), s.index
-        assert rows.shape[0] > 0 and rows[:, 2].abs().sum() > 0
+    for (s, runs), runs_want in zip(got, want):
+        assert torch.equal(runs.head, runs_want.head), s.index
+        assert torch.equal(runs.values.view(torch.int64), runs_want.values.view(torch.int64)), s.index
+        assert runs.values.numel() > 0 and runs.values.abs().sum() > 0
 
 
 def test_every_sum_is_exchanged_but_small_ones_of_the_cuda_reference(monkeypatch):
@@ -490,3 +510,35 @@ def test_only_the_class_that_declares_the_spec_gives_the_terms():
 
     assert lo.StableAdamW.shards_sums() and Kept.shards_sums()
     assert not OwnSpec.shards_sums() and not OwnUpdate.shards_sums() and not lo.AdamW.shards_sums()
+
+
+def test_the_messages_of_several_ranks_read_back_and_what_is_not_one_is_refused():
+    """``sharded_sums``' wire format: each rank's message (its run count, then each run's
+    ``(param_id, kind, first, count)``, then the values) read back from several end to end gives
+    every run and value in order; a message that does not read as one (a fractional or too large
+    run count, a fractional head, more pieces than numbers left) is a ``RuntimeError`` naming
+    what is wrong, not an index error or a wrong sum."""
+    import types
+
+    from lowp.optim import sharded_sums
+    terms = torch.rand(UNIT + 40, generator=torch.Generator().manual_seed(3))
+    mine = [(types.SimpleNamespace(param_id=7), order.pieces(terms[:UNIT + 9], 0, UNIT + 40)),
+            (types.SimpleNamespace(param_id=2), order.pieces(terms[:5], 0, 5))]
+    theirs = [(types.SimpleNamespace(param_id=7), order.pieces(terms[UNIT + 9:], UNIT + 9, UNIT + 40))]
+    both = torch.cat([sharded_sums._message(mine), sharded_sums._message(theirs)])
+    head, values = sharded_sums._read_messages(both)
+    runs = [r for _, r in mine + theirs]
+    assert torch.equal(head[:, 1:], torch.cat([r.head for r in runs]))
+    assert head[:, 0].tolist() == [7] * mine[0][1].head.shape[0] + [2] + [7] * theirs[0][1].head.shape[0]
+    assert torch.equal(values, torch.cat([r.values for r in runs]))
+    head[:, 0] = (head[:, 0] == 2).long()
+    want = [ordered_sum(terms), ordered_sum(terms[:5])]
+    assert order.totals_from_pieces(head, values, [UNIT + 40, 5]).tolist() == want
+    for broken, error in [(torch.tensor([1.5]), "a message of 1.5 runs"),
+                          (torch.tensor([math.nan]), "a message of nan"),
+                          (torch.tensor([3.0, 7, 0, 0, 1, 1.0]), "a message of 3.0 runs with 5 numbers after it"),
+                          (torch.tensor([1.0, 7, 0.5, 0, 1, 1.0]), "a run whose parameter, kind, index or count"),
+                          (torch.tensor([1.0, 7, 0, 0, -1]), "a run whose .* or whose count is negative"),
+                          (torch.tensor([1.0, 7, 0, 0, 4, 1.0]), "a message of 4 pieces with 1 numbers left")]:
+        with pytest.raises(RuntimeError, match=f"sharded sums: {error}"):
+            sharded_sums._read_messages(torch.cat([both, broken.double()]))

@@ -20,18 +20,19 @@ loop in float64 there).
 
 A tensor sharded in contiguous ranges (FSDP2's ``Shard(0)``) gets the same total without gathering
 its terms: each rank cuts its range into :func:`pieces` (the sums of the units and blocks it holds
-whole, the raw terms of the blocks it shares with a neighbour), the ranks exchange them, and
-:func:`total_from_pieces` redoes steps 1-4 from them: the sum of the whole tensor, bit for bit.
+whole, the raw terms of the blocks it shares with a neighbour; at most five :class:`Runs` of
+consecutive pieces of one kind), the ranks exchange them, and :func:`total_from_pieces` redoes
+steps 1-4 from them: the sum of the whole tensor, bit for bit.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ordered_sum", "layout", "layouts", "pieces", "Pieces", "total_from_pieces", "totals_from_pieces",
-           "BLOCK", "UNIT", "TERM", "BLOCK_SUM", "UNIT_SUM"]
+__all__ = ["ordered_sum", "layout", "layouts", "pieces", "Pieces", "Runs", "total_from_pieces", "totals_from_pieces",
+           "BLOCK", "UNIT", "TERM", "BLOCK_SUM", "UNIT_SUM", "PIECE_SIZE"]
 
 #: elements per block: 8 fp32 lanes of two elements each
 BLOCK = 16
@@ -66,6 +67,18 @@ def _unit_sums(blocks: torch.Tensor) -> torch.Tensor:
     return F.pad(blocks, (0, -blocks.numel() % per_unit)).view(-1, per_unit).cumsum(1)[:, -1]
 
 
+def _segment_sums(blocks: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Step 3 over ``blocks`` (float64, on the CPU) cut into consecutive units of ``sizes`` blocks
+    (each at most a unit's): each unit's sum, its blocks added in order, the units of one size
+    together (a unit's missing blocks would be zeros, which end a sum unchanged)."""
+    sums = torch.zeros(sizes.numel(), dtype=torch.float64)
+    first = torch.cumsum(sizes, 0) - sizes
+    for size in torch.unique(sizes[sizes > 0]).tolist():
+        of_size = (sizes == size).nonzero().flatten()
+        sums[of_size] = blocks[first[of_size][:, None] + torch.arange(size)].cumsum(1)[:, -1]
+    return sums
+
+
 def _block_sums(flat: torch.Tensor) -> torch.Tensor:
     """Steps 1 and 2 over ``flat`` (fp32, a multiple of :data:`BLOCK` long): its block sums in float64."""
     lanes = (flat[0::2] + flat[1::2]).view(-1, BLOCK // 2).double()
@@ -75,29 +88,45 @@ def _block_sums(flat: torch.Tensor) -> torch.Tensor:
     return blocks
 
 
-#: the kinds of a piece (column 0 of :func:`pieces`' rows): a raw term (its element index), a block's
-#: sum (its block index), a unit's sum (its unit index)
+#: the kinds of a piece (column 0 of a run's head, :class:`Runs`): a raw term (indexed by its
+#: element), a block's sum (by its block), a unit's sum (by its unit)
 TERM, BLOCK_SUM, UNIT_SUM = 0, 1, 2
+#: the elements a piece of each kind sums (the last block and unit of a tensor may hold fewer)
+PIECE_SIZE = (1, BLOCK, UNIT)
 
 
-def layout(first: int, n: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pieces (:func:`pieces`) of the elements ``[first, first + n)`` of a tensor of ``numel``
-    elements, as int64 tensors ``(kind, index, start, length)`` in element order: each piece's
-    kind, its index (element, block or unit), and the local elements it sums, ``[start, start +
-    length)`` of the range. A block is held whole when every element of it below ``numel`` is in
-    the range (the last block's padding is zeros); a unit likewise (:func:`layouts` of one range)."""
-    kind, index, start, length, _ = layouts([first], [n], [numel])
-    return kind, index, start, length
+class Runs(NamedTuple):
+    """Pieces of a tensor as runs of consecutive pieces of one kind: ``head`` (int64, ``[r, 3]``)
+    holds each run's ``(kind, first index, count)``, and ``values`` (float64) the ``count`` pieces
+    of each run in turn: piece ``first + k`` of run ``j`` is ``values[offset_j + k]``. A range of a
+    tensor is at most five runs (:func:`layouts`), whatever its length: the wire format of
+    :mod:`lowp.optim.sharded_sums` (8 bytes per piece plus 32 per run).
+
+    Args:
+        head: int64 ``[r, 3]``, each run's kind, first piece's index and piece count.
+        values: float64, the pieces of every run in turn.
+    """
+
+    head: torch.Tensor
+    values: torch.Tensor
 
 
-def layouts(firsts: Sequence[int], ns: Sequence[int], numels: Sequence[int]
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`layout` of many ranges at once (range ``r``: elements ``[firsts[r], firsts[r] +
-    ns[r])`` of a tensor of ``numels[r]``), their entries one after the other, and the number of
-    entries of each range. A range is, in element order: the raw terms before its first whole
+def layout(first: int, n: int, numel: int) -> tuple[torch.Tensor, ...]:
+    """The runs of pieces (:func:`pieces`) of the elements ``[first, first + n)`` of a tensor of
+    ``numel`` elements: :func:`layouts` of one range, without the run count."""
+    return layouts([first], [n], [numel])[:5]
+
+
+def layouts(firsts: Sequence[int], ns: Sequence[int], numels: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """The runs of pieces of many ranges (range ``r``: elements ``[firsts[r], firsts[r] + ns[r])`` of
+    a tensor of ``numels[r]``), as int64 tensors ``(kind, first, count, start, length, runs)``: per
+    run its kind, its first piece's index (element, block or unit), its piece count, and the local
+    elements it sums, ``[start, start + length)`` of its range; then the number of runs of each
+    range. A range is, in element order, at most five runs: the raw terms before its first whole
     block, whole blocks up to its first whole unit, its whole units, whole blocks after them, the
-    raw terms after its last whole block (each part maybe empty); every part of every range is
-    made at once (a ragged ``arange``)."""
+    raw terms after its last whole block (empty ones left out). A block is held whole when every
+    element of it below ``numel`` is in the range (the last block's padding is zeros); a unit
+    likewise."""
     if not len(firsts) == len(ns) == len(numels):
         raise ValueError(f"firsts, ns, numels: expected one entry per range in each, got {len(firsts)}, "
                          f"{len(ns)} and {len(numels)} entries")
@@ -122,33 +151,30 @@ def layouts(firsts: Sequence[int], ns: Sequence[int], numels: Sequence[int]
     u1 = torch.maximum(u0, torch.where(b1 == nblocks, -(-nblocks // per_unit), b1 // per_unit))
     units = u1 > u0
     after = torch.minimum(u1 * per_unit, nblocks)
-    # per range, its five parts: (kind, first index, count)
-    kinds = torch.tensor([TERM, BLOCK_SUM, UNIT_SUM, BLOCK_SUM, TERM]).repeat(first.numel())
-    starts = torch.stack([first, b0, u0, after, hi], 1).reshape(-1)
-    counts = torch.stack([lo - first, torch.where(units, u0 * per_unit, b1) - b0, u1 - u0,
-                          torch.where(units, b1 - after, 0), end - hi], 1).reshape(-1)
-    index = torch.repeat_interleave(starts - (torch.cumsum(counts, 0) - counts), counts) \
-        + torch.arange(int(counts.sum()))
-    kind = torch.repeat_interleave(kinds, counts)
-    size = torch.tensor([1, BLOCK, UNIT])[kind]   # elements of a term, block, unit
-    whole = torch.repeat_interleave(numel.repeat_interleave(5), counts)
-    element = index * size   # each piece's first element
-    length = torch.minimum(whole - element, size)
-    start = element - torch.repeat_interleave(first.repeat_interleave(5), counts)
-    return kind, index, start, length, counts.view(-1, 5).sum(1)
+    # per range, its five runs: (kind, first index, count)
+    kind = torch.tensor([TERM, BLOCK_SUM, UNIT_SUM, BLOCK_SUM, TERM]).repeat(first.numel())
+    index = torch.stack([first, b0, u0, after, hi], 1).reshape(-1)
+    count = torch.stack([lo - first, torch.where(units, u0 * per_unit, b1) - b0, u1 - u0,
+                         torch.where(units, b1 - after, 0), end - hi], 1).reshape(-1)
+    size = torch.tensor(PIECE_SIZE)[kind]
+    element = index * size   # each run's first element in its tensor
+    length = torch.minimum(numel.repeat_interleave(5) - element, count * size)
+    start = element - first.repeat_interleave(5)
+    kept = count > 0
+    return kind[kept], index[kept], count[kept], start[kept], length[kept], kept.view(-1, 5).sum(1)
 
 
-def pieces(terms: torch.Tensor, first: int, numel: int) -> torch.Tensor:
+def pieces(terms: torch.Tensor, first: int, numel: int) -> Runs:
     """What a holder of the elements ``[first, first + n)`` of a tensor of ``numel`` elements (its
-    fp32 ``terms``, ``n`` of them, in element order) contributes to the tensor's ordered sum: rows
-    ``(kind, index, value)`` in float64, in element order (:func:`layout`): the sum of each unit it
-    holds whole (:data:`UNIT_SUM`), the sum of each other block it holds whole (:data:`BLOCK_SUM`),
-    each term of a block it holds only part of (:data:`TERM`, exact in float64). :class:`Pieces`
-    of one range."""
+    fp32 ``terms``, ``n`` of them, in element order) contributes to the tensor's ordered sum, as
+    :class:`Runs` in element order (:func:`layout`): the sum of each unit it holds whole
+    (:data:`UNIT_SUM`), the sum of each other block it holds whole (:data:`BLOCK_SUM`), each term
+    of a block it holds only part of (:data:`TERM`, exact in float64). :class:`Pieces` of one
+    range."""
     _check_terms(terms)
     made = Pieces([first], [terms.numel()], [numel])
     made.add(terms)
-    return made.rows()[0]
+    return made.runs()[0]
 
 
 class Pieces:
@@ -156,12 +182,12 @@ class Pieces:
     of a tensor of ``numels[r]``), made from one range's terms at a time (:meth:`add`), so only
     one range's fp32 terms need exist at once.
 
-    :meth:`add` keeps, on the terms' device, what the rows need of them: the raw terms outside
+    :meth:`add` keeps, on the terms' device, what the runs need of them: the raw terms outside
     the range's whole blocks (at most 15 on each side) and the whole blocks' sums (steps 1 and 2
-    of the module docstring, elementwise; float64, 1 / 8 of the terms' bytes). :meth:`rows` copies
+    of the module docstring, elementwise; float64, 1 / 8 of the terms' bytes). :meth:`runs` copies
     all of it to the host at once (one transfer and one synchronisation for every range, where a
     range at a time cost one each and the whole terms' bytes) and makes every unit's sum (step 3,
-    a left-to-right ``cumsum`` on the CPU) and every row together.
+    a left-to-right ``cumsum`` on the CPU).
 
     Args:
         firsts: each range's first element in its tensor.
@@ -170,18 +196,18 @@ class Pieces:
     """
 
     def __init__(self, firsts: Sequence[int], ns: Sequence[int], numels: Sequence[int]) -> None:
-        self.kind, self.index, start, length, self.counts = layouts(firsts, ns, numels)
+        kind, index, count, start, length, runs = layouts(firsts, ns, numels)
         self.ns = [int(n) for n in ns]
-        ranges = len(self.ns)
-        self.range_of = torch.repeat_interleave(torch.arange(ranges), self.counts)   # each row's range
-        # each range's whole blocks are its local elements [lo, hi); its raw terms the rest
-        held = self.kind != TERM
+        self.heads = list(torch.stack([kind, index, count], 1).split(runs.tolist()))
+        self.lengths = [t.tolist() for t in length.split(runs.tolist())]   # each run's elements
+        # each range's whole blocks are its local elements [lo, hi) (its block and unit runs); its raw terms the rest
+        held = kind != TERM
+        range_of = torch.repeat_interleave(torch.arange(len(self.ns)), runs)
         n = torch.tensor(self.ns, dtype=torch.int64)
-        lo = n.clone().scatter_reduce_(0, self.range_of[held], start[held], "amin")
-        hi = torch.zeros_like(n).scatter_reduce_(0, self.range_of[held], (start + length)[held], "amax")
-        hi = torch.where(torch.bincount(self.range_of[held], minlength=ranges) > 0, hi, n)
+        lo = n.clone().scatter_reduce_(0, range_of[held], start[held], "amin")
+        hi = torch.zeros_like(n).scatter_reduce_(0, range_of[held], (start + length)[held], "amax")
+        hi = torch.where(torch.bincount(range_of[held], minlength=len(self.ns)) > 0, hi, n)
         self.lo, self.hi = lo.tolist(), hi.tolist()
-        self.first_block = (torch.tensor(list(firsts), dtype=torch.int64) + lo) // BLOCK
         self._raw: list[torch.Tensor] = []
         self._blocks: list[torch.Tensor] = []
 
@@ -202,31 +228,28 @@ class Pieces:
         self._raw.append(torch.cat([flat[:lo], flat[hi:]]).double())
         self._blocks.append(_block_sums(body))
 
-    def rows(self) -> list[torch.Tensor]:
-        """Each range's rows ``(kind, index, value)``, float64 on the CPU, in element order."""
+    def runs(self) -> list[Runs]:
+        """Each range's :class:`Runs`, float64 values on the CPU, in element order."""
         if len(self._raw) != len(self.ns):
             raise ValueError(f"terms: {len(self._raw)} of {len(self.ns)} ranges have their terms")
-        raw_count = sum(t.numel() for t in self._raw)
-        host = _to_host(self._raw + self._blocks)
-        raw, blocks = host[:raw_count], host[raw_count:]
-        nblocks = torch.tensor([t.numel() for t in self._blocks], dtype=torch.int64)
-        offset = torch.cumsum(nblocks, 0) - nblocks   # each range's first block sum in ``blocks``
-        kind, index, range_of = self.kind, self.index, self.range_of
-        values = torch.zeros(kind.numel(), dtype=torch.float64)
-        values[kind == TERM] = raw   # the raw terms, before and after each range's whole blocks, in order
-        at = kind == BLOCK_SUM
-        values[at] = blocks[offset[range_of[at]] + index[at] - self.first_block[range_of[at]]]
-        at = kind == UNIT_SUM
-        if at.any():   # a range's whole units are consecutive, and so are their blocks' sums
-            per_unit = UNIT // BLOCK
-            unit_range = range_of[at]
-            begins = offset[unit_range] + index[at] * per_unit - self.first_block[unit_range]   # in ``blocks``
-            with_units, units = torch.unique_consecutive(unit_range, return_counts=True)
-            begin = begins[torch.cumsum(units, 0) - units].tolist()
-            end = (offset + nblocks)[with_units].tolist()   # the tensor's last unit may be shorter
-            values[at] = torch.cat([_unit_sums(blocks[b:min(b + u * per_unit, e)])
-                                    for b, e, u in zip(begin, end, units.tolist())])
-        return list(torch.stack([kind.double(), index.double(), values], dim=1).split(self.counts.tolist()))
+        raw_sizes, block_sizes = [t.numel() for t in self._raw], [t.numel() for t in self._blocks]
+        host = _to_host(self._raw + self._blocks).split(raw_sizes + block_sizes)
+        made = []
+        for head, lengths, raw, blocks in zip(self.heads, self.lengths, host[:len(raw_sizes)], host[len(raw_sizes):]):
+            values, at_raw, at_block = [], 0, 0
+            for (kind, _, count), length in zip(head.tolist(), lengths):
+                if kind == TERM:   # before the whole blocks, then after them
+                    values.append(raw[at_raw:at_raw + count])
+                    at_raw += count
+                elif kind == BLOCK_SUM:
+                    values.append(blocks[at_block:at_block + count])
+                    at_block += count
+                else:   # the units' blocks (the tensor's last unit may be shorter)
+                    end = at_block - (-length // BLOCK)
+                    values.append(_unit_sums(blocks[at_block:end]))
+                    at_block = end
+            made.append(Runs(head, torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)))
+        return made
 
 
 def _to_host(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -238,31 +261,9 @@ def _to_host(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.cpu() for t in parts])
 
 
-def _check_rows(tensor: torch.Tensor, kind: torch.Tensor, index: torch.Tensor, value: torch.Tensor,
-                bounds: torch.Tensor, key: torch.Tensor) -> None:
-    """``ValueError`` unless every row is a piece of its tensor (a known kind, its index below
-    ``bounds[tensor, kind]``: the tensor's elements, blocks or units) and rows of the same ``key``
-    (tensor, kind and index) carry the same value bit for bit (replicas' rows repeat; different
-    ones would make the sum depend on the rows' order)."""
-    known = (kind >= TERM) & (kind <= UNIT_SUM)
-    if not known.all():
-        bad = int(kind[~known][0])
-        raise ValueError(f"pieces: a row of kind {bad}, expected {TERM} (term), {BLOCK_SUM} (block sum) "
-                         f"or {UNIT_SUM} (unit sum)")
-    outside = (index < 0) | (index >= bounds[tensor, kind])
-    if outside.any():
-        t, k, i = int(tensor[outside][0]), int(kind[outside][0]), int(index[outside][0])
-        raise ValueError(f"pieces: a row of kind {k} and index {i} is outside a tensor of {int(bounds[t, 0])} "
-                         f"elements{_which(t, bounds.shape[0])}")
-    key, order = torch.sort(key * 3 + kind)
-    same = key[1:] == key[:-1]
-    if same.any():
-        bits = value.view(torch.int64)[order]
-        differ = same & (bits[1:] != bits[:-1])
-        if differ.any():
-            at = int(order[1:][differ][0])
-            raise ValueError(f"pieces: rows of kind {int(kind[at])} and index {int(index[at])} disagree"
-                             f"{_which(int(tensor[at]), bounds.shape[0])}")
+def _ragged(first: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``first[j], first[j] + 1, ..., first[j] + count[j] - 1`` for every ``j``, end to end."""
+    return torch.repeat_interleave(first - (torch.cumsum(count, 0) - count), count) + torch.arange(int(count.sum()))
 
 
 def _which(t: int, count: int) -> str:
@@ -270,93 +271,163 @@ def _which(t: int, count: int) -> str:
     return f" (tensor {t})" if count > 1 else ""
 
 
-def total_from_pieces(rows: torch.Tensor, numel: int) -> float:
-    """The ordered sum of a tensor of ``numel`` elements from the :func:`pieces` of ranges that
-    cover it (rows of all holders, in any order; a range held twice, by replicas, gives the same
-    rows): :func:`totals_from_pieces` of one tensor."""
-    rows = rows.detach().to("cpu", torch.float64)
-    return float(totals_from_pieces(torch.cat([torch.zeros((rows.shape[0], 1), dtype=torch.float64), rows], 1),
-                                    [numel])[0])
+def _check_runs(tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                values: torch.Tensor, numel: torch.Tensor) -> None:
+    """``ValueError`` unless every run holds pieces of its tensor (a known kind, its pieces'
+    indices below the tensor's elements, blocks or units), the runs hold as many pieces as there
+    are ``values``, and pieces of one kind and index given twice (replicas' runs repeat) carry the
+    same value bit for bit (different ones would make the sum depend on the runs' order)."""
+    tensors = numel.numel()
+    if ((tensor < 0) | (tensor >= tensors)).any():
+        raise ValueError(f"pieces: a run of tensor {int(tensor[(tensor < 0) | (tensor >= tensors)][0])}, "
+                         f"expected one of {tensors}")
+    known = (kind >= TERM) & (kind <= UNIT_SUM)
+    if not known.all():
+        raise ValueError(f"pieces: a run of kind {int(kind[~known][0])}, expected {TERM} (term), {BLOCK_SUM} "
+                         f"(block sum) or {UNIT_SUM} (unit sum)")
+    nblocks = -(-numel // BLOCK)
+    bound = torch.stack([numel, nblocks, -(-nblocks // (UNIT // BLOCK))], 1)[tensor, kind]
+    outside = (first < 0) | (count < 0) | (first > bound) | (count > bound - first)
+    if outside.any():
+        t, k, i, c = (int(v[outside][0]) for v in (tensor, kind, first, count))
+        raise ValueError(f"pieces: a run of kind {k} of {c} pieces from index {i} is outside a tensor of "
+                         f"{int(numel[t])} elements{_which(t, tensors)}")
+    if int(count.sum()) != values.numel():
+        raise ValueError(f"pieces: the runs hold {int(count.sum())} pieces, got {values.numel()} values")
+    # runs of one kind overlapping (a replica's repeated, or worse): their pieces must agree
+    size = torch.tensor(PIECE_SIZE)[kind]
+    element = torch.cumsum(numel, 0) - numel   # each tensor's first element among all tensors'
+    space = int(numel.sum()) + UNIT   # past the padded end of every run
+    start = kind * space + element[tensor] + first * size
+    start, order = torch.sort(start)
+    end = (start + count[order] * size[order]).cummax(0).values
+    if start.numel() > 1 and bool((start[1:] < end[:-1]).any()):
+        _check_repeats(tensor, kind, first, count, values, element, tensors)
 
 
-def totals_from_pieces(rows: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
-    """The ordered sums (float64) of tensors of ``numels`` elements from the :func:`pieces` of
-    ranges that cover each, as rows ``(tensor, kind, index, value)`` (``tensor`` its position in
-    ``numels``; rows of all holders, in any order; a range held twice, by replicas, gives the same
-    rows): steps 1-4 of the module docstring redone from the largest pieces given, for all
-    tensors at once. The tensors' units are laid end to end (tensor ``t``'s unit ``u`` is unit
-    ``base[t] + u``), every unit without a unit sum rebuilt from its blocks at once (a row of
-    2,048 block sums each), then each tensor's units added in order from ``+0.0``. ``ValueError``
-    when a term a sum needs is missing, or a row is not a piece of its tensor (outside it, of an
-    unknown kind, repeating a piece with another value)."""
-    rows = rows.detach().to("cpu", torch.float64)
-    ints = rows[:, :3].long()
-    if not torch.equal(ints.double(), rows[:, :3]):   # a fraction, a NaN or an infinity does not come back
-        raise ValueError("pieces: a row whose tensor, kind or index is not an integer")
-    (tensor, kind, index), value = ints.t().contiguous(), rows[:, 3]
+def _check_repeats(tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                   values: torch.Tensor, element: torch.Tensor, tensors: int) -> None:
+    """``ValueError`` unless pieces of the same tensor, kind and index carry the same value bit for bit."""
+    kinds = torch.repeat_interleave(kind, count)
+    tensor_of = torch.repeat_interleave(tensor, count)
+    index = _ragged(first, count)
+    key, order = torch.sort((element[tensor_of] + index * torch.tensor(PIECE_SIZE)[kinds]) * 3 + kinds)
+    same = key[1:] == key[:-1]
+    bits = values.view(torch.int64)[order]
+    differ = same & (bits[1:] != bits[:-1])
+    if differ.any():
+        at = int(order[1:][differ][0])
+        raise ValueError(f"pieces: pieces of kind {int(kinds[at])} and index {int(index[at])} disagree"
+                         f"{_which(int(tensor_of[at]), tensors)}")
+
+
+def total_from_pieces(pieces: Sequence[Runs], numel: int) -> float:
+    """The ordered sum of a tensor of ``numel`` elements from the :class:`Runs` of ranges that
+    cover it (every holder's, in any order; a range held twice, by replicas, gives the same
+    runs): :func:`totals_from_pieces` of one tensor."""
+    head = torch.cat([torch.zeros((0, 4), dtype=torch.int64)]
+                     + [torch.cat([torch.zeros((r.head.shape[0], 1), dtype=torch.int64), r.head], 1) for r in pieces])
+    values = torch.cat([torch.zeros(0, dtype=torch.float64)] + [r.values.to("cpu", torch.float64) for r in pieces])
+    return float(totals_from_pieces(head, values, [numel])[0])
+
+
+def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
+    """The ordered sums (float64) of tensors of ``numels`` elements from the runs of pieces of
+    ranges that cover each: ``head`` (int64 ``[r, 4]``) holds each run's ``(tensor, kind, first
+    index, count)`` (``tensor`` its position in ``numels``), ``values`` (float64) the runs' pieces in
+    turn (:class:`Runs`); the runs of all holders in any order, a range held twice (by replicas)
+    giving the same runs. Steps 1-4 of the module docstring are redone from the largest pieces
+    given, for all tensors at once: the tensors' units laid end to end (tensor ``t``'s unit ``u``
+    is unit ``base[t] + u``), every unit without a unit sum rebuilt from its blocks at once (a row
+    of 2,048 block sums each, placed run by run), then each tensor's units added in order from
+    ``+0.0``. ``ValueError`` when a term a sum needs is missing, or a run is not one of pieces of
+    its tensor (outside it, of an unknown kind, repeating a piece with another value, holding
+    more or fewer pieces than ``values``)."""
+    if not isinstance(head, torch.Tensor) or head.dtype != torch.int64 or head.dim() != 2 or head.shape[1] != 4:
+        got = f"{head.dtype} of shape {tuple(head.shape)}" if isinstance(head, torch.Tensor) else type(head).__name__
+        raise ValueError(f"head: expected an int64 tensor of shape [runs, 4], got {got}")
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float64 or values.dim() != 1:
+        got = f"{values.dtype} of shape {tuple(values.shape)}" if isinstance(values, torch.Tensor) \
+            else type(values).__name__
+        raise ValueError(f"values: expected a float64 tensor of one dimension, got {got}")
+    tensor, kind, first, count = head.detach().cpu().t().contiguous()
+    values = values.detach().cpu()
     numel = torch.tensor(list(numels), dtype=torch.int64)
-    count, per_unit = numel.numel(), UNIT // BLOCK
-    if ((tensor < 0) | (tensor >= count)).any():
-        raise ValueError(f"pieces: a row of tensor {int(tensor[(tensor < 0) | (tensor >= count)][0])}, "
-                         f"expected one of {count}")
+    tensors, per_unit = numel.numel(), UNIT // BLOCK
+    _check_runs(tensor, kind, first, count, values, numel)
+    offset = torch.cumsum(count, 0) - count   # each run's first value
+    kept = count > 0
+    tensor, kind, first, count, offset = tensor[kept], kind[kept], first[kept], count[kept], offset[kept]
     nblocks = -(-numel // BLOCK)
     nunits = -(-nblocks // per_unit)
     base = torch.cumsum(nunits, 0) - nunits   # each tensor's first unit
-    unit_of = torch.where(kind == TERM, index // UNIT, torch.where(kind == BLOCK_SUM, index // per_unit, index))
-    _check_rows(tensor, kind, index, value, torch.stack([numel, nblocks, nunits], 1),
-                torch.where(kind == TERM, index, torch.where(kind == BLOCK_SUM, index * BLOCK, index * UNIT))
-                + base[tensor] * UNIT)
     units = torch.zeros(int(nunits.sum()), dtype=torch.float64)
-    owner = torch.repeat_interleave(torch.arange(count), nunits)   # each unit's tensor
-    unit = base[tensor] + unit_of   # each row's unit
+    owner = torch.repeat_interleave(torch.arange(tensors), nunits)   # each unit's tensor
     whole = torch.zeros(units.numel(), dtype=torch.bool)
     at = kind == UNIT_SUM
-    units[unit[at]], whole[unit[at]] = value[at], True
+    unit = _ragged(base[tensor[at]] + first[at], count[at])
+    units[unit], whole[unit] = values[_ragged(offset[at], count[at])], True
     partial = (~whole).nonzero().flatten()
     if partial.numel():
-        needed = ~whole[unit]
-        row_of = torch.full((units.numel(),), -1, dtype=torch.int64)
-        row_of[partial] = torch.arange(partial.numel())
-        # [unit row, block in unit]; the blocks past a tensor's last block are held (zeros)
-        ends = nblocks[owner[partial]] - (partial - base[owner[partial]]) * per_unit
-        held = (torch.arange(per_unit) >= ends[:, None]).reshape(-1)
-        blocks = torch.zeros(held.numel(), dtype=torch.float64)
+        # the blocks of the partial units end to end (a unit's up to its tensor's last block)
+        sizes = torch.clamp(nblocks[owner[partial]] - (partial - base[owner[partial]]) * per_unit, max=per_unit)
+        row = torch.full((units.numel(),), -(1 << 62), dtype=torch.int64)   # each unit's first slot; whole: none
+        row[partial] = torch.cumsum(sizes, 0) - sizes
+        blocks = torch.zeros(int(sizes.sum()), dtype=torch.float64)
+        held = torch.zeros(blocks.numel(), dtype=torch.bool)
 
-        def slot(u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:   # unit ``u``'s block ``b`` (of its unit)
-            return row_of[u] * per_unit + b
-        at = (kind == BLOCK_SUM) & needed
-        blocks[slot(unit[at], index[at] % per_unit)], held[slot(unit[at], index[at] % per_unit)] = value[at], True
-        at = (kind == TERM) & needed
-        block = unit[at] * per_unit + index[at] % UNIT // BLOCK   # its block among all units' blocks
+        def slot(block: torch.Tensor) -> torch.Tensor:   # a block (among all tensors') in ``blocks``; < 0: none
+            return row[block // per_unit] + block % per_unit
+        at = kind == BLOCK_SUM
+        first_block = base[tensor[at]] * per_unit + first[at]   # among all tensors' blocks
+        start = slot(first_block)
+        # a run of blocks of partial units lands on consecutive slots; the blocks of a run that
+        # crosses a unit some holder gave whole are placed one at a time, those of that unit left out
+        along = (start >= 0) & (slot(first_block + count[at] - 1) - start == count[at] - 1)
+        to, at_value = _ragged(start[along], count[at][along]), _ragged(offset[at][along], count[at][along])
+        blocks[to], held[to] = values[at_value], True
+        if not bool(along.all()):
+            across = _ragged(first_block[~along], count[at][~along])
+            value = values[_ragged(offset[at][~along], count[at][~along])]
+            needed = ~whole[across // per_unit]
+            blocks[slot(across[needed])], held[slot(across[needed])] = value[needed], True
+        at = kind == TERM
+        element = _ragged(base[tensor[at]] * UNIT + first[at], count[at])   # among all tensors' elements
+        value = values[_ragged(offset[at], count[at])]
+        needed = ~whole[element // UNIT]
+        element, value = element[needed], value[needed]
+        block = element // BLOCK
         split = torch.unique(block)
-        split = split[~held[slot(split // per_unit, split % per_unit)]]
+        split = split[~held[slot(split)]]
         if split.numel():   # blocks split between holders: steps 1 and 2 from their terms
             terms = torch.zeros(split.numel() * BLOCK, dtype=torch.float32)
             present = torch.zeros(terms.numel(), dtype=torch.bool)
             where = torch.searchsorted(split, block).clamp(max=split.numel() - 1)   # split is sorted
             mine = split[where] == block
-            spot = where[mine] * BLOCK + index[at][mine] % BLOCK
-            terms[spot] = value[at][mine].float()   # exact: each was an fp32 term
+            spot = where[mine] * BLOCK + element[mine] % BLOCK
+            terms[spot] = value[mine].float()   # exact: each was an fp32 term
             present[spot] = True
-            first = (split - base[owner[split // per_unit]] * per_unit) * BLOCK   # each one's first element
-            present |= (first[:, None] + torch.arange(BLOCK) >= numel[owner[split // per_unit]][:, None]).reshape(-1)
+            t_of = owner[split // per_unit]
+            start = (split - base[t_of] * per_unit) * BLOCK   # each one's first element in its tensor
+            present |= (start[:, None] + torch.arange(BLOCK) >= numel[t_of][:, None]).reshape(-1)
             missing = (~present).nonzero()
             if missing.numel():
                 at_missing = int(missing[0]) // BLOCK
-                t = int(owner[split[at_missing] // per_unit])
-                raise ValueError(f"pieces: element {int(first[at_missing]) + int(missing[0]) % BLOCK} of a tensor of "
-                                 f"{int(numel[t])} elements is in no piece{_which(t, count)}")
-            blocks[slot(split // per_unit, split % per_unit)] = _block_sums(terms)
-            held[slot(split // per_unit, split % per_unit)] = True
+                t = int(t_of[at_missing])
+                raise ValueError(f"pieces: element {int(start[at_missing]) + int(missing[0]) % BLOCK} of a tensor of "
+                                 f"{int(numel[t])} elements is in no piece{_which(t, tensors)}")
+            blocks[slot(split)] = _block_sums(terms)
+            held[slot(split)] = True
         if not held.all():
             at_missing = int((~held).nonzero()[0])
-            u = int(partial[at_missing // per_unit])
+            j = int(torch.searchsorted(row[partial], at_missing, right=True)) - 1   # its partial unit
+            u = int(partial[j])
             t = int(owner[u])
-            element = ((u - int(base[t])) * per_unit + at_missing % per_unit) * BLOCK
-            raise ValueError(f"pieces: element {element} of a tensor of {int(numel[t])} elements is in no piece"
-                             f"{_which(t, count)}")
-        units[partial] = _unit_sums(blocks)   # a row of per_unit blocks per partial unit
-    totals = torch.zeros(count, dtype=torch.float64)
+            element_missing = ((u - int(base[t])) * per_unit + at_missing - int(row[u])) * BLOCK
+            raise ValueError(f"pieces: element {element_missing} of a tensor of {int(numel[t])} elements is in no "
+                             f"piece{_which(t, tensors)}")
+        units[partial] = _segment_sums(blocks, sizes)
+    totals = torch.zeros(tensors, dtype=torch.float64)
     for n in torch.unique(nunits[nunits > 0]).tolist():   # step 4, the tensors of n units together
         of_n = (nunits == n).nonzero().flatten()
         at_units = units[base[of_n][:, None] + torch.arange(n)]

@@ -19,11 +19,13 @@ reference's fp32 working copies (:func:`~lowp.optim.reference.working_grads`), t
 One exchange per mesh (:func:`~lowp.optim.collectives.all_rows` over its sharded dimensions: an
 all-gather of the row counts, then one of the rows; a replica's ranks send nothing to each other)
 carries the pieces of all its parameters, keyed by the parameter's position in the groups (the
-same on every rank of the mesh). A shard smaller than a unit sends a sum per block of it (32 bytes per 16
-elements); larger shards send one per unit they hold whole.
+same on every rank of the mesh), as runs of consecutive pieces (:class:`~lowp.optim.ordered_sum.Runs`:
+at most five per shard, 32 bytes each, plus 8 per piece). A shard smaller than a unit sends a sum
+per block of it (8 bytes per 16 elements); larger shards one per unit they hold whole.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol, Sequence, cast
 
 import torch
@@ -32,7 +34,7 @@ from lowp.optim.backends import Backend, FusedBackend
 from lowp.optim.collectives import Groups, PeerFailed, all_rows
 from lowp.optim.kernels.checks import Span
 from lowp.optim.kernels.kernel import Kernel, partition
-from lowp.optim.ordered_sum import Pieces, totals_from_pieces
+from lowp.optim.ordered_sum import Pieces, Runs, totals_from_pieces
 from lowp.optim.reference import working_grads
 from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
@@ -94,7 +96,7 @@ def _admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, slices: lis
 
 
 def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice], admitted: bool = False
-            ) -> list[tuple[ParamSlice, torch.Tensor]]:
+            ) -> list[tuple[ParamSlice, Runs]]:
     """Each slice with the pieces of its terms: by the backend's kernel for the slices it admits
     and has a pass for (:meth:`Kernel.sum_pieces <lowp.optim.kernels.kernel.Kernel.sum_pieces>`: the
     native kernel's pre-pass), the others from the optimizer's ``tensor_terms`` on the
@@ -102,16 +104,17 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
     together (:class:`~lowp.optim.ordered_sum.Pieces`: one copy to the host). ``admitted``:
     every slice is known to be the kernel's (:func:`exchange`)."""
     backend, spec = optimizer.backend, optimizer.kernel_spec()
-    done = [(s, torch.zeros((0, 3), dtype=torch.float64)) for s in slices if s.numel == 0]   # an empty shard
+    done = [(s, Runs(torch.zeros((0, 3), dtype=torch.int64), torch.zeros(0, dtype=torch.float64)))
+            for s in slices if s.numel == 0]   # an empty shard
     rest = [s for s in slices if s.numel > 0]
     if isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec):
         taken, others = (rest, []) if admitted else _admitted(backend.kernel, spec, ctx, rest)
-        rows = backend.kernel.sum_pieces(spec, ctx, taken) if taken else None
-        if rows is not None:
-            if len(rows) != len(taken):
-                raise RuntimeError(f"sharded sums: the kernel made the pieces of {len(rows)} shards, "
+        runs = backend.kernel.sum_pieces(spec, ctx, taken) if taken else None
+        if runs is not None:
+            if len(runs) != len(taken):
+                raise RuntimeError(f"sharded sums: the kernel made the pieces of {len(runs)} shards, "
                                    f"expected {len(taken)}")
-            done, rest = done + list(zip(taken, rows)), others
+            done, rest = done + list(zip(taken, runs)), others
     if not rest:
         return done
     made = Pieces([s.index.first() for s in rest], [s.numel for s in rest],
@@ -122,7 +125,7 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
         states = {n: [working_copy(t)] for n, t in s.states.items()}
         [terms] = optimizer.tensor_terms(ctx.group, grads, states, ctx.step)
         made.add(terms)
-    return done + list(zip(rest, made.rows()))
+    return done + list(zip(rest, made.runs()))
 
 
 def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[ParamSlice]]],
@@ -154,7 +157,7 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
     # meshes in the order of their first parameter in the groups, whatever the order of the jobs
     # (a full step's or a cached plan's): every rank of a mesh exchanges over the same groups in turn
     by_mesh = dict(sorted(by_mesh.items(), key=lambda mesh: min(s.param_id for _, part in mesh[1] for s in part)))
-    made: dict[Groups, list[tuple[ParamSlice, torch.Tensor]]] = {}
+    made: dict[Groups, list[tuple[ParamSlice, Runs]]] = {}
     failure: Exception | None = None
     try:
         for groups, parts in by_mesh.items():
@@ -166,8 +169,7 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
         sent = None
         if failure is None and not failed_elsewhere:
             try:
-                sent = torch.cat([torch.cat([torch.full((rows.shape[0], 1), float(s.param_id), dtype=torch.float64),
-                                             rows], 1) for s, rows in made[groups]])
+                sent = _message(made[groups]).view(-1, 1)
             except Exception as exc:   # out of memory: told to the others as a failure
                 failure = exc
         everyone = all_rows(sent, groups)
@@ -175,7 +177,7 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
             failed_elsewhere = True
         elif failure is None:   # the same rows on every rank of the mesh: the same sums, or the same error
             try:
-                _set_totals(made[groups], everyone)
+                _set_totals(made[groups], everyone.view(-1))
             except Exception as exc:   # told to the ranks of the later meshes as a failure
                 failure = exc
     if failure is not None:
@@ -185,21 +187,56 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
                             "error says why); no rank wrote anything of this step")
 
 
-def _set_totals(made: list[tuple[ParamSlice, torch.Tensor]], everyone: torch.Tensor) -> None:
-    """Each slice's whole-tensor sum from every rank's rows ``(param_id, kind, index, value)``
-    (:func:`~lowp.optim.ordered_sum.totals_from_pieces` of all of them at once)."""
+def _message(made: list[tuple[ParamSlice, Runs]]) -> torch.Tensor:
+    """What this rank sends of a mesh's pieces, float64: the run count ``r``, each run's
+    ``(param_id, kind, first index, count)`` (``4 r`` numbers, exact: integers below 2**53), then
+    every run's values in turn."""
+    heads = [torch.cat([torch.full((runs.head.shape[0], 1), s.param_id, dtype=torch.int64), runs.head], 1)
+             for s, runs in made]
+    head = torch.cat(heads)
+    return torch.cat([torch.tensor([head.shape[0]], dtype=torch.float64), head.reshape(-1).double(),
+                      *(runs.values for _, runs in made)])
+
+
+def _read_messages(everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs ``(param_id, kind, first, count)`` (int64, ``[r, 4]``) and values of the messages
+    (:func:`_message`) of every rank, end to end in ``everyone``; ``RuntimeError`` unless they
+    read as such."""
+    heads, values, at, end = [], [], 0, everyone.numel()
+    while at < end:
+        runs = float(everyone[at])
+        if not (math.isfinite(runs) and runs == int(runs) and 0 <= runs <= (end - at - 1) // 4):
+            raise RuntimeError(f"sharded sums: a message of {runs} runs with {end - at - 1} numbers after it")
+        head = everyone[at + 1:at + 1 + 4 * int(runs)].view(-1, 4)
+        ints = head.long()
+        if not torch.equal(ints.double(), head) or bool((ints[:, 3] < 0).any()):
+            raise RuntimeError("sharded sums: a run whose parameter, kind, index or count is not an integer, or whose "
+                               "count is negative")
+        at += 1 + 4 * int(runs)
+        count = int(ints[:, 3].sum())
+        if count > end - at:
+            raise RuntimeError(f"sharded sums: a message of {count} pieces with {end - at} numbers left")
+        heads.append(ints)
+        values.append(everyone[at:at + count])
+        at += count
+    return torch.cat([torch.zeros((0, 4), dtype=torch.int64), *heads]), torch.cat([everyone[:0], *values])
+
+
+def _set_totals(made: list[tuple[ParamSlice, Runs]], everyone: torch.Tensor) -> None:
+    """Each slice's whole-tensor sum from every rank's message (:func:`_message`, end to end in
+    ``everyone``): :func:`~lowp.optim.ordered_sum.totals_from_pieces` of all their runs at once."""
     numels = {s.param_id: cast(TensorSum, s.tensor_sum).numel for s, _ in made}
     ids = sorted(numels)
+    head, values = _read_messages(everyone)
     position = torch.full((ids[-1] + 2,), -1, dtype=torch.int64)   # a parameter id's tensor; -1: not stepped here
     position[ids] = torch.arange(len(ids))
-    pid = everyone[:, 0].long().clamp(-1, ids[-1] + 1)   # an id outside [0, ids[-1]] lands on the -1 at either end
-    tensor = position[pid]
+    tensor = position[head[:, 0].clamp(-1, ids[-1] + 1)]   # an id outside [0, ids[-1]] lands on the -1 at either end
     unknown = tensor < 0
     if unknown.any():
-        raise RuntimeError(f"sharded sums: pieces of parameter {int(everyone[unknown][0, 0])}, which this rank does "
+        raise RuntimeError(f"sharded sums: pieces of parameter {int(head[unknown][0, 0])}, which this rank does "
                            f"not step with an exchanged sum (every rank of a mesh must step the same parameters)")
-    everyone[:, 0] = tensor.double()
-    totals = dict(zip(ids, totals_from_pieces(everyone, [numels[i] for i in ids]).tolist()))
+    head[:, 0] = tensor
+    totals = dict(zip(ids, totals_from_pieces(head, values, [numels[i] for i in ids]).tolist()))
     for s, _ in made:
         cast(TensorSum, s.tensor_sum).total = totals[s.param_id]
 

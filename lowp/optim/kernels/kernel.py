@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Iterable, Protocol, Sequence, TypeVa
 import torch
 
 from lowp.optim.kernels.checks import PLAIN_TYPES, Span, check_slice
+from lowp.optim.ordered_sum import Runs
 from lowp.optim.randomness import Stream, stream_keys
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
@@ -209,7 +210,7 @@ class Kernel(ABC):
         return None
 
     def sum_pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
-                   ) -> list[torch.Tensor] | None:
+                   ) -> list[Runs] | None:
         """Per admitted slice (a shard with a :class:`~lowp.optim.slices.TensorSum`), the
         :func:`~lowp.optim.ordered_sum.pieces` of its per-tensor reduction's terms at ``ctx``'s step,
         computed by this kernel without writing anything; ``None`` (default) when the kernel has no

@@ -40,9 +40,8 @@ from lowp.build_cache import (compile_into, kernels_dir, load_library, locked, r
 from lowp.optim.encodings.code import HEADERS as CODE_HEADERS
 from lowp.optim.writeback.mode import HEADERS as MODE_HEADERS
 
-__all__ = ["native_available", "step_function", "coded_step_function", "sums_function", "finite_function",
-           "encode_function",
-           "decode_function", "library_path", "FLAGS", "ISAS", "isa", "flags"]
+__all__ = ["native_available", "step_function", "coded_step_function", "sums_function", "piece_sums_function",
+           "finite_function", "encode_function", "decode_function", "library_path", "FLAGS", "ISAS", "isa", "flags"]
 
 #: the hand-written C++ sources: this module's folder
 SOURCES = Path(__file__).parent
@@ -294,6 +293,17 @@ def sums_function(source: str) -> Callable[..., Any]:
     fn = _library("step", source).lowp_sums
     fn.restype = None
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+def piece_sums_function(source: str) -> Callable[..., Any]:
+    """``lowp_piece_sums(runs, pointer table, numel, piece size, h, sums out, threads)`` of a
+    variant with a per-tensor reduction: the sums of every piece of every run
+    (:mod:`lowp.optim.ordered_sum`)."""
+    fn = _library("step", source).lowp_piece_sums
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int]
     return fn
 
 

@@ -22,14 +22,14 @@ from typing import Any, Sequence, cast
 
 import torch
 
-from lowp.optim.ordered_sum import layouts
+from lowp.optim.ordered_sum import PIECE_SIZE, Runs, layouts
 from lowp.optim.kernels.checks import (PLAIN_TYPES, all_kernel_memory, check_kernel_args, kernel_grad, kernel_memory,
                                        plain, storage_fits)
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
 from lowp.optim.kernels.native.source import DTYPE_CODES, CodedLayout, Variant, variant_source
 from lowp.optim.kernels.kernel import Kernel, KernelLaunch, by_signature, grad_factor
-from lowp.optim.kernels.native.build import (coded_step_function, finite_function, native_available, step_function,
-                                             sums_function)
+from lowp.optim.kernels.native.build import (coded_step_function, finite_function, native_available,
+                                             piece_sums_function, step_function, sums_function)
 from lowp.optim.kernels.native.codec import grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
@@ -139,44 +139,49 @@ class NativeKernel(Kernel):
         (:func:`~lowp.optim.kernels.kernel.fusable_dtypes`); others have no variant (``KeyError``)."""
         step_function(variant_source(spec.name, variant_for(spec, ctx, dtypes)))
 
-    def sum_pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[torch.Tensor] | None:
+    def sum_pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[Runs] | None:
         """The pieces of each admitted shard's reduction terms by the variant's own pre-pass:
-        ``lowp_sums`` over members that are the shard's whole units, whole blocks and single
-        elements at their places in the tensor (:func:`~lowp.optim.ordered_sum.layouts`), one call
-        per dtype signature for all its shards. Each member's sum starts from zero and adds in
-        :func:`~lowp.optim.ordered_sum.ordered_sum`'s order, so a unit member gives the unit's sum,
-        a block member the block's, an element member its term, exactly: the rows
-        :func:`~lowp.optim.ordered_sum.pieces` makes from the same terms. The members are ranges
-        of the checked slices (their pointers offsets into its tensors, their lengths inside it);
+        ``lowp_piece_sums`` over the shards' runs (:func:`~lowp.optim.ordered_sum.layouts`: at most
+        five per shard, each a range of the shard cut into terms, blocks or units), one call per
+        dtype signature for all its shards. Each piece's sum starts from zero and adds in
+        :func:`~lowp.optim.ordered_sum.ordered_sum`'s order, so a unit piece is the unit's sum, a
+        block piece the block's, a term piece the term, exactly: the runs
+        :func:`~lowp.optim.ordered_sum.pieces` makes from the same terms. The runs are ranges of
+        the checked slices (their pointers offsets into its tensors, their lengths inside it);
         nothing is written."""
         numbers = spec.numbers(ctx.group, ctx.step)
-        made: dict[int, torch.Tensor] = {}
+        made: dict[int, Runs] = {}
         for dtypes, members in by_signature(slices, slice_dtypes).items():
             variant = variant_for(spec, ctx, dtypes)
             check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
             if any(s.tensor_sum is None for s in members):
                 raise RuntimeError("kernel pieces: a shard without its TensorSum")
-            kind, index, start, length, counts = layouts([s.index.first() for s in members], [s.numel for s in members],
-                                                         [cast(TensorSum, s.tensor_sum).numel for s in members])
-            inside = torch.tensor([s.numel for s in members]).repeat_interleave(counts)
-            if bool(((start < 0) | (start + length > inside)).any()):
-                raise RuntimeError("kernel pieces: a member outside its slice")
+            kind, index, count, start, length, runs = layouts(
+                [s.index.first() for s in members], [s.numel for s in members],
+                [cast(TensorSum, s.tensor_sum).numel for s in members])
+            inside = torch.tensor([s.numel for s in members]).repeat_interleave(runs)
+            size = torch.tensor(PIECE_SIZE)[kind]
+            if bool(((start < 0) | (start + length > inside) | (-(-length // size) != count)).any()):
+                raise RuntimeError("kernel pieces: a run outside its slice or of another piece count")
             grads = list(map(kernel_grad, (s.grad for s in members)))   # alive until the call returns
             roles: list[list[torch.Tensor | None]] = [[s.param for s in members], list(grads),
                                                       [s.buffer for s in members]]
             roles += [[s.states[name] for s in members] for name in variant.program.state_names]
-            table = torch.zeros((len(roles), start.numel()), dtype=torch.int64)   # [role][member]
+            table = torch.zeros((len(roles), start.numel()), dtype=torch.int64)   # [role][run]
             for role, tensors in enumerate(roles):
                 if tensors[0] is not None:   # a role's dtype is the signature's: every member has it or none
                     first = torch.tensor([cast(torch.Tensor, t).data_ptr() for t in tensors])
-                    table[role] = start * tensors[0].element_size() + first.repeat_interleave(counts)
+                    table[role] = start * tensors[0].element_size() + first.repeat_interleave(runs)
             h = torch.tensor([grad_factor(ctx), *spec.pick(variant.numbers, numbers)], dtype=torch.float64)
-            sums = torch.zeros(start.numel(), dtype=torch.float64)
-            sums_function(variant_source(spec.name, variant))(start.numel(), table.data_ptr(), length.data_ptr(),
-                                                              h.data_ptr(), sums.data_ptr(), torch.get_num_threads())
-            rows = torch.stack([kind.double(), index.double(), sums], dim=1)
-            for s, part in zip(members, rows.split(counts.tolist())):
-                made[id(s)] = part
+            sums = torch.zeros(int(count.sum()), dtype=torch.float64)
+            piece_sums_function(variant_source(spec.name, variant))(
+                start.numel(), table.data_ptr(), length.data_ptr(), size.data_ptr(), h.data_ptr(), sums.data_ptr(),
+                torch.get_num_threads())
+            heads = torch.stack([kind, index, count], 1).split(runs.tolist())
+            pieces = torch.zeros(len(members), dtype=torch.int64).index_add_(
+                0, torch.repeat_interleave(torch.arange(len(members)), runs), count)   # each shard's
+            for s, head, values in zip(members, heads, sums.split(pieces.tolist())):
+                made[id(s)] = Runs(head, values)
         return [made[id(s)] for s in slices]
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,

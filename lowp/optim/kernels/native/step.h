@@ -373,8 +373,9 @@ extern "C" int64_t lowp_step(int64_t tensors, void *const *ptrs, const int64_t *
 // of a 16-element block in float64 into the block's total, the blocks' totals in float64 per unit,
 // units in unit order per tensor (so the result depends neither on the thread count nor on the
 // vector width: a 32-element block of the 512-bit build adds as two 16-element ones).
+template <typename Put>
 static inline void reduction_block(const Pointers &p, int64_t i, const reduction_uniform &r, const vf &factor,
-                                   const vi *valid, double &sum) {
+                                   const vi *valid, Put &&put) {
   vf w[2], g[2], s[2][NSTATES + 1];
   load_inputs(p, i, factor, w, g, s);
   vf pairs = {};
@@ -382,8 +383,19 @@ static inline void reduction_block(const Pointers &p, int64_t i, const reduction
   for (int first = 0; first < LANES && valid[0][first]; first += 8) {  // each 16 elements holding one of the tensor
     double total = 0;
     for (int l = first; l < first + 8; l++) total += pairs[l];
-    sum += total;
+    put(total);
   }
+}
+
+// ``put(total)`` of every 16-element block of the elements [start, end) of ``p`` in block order
+// (``start`` at a block's first element; the last block zero-padded past ``end``).
+template <typename Put>
+static inline void reduction_blocks(const Pointers &p, int64_t start, int64_t end, const reduction_uniform &r,
+                                    const vf &factor, Put &&put) {
+  int64_t i = start;
+  for (; i + BLOCK <= end; i += BLOCK) reduction_block(p, i, r, factor, ALL_VALID, put);
+  if (i < end)
+    tail<false>(p, i, end - i, [&](const Pointers &q, const vi *valid) { reduction_block(q, 0, r, factor, valid, put); });
 }
 
 extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *numel, const double *h, double *sums,
@@ -396,12 +408,8 @@ extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *num
     reduction_uniform r;
     reduction_prepare(t.n, nullptr, r);
     for (Unit u; t.units.take(u);) {
-      const Pointers p = t.at(u.tensor);
       double sum = 0;
-      int64_t i = u.start;
-      for (; i + BLOCK <= u.end; i += BLOCK) reduction_block(p, i, r, factor, ALL_VALID, sum);
-      if (i < u.end)
-        tail<false>(p, i, u.end - i, [&](const Pointers &q, const vi *valid) { reduction_block(q, 0, r, factor, valid, sum); });
+      reduction_blocks(t.at(u.tensor), u.start, u.end, r, factor, [&](double block) { sum += block; });
       partial[u.index] = sum;
     }
   }
@@ -409,6 +417,41 @@ extern "C" void lowp_sums(int64_t tensors, void *const *ptrs, const int64_t *num
     double sum = 0;
     for (int64_t unit = t.units.first[j]; unit < t.units.first[j + 1]; unit++) sum += partial[unit];
     sums[j] = sum;
+  }
+}
+
+// The elements of ordered_sum.py's pieces: a term, a 16-element block, a unit (PIECE_SIZE).
+constexpr int64_t PIECE_TERM = 1, PIECE_BLOCK = 16;
+
+// The pieces of lowp/optim/ordered_sum.py, a run at a time: tensor j (a run of a shard: its
+// pointers at the run's first element) is cut into pieces of ``size[j]`` elements (PIECE_TERM,
+// PIECE_BLOCK or UNIT, checked by the host; the last piece may be shorter), and the sum of each
+// piece (the term itself, the block's sum, the unit's sum: each from +0.0, in the order of
+// lowp_sums) is written in piece order, the runs' pieces one after the other from ``sums[0]``.
+extern "C" void lowp_piece_sums(int64_t tensors, void *const *ptrs, const int64_t *numel, const int64_t *size,
+                                const double *h, double *sums, int threads) {
+  Task t(tensors, ptrs, numel, h);
+  std::vector<int64_t> first(tensors + 1, 0);  // [run] its first piece in ``sums``
+  for (int64_t j = 0; j < tensors; j++) first[j + 1] = first[j] + (numel[j] + size[j] - 1) / size[j];
+#pragma omp parallel num_threads(thread_count(threads, t.units.count()))
+  {
+    const vf factor = bc(t.factor);
+    reduction_uniform r;
+    reduction_prepare(t.n, nullptr, r);
+    for (Unit u; t.units.take(u);) {
+      const Pointers p = t.at(u.tensor);
+      double *out = sums + first[u.tensor] + u.start / size[u.tensor];
+      if (size[u.tensor] == UNIT) {
+        double sum = 0;
+        reduction_blocks(p, u.start, u.end, r, factor, [&](double block) { sum += block; });
+        *out = sum;
+      } else if (size[u.tensor] == PIECE_BLOCK) {
+        reduction_blocks(p, u.start, u.end, r, factor, [&](double block) { *out++ = block; });
+      } else {  // PIECE_TERM: each element a block of its own, its lane's other element zero
+        for (int64_t i = u.start; i < u.end; i++)
+          reduction_blocks(p, i, i + 1, r, factor, [&](double term) { *out++ = term; });
+      }
+    }
   }
 }
 #endif
