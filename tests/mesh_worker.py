@@ -177,13 +177,16 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
     import signal
 
     from lowp.optim import checkpointing, sharded_sums
+    from lowp.optim.kernels.native import kernel as native_kernel
     stage = rank // 2
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
     params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None))
               for p in full_params("stages", stage)]
     opt = make_optimizer(name, params, "skip_param", fused=backend == "native")
-    owner, attribute = {"pieces": (sharded_sums, "_pieces"), "flags": (opt.backend, "finite_flags"),
-                        "load": (checkpointing, "_value_problem"), "interrupt": (sharded_sums, "exchange")}[where]
+    pieces = (native_kernel.PiecesCall, "call") if backend == "native" else (sharded_sums, "_pieces")   # the plan's
+    owner, attribute = {"pieces": pieces, "flags": (opt.backend, "finite_flags"),
+                        "load": (checkpointing, "_value_problem"),
+                        "interrupt": (sharded_sums, "exchange_pieces")}[where]
     real = getattr(owner, attribute)
     out: dict[str, Any] = {"stage": stage, "error": None, "unchanged": None}
 

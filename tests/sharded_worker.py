@@ -486,20 +486,27 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
     whole-tensor sums of :mod:`lowp.optim.sharded_sums` for parameters of at least ``threshold``
     elements: the snapshot, how many tensors ``gather_many`` received, how many shards' sums were
     exchanged and how many shards' terms torch computed (the others' pieces came from the kernel),
-    the steps taken from the cached plan, and how many native variants the steps after the first
-    asked for that the first did not."""
+    the steps taken from the cached plan, how many native variants the steps after the first
+    asked for that the first did not, and how many native pieces passes they prepared (the plan
+    keeps the first step's)."""
     from lowp.optim import sharded_sums, sharding
     from lowp.optim.kernels.native import kernel as native_kernel
     opt = lo.StableAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, **BACKENDS[backend])
     counts = {"gathered": 0, "exchanged": 0, "torch terms": 0}
     variants: list[set] = [set()]   # the native variants each step asked for, step by step
     real_variant_for = native_kernel.variant_for
+    prepared = [0]   # the native pieces passes each step prepared
+    real_prepare = native_kernel.PiecesCall.__init__
+
+    def prepare(self, *args, **kwargs):
+        prepared[-1] += 1
+        real_prepare(self, *args, **kwargs)
 
     def variant_for(*args, **kwargs):
         made = real_variant_for(*args, **kwargs)
         variants[-1].add(made)
         return made
-    real_gather, real_exchange = sharding.gather_many, sharded_sums.exchange
+    real_gather, real_exchange = sharding.gather_many, sharded_sums.exchange_pieces
     real_thresholds = sharded_sums.MIN_NUMEL, sharded_sums.CUDA_REFERENCE_MIN_NUMEL
     real_terms = lo.StableAdamW.tensor_terms
 
@@ -511,28 +518,30 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
         counts["gathered"] += len(tensors)
         return real_gather(tensors)
 
-    def exchange(optimizer, jobs, admitted=False):
-        real_exchange(optimizer, jobs, admitted)
-        counts["exchanged"] += sum(s.tensor_sum is not None and s.tensor_sum.total is not None
-                                   for _, slices in jobs for s in slices)
-    sharding.gather_many, sharded_sums.exchange = gather_many, exchange
+    def exchange_pieces(slices, make):
+        real_exchange(slices, make)
+        counts["exchanged"] += sum(s.tensor_sum.total is not None for s in slices)
+    sharding.gather_many, sharded_sums.exchange_pieces = gather_many, exchange_pieces
     sharded_sums.MIN_NUMEL = sharded_sums.CUDA_REFERENCE_MIN_NUMEL = threshold
     lo.StableAdamW.tensor_terms = tensor_terms
     native_kernel.variant_for = variant_for
+    native_kernel.PiecesCall.__init__ = prepare
     try:
         for t in range(STEPS):
             for p, g in zip(params, sums_full(100 + t)):
                 set_grad(p, g)
             opt.step()
             variants.append(set())
+            prepared.append(0)
     finally:
         native_kernel.variant_for = real_variant_for
-        sharding.gather_many, sharded_sums.exchange = real_gather, real_exchange
+        native_kernel.PiecesCall.__init__ = real_prepare
+        sharding.gather_many, sharded_sums.exchange_pieces = real_gather, real_exchange
         sharded_sums.MIN_NUMEL, sharded_sums.CUDA_REFERENCE_MIN_NUMEL = real_thresholds
         lo.StableAdamW.tensor_terms = real_terms
     return {"snapshot": snapshot(opt, params), "counts": counts,
             "fused": opt.backend.fused_elements if backend == "fused" else -1, "cached": opt._plans.cached_steps,
-            "new variants": len(set().union(*variants[1:]) - variants[0])}
+            "new variants": len(set().union(*variants[1:]) - variants[0]), "prepared": prepared[:STEPS]}
 
 
 def sums_case(world_size: int) -> dict[str, Any]:

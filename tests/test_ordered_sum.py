@@ -259,6 +259,24 @@ def test_the_layouts_of_many_ranges_are_each_ones_layout():
         order.layouts([0, 5], [3], [10, 10])
 
 
+def test_only_runs_given_twice_are_compared_piece_by_piece(monkeypatch):
+    """The runs of ranges covering tensors whose last block and unit are padded (sizes no multiple
+    of 16 or of a unit, one after the other) overlap nowhere, so the rebuild compares no pieces
+    one by one (a sort of every piece); a replica's runs given twice are compared."""
+    numels = [2 * UNIT + 16 * 7 + 3, 100, 100, UNIT + 1]
+    gen = torch.Generator().manual_seed(11)
+    pieces = []
+    for t, n in enumerate(numels):
+        terms = torch.rand(n, generator=gen)
+        pieces += [(t, order.pieces(terms[:n // 2], 0, n)), (t, order.pieces(terms[n // 2:], n // 2, n))]
+    compared = []
+    monkeypatch.setattr(order, "_check_repeats", lambda *a, real=order._check_repeats: compared.append(1) or real(*a))
+    alone = order.totals_from_pieces(*_together(pieces), numels)
+    assert compared == []
+    assert torch.equal(order.totals_from_pieces(*_together(pieces + pieces[1:2]), numels), alone)
+    assert compared == [1]
+
+
 def test_the_sums_of_many_tensors_at_once_are_each_ones_own():
     """``totals_from_pieces`` over the runs of all tensors of :data:`CUTS` (each cut into its
     ranges, a replica's runs repeated, all runs shuffled together) gives each tensor's ordered
@@ -369,6 +387,11 @@ def test_runs_that_are_not_pieces_of_the_tensor_are_refused(extra, error):
     for together in (runs + [extra], [extra] + runs):
         with pytest.raises(ValueError, match=f"pieces: {error}"):
             order.total_from_pieces(together, 18)
+    with pytest.raises(ValueError, match="pieces: a term of 0.1, which is no fp32 value"):
+        order.total_from_pieces([_one_run(order.TERM, 0, 0.1)], 1)
+    with pytest.raises(ValueError, match="expected runs whose head is an int64 tensor of shape \\[runs, 3\\], got "
+                                         "torch.int64 of shape \\(1, 4\\)"):
+        order.total_from_pieces([order.Runs(torch.zeros((1, 4), dtype=torch.int64), torch.ones(1).double())], 18)
     with pytest.raises(ValueError, match="head: expected an int64 tensor of shape \\[runs, 4\\], got torch.float64"):
         order.totals_from_pieces(runs[0].head.double(), runs[0].values, [18])
     with pytest.raises(ValueError, match="values: expected a float64 tensor of one dimension, got torch.float32"):
@@ -427,7 +450,7 @@ def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
                                                               "exp_avg_sq": second[shard]},
                                  buffer, 0, ElementIndex(offset=first), tensor_sum=TensorSum(numel)))
     ctx = StepContext(reference.param_groups[0], MODES[mode], 3, inv_scale=0.25)
-    want = [runs for s in shards for [(_, runs)] in [sharded_sums._pieces(reference, ctx, [s])]]
+    want = [runs for s in shards for [runs] in [sharded_sums._pieces(reference, ctx, [s])]]
     calls = []
     real = native_kernel.piece_sums_function
 
@@ -439,8 +462,8 @@ def test_the_native_kernel_makes_the_pieces_torch_makes(kind, monkeypatch):
     ctx = StepContext(native.param_groups[0], MODES[mode], 3, inv_scale=0.25)
     got = sharded_sums._pieces(native, ctx, shards)
     assert len(calls) == 1, len(calls)
-    assert all(a is b for (a, _), b in zip(got, shards)) and len(got) == len(shards)
-    for (s, runs), runs_want in zip(got, want):
+    assert len(got) == len(shards)
+    for s, runs, runs_want in zip(shards, got, want):
         assert torch.equal(runs.head, runs_want.head), s.index
         assert torch.equal(runs.values.view(torch.int64), runs_want.values.view(torch.int64)), s.index
         assert runs.values.numel() > 0 and runs.values.abs().sum() > 0
@@ -539,6 +562,9 @@ def test_the_messages_of_several_ranks_read_back_and_what_is_not_one_is_refused(
                           (torch.tensor([3.0, 7, 0, 0, 1, 1.0]), "a message of 3.0 runs with 5 numbers after it"),
                           (torch.tensor([1.0, 7, 0.5, 0, 1, 1.0]), "a run whose parameter, kind, index or count"),
                           (torch.tensor([1.0, 7, 0, 0, -1]), "a run whose .* or whose count is negative"),
-                          (torch.tensor([1.0, 7, 0, 0, 4, 1.0]), "a message of 4 pieces with 1 numbers left")]:
+                          (torch.tensor([1.0, 7, 0, 0, 4, 1.0]), "a run whose .* larger than the message"),
+                          # counts whose int64 sum wraps around (to -2**63, or back to this message's start)
+                          (torch.tensor([2.0, 0, 1, 0, 2.0 ** 62, 0, 1, 0, 2.0 ** 62]), "a run whose .* larger than"),
+                          (torch.tensor([2.0, 0, 1, 0, 3, 0, 1, 0, 3, 1, 1, 1]), "a message of 6 pieces")]:
         with pytest.raises(RuntimeError, match=f"sharded sums: {error}"):
             sharded_sums._read_messages(torch.cat([both, broken.double()]))

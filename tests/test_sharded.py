@@ -431,7 +431,8 @@ def assert_sums_case(ranks: list[dict], world_size: int) -> None:
     the pieces of its shards (no terms computed with torch), the reference computes them; the
     native kernel's element-steps add up to the single process's only when nothing is gathered;
     on the native kernel every step after the first is taken from the cached plan, which exchanges
-    the sums itself (with the small parameters gathered as its remainder)."""
+    the sums itself (with the small parameters gathered as its remainder) with the pieces passes
+    it prepared in the first step."""
     sharded = (len(w.SUMS_SHAPES) + 1) * w.STEPS if world_size > 1 else 0
     for backend, threshold in w.SUMS_RUNS:
         large = sum(math.prod(s) >= threshold for s in w.SUMS_SHAPES) * w.STEPS if world_size > 1 else 0
@@ -454,6 +455,9 @@ def assert_sums_case(ranks: list[dict], world_size: int) -> None:
             fused += got["fused"]
             assert got["cached"] == (w.STEPS - 1 if backend == "fused" else 0), (backend, rank, got["cached"])
             assert got["new variants"] == 0, (backend, rank)   # the plan's pieces pass is the full step's variant
+            # the native kernel's pieces passes are prepared in the first (full) step, the plan's kept after it
+            sums_passes = got["prepared"][0] > 0 if backend == "fused" and not holds_none else got["prepared"][0] == 0
+            assert sums_passes and got["prepared"][1:] == [0] * (w.STEPS - 1), (backend, rank, got["prepared"])
         if backend == "fused" and threshold == 0:
             assert fused == want["fused"] > 0, (fused, want["fused"])
 

@@ -34,9 +34,10 @@ parameter to skip hands the step, with the agreed flags, to a full step (:meth:`
 
 A per-tensor optimizer's shards whose sums a full step exchanges (StableAdamW under FSDP2,
 :mod:`lowp.optim.sharded_sums`) take a plan too: the plan keeps each such slice without its
-gradient, and each step, after the flags' agreement and the remainder's gathers, exchanges the
-sums with the new gradients (:meth:`CachedStep.exchange_sums`: the kernel's pre-pass makes the
-pieces, one exchange per mesh), which the launches then read, as a full step does.
+gradient and the kernel's pre-pass over them prepared, and each step, after the flags' agreement
+and the remainder's gathers, exchanges the sums with the new gradients
+(:meth:`CachedStep.exchange_sums`: the kept pre-pass makes the pieces, one exchange per mesh),
+which the launches then read, as a full step does.
 
 The DTensor parameters a full step gathers (a per-tensor optimizer's below the exchange's
 threshold or with shards that are not contiguous ranges; block-scaled states of a
@@ -86,7 +87,8 @@ from lowp.optim.backends import FusedBackend
 from lowp.optim.codes import scale_name
 from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
-from lowp.optim.kernels.kernel import CHECKS, Kernel, KernelLaunch, gradient_factor
+from lowp.optim.kernels.kernel import CHECKS, Kernel, KernelLaunch, PiecesLaunch, gradient_factor
+from lowp.optim.ordered_sum import Runs
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.writeback import MODES
@@ -246,13 +248,15 @@ class _Job:
     members (an empty shard: no launch, its step count advances with the job's), the
     diagnostics entry, and its shards whose whole-tensor sums each step exchanges (``sums``: each
     one's position and its slice without a gradient, whose :class:`~lowp.optim.slices.TensorSum`
-    its launch reads)."""
+    its launch reads) with the kernel's passes making their pieces (``pieces``: each with its
+    members' positions; ``None`` for a kernel without such a pass)."""
 
     def __init__(self, group: dict[str, Any], index: int, mode: str, coded: tuple, step: int, share: sharding.Share,
                  launches: list[tuple[KernelLaunch, list[int]]], numel: int, empty: list[int],
-                 sums: list[tuple[int, ParamSlice]]) -> None:
+                 sums: list[tuple[int, ParamSlice]], pieces: list[tuple[PiecesLaunch, list[int]]] | None) -> None:
         self.group, self.index, self.mode, self.coded, self.step = group, index, mode, coded, step
         self.share, self.launches, self.numel, self.empty, self.sums = share, launches, numel, empty, sums
+        self.pieces = pieces
 
 
 class CachedStep:
@@ -411,11 +415,15 @@ class CachedStep:
                 states.append(state)
                 grad_dtypes.append(s.grad.dtype)
                 owned.extend((state, name, state[name]) for name in names)
+            summed = [s for s in live if s.tensor_sum is not None]
+            passes = backend.kernel.pieces_launches(spec, ctx, summed) if summed else []
             jobs.append(_Job(group, index, mode, coded, step, share,
                              [(launch, [position[id(s)] for s in part]) for launch, part in launches],
                              sum(s.numel for s in slices), [position[id(s)] for s in slices if not s.numel],
                              [(position[id(s)], replace(s, grad=_NO_GRAD)) for s in slices
-                              if s.tensor_sum is not None]))
+                              if s.tensor_sum is not None],
+                             None if passes is None else [(call, [position[id(s)] for s in part])
+                                                          for call, part in passes]))
         remainder = [p for p in flat if id(p) in gathered]
         if (gathered and not jobs) or len(remainder) != len(gathered) or not all(map(_exact_dtensor, remainder)):
             return None
@@ -524,21 +532,39 @@ class CachedStep:
 
     def exchange_sums(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None) -> None:
         """The whole-tensor sums of the plan's shards of a per-tensor optimizer (StableAdamW under
-        FSDP2) for the step with ``grads``: each job's kept slices with their new gradients, at
-        the job's next step, through :func:`lowp.optim.sharded_sums.exchange` (the pieces by the
-        kernel's pre-pass, one exchange per mesh: the collectives a full step makes at this point,
-        after the flags and the remainder's gathers). Every sum is cleared first, so a launch
-        never reads a sum of an earlier step; nothing else is written."""
-        jobs = []
-        for job in self.jobs:
-            if job.sums:
-                for _, s in job.sums:
-                    cast(TensorSum, s.tensor_sum).total = None
-                ctx = StepContext(job.group, MODES[job.mode], job.step + 1, inv_scale, optimizer.seed, self.count,
-                                  coded=job.coded)   # the launches' variant (its count switch too)
-                jobs.append((ctx, [replace(s, grad=grads[i]) for i, s in job.sums]))
-        if jobs:
+        FSDP2) for the step with ``grads``, at each job's next step: the pieces by the kernel's
+        passes the plan keeps (``_Job.pieces``: no admission, layout or pointer table made again;
+        the plan's signature holds), exchanged by :func:`lowp.optim.sharded_sums.exchange_pieces`
+        (one exchange per mesh: the collectives a full step makes at this point, after the flags
+        and the remainder's gathers); for a kernel without such a pass, the kept slices with
+        their new gradients through :func:`lowp.optim.sharded_sums.exchange`. Every sum is
+        cleared first, so a launch never reads a sum of an earlier step; nothing else is
+        written."""
+        summed = [job for job in self.jobs if job.sums]
+        if not summed:
+            return
+        for job in summed:
+            for _, s in job.sums:
+                cast(TensorSum, s.tensor_sum).total = None
+        if any(job.pieces is None for job in summed):   # a kernel without a pass: the pieces from torch
+            jobs = [(StepContext(job.group, MODES[job.mode], job.step + 1, inv_scale, optimizer.seed, self.count,
+                                 coded=job.coded), [replace(s, grad=grads[i]) for i, s in job.sums]) for job in summed]
             sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), jobs, admitted=True)
+            return
+        slices = {i: s for job in summed for i, s in job.sums}
+        numbers: dict[tuple[int, int], dict[str, float]] = {}   # per group and step: jobs share them
+        for job in summed:
+            if (id(job.group), job.step) not in numbers:
+                numbers[id(job.group), job.step] = self.spec.numbers(job.group, job.step + 1)
+        calls = [(call, members, numbers[id(job.group), job.step], gradient_factor(job.group, inv_scale))
+                 for job in summed for call, members in cast(list, job.pieces)]
+        empty = [i for i, s in slices.items() if not s.numel]   # an empty shard's pieces: none
+
+        def make() -> list[Runs]:
+            return [runs for call, members, numbers, factor in calls
+                    for runs in call.call([grads[i] for i in members], numbers, factor)] + [Runs.empty()] * len(empty)
+        order = [i for _, members, _, _ in calls for i in members] + empty
+        sharded_sums.exchange_pieces([slices[i] for i in order], make)
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
@@ -579,9 +605,12 @@ class CachedStep:
                 new_step = False   # the remainder's stalled counts start the step's
             stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]] = \
                 {} if new_step else optimizer._last_stalled
+            made: dict[tuple[int, int], dict[str, float]] = {}   # the spec's numbers per group and step
             for job in self.jobs:   # each job's counters advance right after its writes (step_plan)
                 step = job.step + 1
-                numbers = self.spec.numbers(job.group, step)
+                if (id(job.group), step) not in made:
+                    made[id(job.group), step] = self.spec.numbers(job.group, step)
+                numbers = made[id(job.group), step]
                 factor = gradient_factor(job.group, inv_scale)
                 counts = []
                 for launch, members in job.launches:

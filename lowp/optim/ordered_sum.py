@@ -69,13 +69,19 @@ def _unit_sums(blocks: torch.Tensor) -> torch.Tensor:
 
 def _segment_sums(blocks: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """Step 3 over ``blocks`` (float64, on the CPU) cut into consecutive units of ``sizes`` blocks
-    (each at most a unit's): each unit's sum, its blocks added in order, the units of one size
-    together (a unit's missing blocks would be zeros, which end a sum unchanged)."""
+    (each at most a unit's): each unit's sum, its blocks added in order; the units whose sizes
+    share a power of two ``w`` at or above them together, as rows of ``w`` padded with zeros
+    (which leave a sum unchanged but for a -0.0, which no total keeps: step 4 starts from +0.0),
+    so at most 12 passes however many sizes there are."""
     sums = torch.zeros(sizes.numel(), dtype=torch.float64)
     first = torch.cumsum(sizes, 0) - sizes
-    for size in torch.unique(sizes[sizes > 0]).tolist():
-        of_size = (sizes == size).nonzero().flatten()
-        sums[of_size] = blocks[first[of_size][:, None] + torch.arange(size)].cumsum(1)[:, -1]
+    width = torch.where(sizes > 1, torch.exp2(torch.ceil(torch.log2(sizes.clamp(min=1).double()))), 1).long()
+    for w in torch.unique(width[sizes > 0]).tolist():
+        of_width = ((width == w) & (sizes > 0)).nonzero().flatten()
+        at = torch.arange(w)
+        inside = at < sizes[of_width][:, None]
+        rows = torch.where(inside, blocks[torch.where(inside, first[of_width][:, None] + at, 0)], 0.0)
+        sums[of_width] = rows.cumsum(1)[:, -1]
     return sums
 
 
@@ -109,6 +115,11 @@ class Runs(NamedTuple):
 
     head: torch.Tensor
     values: torch.Tensor
+
+    @staticmethod
+    def empty() -> Runs:
+        """No pieces: an empty range's."""
+        return Runs(torch.zeros((0, 3), dtype=torch.int64), torch.zeros(0, dtype=torch.float64))
 
 
 def layout(first: int, n: int, numel: int) -> tuple[torch.Tensor, ...]:
@@ -296,8 +307,9 @@ def _check_runs(tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, c
         raise ValueError(f"pieces: the runs hold {int(count.sum())} pieces, got {values.numel()} values")
     # runs of one kind overlapping (a replica's repeated, or worse): their pieces must agree
     size = torch.tensor(PIECE_SIZE)[kind]
-    element = torch.cumsum(numel, 0) - numel   # each tensor's first element among all tensors'
-    space = int(numel.sum()) + UNIT   # past the padded end of every run
+    padded = -(-nblocks // (UNIT // BLOCK)) * UNIT   # each tensor's units' elements: past its runs' padded ends
+    element = torch.cumsum(padded, 0) - padded   # each tensor's first element among all tensors'
+    space = int(padded.sum()) + UNIT
     start = kind * space + element[tensor] + first * size
     start, order = torch.sort(start)
     end = (start + count[order] * size[order]).cummax(0).values
@@ -325,6 +337,12 @@ def total_from_pieces(pieces: Sequence[Runs], numel: int) -> float:
     """The ordered sum of a tensor of ``numel`` elements from the :class:`Runs` of ranges that
     cover it (every holder's, in any order; a range held twice, by replicas, gives the same
     runs): :func:`totals_from_pieces` of one tensor."""
+    for r in pieces:
+        if not isinstance(r.head, torch.Tensor) or r.head.dtype != torch.int64 or r.head.dim() != 2 \
+                or r.head.shape[1] != 3:
+            got = f"{r.head.dtype} of shape {tuple(r.head.shape)}" if isinstance(r.head, torch.Tensor) \
+                else type(r.head).__name__
+            raise ValueError(f"pieces: expected runs whose head is an int64 tensor of shape [runs, 3], got {got}")
     head = torch.cat([torch.zeros((0, 4), dtype=torch.int64)]
                      + [torch.cat([torch.zeros((r.head.shape[0], 1), dtype=torch.int64), r.head], 1) for r in pieces])
     values = torch.cat([torch.zeros(0, dtype=torch.float64)] + [r.values.to("cpu", torch.float64) for r in pieces])
@@ -338,11 +356,12 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
     turn (:class:`Runs`); the runs of all holders in any order, a range held twice (by replicas)
     giving the same runs. Steps 1-4 of the module docstring are redone from the largest pieces
     given, for all tensors at once: the tensors' units laid end to end (tensor ``t``'s unit ``u``
-    is unit ``base[t] + u``), every unit without a unit sum rebuilt from its blocks at once (a row
-    of 2,048 block sums each, placed run by run), then each tensor's units added in order from
-    ``+0.0``. ``ValueError`` when a term a sum needs is missing, or a run is not one of pieces of
-    its tensor (outside it, of an unknown kind, repeating a piece with another value, holding
-    more or fewer pieces than ``values``)."""
+    is unit ``base[t] + u``), every unit without a unit sum rebuilt from its blocks (the blocks of
+    all such units end to end, a run of blocks placed by its first one; :func:`_segment_sums`),
+    then each tensor's units added in order from ``+0.0``. ``ValueError`` when a term a sum needs
+    is missing or is no fp32 value, or a run is not one of pieces of its tensor (outside it, of an
+    unknown kind, repeating a piece with another value, holding more or fewer pieces than
+    ``values``)."""
     if not isinstance(head, torch.Tensor) or head.dtype != torch.int64 or head.dim() != 2 or head.shape[1] != 4:
         got = f"{head.dtype} of shape {tuple(head.shape)}" if isinstance(head, torch.Tensor) else type(head).__name__
         raise ValueError(f"head: expected an int64 tensor of shape [runs, 4], got {got}")
@@ -405,7 +424,10 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
             where = torch.searchsorted(split, block).clamp(max=split.numel() - 1)   # split is sorted
             mine = split[where] == block
             spot = where[mine] * BLOCK + element[mine] % BLOCK
-            terms[spot] = value[mine].float()   # exact: each was an fp32 term
+            terms[spot] = value[mine].float()
+            inexact = terms[spot].double() != value[mine]
+            if bool((inexact & ~value[mine].isnan()).any()):   # each was an fp32 term: exact in float64
+                raise ValueError(f"pieces: a term of {float(value[mine][inexact][0])!r}, which is no fp32 value")
             present[spot] = True
             t_of = owner[split // per_unit]
             start = (split - base[t_of] * per_unit) * BLOCK   # each one's first element in its tensor

@@ -13,27 +13,28 @@ steps its shard only; the result is the single process's, bit for bit.
 
 :func:`exchange` runs before the step's first write (:meth:`lowp.optim.step_plan.StepPlan.run_jobs`)
 and writes nothing. A shard the native kernel admits has its pieces made by the kernel's own
-per-tensor pre-pass (``lowp_sums`` over members that are its whole units, whole blocks and
-single elements); any other shard's terms come from the optimizer's ``tensor_terms`` on the
-reference's fp32 working copies (:func:`~lowp.optim.reference.working_grads`), the same bits.
-One exchange per mesh (:func:`~lowp.optim.collectives.all_rows` over its sharded dimensions: an
-all-gather of the row counts, then one of the rows; a replica's ranks send nothing to each other)
-carries the pieces of all its parameters, keyed by the parameter's position in the groups (the
-same on every rank of the mesh), as runs of consecutive pieces (:class:`~lowp.optim.ordered_sum.Runs`:
-at most five per shard, 32 bytes each, plus 8 per piece). A shard smaller than a unit sends a sum
+per-tensor pre-pass (``lowp_piece_sums`` over the shard's runs of units, blocks and single
+elements; a cached plan keeps the prepared pass, :func:`exchange_pieces`); any other shard's
+terms come from the optimizer's ``tensor_terms`` on the reference's fp32 working copies
+(:func:`~lowp.optim.reference.working_grads`), the same bits. One exchange per mesh
+(:func:`~lowp.optim.collectives.all_rows` over its sharded dimensions: an all-gather of the
+message lengths, then one of the messages; a replica's ranks send nothing to each other) carries
+the pieces of all its parameters, keyed by the parameter's position in the groups (the same on
+every rank of the mesh), as runs of consecutive pieces (:class:`~lowp.optim.ordered_sum.Runs`: at
+most five per shard, 32 bytes each, plus 8 per piece). A shard smaller than a unit sends a sum
 per block of it (8 bytes per 16 elements); larger shards one per unit they hold whole.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol, Sequence, cast
+from typing import Any, Callable, Protocol, Sequence, cast
 
 import torch
 
 from lowp.optim.backends import Backend, FusedBackend
 from lowp.optim.collectives import Groups, PeerFailed, all_rows
 from lowp.optim.kernels.checks import Span
-from lowp.optim.kernels.kernel import Kernel, partition
+from lowp.optim.kernels.kernel import Kernel, grad_factor, partition
 from lowp.optim.ordered_sum import Pieces, Runs, totals_from_pieces
 from lowp.optim.reference import working_grads
 from lowp.optim.scratch import Scratch
@@ -41,7 +42,7 @@ from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.storage import working_copy
 
-__all__ = ["exchange", "ExchangeError", "min_numel", "MIN_NUMEL", "CUDA_REFERENCE_MIN_NUMEL"]
+__all__ = ["exchange", "exchange_pieces", "ExchangeError", "min_numel", "MIN_NUMEL", "CUDA_REFERENCE_MIN_NUMEL"]
 
 #: the smallest parameter whose sum is exchanged rather than gathered: 0, every one. The pieces of
 #: all shards of a step are made together (the native kernel's pre-pass; the reference's
@@ -96,88 +97,94 @@ def _admitted(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, slices: lis
 
 
 def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice], admitted: bool = False
-            ) -> list[tuple[ParamSlice, Runs]]:
-    """Each slice with the pieces of its terms: by the backend's kernel for the slices it admits
-    and has a pass for (:meth:`Kernel.sum_pieces <lowp.optim.kernels.kernel.Kernel.sum_pieces>`: the
-    native kernel's pre-pass), the others from the optimizer's ``tensor_terms`` on the
-    reference's fp32 working copies (the same bits), one shard at a time, their pieces made
-    together (:class:`~lowp.optim.ordered_sum.Pieces`: one copy to the host). ``admitted``:
-    every slice is known to be the kernel's (:func:`exchange`)."""
+            ) -> list[Runs]:
+    """The pieces of each slice's terms, in the order of ``slices``: by the backend's kernel for
+    the slices it admits and has a pass for (:meth:`Kernel.pieces_launches
+    <lowp.optim.kernels.kernel.Kernel.pieces_launches>`: the native kernel's pre-pass), the others
+    from the optimizer's ``tensor_terms`` on the reference's fp32 working copies (the same bits),
+    one shard at a time, their pieces made together (:class:`~lowp.optim.ordered_sum.Pieces`: one
+    copy to the host). ``admitted``: every slice is known to be the kernel's."""
     backend, spec = optimizer.backend, optimizer.kernel_spec()
-    done = [(s, Runs(torch.zeros((0, 3), dtype=torch.int64), torch.zeros(0, dtype=torch.float64)))
-            for s in slices if s.numel == 0]   # an empty shard
+    made = {id(s): Runs.empty() for s in slices if s.numel == 0}   # an empty shard
     rest = [s for s in slices if s.numel > 0]
-    if isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec):
+    if isinstance(backend, FusedBackend) and spec is not None and backend.kernel.supports(spec) and rest:
         taken, others = (rest, []) if admitted else _admitted(backend.kernel, spec, ctx, rest)
-        runs = backend.kernel.sum_pieces(spec, ctx, taken) if taken else None
-        if runs is not None:
-            if len(runs) != len(taken):
-                raise RuntimeError(f"sharded sums: the kernel made the pieces of {len(runs)} shards, "
-                                   f"expected {len(taken)}")
-            done, rest = done + list(zip(taken, runs)), others
-    if not rest:
-        return done
-    made = Pieces([s.index.first() for s in rest], [s.numel for s in rest],
-                  [cast(TensorSum, s.tensor_sum).numel for s in rest])
-    scratch = Scratch()
-    for s in rest:   # one shard at a time: the temporaries of one
-        grads = working_grads(ctx, [s], scratch)
-        states = {n: [working_copy(t)] for n, t in s.states.items()}
-        [terms] = optimizer.tensor_terms(ctx.group, grads, states, ctx.step)
-        made.add(terms)
-    return done + list(zip(rest, made.runs()))
+        launches = backend.kernel.pieces_launches(spec, ctx, taken) if taken else None
+        if launches is not None:
+            numbers, factor = spec.numbers(ctx.group, ctx.step), grad_factor(ctx)
+            for launch, members in launches:
+                made.update(zip(map(id, members), launch.call([s.grad for s in members], numbers, factor)))
+            rest = others
+    if rest:
+        pieces = Pieces([s.index.first() for s in rest], [s.numel for s in rest],
+                        [cast(TensorSum, s.tensor_sum).numel for s in rest])
+        scratch = Scratch()
+        for s in rest:   # one shard at a time: the temporaries of one
+            grads = working_grads(ctx, [s], scratch)
+            states = {n: [working_copy(t)] for n, t in s.states.items()}
+            [terms] = optimizer.tensor_terms(ctx.group, grads, states, ctx.step)
+            pieces.add(terms)
+        made.update(zip(map(id, rest), pieces.runs()))
+    return [made[id(s)] for s in slices]
 
 
 def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[ParamSlice]]],
              admitted: bool = False) -> None:
     """Set ``tensor_sum.total`` of every slice of ``jobs`` that has a
-    :class:`~lowp.optim.slices.TensorSum`: its terms cut into pieces, one exchange of the pieces
-    of all of them per mesh (over the process groups of the mesh's sharded dimensions,
-    :func:`~lowp.optim.collectives.all_rows`, in the order of each mesh's first parameter), the whole
-    tensors' sums rebuilt from every rank's pieces, all at once
+    :class:`~lowp.optim.slices.TensorSum`, its pieces made from its terms (:func:`_pieces`, a
+    job at a time) and exchanged (:func:`exchange_pieces`). ``admitted``: the backend's kernel
+    took every slice of ``jobs`` in a step whose plan holds (a cached plan's: its tensors the
+    same, its gradients checked), so its pieces pass takes them all without their admission
+    again; default ``False``."""
+    parts = [(ctx, [s for s in slices if s.tensor_sum is not None]) for ctx, slices in jobs]
+    parts = [(ctx, part) for ctx, part in parts if part]
+    exchange_pieces([s for _, part in parts for s in part],
+                    lambda: [runs for ctx, part in parts for runs in _pieces(optimizer, ctx, part, admitted)])
+
+
+def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Runs]]) -> None:
+    """Set ``tensor_sum.total`` of every one of ``slices`` (each with a
+    :class:`~lowp.optim.slices.TensorSum`) from its pieces, ``make()`` (one per slice, in their
+    order): one exchange of the pieces of all of them per mesh (over the process groups of the
+    mesh's sharded dimensions, :func:`~lowp.optim.collectives.all_rows`, in the order of each
+    mesh's first parameter), the whole tensors' sums rebuilt from every rank's pieces, all at once
     (:func:`~lowp.optim.ordered_sum.totals_from_pieces`). The ranks of a mesh call it with the same
     parameters (the collectives); a rank with no such slice makes no call, and neither does any
     other rank of its meshes (they step the same parameters).
 
-    When this rank cannot make its pieces (an error, out of memory), it still takes part in every
-    exchange, sending a failure instead of rows, then raises its error: the ranks it exchanges
-    with raise :class:`ExchangeError` rather than wait for it. Nothing is written either way.
-
-    ``admitted``: the backend's kernel took every slice of ``jobs`` in a step whose plan holds
-    (a cached plan's: its tensors the same, its gradients checked), so its pieces pass takes them
-    all without their admission again; default ``False``."""
-    by_mesh: dict[Groups, list[tuple[StepContext, list[ParamSlice]]]] = {}
-    for ctx, slices in jobs:
-        for s in slices:
-            if s.tensor_sum is not None:
-                parts = by_mesh.setdefault(s.tensor_sum.groups, [])
-                if not parts or parts[-1][0] is not ctx:
-                    parts.append((ctx, []))
-                parts[-1][1].append(s)
+    When this rank cannot make its pieces (``make`` raises: an error, out of memory), it still
+    takes part in every exchange, sending a failure instead of its message, then raises its error:
+    the ranks it exchanges with raise :class:`ExchangeError` rather than wait for it. Nothing is
+    written either way."""
+    by_mesh: dict[Groups, list[int]] = {}
+    for i, s in enumerate(slices):
+        by_mesh.setdefault(cast(TensorSum, s.tensor_sum).groups, []).append(i)
     # meshes in the order of their first parameter in the groups, whatever the order of the jobs
     # (a full step's or a cached plan's): every rank of a mesh exchanges over the same groups in turn
-    by_mesh = dict(sorted(by_mesh.items(), key=lambda mesh: min(s.param_id for _, part in mesh[1] for s in part)))
-    made: dict[Groups, list[tuple[ParamSlice, Runs]]] = {}
+    by_mesh = dict(sorted(by_mesh.items(), key=lambda mesh: min(slices[i].param_id for i in mesh[1])))
+    made: Sequence[Runs] = ()
     failure: Exception | None = None
     try:
-        for groups, parts in by_mesh.items():
-            made[groups] = [row for ctx, slices in parts for row in _pieces(optimizer, ctx, slices, admitted)]
+        made = make()
+        if len(made) != len(slices):
+            raise RuntimeError(f"sharded sums: the pieces of {len(made)} shards, expected {len(slices)}")
     except Exception as exc:   # told to the other ranks below, raised after every exchange
         failure = exc
     failed_elsewhere = False
-    for groups in by_mesh:
+    for groups, at in by_mesh.items():
+        mine = [(slices[i], made[i]) for i in at] if failure is None else []
         sent = None
         if failure is None and not failed_elsewhere:
             try:
-                sent = _message(made[groups]).view(-1, 1)
+                sent = _message(mine).view(-1, 1)
             except Exception as exc:   # out of memory: told to the others as a failure
                 failure = exc
         everyone = all_rows(sent, groups)
         if everyone is None:
             failed_elsewhere = True
-        elif failure is None:   # the same rows on every rank of the mesh: the same sums, or the same error
+        elif failure is None:   # the same messages on every rank of the mesh: the same sums, or the same error
             try:
-                _set_totals(made[groups], everyone.view(-1))
+                _set_totals([s for s, _ in mine], everyone.view(-1))
             except Exception as exc:   # told to the ranks of the later meshes as a failure
                 failure = exc
     if failure is not None:
@@ -191,9 +198,10 @@ def _message(made: list[tuple[ParamSlice, Runs]]) -> torch.Tensor:
     """What this rank sends of a mesh's pieces, float64: the run count ``r``, each run's
     ``(param_id, kind, first index, count)`` (``4 r`` numbers, exact: integers below 2**53), then
     every run's values in turn."""
-    heads = [torch.cat([torch.full((runs.head.shape[0], 1), s.param_id, dtype=torch.int64), runs.head], 1)
-             for s, runs in made]
-    head = torch.cat(heads)
+    head = torch.cat([torch.zeros((0, 3), dtype=torch.int64), *(runs.head for _, runs in made)])
+    ids = torch.tensor([s.param_id for s, _ in made], dtype=torch.int64)
+    head = torch.cat([ids.repeat_interleave(torch.tensor([runs.head.shape[0] for _, runs in made],
+                                                         dtype=torch.int64))[:, None], head], 1)
     return torch.cat([torch.tensor([head.shape[0]], dtype=torch.float64), head.reshape(-1).double(),
                       *(runs.values for _, runs in made)])
 
@@ -209,11 +217,11 @@ def _read_messages(everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             raise RuntimeError(f"sharded sums: a message of {runs} runs with {end - at - 1} numbers after it")
         head = everyone[at + 1:at + 1 + 4 * int(runs)].view(-1, 4)
         ints = head.long()
-        if not torch.equal(ints.double(), head) or bool((ints[:, 3] < 0).any()):
-            raise RuntimeError("sharded sums: a run whose parameter, kind, index or count is not an integer, or whose "
-                               "count is negative")
         at += 1 + 4 * int(runs)
-        count = int(ints[:, 3].sum())
+        if not torch.equal(ints.double(), head) or bool(((ints[:, 3] < 0) | (ints[:, 3] > end - at)).any()):
+            raise RuntimeError("sharded sums: a run whose parameter, kind, index or count is not an integer, or whose "
+                               "count is negative or larger than the message")
+        count = sum(ints[:, 3].tolist())   # Python ints: no wrap-around
         if count > end - at:
             raise RuntimeError(f"sharded sums: a message of {count} pieces with {end - at} numbers left")
         heads.append(ints)
@@ -222,10 +230,10 @@ def _read_messages(everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([torch.zeros((0, 4), dtype=torch.int64), *heads]), torch.cat([everyone[:0], *values])
 
 
-def _set_totals(made: list[tuple[ParamSlice, Runs]], everyone: torch.Tensor) -> None:
+def _set_totals(slices: list[ParamSlice], everyone: torch.Tensor) -> None:
     """Each slice's whole-tensor sum from every rank's message (:func:`_message`, end to end in
     ``everyone``): :func:`~lowp.optim.ordered_sum.totals_from_pieces` of all their runs at once."""
-    numels = {s.param_id: cast(TensorSum, s.tensor_sum).numel for s, _ in made}
+    numels = {s.param_id: cast(TensorSum, s.tensor_sum).numel for s in slices}
     ids = sorted(numels)
     head, values = _read_messages(everyone)
     position = torch.full((ids[-1] + 2,), -1, dtype=torch.int64)   # a parameter id's tensor; -1: not stepped here
@@ -237,7 +245,7 @@ def _set_totals(made: list[tuple[ParamSlice, Runs]], everyone: torch.Tensor) -> 
                            f"not step with an exchanged sum (every rank of a mesh must step the same parameters)")
     head[:, 0] = tensor
     totals = dict(zip(ids, totals_from_pieces(head, values, [numels[i] for i in ids]).tolist()))
-    for s, _ in made:
+    for s in slices:
         cast(TensorSum, s.tensor_sum).total = totals[s.param_id]
 
 

@@ -20,7 +20,7 @@ from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["CHECKS", "Kernel", "KernelLaunch", "fusable", "fusable_dtypes", "partition", "grad_factor",
+__all__ = ["CHECKS", "Kernel", "KernelLaunch", "PiecesLaunch", "fusable", "fusable_dtypes", "partition", "grad_factor",
            "gradient_factor", "slice_keys", "by_signature", "stream_count", "step_numbers"]
 
 #: the non-finite check a prepared launch runs (:meth:`KernelLaunch.call`): none, skip the
@@ -137,6 +137,15 @@ class KernelLaunch(Protocol):
         returns the stalled count."""
 
 
+class PiecesLaunch(Protocol):
+    """A kernel's pass making the pieces of shards' per-tensor sums over the shards of one dtype
+    signature, prepared once (:meth:`Kernel.pieces_launches`) and kept by a cached step plan."""
+
+    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float) -> list[Runs]:
+        """Each member's :class:`~lowp.optim.ordered_sum.Runs` of its reduction's terms with the
+        members' gradients, the spec's numbers and the gradient factor; nothing is written."""
+
+
 class Kernel(ABC):
     """One way of running fused steps. Subclasses set ``name`` and the admission limits and
     implement :meth:`run`; ``fused_elements`` counts the elements they updated (summed over
@@ -209,12 +218,13 @@ class Kernel(ABC):
         makes such slices only while it writes. Default: nothing to load."""
         return None
 
-    def sum_pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
-                   ) -> list[Runs] | None:
-        """Per admitted slice (a shard with a :class:`~lowp.optim.slices.TensorSum`), the
-        :func:`~lowp.optim.ordered_sum.pieces` of its per-tensor reduction's terms at ``ctx``'s step,
-        computed by this kernel without writing anything; ``None`` (default) when the kernel has no
-        such pass (:mod:`lowp.optim.sharded_sums` then computes them with torch)."""
+    def pieces_launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+                        ) -> Sequence[tuple[PiecesLaunch, list[ParamSlice]]] | None:
+        """The checked passes over admitted ``slices`` (shards, each with a
+        :class:`~lowp.optim.slices.TensorSum`) that make the
+        :func:`~lowp.optim.ordered_sum.pieces` of their per-tensor reduction's terms at ``ctx``'s
+        step without writing anything, each with its members; ``None`` (default) when the kernel
+        has no such pass (:mod:`lowp.optim.sharded_sums` then computes them with torch)."""
         return None
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,

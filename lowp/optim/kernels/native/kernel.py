@@ -34,7 +34,7 @@ from lowp.optim.kernels.native.codec import grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
 
-__all__ = ["NativeKernel", "Launch", "slice_dtypes", "variant_for", "by_coded_signature"]
+__all__ = ["NativeKernel", "Launch", "PiecesCall", "slice_dtypes", "variant_for", "by_coded_signature"]
 
 _FLOAT_CODES = {dtype: code for dtype, code in DTYPE_CODES.items() if dtype.is_floating_point}
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
@@ -139,50 +139,16 @@ class NativeKernel(Kernel):
         (:func:`~lowp.optim.kernels.kernel.fusable_dtypes`); others have no variant (``KeyError``)."""
         step_function(variant_source(spec.name, variant_for(spec, ctx, dtypes)))
 
-    def sum_pieces(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> list[Runs] | None:
-        """The pieces of each admitted shard's reduction terms by the variant's own pre-pass:
-        ``lowp_piece_sums`` over the shards' runs (:func:`~lowp.optim.ordered_sum.layouts`: at most
-        five per shard, each a range of the shard cut into terms, blocks or units), one call per
-        dtype signature for all its shards. Each piece's sum starts from zero and adds in
-        :func:`~lowp.optim.ordered_sum.ordered_sum`'s order, so a unit piece is the unit's sum, a
-        block piece the block's, a term piece the term, exactly: the runs
-        :func:`~lowp.optim.ordered_sum.pieces` makes from the same terms. The runs are ranges of
-        the checked slices (their pointers offsets into its tensors, their lengths inside it);
-        nothing is written."""
-        numbers = spec.numbers(ctx.group, ctx.step)
-        made: dict[int, Runs] = {}
+    def pieces_launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+                        ) -> list[tuple[PiecesCall, list[ParamSlice]]]:
+        """The variant's own pre-pass over admitted shards (:class:`PiecesCall`), one per dtype
+        signature, each with its members (checked, :func:`check_kernel_args`)."""
+        out = []
         for dtypes, members in by_signature(slices, slice_dtypes).items():
             variant = variant_for(spec, ctx, dtypes)
             check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-            if any(s.tensor_sum is None for s in members):
-                raise RuntimeError("kernel pieces: a shard without its TensorSum")
-            kind, index, count, start, length, runs = layouts(
-                [s.index.first() for s in members], [s.numel for s in members],
-                [cast(TensorSum, s.tensor_sum).numel for s in members])
-            inside = torch.tensor([s.numel for s in members]).repeat_interleave(runs)
-            size = torch.tensor(PIECE_SIZE)[kind]
-            if bool(((start < 0) | (start + length > inside) | (-(-length // size) != count)).any()):
-                raise RuntimeError("kernel pieces: a run outside its slice or of another piece count")
-            grads = list(map(kernel_grad, (s.grad for s in members)))   # alive until the call returns
-            roles: list[list[torch.Tensor | None]] = [[s.param for s in members], list(grads),
-                                                      [s.buffer for s in members]]
-            roles += [[s.states[name] for s in members] for name in variant.program.state_names]
-            table = torch.zeros((len(roles), start.numel()), dtype=torch.int64)   # [role][run]
-            for role, tensors in enumerate(roles):
-                if tensors[0] is not None:   # a role's dtype is the signature's: every member has it or none
-                    first = torch.tensor([cast(torch.Tensor, t).data_ptr() for t in tensors])
-                    table[role] = start * tensors[0].element_size() + first.repeat_interleave(runs)
-            h = torch.tensor([grad_factor(ctx), *spec.pick(variant.numbers, numbers)], dtype=torch.float64)
-            sums = torch.zeros(int(count.sum()), dtype=torch.float64)
-            piece_sums_function(variant_source(spec.name, variant))(
-                start.numel(), table.data_ptr(), length.data_ptr(), size.data_ptr(), h.data_ptr(), sums.data_ptr(),
-                torch.get_num_threads())
-            heads = torch.stack([kind, index, count], 1).split(runs.tolist())
-            pieces = torch.zeros(len(members), dtype=torch.int64).index_add_(
-                0, torch.repeat_interleave(torch.arange(len(members)), runs), count)   # each shard's
-            for s, head, values in zip(members, heads, sums.split(pieces.tolist())):
-                made[id(s)] = Runs(head, values)
-        return [made[id(s)] for s in slices]
+            out.append((PiecesCall(spec, variant, members), members))
+        return out
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
                       launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
@@ -247,6 +213,67 @@ class NativeKernel(Kernel):
                                                         for x in (grid_numbers(codes[name]) if name in codes
                                                                   else (0.0, 0.0, 0.0, 0.0))))
         return Launch(spec, variant, slices, (scale_table, grids))
+
+
+class PiecesCall:
+    """``lowp_piece_sums`` over the runs of ``members`` (checked shards of one variant, each with
+    its :class:`~lowp.optim.slices.TensorSum`), prepared once: each shard's runs
+    (:func:`~lowp.optim.ordered_sum.layouts`: at most five, each a range of the shard cut into
+    terms, blocks or units), their pointer table (each run's pointers offsets into its shard's
+    tensors) but the gradients', lengths and piece sizes. Each piece's sum starts from zero and
+    adds in :func:`~lowp.optim.ordered_sum.ordered_sum`'s order, so a unit piece is the unit's
+    sum, a block piece the block's, a term piece the term, exactly: the runs
+    :func:`~lowp.optim.ordered_sum.pieces` makes from the same terms. A cached plan
+    (:mod:`lowp.optim.cached_step`) keeps it while nothing of its members changed.
+
+    Args:
+        spec: the optimizer's spec (its reduction's numbers).
+        variant: the compiled variant of every member.
+        members: the shards, checked (:func:`check_kernel_args`).
+    """
+
+    def __init__(self, spec: OptimizerSpec, variant: Variant, members: list[ParamSlice]) -> None:
+        if any(s.tensor_sum is None for s in members):
+            raise RuntimeError("kernel pieces: a shard without its TensorSum")
+        kind, index, count, start, length, runs = layouts(
+            [s.index.first() for s in members], [s.numel for s in members],
+            [cast(TensorSum, s.tensor_sum).numel for s in members])
+        inside = torch.tensor([s.numel for s in members]).repeat_interleave(runs)
+        self.size = torch.tensor(PIECE_SIZE)[kind]
+        if bool(((start < 0) | (start + length > inside) | (-(-length // self.size) != count)).any()):
+            raise RuntimeError("kernel pieces: a run outside its shard or of another piece count")
+        self.spec, self.variant, self.n = spec, variant, len(members)
+        self.function = piece_sums_function(variant_source(spec.name, variant))
+        self.length, self.runs = length, start.numel()
+        self.member = torch.repeat_interleave(torch.arange(self.n), runs)   # each run's shard
+        roles: list[list[torch.Tensor | None]] = [[s.param for s in members], [None] * self.n,
+                                                  [s.buffer for s in members]]
+        roles += [[s.states[name] for s in members] for name in variant.program.state_names]
+        self.table = torch.zeros((len(roles), self.runs), dtype=torch.int64)   # [role][run]; the gradients' at a call
+        for role, tensors in enumerate(roles):
+            if tensors[0] is not None:   # a role's dtype is the signature's: every member has it or none
+                first = torch.tensor([cast(torch.Tensor, t).data_ptr() for t in tensors])
+                self.table[role] = start * tensors[0].element_size() + first[self.member]
+        self.grad_offset = start * cast(torch.dtype, variant.dtypes[1]).itemsize   # a gradient's dtype is never None
+        self.heads = torch.stack([kind, index, count], 1).split(runs.tolist())
+        self.pieces = torch.zeros(self.n, dtype=torch.int64).index_add_(0, self.member, count).tolist()   # each shard's
+
+    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float) -> list[Runs]:
+        """Each member's runs with the members' ``grads`` (a strided or misaligned one copied,
+        :func:`~lowp.optim.kernels.checks.kernel_grad`), the spec's ``numbers`` and the gradient
+        ``factor``; nothing is written. The table holds the gradients' pointers for the call only."""
+        if len(grads) != self.n:
+            raise RuntimeError(f"kernel pieces: {len(grads)} gradients for {self.n} shards")
+        grads = list(map(kernel_grad, grads))   # alive until the call returns
+        self.table[1] = torch.tensor([g.data_ptr() for g in grads])[self.member] + self.grad_offset
+        h = torch.tensor([factor, *self.spec.pick(self.variant.numbers, numbers)], dtype=torch.float64)
+        sums = torch.zeros(sum(self.pieces), dtype=torch.float64)
+        try:
+            self.function(self.runs, self.table.data_ptr(), self.length.data_ptr(), self.size.data_ptr(),
+                          h.data_ptr(), sums.data_ptr(), torch.get_num_threads())
+        finally:
+            self.table[1] = 0
+        return [Runs(head, values) for head, values in zip(self.heads, sums.split(self.pieces))]
 
 
 def by_coded_signature(ctx: StepContext, slices: list[ParamSlice]) -> dict[tuple, list[ParamSlice]]:
