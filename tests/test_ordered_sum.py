@@ -388,7 +388,7 @@ def test_runs_that_are_not_pieces_of_the_tensor_are_refused(extra, error):
         with pytest.raises(ValueError, match=f"pieces: {error}"):
             order.total_from_pieces(together, 18)
     with pytest.raises(ValueError, match="pieces: a term of 0.1, which is no fp32 value"):
-        order.total_from_pieces([_one_run(order.TERM, 0, 0.1)], 1)
+        order.total_from_pieces([_one_run(order.TERM, 0, math.nan, 0.1)], 2)
     with pytest.raises(ValueError, match="expected runs whose head is an int64 tensor of shape \\[runs, 3\\], got "
                                          "torch.int64 of shape \\(1, 4\\)"):
         order.total_from_pieces([order.Runs(torch.zeros((1, 4), dtype=torch.int64), torch.ones(1).double())], 18)

@@ -552,18 +552,19 @@ class CachedStep:
             sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), jobs, admitted=True)
             return
         slices = {i: s for job in summed for i, s in job.sums}
-        numbers: dict[tuple[int, int], dict[str, float]] = {}   # per group and step: jobs share them
-        for job in summed:
-            if (id(job.group), job.step) not in numbers:
-                numbers[id(job.group), job.step] = self.spec.numbers(job.group, job.step + 1)
-        calls = [(call, members, numbers[id(job.group), job.step], gradient_factor(job.group, inv_scale))
-                 for job in summed for call, members in cast(list, job.pieces)]
+        calls = [(job, call, members) for job in summed for call, members in cast(list, job.pieces)]
         empty = [i for i, s in slices.items() if not s.numel]   # an empty shard's pieces: none
 
-        def make() -> list[Runs]:
-            return [runs for call, members, numbers, factor in calls
-                    for runs in call.call([grads[i] for i in members], numbers, factor)] + [Runs.empty()] * len(empty)
-        order = [i for _, members, _, _ in calls for i in members] + empty
+        def make() -> list[Runs]:   # inside the exchange: a rank that fails here still takes part in it
+            numbers: dict[tuple[int, int], dict[str, float]] = {}   # per group and step: jobs share them
+            made = []
+            for job, call, members in calls:
+                if (id(job.group), job.step) not in numbers:
+                    numbers[id(job.group), job.step] = self.spec.numbers(job.group, job.step + 1)
+                made += call.call([grads[i] for i in members], numbers[id(job.group), job.step],
+                                  gradient_factor(job.group, inv_scale))
+            return made + [Runs.empty()] * len(empty)
+        order = [i for _, _, members in calls for i in members] + empty
         sharded_sums.exchange_pieces([slices[i] for i in order], make)
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,

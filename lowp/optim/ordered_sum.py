@@ -69,10 +69,9 @@ def _unit_sums(blocks: torch.Tensor) -> torch.Tensor:
 
 def _segment_sums(blocks: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """Step 3 over ``blocks`` (float64, on the CPU) cut into consecutive units of ``sizes`` blocks
-    (each at most a unit's): each unit's sum, its blocks added in order; the units whose sizes
-    share a power of two ``w`` at or above them together, as rows of ``w`` padded with zeros
-    (which leave a sum unchanged but for a -0.0, which no total keeps: step 4 starts from +0.0),
-    so at most 12 passes however many sizes there are."""
+    (each at most a unit's): each unit's sum, its blocks added in order from +0.0; the units whose
+    sizes share a power of two ``w`` at or above them together, as rows of ``w`` padded with
+    zeros (which leave a sum unchanged), so at most 12 passes however many sizes there are."""
     sums = torch.zeros(sizes.numel(), dtype=torch.float64)
     first = torch.cumsum(sizes, 0) - sizes
     width = torch.where(sizes > 1, torch.exp2(torch.ceil(torch.log2(sizes.clamp(min=1).double()))), 1).long()
@@ -425,8 +424,8 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
             mine = split[where] == block
             spot = where[mine] * BLOCK + element[mine] % BLOCK
             terms[spot] = value[mine].float()
-            inexact = terms[spot].double() != value[mine]
-            if bool((inexact & ~value[mine].isnan()).any()):   # each was an fp32 term: exact in float64
+            inexact = (terms[spot].double() != value[mine]) & ~value[mine].isnan()
+            if bool(inexact.any()):   # each was an fp32 term: exact in float64
                 raise ValueError(f"pieces: a term of {float(value[mine][inexact][0])!r}, which is no fp32 value")
             present[spot] = True
             t_of = owner[split // per_unit]

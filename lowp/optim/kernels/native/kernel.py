@@ -265,10 +265,10 @@ class PiecesCall:
         if len(grads) != self.n:
             raise RuntimeError(f"kernel pieces: {len(grads)} gradients for {self.n} shards")
         grads = list(map(kernel_grad, grads))   # alive until the call returns
-        self.table[1] = torch.tensor([g.data_ptr() for g in grads])[self.member] + self.grad_offset
         h = torch.tensor([factor, *self.spec.pick(self.variant.numbers, numbers)], dtype=torch.float64)
         sums = torch.zeros(sum(self.pieces), dtype=torch.float64)
         try:
+            self.table[1] = torch.tensor([g.data_ptr() for g in grads])[self.member] + self.grad_offset
             self.function(self.runs, self.table.data_ptr(), self.length.data_ptr(), self.size.data_ptr(),
                           h.data_ptr(), sums.data_ptr(), torch.get_num_threads())
         finally:
