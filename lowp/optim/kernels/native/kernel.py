@@ -143,12 +143,8 @@ class NativeKernel(Kernel):
                         ) -> list[tuple[PiecesCall, list[ParamSlice]]]:
         """The variant's own pre-pass over admitted shards (:class:`PiecesCall`), one per dtype
         signature, each with its members (checked, :func:`check_kernel_args`)."""
-        out = []
-        for dtypes, members in by_signature(slices, slice_dtypes).items():
-            variant = variant_for(spec, ctx, dtypes)
-            check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-            out.append((PiecesCall(spec, variant, members), members))
-        return out
+        return [(PiecesCall(spec, variant, members), members)
+                for variant, members in _checked_variants(spec, ctx, slices)]
 
     def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
                       launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
@@ -170,12 +166,7 @@ class NativeKernel(Kernel):
         if ctx.coded:
             return [(NativeKernel.coded_launch(spec, ctx, members), members)
                     for members in by_coded_signature(ctx, slices).values()]
-        out = []
-        for dtypes, members in by_signature(slices, slice_dtypes).items():
-            variant = variant_for(spec, ctx, dtypes)
-            check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
-            out.append((Launch(spec, variant, members), members))
-        return out
+        return [(Launch(spec, variant, members), members) for variant, members in _checked_variants(spec, ctx, slices)]
 
     @staticmethod
     def launch(spec: OptimizerSpec, variant: Variant, members: list[ParamSlice], numbers: dict[str, float],
@@ -274,6 +265,18 @@ class PiecesCall:
         finally:
             self.table[1] = 0
         return [Runs(head, values) for head, values in zip(self.heads, sums.split(self.pieces))]
+
+
+def _checked_variants(spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
+                      ) -> list[tuple[Variant, list[ParamSlice]]]:
+    """``slices`` grouped by dtype signature, each group with its variant at ``ctx`` and its
+    members checked against it (:func:`check_kernel_args`)."""
+    out = []
+    for dtypes, members in by_signature(slices, slice_dtypes).items():
+        variant = variant_for(spec, ctx, dtypes)
+        check_kernel_args(members, list(variant.program.state_names), variant.dtypes)
+        out.append((variant, members))
+    return out
 
 
 def by_coded_signature(ctx: StepContext, slices: list[ParamSlice]) -> dict[tuple, list[ParamSlice]]:
