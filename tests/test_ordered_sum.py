@@ -568,3 +568,5 @@ def test_the_messages_of_several_ranks_read_back_and_what_is_not_one_is_refused(
                           (torch.tensor([2.0, 0, 1, 0, 3, 0, 1, 0, 3, 1, 1, 1]), "a message of 6 pieces")]:
         with pytest.raises(RuntimeError, match=f"sharded sums: {error}"):
             sharded_sums._read_messages(torch.cat([both, broken.double()]))
+    with pytest.raises(ValueError, match="slices: expected shards that each have a TensorSum"):
+        sharded_sums.exchange_pieces([types.SimpleNamespace(tensor_sum=None, param_id=0)], lambda: [])

@@ -156,6 +156,8 @@ def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Ru
     takes part in every exchange, sending a failure instead of its message, then raises its error:
     the ranks it exchanges with raise :class:`ExchangeError` rather than wait for it. Nothing is
     written either way."""
+    if any(s.tensor_sum is None for s in slices):   # before any collective: the same on every rank
+        raise ValueError("slices: expected shards that each have a TensorSum (an exchanged whole-tensor sum)")
     by_mesh: dict[Groups, list[int]] = {}
     for i, s in enumerate(slices):
         by_mesh.setdefault(cast(TensorSum, s.tensor_sum).groups, []).append(i)
