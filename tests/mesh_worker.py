@@ -158,15 +158,22 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
 
 
 #: (optimizer, where rank 3 fails in step 1 of stage 1, backend): making StableAdamW's pieces of
-#: the sums, its non-finite check of AdamW's gradients, the value check of a load of its own state
-#: dict; on the reference (a full step) and on the native kernel (the step 1 of a cached plan)
+#: the sums, its non-finite check of AdamW's gradients; in a load of its own state dict before the
+#: step: reading a group ("read", before the first agreement), checking a state laid out again from
+#: ``Shard(1)`` (between the collectives that lay out the others), checking the values (before the
+#: second agreement); on the reference (a full step) and on the native kernel (the step 1 of a
+#: cached plan)
 FAILURES = [("StableAdamW", "pieces", "foreach"), ("StableAdamW", "pieces", "native"), ("AdamW", "flags", "foreach"),
-            ("AdamW", "flags", "native"), ("AdamW", "load", "foreach"), ("StableAdamW", "interrupt", "native")]
+            ("AdamW", "flags", "native"), ("AdamW", "load", "foreach"), ("AdamW", "read", "foreach"),
+            ("AdamW", "place", "foreach"), ("StableAdamW", "interrupt", "native")]
+#: the failures that happen in a load
+LOADS = ("load", "read", "place")
 
 
 def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, Any]:
-    """``name`` on ``backend`` on the ``stages`` layout whose step 1 (with ``where="load"``: a load of its own
-    state dict before it) fails on rank 3 at ``where`` (as running out of memory would;
+    """``name`` on ``backend`` on the ``stages`` layout whose step 1 (with ``where`` in ``LOADS``: a load of
+    its own state dict before it, then that load again on every rank) fails on rank 3 at ``where`` (as
+    running out of memory would;
     ``"interrupt"``: a Ctrl-C arrives on rank 3 right after the sums' exchange, which the step
     holds until it is done): the error of each rank of that call, whether every parameter and
     state of the rank's stage is as before it, whether a cached plan was there to take the step,
@@ -185,7 +192,8 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
     opt = make_optimizer(name, params, "skip_param", fused=backend == "native")
     pieces = (native_kernel.PiecesCall, "call") if backend == "native" else (sharded_sums, "_pieces")   # the plan's
     owner, attribute = {"pieces": pieces, "flags": (opt.backend, "finite_flags"),
-                        "load": (checkpointing, "_value_problem"),
+                        "load": (checkpointing, "_value_problem"), "read": (type(opt), "check_group"),
+                        "place": (type(opt), "check_state"),
                         "interrupt": (sharded_sums, "exchange_pieces")}[where]
     real = getattr(owner, attribute)
     out: dict[str, Any] = {"stage": stage, "error": None, "unchanged": None}
@@ -202,7 +210,10 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
         if t == 1 and stage == 1:
             before = snapshot(opt, params)
             out["planned"] = opt._plans.current is not None   # the step comes from the cached plan
-            saved = opt.state_dict() if where == "load" else None
+            saved = opt.state_dict() if where in LOADS else None
+            if where == "place":   # the matrices' states laid out along dimension 1: collectives on load
+                saved["state"] = {k: {n: v.redistribute(mesh, [Shard(1)]) if v.dim() == 2 else v for n, v in e.items()}
+                                  for k, e in saved["state"].items()}
             if rank == 3:
                 setattr(owner, attribute, failing)
             try:
@@ -216,6 +227,8 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
                 torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in before)
             if where == "interrupt":   # the step was taken whole; the interrupt came after it
                 continue
+            if saved is not None:   # the same load on every rank now succeeds, and the run resumes from it
+                opt.load_state_dict(saved)
         opt.step()
     out["snapshot"] = snapshot(opt, params)
     return out

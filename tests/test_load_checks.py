@@ -155,7 +155,7 @@ def test_a_good_checkpoint_still_loads_and_resumes_bit_for_bit():
 
 @pytest.mark.parametrize("target", [(migrate, "to_lowp_layout"), (base.LowpOptimizer, "check_group"),
                                     (base.LowpOptimizer, "check_state"), (base.LowpOptimizer, "_recode_loaded"),
-                                    (base.LowpOptimizer, "_check_values")])
+                                    (base.LowpOptimizer, "_value_problems")])
 def test_a_fault_at_any_stage_of_a_load_changes_nothing(target, monkeypatch):
     opt, params = _trained(lo.AdamW, **CODED)
     other, _ = _trained(lo.AdamW, seed=1, **CODED)

@@ -72,15 +72,19 @@ def test_each_mesh_steps_as_one_process(four_ranks, k):
 #: per failure of mesh_worker.FAILURES: the error the other rank of the stage raises
 PEER_ERRORS = {"pieces": "ExchangeError: sharded sums: another rank could not make its pieces",
                "flags": "PeerFailed: another rank failed before the ranks agreed on their checks",
-               "load": "PeerFailed: another rank failed before the ranks agreed on their checks"}
+               "load": "PeerFailed: another rank failed before the ranks agreed on their checks",
+               "read": "PeerFailed: another rank failed before the ranks agreed on their checks",
+               "place": "PeerFailed: another rank failed before the ranks agreed on their checks"}
 
 
 @pytest.mark.parametrize("k", range(len(w.FAILURES)), ids=lambda k: "-".join(w.FAILURES[k]))
 def test_a_rank_that_fails_before_a_collective_fails_its_stage_cleanly(four_ranks, k):
     """Rank 3 fails (injected) while making its pieces of StableAdamW's sums, checking its
-    gradients for the agreement on non-finite ones, or checking a loaded state's values: it still
-    takes part in the collective, so rank 2 raises instead of waiting for it, rank 3 raises its
-    own error, neither changed anything, and the step taken again gives the single-process bits;
+    gradients for the agreement on non-finite ones, or in a load: reading a group, checking a
+    state laid out again while rank 2 goes on to lay out the next parameter's (a redistribution),
+    checking the values. It still takes part in the next collective, so rank 2 raises instead of
+    waiting for it, rank 3 raises its own error, neither changed anything (the load, made again
+    on both, succeeds), and the step taken again gives the single-process bits;
     the other stage never noticed. On the native kernel the failing step is the cached plan's
     (StableAdamW's plan exchanges its sums itself), on the reference a full step. Each case makes
     its mesh again (a process's second ``init_device_mesh``: its gradients' mesh is equal to the

@@ -303,7 +303,7 @@ class LowpOptimizer(torch.optim.Optimizer):
     extras = checkpointing.extras
     checkpoint_kind = checkpointing.checkpoint_kind
     _recode_loaded = checkpointing.recode_loaded
-    _check_values = checkpointing.check_values
+    _value_problems = checkpointing.value_problems
 
     # ---- the step -------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

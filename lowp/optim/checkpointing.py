@@ -16,7 +16,8 @@ optimizer's layout instead of the saved one (:func:`_cast_into_layout`), each te
 shape and dtype (floating-point states are cast only where ``state_dtype`` names a dtype, and
 encoded where it names a block-scaled code), finite values, nonnegative second moments and
 scales, step counts that can be saved again. With DTensor states every rank checks its shards
-and the ranks agree.
+and the ranks agree, twice (the entries as read, then the states as placed); a rank that fails
+in between tells the others at their next collective of the load (:func:`checked_load`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -37,7 +38,7 @@ from lowp.optim.state_layout import STORED_FLOATS, asked_dtype, coded_layout, ne
 from lowp.optim.writeback import BUFFER_NAMES, resolve_mode
 
 __all__ = ["extras", "checkpoint_kind", "saved", "checked_load", "LayoutCastError", "holds_live_states",
-           "check_values", "recode_loaded"]
+           "value_problems", "recode_loaded"]
 
 
 class LowpOptimizer(Protocol):
@@ -76,8 +77,9 @@ class LowpOptimizer(Protocol):
     def _recode_loaded(self, group: dict[str, Any], p: torch.Tensor, loaded: dict[str, Any]) -> None:
         """:func:`recode_loaded`, bound."""
 
-    def _check_values(self, groups: list[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-        """:func:`check_values`, bound."""
+    def _value_problems(self, groups: list[dict[str, Any]], state: Mapping[torch.Tensor, dict[str, Any]]
+                        ) -> list[str | None]:
+        """:func:`value_problems`, bound."""
 
 
 def extras(optimizer: LowpOptimizer) -> dict[str, Any]:
@@ -105,15 +107,69 @@ def saved(sd: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
 
 def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
                  ) -> tuple[list[dict[str, Any]], defaultdict, dict[str, Any]]:
-    """The new groups, states and extras of a checkpoint in lowp's layout, all checked."""
-    extras = _checked_extras(sd.get("lowp"), optimizer)
-    saved_groups = sd["param_groups"]
-    if sd.get("lowp") is None and any("mode" in g for g in saved_groups):
+    """The new groups, states and extras of the checkpoint ``sd`` (a state dict in lowp's layout:
+    :func:`lowp.optim.migrate.to_lowp_layout` refused any other before a collective, as when
+    torch's ``broadcast_from_rank0`` hands one rank a dict without ``state``), all checked, in two
+    rounds that the ranks of the optimizer's DTensor parameters take together
+    (:class:`~lowp.optim.collectives.FailTogether`): each rank reads its entries and checks them
+    (:func:`_read`), and they agree; each places its states in this run's layout (collectives
+    where a state arrives in another one), recodes and checks them and their values
+    (:func:`_placed_states`), and they agree again. A rank that fails anywhere in a round (a bad
+    entry on this rank only, out of memory) sends its failure at its next point of agreement, so
+    the others raise :class:`~lowp.optim.collectives.PeerFailed` instead of waiting for it."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ranks = collectives.FailTogether(collectives.agreement(params))
+    reading: list[_Reading] = []
+    first = ranks.agree(lambda: _read(optimizer, sd, reading), whole=True)
+    groups, entries, casts, extras, extras_missing = reading[0]
+    for cast, ok in zip(casts, first):
+        if cast is not None:
+            raise LayoutCastError(cast)
+        if not ok:
+            raise LayoutCastError("state_dict: on another rank a state arrived cast into this optimizer's storage "
+                                  "layout (its error names the entry); nothing was loaded")
+    if extras_missing:
         warnings.warn("state_dict: this lowp checkpoint lacks its 'lowp' extras (the seed of the stochastic-"
                       "rounding streams and the skip counters; a checkpointer dropped them), so the optimizer "
                       f"keeps its own seed ({optimizer.seed}) and a resumed run draws other random bits than the run "
                       "that saved it",
                       UserWarning, stacklevel=3)
+    state: defaultdict = defaultdict(dict)
+    problems: list[str | None] = []
+
+    def place_and_check() -> list[bool]:
+        with sharding.announcing(ranks.before_collective):
+            _placed_states(optimizer, entries, state)
+        problems.extend(optimizer._value_problems(groups, state))
+        return [problem is None for problem in problems]
+    for problem, ok in zip(problems, ranks.agree(place_and_check, whole=True)):
+        if problem is not None:
+            raise ValueError(problem)
+        if not ok:
+            raise ValueError("state_dict: another rank found a non-finite or out-of-range state value in its "
+                             "shards of this checkpoint (its error names the entry); nothing was loaded")
+    return groups, state, extras
+
+
+class _Reading(NamedTuple):
+    """What :func:`_read` found: the new groups, per parameter with an entry its group, the
+    parameter, the entry and where it is, per parameter of every group a state cast into this
+    run's layout (``None``: none), the extras, and whether the checkpoint lacks them."""
+
+    groups: list[dict[str, Any]]
+    entries: list[tuple[dict[str, Any], torch.Tensor, Mapping[str, Any], str]]
+    casts: list[str | None]
+    extras: dict[str, Any]
+    extras_missing: bool
+
+
+def _read(optimizer: LowpOptimizer, sd: Mapping[str, Any], out: list[_Reading]) -> list[bool]:
+    """Check the checkpoint ``sd`` against ``optimizer`` (its kind and extras, the group count and
+    sizes, each group's hyper-parameters, the state keys, each parameter's entry on this rank: its
+    shards) and append the :class:`_Reading` to ``out``; per parameter of every group, whether its
+    states arrived in their saved layout rather than in this run's."""
+    extras = _checked_extras(sd.get("lowp"), optimizer)
+    saved_groups = sd["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"state_dict: it has {len(saved_groups)} parameter groups, the optimizer "
                          f"{len(optimizer.param_groups)}")
@@ -139,36 +195,32 @@ def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
     _check_state_keys(saved_state, saved_groups)
     live = _live_tensors(optimizer)
     entries: list[tuple[dict[str, Any], torch.Tensor, Mapping[str, Any], str]] = []
-    casts: list[str | None] = []   # per parameter of every group: a state cast into this run's layout
+    casts: list[str | None] = []
+    for group, live_group, new in zip(groups, optimizer.param_groups, saved_groups):
+        for key, p in zip(new["params"], group["params"]):
+            where = f"state_dict['state'][{key!r}]"
+            entry = saved_state.get(key)
+            casts.append(None)
+            if entry is None:
+                continue
+            if not isinstance(entry, Mapping):
+                raise TypeError(f"{where}: expected a dict of states, got {type(entry).__name__}")
+            _check_entry_names(optimizer, group, p, entry, where)
+            for name, value in entry.items():
+                if name != "step" and isinstance(value, torch.Tensor):
+                    preflight.check_saved(value, f"{where}[{name!r}]")
+            casts[-1] = _cast_into_layout(optimizer, group, live_group, p, entry, live, where)
+            entries.append((group, p, entry, where))
+    out.append(_Reading(groups, entries, casts, extras,
+                        sd.get("lowp") is None and any("mode" in g for g in saved_groups)))
+    return [cast is None for cast in casts]
 
-    def read_entries() -> list[bool]:
-        """Check each parameter's saved entry (on this rank: its shards); per parameter, whether
-        its states arrived in this run's layout."""
-        for group, live_group, new in zip(groups, optimizer.param_groups, saved_groups):
-            for key, p in zip(new["params"], group["params"]):
-                where = f"state_dict['state'][{key!r}]"
-                entry = saved_state.get(key)
-                casts.append(None)
-                if entry is None:
-                    continue
-                if not isinstance(entry, Mapping):
-                    raise TypeError(f"{where}: expected a dict of states, got {type(entry).__name__}")
-                _check_entry_names(optimizer, group, p, entry, where)
-                for name, value in entry.items():
-                    if name != "step" and isinstance(value, torch.Tensor):
-                        preflight.check_saved(value, f"{where}[{name!r}]")
-                casts[-1] = _cast_into_layout(optimizer, group, live_group, p, entry, live, where)
-                entries.append((group, p, entry, where))
-        return [cast is None for cast in casts]
 
-    params = [p for group in groups for p in group["params"]]
-    for cast, ok in zip(casts, collectives.agree(read_entries, params, whole=True)):
-        if cast is not None:
-            raise LayoutCastError(cast)
-        if not ok:
-            raise LayoutCastError("state_dict: on another rank a state arrived cast into this optimizer's storage "
-                                  "layout (its error names the entry); nothing was loaded")
-    state: defaultdict = defaultdict(dict)
+def _placed_states(optimizer: LowpOptimizer, entries: list[tuple[dict[str, Any], torch.Tensor, Mapping[str, Any], str]],
+                   state: defaultdict) -> None:
+    """Each entry's states as private copies laid out for this run (:func:`_loaded_tensor`; the
+    step count checked), brought to the group's storage (:func:`recode_loaded`) and checked
+    (``check_state``), into ``state`` by parameter."""
     for group, p, entry, where in entries:
         loaded = {}
         for name, value in entry.items():
@@ -181,8 +233,6 @@ def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
             optimizer._recode_loaded(group, p, loaded)
             optimizer.check_state(group, p, loaded, where)
             state[p] = loaded
-    optimizer._check_values(groups, state)
-    return groups, state, extras
 
 
 class LayoutCastError(ValueError):
@@ -281,33 +331,22 @@ def _check_entry_names(optimizer: LowpOptimizer, group: dict[str, Any], p: torch
                              f"optimizer's checkpoint?")
 
 
-def check_values(optimizer: LowpOptimizer, groups: list[dict[str, Any]],
-                 state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
-    """The loaded values a step can use: finite floating-point states, compensations and block
-    scales, nonnegative states the spec declares so (a negative second moment makes
-    ``sqrt(v)`` NaN) and nonnegative scales. With DTensor states each rank checks its shards
-    and the ranks agree (one all-reduce), so all of them refuse or none does."""
+def value_problems(optimizer: LowpOptimizer, groups: list[dict[str, Any]],
+                   state: Mapping[torch.Tensor, dict[str, Any]]) -> list[str | None]:
+    """Per parameter of every group, what its loaded values hold that a step cannot use
+    (``None``: nothing): a non-finite floating-point state, compensation or block scale, a
+    negative value of a state the spec declares nonnegative (a negative second moment makes
+    ``sqrt(v)`` NaN) or of a scale. A DTensor state is checked on this rank's shards (the ranks
+    agree in :func:`checked_load`)."""
     nonnegative = set(optimizer.spec.nonnegative) if optimizer.spec is not None else set()
-    checked = [(index, group, p) for index, (group, p) in enumerate((g, p) for g in groups for p in g["params"])
-               if state.get(p)]
     problems: list[str | None] = []
-
-    def find_problems() -> list[bool]:
-        for index, group, p in checked:
-            never_negative = nonnegative | {scale_name(n) for n in optimizer.state_names(group, p)}
-            problems.append(next((f"state_dict['state'][{index}][{name!r}]: {why}" for name, value in state[p].items()
-                                  if isinstance(value, torch.Tensor)
-                                  for why in [_value_problem(sharding.local(value), name in never_negative)] if why),
-                                 None))
-        return [problem is None for problem in problems]
-
-    agreed = collectives.agree(find_problems, [p for _, _, p in checked], whole=True)
-    for problem, ok in zip(problems, agreed):
-        if problem is not None:
-            raise ValueError(problem)
-        if not ok:
-            raise ValueError("state_dict: another rank found a non-finite or out-of-range state value in its "
-                             "shards of this checkpoint (its error names the entry); nothing was loaded")
+    for index, (group, p) in enumerate((g, p) for g in groups for p in g["params"]):
+        never_negative = nonnegative | {scale_name(n) for n in optimizer.state_names(group, p)}
+        problems.append(next((f"state_dict['state'][{index}][{name!r}]: {why}"
+                              for name, value in state.get(p, {}).items() if isinstance(value, torch.Tensor)
+                              for why in [_value_problem(sharding.local(value), name in never_negative)] if why),
+                             None))
+    return problems
 
 
 def _loaded_tensor(optimizer: LowpOptimizer, group: dict[str, Any], name: str, p: torch.Tensor,

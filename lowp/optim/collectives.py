@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from lowp.optim.sharding import MeshGroups, is_dtensor
 
-__all__ = ["Groups", "Agreement", "agreement", "agree", "agree_by", "PeerFailed", "sums_by_mesh", "all_rows"]
+__all__ = ["Groups", "Agreement", "agreement", "agree", "agree_by", "FailTogether", "PeerFailed", "sums_by_mesh",
+           "all_rows"]
 
 #: the process groups of a mesh's dimensions of more than one rank, in mesh order
 Groups = tuple[dist.ProcessGroup, ...]
@@ -67,16 +68,61 @@ def agree_by(compute: Callable[[], Sequence[bool]], plan: Agreement, whole: bool
     this rank still takes part in every all-reduce of ``plan``, sending -1 in place of its flags,
     then raises its error; a rank that receives a -1 passes it on to its next mesh and raises
     :class:`PeerFailed` rather than decide, so no rank waits for a rank that will not come."""
-    try:
-        flags = list(compute())
-    except Exception:
-        if plan and _distributed():
-            _reduced(None, plan)
-        raise
-    if not plan or not _distributed():
-        return flags
-    agreed, every = _reduced(flags, plan)
-    return [False] * len(flags) if whole and not every else agreed
+    return FailTogether(plan).agree(compute, whole)
+
+
+class FailTogether:
+    """Work of several ranks that ends in an agreement (:func:`agree_by` over ``plan``) and may
+    make collectives of its own before it (a load that redistributes states): call
+    :meth:`before_collective` right before each of them, and a rank that fails anywhere in the
+    work makes every rank of ``plan`` raise at the next such point, or at the agreement.
+
+    The failing rank sends -1 in one round of the agreement's all-reduces (per mesh, over each
+    group, the message sizes of the agreement itself); :meth:`before_collective` is one such round
+    with every flag true, so the failure meets the other ranks at whichever of the two they reach
+    next, and no rank waits in a collective that a failed rank will not join. A rank that fails
+    inside a collective (its buffer could not be allocated) still leaves the others waiting
+    there: only the rounds between collectives carry failures.
+
+    Args:
+        plan: the ranks to agree with (:func:`agreement` of the parameters whose flags
+            :meth:`agree` computes).
+    """
+
+    def __init__(self, plan: Agreement) -> None:
+        self.plan = plan
+        self._flags = 1 + max((i for _, members in plan for i in members), default=-1)
+        self._told = False   # a round of this work already carried a failure
+
+    def _active(self) -> bool:
+        return bool(self.plan) and _distributed()
+
+    def before_collective(self) -> None:
+        """One round of the agreement with every flag true, right before a collective of the work
+        :meth:`agree` runs; raises :class:`PeerFailed` when another rank failed in that work."""
+        if not self._active():
+            return
+        try:
+            _reduced([True] * self._flags, self.plan)
+        except BaseException:
+            self._told = True
+            raise
+
+    def agree(self, compute: Callable[[], Sequence[bool]], whole: bool = False) -> list[bool]:
+        """:func:`agree_by` of ``compute()`` over the plan; when ``compute`` raises, this rank sends
+        its failure in one round (unless a round inside ``compute`` already carried one) and
+        raises its error."""
+        self._told = False
+        try:
+            flags = list(compute())
+        except Exception:
+            if self._active() and not self._told:
+                _reduced(None, self.plan)
+            raise
+        if not self._active():
+            return flags
+        agreed, every = _reduced(flags, self.plan)
+        return [False] * len(flags) if whole and not every else agreed
 
 
 def _reduced(flags: list[bool] | None, plan: Agreement) -> tuple[list[bool], bool]:

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import functools
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence, TypeGuard, cast
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -250,6 +252,30 @@ def local_grad(p: torch.Tensor) -> torch.Tensor:
     return local(g)
 
 
+#: while set, called right before each collective :func:`place` and :func:`gather` make
+#: (:func:`announcing`)
+_BEFORE_COLLECTIVE: ContextVar[Callable[[], None] | None] = ContextVar("lowp_before_collective", default=None)
+
+
+@contextmanager
+def announcing(before_collective: Callable[[], None]) -> Iterator[None]:
+    """Within the block (in this thread or task), :func:`place` and :func:`gather` (and so
+    :func:`load_state`) call ``before_collective()`` right before each collective they make: a
+    load's :class:`~lowp.optim.collectives.FailTogether` round, so that a rank that failed
+    between two of them is heard of before the next one instead of being waited for."""
+    token = _BEFORE_COLLECTIVE.set(before_collective)
+    try:
+        yield
+    finally:
+        _BEFORE_COLLECTIVE.reset(token)
+
+
+def _announce() -> None:
+    callback = _BEFORE_COLLECTIVE.get()
+    if callback is not None:
+        callback()
+
+
 def load_state(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A copy of the checkpointed state ``value`` (plain or DTensor, any sharding) laid out for
     parameter ``p``: sharded like ``p`` when it has ``p``'s shape, replicated over ``p``'s mesh
@@ -270,6 +296,7 @@ def place(value: torch.Tensor, p: torch.Tensor, shape: Sequence[int], placements
     shape = torch.Size(shape)
     if is_dtensor(value) and value.shape == shape:
         if tuple(value.placements) != tuple(placements):
+            _announce()
             bits = _wire(value).redistribute(mesh, placements)
             return _wrap(local(bits).view(value.dtype).clone(), bits)
         return _wrap(local(value).clone(), value)
@@ -288,6 +315,7 @@ def gather(t: torch.Tensor) -> torch.Tensor:
         return t
     if all(map(_is_replicate, t.placements)):   # every rank holds it whole: no collective (and no
         return local(t).clone(memory_format=torch.contiguous_format)   # redistribution, 36 us); a copy
+    _announce()
     return _wire(t).full_tensor().contiguous().view(local(t).dtype)
 
 
