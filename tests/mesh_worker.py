@@ -133,11 +133,11 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
               for p, (m, pl) in zip(full_params(layout, stage), layouts)]
     opt = make_optimizer(name, params, nonfinite)
     seen: dict[str, list] = {"exchanges": [], "gathered": [0]}
-    real_rows, real_gather = sharded_sums.all_rows, sharding.gather_many
+    real_messages, real_gather = sharded_sums.all_messages, sharding.gather_many
 
-    def all_rows(rows, groups):
+    def all_messages(message, groups):
         seen["exchanges"].append([dist.get_world_size(g) for g in groups])
-        return real_rows(rows, groups)
+        return real_messages(message, groups)
 
     def gather_many(tensors):
         seen["gathered"][0] += len(tensors)
@@ -148,11 +148,11 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
     # the NaN: in the stage's gradients; under HSDP and shard2d on rank 3 only; under submesh on
     # the tp column 0 only (ranks 0 and 2)
     here = {"stages": True, "submesh": rank % 2 == 0}.get(layout, rank == 3)
-    sharded_sums.all_rows, sharding.gather_many = all_rows, gather_many
+    sharded_sums.all_messages, sharding.gather_many = all_messages, gather_many
     try:
         diag = run(opt, params, set_grad, layout, stage, nan_at if here else None)
     finally:
-        sharded_sums.all_rows, sharding.gather_many = real_rows, real_gather
+        sharded_sums.all_messages, sharding.gather_many = real_messages, real_gather
     return {"stage": stage, "snapshot": snapshot(opt, params), "diagnostics": diag,
             "min_numel": sharded_sums.min_numel(opt), **seen}
 
@@ -258,8 +258,43 @@ def remainder_case(rank: int) -> dict[str, Any]:
             "snapshot": snapshot(opt, params), "same mesh": params[0].grad.device_mesh is params[0].device_mesh}
 
 
+#: per exchange of :func:`messages_case`: each rank of a stage's message length (``None``: that
+#: rank failed)
+MESSAGE_LENGTHS = [(3, 4), (3, 4), (3, 9), (3, 4), (1, 2), (3, 4), (3, None), (0, 0)]
+
+
+def messages_case(rank: int) -> dict[str, Any]:
+    """:func:`lowp.optim.collectives.all_messages` over a new group of each stage's two ranks, with
+    the lengths of :data:`MESSAGE_LENGTHS` (rank ``i`` of the group sends ``100 * exchange + 10 * i
+    + arange``): per exchange what it returned and how many all-gathers it made."""
+    import torch.distributed as dist
+
+    from lowp.optim.collectives import all_messages
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]   # every rank makes both, in turn
+    group, i = groups[rank // 2], rank % 2
+    calls = [0]
+    real = dist.all_gather
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    got, gathers = [], []
+    dist.all_gather = counted
+    try:
+        for k, lengths in enumerate(MESSAGE_LENGTHS):
+            n = lengths[i]
+            calls[0] = 0
+            out = all_messages(None if n is None else 100.0 * k + 10 * i + torch.arange(n, dtype=torch.float64),
+                               (group,))
+            got.append(None if out is None else out.tolist())
+            gathers.append(calls[0])
+    finally:
+        dist.all_gather = real
+    return {"got": got, "gathers": gathers}
+
+
 def session(rank: int, world_size: int, cases: list) -> dict[str, Any]:
     assert world_size == 4, world_size
-    return {"cases": [mesh_case(rank, *case) for case in cases],
+    return {"messages": messages_case(rank), "cases": [mesh_case(rank, *case) for case in cases],
             "failures": [failure_case(rank, *failure) for failure in FAILURES],
             "remainder": [remainder_case(rank) for _ in range(2)]}

@@ -77,6 +77,25 @@ PEER_ERRORS = {"pieces": "ExchangeError: sharded sums: another rank could not ma
                "place": "PeerFailed: another rank failed before the ranks agreed on their checks"}
 
 
+def test_messages_of_the_lengths_of_the_last_exchange_take_one_all_gather(four_ranks):
+    """``collectives.all_messages`` on each stage's group: every rank gets both messages in group
+    order; the group's first exchange takes two all-gathers (the lengths are not known yet), the
+    same lengths again one, a longer message two; shorter ones one (the padded length is kept
+    until a message is shorter than a quarter of it, then the shorter one is the new length); a
+    failed rank's ``None`` reaches both ranks in the one all-gather; empty messages give an empty
+    one."""
+    want_gathers = [2, 1, 2, 1, 1, 2, 1, 1]
+    for rank, results in enumerate(four_ranks):
+        got = results["messages"]
+        assert got["gathers"] == want_gathers, (rank, got["gathers"])
+        for k, lengths in enumerate(w.MESSAGE_LENGTHS):
+            if None in lengths:
+                assert got["got"][k] is None, (rank, k)
+                continue
+            want = [100.0 * k + 10 * i + j for i, n in enumerate(lengths) for j in range(n)]
+            assert got["got"][k] == want, (rank, k, got["got"][k])
+
+
 @pytest.mark.parametrize("k", range(len(w.FAILURES)), ids=lambda k: "-".join(w.FAILURES[k]))
 def test_a_rank_that_fails_before_a_collective_fails_its_stage_cleanly(four_ranks, k):
     """Rank 3 fails (injected) while making its pieces of StableAdamW's sums, checking its

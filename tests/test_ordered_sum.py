@@ -270,11 +270,58 @@ def test_only_runs_given_twice_are_compared_piece_by_piece(monkeypatch):
         terms = torch.rand(n, generator=gen)
         pieces += [(t, order.pieces(terms[:n // 2], 0, n)), (t, order.pieces(terms[n // 2:], n // 2, n))]
     compared = []
-    monkeypatch.setattr(order, "_check_repeats", lambda *a, real=order._check_repeats: compared.append(1) or real(*a))
+    monkeypatch.setattr(order, "_repeats", lambda *a, real=order._repeats: compared.append(1) or real(*a))
     alone = order.totals_from_pieces(*_together(pieces), numels)
     assert compared == []
     assert torch.equal(order.totals_from_pieces(*_together(pieces + pieces[1:2]), numels), alone)
     assert compared == [1]
+
+
+def test_the_same_runs_again_rebuild_from_kept_indices(monkeypatch):
+    """A sharded step sends the same runs every step with other values: the second call with the
+    same head and sizes makes no new :class:`~lowp.optim.ordered_sum._Rebuild` (its checks and
+    indices are kept), and gives each tensor's ordered sum of the new terms bit for bit, as a
+    rebuild made afresh does; a value it must refuse (a repeat that disagrees, a term that is no
+    fp32 value) is still refused, and only the last few heads are kept."""
+    numels = [2 * UNIT + 16 * 7 + 3, 100, UNIT + 1]
+    gen = torch.Generator().manual_seed(12)
+    made = []
+    real = order._Rebuild.__init__
+    monkeypatch.setattr(order._Rebuild, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    monkeypatch.setattr(order, "_REBUILDS", type(order._REBUILDS)())
+
+    def runs(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], list[float]]:
+        pieces, want = [], []
+        for t, n in enumerate(numels):
+            terms = torch.rand(n, generator=gen) * 10.0 ** step
+            cut = n // 3 + 5
+            pieces += [(t, order.pieces(terms[:cut], 0, n)), (t, order.pieces(terms[cut:], cut, n))]
+            pieces += pieces[-1:]   # a replica's runs
+            want.append(ordered_sum(terms))
+        return _together(pieces), want
+    (head, values), want = runs(0)
+    assert order.totals_from_pieces(head, values, numels).tolist() == want
+    (head2, values2), want2 = runs(1)
+    assert torch.equal(head2, head) and len(made) == 1
+    assert order.totals_from_pieces(head2, values2, numels).tolist() == want2
+    assert len(made) == 1   # the kept rebuild
+    assert torch.equal(order._Rebuild(head2, tuple(numels)).totals(values2),
+                       order.totals_from_pieces(head2, values2, numels))
+    bad = values2.clone()
+    bad[-1] += 1.0   # the replica's last piece no longer its original's
+    with pytest.raises(ValueError, match="disagree"):
+        order.totals_from_pieces(head2, bad, numels)
+    bad = values2.clone()
+    term_run = int((head2[:, 1] == order.TERM).nonzero()[0])   # tensor 0's terms after its first range's blocks
+    bad[int(head2[:term_run, 3].sum())] = 0.1
+    with pytest.raises(ValueError, match="a term of 0.1, which is no fp32 value"):
+        order.totals_from_pieces(head2, bad, numels)
+    assert len(made) == 2   # the kept one and the fresh one above
+    made.clear()
+    for k in range(1, order._KEPT_REBUILDS + 1):   # other sizes: other keys; the first one is dropped
+        order.totals_from_pieces(head, values, [*numels[:-1], numels[-1] + k])
+    order.totals_from_pieces(head, values, numels)
+    assert len(made) == order._KEPT_REBUILDS + 1 and len(order._REBUILDS) == order._KEPT_REBUILDS
 
 
 def test_the_sums_of_many_tensors_at_once_are_each_ones_own():

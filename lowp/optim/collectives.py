@@ -15,6 +15,7 @@ step the same parameters (what FSDP2, tensor parallelism and HSDP guarantee).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from lowp.optim.sharding import MeshGroups, is_dtensor
 
 __all__ = ["Groups", "Agreement", "agreement", "agree", "agree_by", "FailTogether", "PeerFailed", "sums_by_mesh",
-           "all_rows"]
+           "all_messages"]
 
 #: the process groups of a mesh's dimensions of more than one rank, in mesh order
 Groups = tuple[dist.ProcessGroup, ...]
@@ -178,33 +179,54 @@ def sums_by_mesh(values: dict[Groups, list[float]]) -> dict[Groups, list[float]]
     return out
 
 
-def all_rows(rows: torch.Tensor | None, groups: Groups) -> torch.Tensor | None:
-    """The float64 rows (``[k, c]``, ``k`` may differ between ranks) of every rank of ``groups``
-    (a mesh's, :class:`~lowp.optim.sharding.MeshGroups`), concatenated: over each group in turn,
-    one all-gather of the row counts and one of the rows padded to the longest (``rows`` itself
-    without a process group). ``rows=None`` says this rank failed: it sends a count of -1 in
-    place of its rows, and every rank of the groups returns ``None`` (a rank that learns of a
-    failure passes it on to the next group) without waiting for rows that will not come."""
+def all_messages(message: torch.Tensor | None, groups: Groups) -> torch.Tensor | None:
+    """The float64 messages (one dimension, lengths may differ between ranks) of every rank of
+    ``groups`` (a mesh's, :class:`~lowp.optim.sharding.MeshGroups`), end to end in rank order:
+    over each group in turn, one all-gather of each rank's length and message padded to the
+    group's :func:`_expected` length, which every rank of the group knows alike (each saw every
+    length of its last exchange), and a second all-gather of the messages padded to the longest
+    only where one is longer (a group's first exchange, a new layout). A sharded step sends
+    messages of the same lengths every step, so one all-gather each where the lengths and then
+    the messages took two (``message`` itself without a process group).
+
+    ``message=None`` says this rank failed: it sends a length of -1, and every rank of the groups
+    returns ``None`` (a rank that learns of a failure passes it on to the next group) without
+    waiting for messages that will not come."""
     if not groups or not _distributed():
-        return rows
+        return message
     device = _device(groups)
-    failed = rows is None
+    failed = message is None
     for group in groups:
         ranks = dist.get_world_size(group)
-        count = torch.tensor([-1 if rows is None else rows.shape[0]], dtype=torch.int64, device=device)
-        counts = [torch.empty_like(count) for _ in range(ranks)]
-        dist.all_gather(counts, count, group=group)
-        sizes = torch.cat(counts).tolist()   # one copy to the host
-        if min(sizes) < 0:
-            rows, failed = None, True
+        expected = _EXPECTED.get(group, 0)
+        first = torch.zeros(expected + 1, dtype=torch.float64, device=device)
+        first[0] = -1 if message is None else message.numel()
+        if message is not None:
+            first[1:1 + min(message.numel(), expected)] = message[:expected]
+        everyone = [torch.empty_like(first) for _ in range(ranks)]
+        dist.all_gather(everyone, first, group=group)
+        lengths = [int(n) for n in torch.stack([t[0] for t in everyone]).tolist()]   # one copy to the host
+        if min(lengths) < 0:
+            message, failed = None, True
             continue
-        assert rows is not None
-        mine = torch.zeros((max(sizes), rows.shape[1]), dtype=torch.float64, device=device)
-        mine[:rows.shape[0]] = rows
-        everyone = [torch.empty_like(mine) for _ in range(ranks)]
-        dist.all_gather(everyone, mine, group=group)
-        rows = torch.cat([t[:n] for t, n in zip(everyone, sizes)])
-    return None if failed or rows is None else rows.cpu()
+        assert message is not None
+        longest = max(lengths)
+        _EXPECTED[group] = longest if longest > expected or 4 * longest < expected else expected
+        if longest > expected:
+            mine = torch.zeros(longest, dtype=torch.float64, device=device)
+            mine[:message.numel()] = message
+            everyone = [torch.empty_like(mine) for _ in range(ranks)]
+            dist.all_gather(everyone, mine, group=group)
+        else:
+            everyone = [t[1:] for t in everyone]
+        message = torch.cat([t[:n] for t, n in zip(everyone, lengths)])
+    return None if failed or message is None else message.cpu()
+
+
+#: per process group: the length :func:`all_messages` pads a message to in its first all-gather
+#: over it: the longest of an earlier exchange (each rank of the group saw every length of each,
+#: so all of them hold the same number), kept until a longer one, or one shorter than a quarter
+_EXPECTED: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 def _all_reduce(t: torch.Tensor, groups: Groups, op: dist.ReduceOp.RedOpType) -> torch.Tensor:

@@ -26,6 +26,7 @@ steps 1-4 from them: the sum of the whole tensor, bit for bit.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
 import torch
@@ -69,19 +70,37 @@ def _unit_sums(blocks: torch.Tensor) -> torch.Tensor:
 
 def _segment_sums(blocks: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """Step 3 over ``blocks`` (float64, on the CPU) cut into consecutive units of ``sizes`` blocks
-    (each at most a unit's): each unit's sum, its blocks added in order from +0.0; the units whose
-    sizes share a power of two ``w`` at or above them together, as rows of ``w`` padded with
-    zeros (which leave a sum unchanged), so at most 12 passes however many sizes there are."""
-    sums = torch.zeros(sizes.numel(), dtype=torch.float64)
-    first = torch.cumsum(sizes, 0) - sizes
-    width = torch.where(sizes > 1, torch.exp2(torch.ceil(torch.log2(sizes.clamp(min=1).double()))), 1).long()
-    for w in torch.unique(width[sizes > 0]).tolist():
-        of_width = ((width == w) & (sizes > 0)).nonzero().flatten()
-        at = torch.arange(w)
-        inside = at < sizes[of_width][:, None]
-        rows = torch.where(inside, blocks[torch.where(inside, first[of_width][:, None] + at, 0)], 0.0)
-        sums[of_width] = rows.cumsum(1)[:, -1]
-    return sums
+    (each at most a unit's): each unit's sum, its blocks added in order from +0.0
+    (:class:`_Segments` of ``sizes``)."""
+    return _Segments(sizes).sums(blocks)
+
+
+class _Segments:
+    """:func:`_segment_sums`'s indices for units of ``sizes`` blocks: the units whose sizes share a
+    power of two ``w`` at or above them are summed together, as rows of ``w`` padded with zeros
+    (which leave a sum unchanged), so at most 12 passes however many sizes there are.
+
+    Args:
+        sizes: int64, each unit's block count (at most a unit's).
+    """
+
+    def __init__(self, sizes: torch.Tensor) -> None:
+        self.units = sizes.numel()
+        first = torch.cumsum(sizes, 0) - sizes
+        width = torch.where(sizes > 1, torch.exp2(torch.ceil(torch.log2(sizes.clamp(min=1).double()))), 1).long()
+        self.passes = []   # per width: its units, and per row the blocks it reads (inside: a block of the unit)
+        for w in torch.unique(width[sizes > 0]).tolist():
+            of_width = ((width == w) & (sizes > 0)).nonzero().flatten()
+            at = torch.arange(w)
+            inside = at < sizes[of_width][:, None]
+            self.passes.append((of_width, torch.where(inside, first[of_width][:, None] + at, 0), inside))
+
+    def sums(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Each unit's sum of ``blocks`` (float64, the units' blocks end to end)."""
+        sums = torch.zeros(self.units, dtype=torch.float64)
+        for of_width, index, inside in self.passes:
+            sums[of_width] = torch.where(inside, blocks[index], 0.0).cumsum(1)[:, -1]
+        return sums
 
 
 def _block_sums(flat: torch.Tensor) -> torch.Tensor:
@@ -282,11 +301,11 @@ def _which(t: int, count: int) -> str:
 
 
 def _check_runs(tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
-                values: torch.Tensor, numel: torch.Tensor) -> None:
+                numel: torch.Tensor) -> torch.Tensor | None:
     """``ValueError`` unless every run holds pieces of its tensor (a known kind, its pieces'
-    indices below the tensor's elements, blocks or units), the runs hold as many pieces as there
-    are ``values``, and pieces of one kind and index given twice (replicas' runs repeat) carry the
-    same value bit for bit (different ones would make the sum depend on the runs' order)."""
+    indices below the tensor's elements, blocks or units). When runs of one kind overlap (a
+    replica's repeated, or worse), the pairs of pieces that must agree (:func:`_repeats`); else
+    ``None``."""
     tensors = numel.numel()
     if ((tensor < 0) | (tensor >= tensors)).any():
         raise ValueError(f"pieces: a run of tensor {int(tensor[(tensor < 0) | (tensor >= tensors)][0])}, "
@@ -302,9 +321,6 @@ def _check_runs(tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, c
         t, k, i, c = (int(v[outside][0]) for v in (tensor, kind, first, count))
         raise ValueError(f"pieces: a run of kind {k} of {c} pieces from index {i} is outside a tensor of "
                          f"{int(numel[t])} elements{_which(t, tensors)}")
-    if int(count.sum()) != values.numel():
-        raise ValueError(f"pieces: the runs hold {int(count.sum())} pieces, got {values.numel()} values")
-    # runs of one kind overlapping (a replica's repeated, or worse): their pieces must agree
     size = torch.tensor(PIECE_SIZE)[kind]
     padded = -(-nblocks // (UNIT // BLOCK)) * UNIT   # each tensor's units' elements: past its runs' padded ends
     element = torch.cumsum(padded, 0) - padded   # each tensor's first element among all tensors'
@@ -313,23 +329,22 @@ def _check_runs(tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, c
     start, order = torch.sort(start)
     end = (start + count[order] * size[order]).cummax(0).values
     if start.numel() > 1 and bool((start[1:] < end[:-1]).any()):
-        _check_repeats(tensor, kind, first, count, values, element, tensors)
+        return _repeats(tensor, kind, first, count, element)
+    return None
 
 
-def _check_repeats(tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
-                   values: torch.Tensor, element: torch.Tensor, tensors: int) -> None:
-    """``ValueError`` unless pieces of the same tensor, kind and index carry the same value bit for bit."""
+def _repeats(tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+             element: torch.Tensor) -> torch.Tensor:
+    """Per pair of pieces of the same tensor, kind and index (``element``: each tensor's first
+    element among all tensors', at unit-padded offsets), a row ``(a, b, tensor, kind, index)``:
+    their positions in the runs' values, then what they are."""
     kinds = torch.repeat_interleave(kind, count)
     tensor_of = torch.repeat_interleave(tensor, count)
     index = _ragged(first, count)
     key, order = torch.sort((element[tensor_of] + index * torch.tensor(PIECE_SIZE)[kinds]) * 3 + kinds)
     same = key[1:] == key[:-1]
-    bits = values.view(torch.int64)[order]
-    differ = same & (bits[1:] != bits[:-1])
-    if differ.any():
-        at = int(order[1:][differ][0])
-        raise ValueError(f"pieces: pieces of kind {int(kinds[at])} and index {int(index[at])} disagree"
-                         f"{_which(int(tensor_of[at]), tensors)}")
+    a, b = order[:-1][same], order[1:][same]
+    return torch.stack([a, b, tensor_of[a], kinds[a], index[a]])
 
 
 def total_from_pieces(pieces: Sequence[Runs], numel: int) -> float:
@@ -354,13 +369,11 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
     index, count)`` (``tensor`` its position in ``numels``), ``values`` (float64) the runs' pieces in
     turn (:class:`Runs`); the runs of all holders in any order, a range held twice (by replicas)
     giving the same runs. Steps 1-4 of the module docstring are redone from the largest pieces
-    given, for all tensors at once: the tensors' units laid end to end (tensor ``t``'s unit ``u``
-    is unit ``base[t] + u``), every unit without a unit sum rebuilt from its blocks (the blocks of
-    all such units end to end, a run of blocks placed by its first one; :func:`_segment_sums`),
-    then each tensor's units added in order from ``+0.0``. ``ValueError`` when a term a sum needs
-    is missing or is no fp32 value, or a run is not one of pieces of its tensor (outside it, of an
-    unknown kind, repeating a piece with another value, holding more or fewer pieces than
-    ``values``)."""
+    given, for all tensors at once (:class:`_Rebuild`; the indices of the last few ``head`` and
+    ``numels`` are kept, as a sharded step gives the same runs every step). ``ValueError`` when a
+    term a sum needs is missing or is no fp32 value, or a run is not one of pieces of its tensor
+    (outside it, of an unknown kind, repeating a piece with another value, holding more or fewer
+    pieces than ``values``)."""
     if not isinstance(head, torch.Tensor) or head.dtype != torch.int64 or head.dim() != 2 or head.shape[1] != 4:
         got = f"{head.dtype} of shape {tuple(head.shape)}" if isinstance(head, torch.Tensor) else type(head).__name__
         raise ValueError(f"head: expected an int64 tensor of shape [runs, 4], got {got}")
@@ -368,33 +381,75 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
         got = f"{values.dtype} of shape {tuple(values.shape)}" if isinstance(values, torch.Tensor) \
             else type(values).__name__
         raise ValueError(f"values: expected a float64 tensor of one dimension, got {got}")
-    tensor, kind, first, count = head.detach().cpu().t().contiguous()
-    values = values.detach().cpu()
-    numel = torch.tensor(list(numels), dtype=torch.int64)
-    tensors, per_unit = numel.numel(), UNIT // BLOCK
-    _check_runs(tensor, kind, first, count, values, numel)
-    offset = torch.cumsum(count, 0) - count   # each run's first value
-    kept = count > 0
-    tensor, kind, first, count, offset = tensor[kept], kind[kept], first[kept], count[kept], offset[kept]
-    nblocks = -(-numel // BLOCK)
-    nunits = -(-nblocks // per_unit)
-    base = torch.cumsum(nunits, 0) - nunits   # each tensor's first unit
-    units = torch.zeros(int(nunits.sum()), dtype=torch.float64)
-    owner = torch.repeat_interleave(torch.arange(tensors), nunits)   # each unit's tensor
-    whole = torch.zeros(units.numel(), dtype=torch.bool)
-    at = kind == UNIT_SUM
-    unit = _ragged(base[tensor[at]] + first[at], count[at])
-    units[unit], whole[unit] = values[_ragged(offset[at], count[at])], True
-    partial = (~whole).nonzero().flatten()
-    if partial.numel():
+    head = head.detach().cpu().contiguous()
+    key = (tuple(int(n) for n in numels), head.numpy().tobytes())
+    rebuild = _REBUILDS.pop(key, None) or _Rebuild(head, key[0])
+    _REBUILDS[key] = rebuild   # the most recent last
+    while len(_REBUILDS) > _KEPT_REBUILDS:
+        _REBUILDS.popitem(last=False)
+    return rebuild.totals(values.detach().cpu())
+
+
+#: how many :class:`_Rebuild` :func:`totals_from_pieces` keeps (least recently used dropped)
+_KEPT_REBUILDS = 4
+_REBUILDS: OrderedDict[tuple[tuple[int, ...], bytes], _Rebuild] = OrderedDict()
+
+
+class _Rebuild:
+    """:func:`totals_from_pieces` for one ``head`` and ``numels``: the runs checked and every index
+    made once (where each piece lands: a unit's sum, a block of a unit no holder gave whole, a term
+    of a block split between holders), so that :meth:`totals` only moves values and adds. The
+    tensors' units are laid end to end (tensor ``t``'s unit ``u`` is unit ``base[t] + u``), the
+    blocks of the units without a unit sum likewise (a run of blocks placed by its first one).
+
+    Args:
+        head: int64 ``[r, 4]`` on the CPU, contiguous: each run's tensor, kind, first index, count.
+        numels: each tensor's element count.
+    """
+
+    def __init__(self, head: torch.Tensor, numels: tuple[int, ...]) -> None:
+        tensor, kind, first, count = head.t().contiguous()
+        numel = torch.tensor(numels, dtype=torch.int64)
+        self.tensors, per_unit = numel.numel(), UNIT // BLOCK
+        self.repeats = _check_runs(tensor, kind, first, count, numel)
+        self.pieces = int(count.sum())
+        offset = torch.cumsum(count, 0) - count   # each run's first value
+        kept = count > 0
+        tensor, kind, first, count, offset = tensor[kept], kind[kept], first[kept], count[kept], offset[kept]
+        nblocks = -(-numel // BLOCK)
+        nunits = -(-nblocks // per_unit)
+        base = torch.cumsum(nunits, 0) - nunits   # each tensor's first unit
+        self.units = int(nunits.sum())
+        owner = torch.repeat_interleave(torch.arange(self.tensors), nunits)   # each unit's tensor
+        whole = torch.zeros(self.units, dtype=torch.bool)
+        at = kind == UNIT_SUM
+        self.unit_to, self.unit_from = _ragged(base[tensor[at]] + first[at], count[at]), _ragged(offset[at], count[at])
+        whole[self.unit_to] = True
+        self.partial = (~whole).nonzero().flatten()
+        empty = torch.zeros(0, dtype=torch.int64)
+        self.block_to, self.block_from, self.term_to, self.term_from, self.split = empty, empty, empty, empty, empty
+        self.blocks, self.segments = 0, _Segments(empty)
+        if self.partial.numel():
+            self._partial_units(tensor, kind, first, count, offset, numel, nblocks, base, owner, whole)
+        # step 4: the tensors of n units together, each row a tensor's units
+        self.step4 = [(of_n, base[of_n][:, None] + torch.arange(n))
+                      for n in torch.unique(nunits[nunits > 0]).tolist()
+                      for of_n in [(nunits == n).nonzero().flatten()]]
+
+    def _partial_units(self, tensor: torch.Tensor, kind: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                       offset: torch.Tensor, numel: torch.Tensor, nblocks: torch.Tensor, base: torch.Tensor,
+                       owner: torch.Tensor, whole: torch.Tensor) -> None:
+        """Where the blocks and terms of the units without a unit sum land; ``ValueError`` when
+        an element of one is in no piece."""
+        per_unit, partial = UNIT // BLOCK, self.partial
         # the blocks of the partial units end to end (a unit's up to its tensor's last block)
         sizes = torch.clamp(nblocks[owner[partial]] - (partial - base[owner[partial]]) * per_unit, max=per_unit)
-        row = torch.full((units.numel(),), -(1 << 62), dtype=torch.int64)   # each unit's first slot; whole: none
+        row = torch.full((self.units,), -(1 << 62), dtype=torch.int64)   # each unit's first slot; whole: none
         row[partial] = torch.cumsum(sizes, 0) - sizes
-        blocks = torch.zeros(int(sizes.sum()), dtype=torch.float64)
-        held = torch.zeros(blocks.numel(), dtype=torch.bool)
+        self.blocks, self.segments = int(sizes.sum()), _Segments(sizes)
+        held = torch.zeros(self.blocks, dtype=torch.bool)
 
-        def slot(block: torch.Tensor) -> torch.Tensor:   # a block (among all tensors') in ``blocks``; < 0: none
+        def slot(block: torch.Tensor) -> torch.Tensor:   # a block (among all tensors') in the blocks; < 0: none
             return row[block // per_unit] + block % per_unit
         at = kind == BLOCK_SUM
         first_block = base[tensor[at]] * per_unit + first[at]   # among all tensors' blocks
@@ -402,32 +457,29 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
         # a run of blocks of partial units lands on consecutive slots; the blocks of a run that
         # crosses a unit some holder gave whole are placed one at a time, those of that unit left out
         along = (start >= 0) & (slot(first_block + count[at] - 1) - start == count[at] - 1)
-        to, at_value = _ragged(start[along], count[at][along]), _ragged(offset[at][along], count[at][along])
-        blocks[to], held[to] = values[at_value], True
+        to, source = [_ragged(start[along], count[at][along])], [_ragged(offset[at][along], count[at][along])]
         if not bool(along.all()):
             across = _ragged(first_block[~along], count[at][~along])
-            value = values[_ragged(offset[at][~along], count[at][~along])]
             needed = ~whole[across // per_unit]
-            blocks[slot(across[needed])], held[slot(across[needed])] = value[needed], True
+            to.append(slot(across[needed]))
+            source.append(_ragged(offset[at][~along], count[at][~along])[needed])
+        self.block_to, self.block_from = torch.cat(to), torch.cat(source)
+        held[self.block_to] = True
         at = kind == TERM
         element = _ragged(base[tensor[at]] * UNIT + first[at], count[at])   # among all tensors' elements
-        value = values[_ragged(offset[at], count[at])]
+        source_term = _ragged(offset[at], count[at])
         needed = ~whole[element // UNIT]
-        element, value = element[needed], value[needed]
+        element, source_term = element[needed], source_term[needed]
         block = element // BLOCK
         split = torch.unique(block)
         split = split[~held[slot(split)]]
         if split.numel():   # blocks split between holders: steps 1 and 2 from their terms
-            terms = torch.zeros(split.numel() * BLOCK, dtype=torch.float32)
-            present = torch.zeros(terms.numel(), dtype=torch.bool)
             where = torch.searchsorted(split, block).clamp(max=split.numel() - 1)   # split is sorted
             mine = split[where] == block
-            spot = where[mine] * BLOCK + element[mine] % BLOCK
-            terms[spot] = value[mine].float()
-            inexact = (terms[spot].double() != value[mine]) & ~value[mine].isnan()
-            if bool(inexact.any()):   # each was an fp32 term: exact in float64
-                raise ValueError(f"pieces: a term of {float(value[mine][inexact][0])!r}, which is no fp32 value")
-            present[spot] = True
+            self.term_to = where[mine] * BLOCK + element[mine] % BLOCK
+            self.term_from = source_term[mine]
+            present = torch.zeros(split.numel() * BLOCK, dtype=torch.bool)
+            present[self.term_to] = True
             t_of = owner[split // per_unit]
             start = (split - base[t_of] * per_unit) * BLOCK   # each one's first element in its tensor
             present |= (start[:, None] + torch.arange(BLOCK) >= numel[t_of][:, None]).reshape(-1)
@@ -436,9 +488,9 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
                 at_missing = int(missing[0]) // BLOCK
                 t = int(t_of[at_missing])
                 raise ValueError(f"pieces: element {int(start[at_missing]) + int(missing[0]) % BLOCK} of a tensor of "
-                                 f"{int(numel[t])} elements is in no piece{_which(t, tensors)}")
-            blocks[slot(split)] = _block_sums(terms)
-            held[slot(split)] = True
+                                 f"{int(numel[t])} elements is in no piece{_which(t, self.tensors)}")
+            self.split = slot(split)
+            held[self.split] = True
         if not held.all():
             at_missing = int((~held).nonzero()[0])
             j = int(torch.searchsorted(row[partial], at_missing, right=True)) - 1   # its partial unit
@@ -446,11 +498,35 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
             t = int(owner[u])
             element_missing = ((u - int(base[t])) * per_unit + at_missing - int(row[u])) * BLOCK
             raise ValueError(f"pieces: element {element_missing} of a tensor of {int(numel[t])} elements is in no "
-                             f"piece{_which(t, tensors)}")
-        units[partial] = _segment_sums(blocks, sizes)
-    totals = torch.zeros(tensors, dtype=torch.float64)
-    for n in torch.unique(nunits[nunits > 0]).tolist():   # step 4, the tensors of n units together
-        of_n = (nunits == n).nonzero().flatten()
-        at_units = units[base[of_n][:, None] + torch.arange(n)]
-        totals[of_n] = torch.cat([torch.zeros((of_n.numel(), 1), dtype=torch.float64), at_units], 1).cumsum(1)[:, -1]
-    return totals
+                             f"piece{_which(t, self.tensors)}")
+
+    def totals(self, values: torch.Tensor) -> torch.Tensor:
+        """Each tensor's ordered sum (float64) from ``values`` (float64 on the CPU, the runs' pieces
+        in turn)."""
+        if values.numel() != self.pieces:
+            raise ValueError(f"pieces: the runs hold {self.pieces} pieces, got {values.numel()} values")
+        if self.repeats is not None:   # pieces given twice must agree bit for bit (else the order would matter)
+            bits = values.view(torch.int64)
+            differ = bits[self.repeats[0]] != bits[self.repeats[1]]
+            if bool(differ.any()):
+                _, _, t, k, i = self.repeats[:, differ][:, 0].tolist()
+                raise ValueError(f"pieces: pieces of kind {k} and index {i} disagree{_which(t, self.tensors)}")
+        units = torch.zeros(self.units, dtype=torch.float64)
+        units[self.unit_to] = values[self.unit_from]
+        if self.partial.numel():
+            blocks = torch.zeros(self.blocks, dtype=torch.float64)
+            blocks[self.block_to] = values[self.block_from]
+            if self.split.numel():
+                terms = torch.zeros(self.split.numel() * BLOCK, dtype=torch.float32)
+                value = values[self.term_from]
+                terms[self.term_to] = value.float()
+                inexact = (terms[self.term_to].double() != value) & ~value.isnan()
+                if bool(inexact.any()):   # each was an fp32 term: exact in float64
+                    raise ValueError(f"pieces: a term of {float(value[inexact][0])!r}, which is no fp32 value")
+                blocks[self.split] = _block_sums(terms)
+            units[self.partial] = self.segments.sums(blocks)
+        totals = torch.zeros(self.tensors, dtype=torch.float64)
+        for of_n, at_units in self.step4:
+            totals[of_n] = torch.cat([torch.zeros((of_n.numel(), 1), dtype=torch.float64), units[at_units]],
+                                     1).cumsum(1)[:, -1]
+        return totals

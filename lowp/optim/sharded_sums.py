@@ -17,8 +17,9 @@ per-tensor pre-pass (``lowp_piece_sums`` over the shard's runs of units, blocks 
 elements; a cached plan keeps the prepared pass, :func:`exchange_pieces`); any other shard's
 terms come from the optimizer's ``tensor_terms`` on the reference's fp32 working copies
 (:func:`~lowp.optim.reference.working_grads`), the same bits. One exchange per mesh
-(:func:`~lowp.optim.collectives.all_rows` over its sharded dimensions: an all-gather of the
-message lengths, then one of the messages; a replica's ranks send nothing to each other) carries
+(:func:`~lowp.optim.collectives.all_messages` over its sharded dimensions: one all-gather of
+the messages, each with its length, padded to the last step's longest; a replica's ranks send
+nothing to each other) carries
 the pieces of all its parameters, keyed by the parameter's position in the groups (the same on
 every rank of the mesh), as runs of consecutive pieces (:class:`~lowp.optim.ordered_sum.Runs`: at
 most five per shard, 32 bytes each, plus 8 per piece). A shard smaller than a unit sends a sum
@@ -32,7 +33,7 @@ from typing import Any, Callable, Protocol, Sequence, cast
 import torch
 
 from lowp.optim.backends import Backend, FusedBackend
-from lowp.optim.collectives import Groups, PeerFailed, all_rows
+from lowp.optim.collectives import Groups, PeerFailed, all_messages
 from lowp.optim.kernels.checks import Span
 from lowp.optim.kernels.kernel import Kernel, grad_factor, partition
 from lowp.optim.ordered_sum import Pieces, Runs, totals_from_pieces
@@ -146,7 +147,7 @@ def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Ru
     """Set ``tensor_sum.total`` of every one of ``slices`` (each with a
     :class:`~lowp.optim.slices.TensorSum`) from its pieces, ``make()`` (one per slice, in their
     order): one exchange of the pieces of all of them per mesh (over the process groups of the
-    mesh's sharded dimensions, :func:`~lowp.optim.collectives.all_rows`, in the order of each
+    mesh's sharded dimensions, :func:`~lowp.optim.collectives.all_messages`, in the order of each
     mesh's first parameter), the whole tensors' sums rebuilt from every rank's pieces, all at once
     (:func:`~lowp.optim.ordered_sum.totals_from_pieces`). The ranks of a mesh call it with the same
     parameters (the collectives); a rank with no such slice makes no call, and neither does any
@@ -178,15 +179,15 @@ def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Ru
         sent = None
         if failure is None and not failed_elsewhere:
             try:
-                sent = _message(mine).view(-1, 1)
+                sent = _message(mine)
             except Exception as exc:   # out of memory: told to the others as a failure
                 failure = exc
-        everyone = all_rows(sent, groups)
+        everyone = all_messages(sent, groups)
         if everyone is None:
             failed_elsewhere = True
         elif failure is None:   # the same messages on every rank of the mesh: the same sums, or the same error
             try:
-                _set_totals([s for s, _ in mine], everyone.view(-1))
+                _set_totals([s for s, _ in mine], everyone)
             except Exception as exc:   # told to the ranks of the later meshes as a failure
                 failure = exc
     if failure is not None:

@@ -13,7 +13,7 @@ needs the other ranks:
 - a per-tensor sum (StableAdamW's RMS) of a parameter sharded in contiguous ranges (FSDP2): each
   rank sends the pieces of the sum over its range, every rank adds them up in the one order of
   :mod:`lowp.optim.ordered_sum`, and the step runs on the local shards
-  (:mod:`lowp.optim.sharded_sums`): an all-gather of the row counts, then of the pieces (a few
+  (:mod:`lowp.optim.sharded_sums`): an all-gather of the pieces, usually one per step (a few
   numbers per whole unit and per shard boundary);
 - other updates that are not elementwise (Adafactor's factors and RMS clip, StableAdamW on other
   layouts or with coded states): the parameter, its gradient, states and buffer are all-gathered,
