@@ -159,15 +159,16 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
 
 #: (optimizer, where rank 3 fails in step 1 of stage 1, backend): making StableAdamW's pieces of
 #: the sums, its non-finite check of AdamW's gradients; in a load of its own state dict before the
-#: step: reading a group ("read", before the first agreement), checking a state laid out again from
-#: ``Shard(1)`` (between the collectives that lay out the others), checking the values (before the
-#: second agreement); on the reference (a full step) and on the native kernel (the step 1 of a
-#: cached plan)
+#: step: translating it ("translate": lowp.optim.migrate.to_lowp_layout, which may dequantize a
+#: third-party state), reading a group ("read"; both before the first agreement), checking a
+#: state laid out again from ``Shard(1)`` (between the collectives that lay out the others),
+#: checking the values (before the second agreement); on the reference (a full step) and on the
+#: native kernel (the step 1 of a cached plan)
 FAILURES = [("StableAdamW", "pieces", "foreach"), ("StableAdamW", "pieces", "native"), ("AdamW", "flags", "foreach"),
-            ("AdamW", "flags", "native"), ("AdamW", "load", "foreach"), ("AdamW", "read", "foreach"),
-            ("AdamW", "place", "foreach"), ("StableAdamW", "interrupt", "native")]
+            ("AdamW", "flags", "native"), ("AdamW", "load", "foreach"), ("AdamW", "translate", "foreach"),
+            ("AdamW", "read", "foreach"), ("AdamW", "place", "foreach"), ("StableAdamW", "interrupt", "native")]
 #: the failures that happen in a load
-LOADS = ("load", "read", "place")
+LOADS = ("load", "translate", "read", "place")
 
 
 def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, Any]:
@@ -183,7 +184,7 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
 
     import signal
 
-    from lowp.optim import checkpointing, sharded_sums
+    from lowp.optim import base, checkpointing, sharded_sums
     from lowp.optim.kernels.native import kernel as native_kernel
     stage = rank // 2
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
@@ -192,7 +193,8 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
     opt = make_optimizer(name, params, "skip_param", fused=backend == "native")
     pieces = (native_kernel.PiecesCall, "call") if backend == "native" else (sharded_sums, "_pieces")   # the plan's
     owner, attribute = {"pieces": pieces, "flags": (opt.backend, "finite_flags"),
-                        "load": (checkpointing, "_value_problem"), "read": (type(opt), "check_group"),
+                        "load": (checkpointing, "_value_problem"), "translate": (base, "to_lowp_layout"),
+                        "read": (type(opt), "check_group"),
                         "place": (type(opt), "check_state"),
                         "interrupt": (sharded_sums, "exchange_pieces")}[where]
     real = getattr(owner, attribute)

@@ -41,7 +41,7 @@ from lowp.optim.diagnostics import report
 from lowp.optim.hyper import (CONSTRUCTOR_OPTIONS, NONFINITE_POLICIES, check_betas, check_group_values,
                               check_nonnegative, check_optimizer_options, check_state_dtype_names, checked_group,
                               mode_from_kahan_sum, real_value, warn_if_swapped)
-from lowp.optim.migrate import to_lowp_layout
+from lowp.optim.migrate import check_optimizer_state_dict, to_lowp_layout
 from lowp.optim.preflight import check_seed
 from lowp.optim.randomness import default_seed
 from lowp.optim.spec import OptimizerSpec
@@ -419,7 +419,8 @@ class LowpOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         try:
-            groups, state, extras = checkpointing.checked_load(self, to_lowp_layout(self, state_dict))
+            check_optimizer_state_dict(state_dict)   # before any collective (its docstring)
+            groups, state, extras = checkpointing.checked_load(self, lambda: to_lowp_layout(self, state_dict))
         except checkpointing.LayoutCastError as e:
             if checkpointing.holds_live_states(self, given) or checkpointing.holds_live_states(self, state_dict):
                 self._overwritten = (

@@ -25,7 +25,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -105,22 +105,21 @@ def saved(sd: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
     return sd
 
 
-def checked_load(optimizer: LowpOptimizer, sd: Mapping[str, Any]
+def checked_load(optimizer: LowpOptimizer, read: Callable[[], Mapping[str, Any]]
                  ) -> tuple[list[dict[str, Any]], defaultdict, dict[str, Any]]:
-    """The new groups, states and extras of the checkpoint ``sd`` (a state dict in lowp's layout:
-    :func:`lowp.optim.migrate.to_lowp_layout` refused any other before a collective, as when
-    torch's ``broadcast_from_rank0`` hands one rank a dict without ``state``), all checked, in two
-    rounds that the ranks of the optimizer's DTensor parameters take together
-    (:class:`~lowp.optim.collectives.FailTogether`): each rank reads its entries and checks them
-    (:func:`_read`), and they agree; each places its states in this run's layout (collectives
-    where a state arrives in another one), recodes and checks them and their values
-    (:func:`_placed_states`), and they agree again. A rank that fails anywhere in a round (a bad
+    """The new groups, states and extras of the checkpoint ``read()`` returns (a state dict in
+    lowp's layout: :func:`lowp.optim.migrate.to_lowp_layout`, which may run a third-party
+    ``dequantize``), all checked, in two rounds that the ranks of the optimizer's DTensor
+    parameters take together (:class:`~lowp.optim.collectives.FailTogether`): each rank reads
+    (``read()``) and checks its entries (:func:`_read`), and they agree; each places its states
+    in this run's layout (collectives where a state arrives in another one), recodes and checks
+    them and their values (:func:`_placed_states`), and they agree again. A rank that fails anywhere in a round (a bad
     entry on this rank only, out of memory) sends its failure at its next point of agreement, so
     the others raise :class:`~lowp.optim.collectives.PeerFailed` instead of waiting for it."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ranks = collectives.FailTogether(collectives.agreement(params))
     reading: list[_Reading] = []
-    first = ranks.agree(lambda: _read(optimizer, sd, reading), whole=True)
+    first = ranks.agree(lambda: _read(optimizer, read(), reading), whole=True)
     groups, entries, casts, extras, extras_missing = reading[0]
     for cast, ok in zip(casts, first):
         if cast is not None:

@@ -183,7 +183,7 @@ def all_messages(message: torch.Tensor | None, groups: Groups) -> torch.Tensor |
     """The float64 messages (one dimension, lengths may differ between ranks) of every rank of
     ``groups`` (a mesh's, :class:`~lowp.optim.sharding.MeshGroups`), end to end in rank order:
     over each group in turn, one all-gather of each rank's length and message padded to the
-    group's :func:`_expected` length, which every rank of the group knows alike (each saw every
+    length :data:`_EXPECTED` keeps for the group, which every rank of it knows alike (each saw every
     length of its last exchange), and a second all-gather of the messages padded to the longest
     only where one is longer (a group's first exchange, a new layout). A sharded step sends
     messages of the same lengths every step, so one all-gather each where the lengths and then

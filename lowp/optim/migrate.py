@@ -59,7 +59,7 @@ from lowp.optim import sharding
 from lowp.optim.preflight import step_count
 from lowp.optim.writeback import BUFFER_NAMES
 
-__all__ = ["FOREIGN_GROUP_KEYS", "to_lowp_layout", "dense_state", "to_torch_state_dict"]
+__all__ = ["FOREIGN_GROUP_KEYS", "check_optimizer_state_dict", "to_lowp_layout", "dense_state", "to_torch_state_dict"]
 
 #: Group keys of torch.optim and optimi that configure their implementations, not the math.
 FOREIGN_GROUP_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay",
@@ -115,15 +115,23 @@ _WRAPPERS = {"offloaded": "torchao's CPUOffloadOptimizer (load each of its 'offl
              "wrapped": "heavyball's SAMWrapper (its 'wrapped' entry is the inner optimizer's state dict)"}
 
 
-def to_lowp_layout(optimizer: LowpOptimizer, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"state", "param_groups", "lowp"}`` for ``optimizer.load_state_dict`` (see the module
-    docstring), every state tensor a plain dense one (or a DTensor of one). Raises ``ValueError``
-    or ``TypeError`` naming the entry for layouts and tensors it cannot translate."""
+def check_optimizer_state_dict(state_dict: Mapping[str, Any]) -> None:
+    """``ValueError`` unless ``state_dict`` has an optimizer state dict's ``state`` (a dict) and
+    ``param_groups`` (a list), naming the wrapper whose state dict it is where it is one. A load
+    checks this before any collective: torch's ``broadcast_from_rank0`` route can hand one rank
+    a dict without ``state`` while the other ranks fail inside torch's helper and never load."""
     if not isinstance(state_dict.get("param_groups"), (list, tuple)) or not isinstance(state_dict.get("state"),
                                                                                        Mapping):
         wrapper = next((why for key, why in _WRAPPERS.items() if key in state_dict), None)
         raise ValueError("state_dict: expected an optimizer state_dict() with 'state' (a dict) and 'param_groups' "
                          "(a list) entries" + (f"; this is the state dict of {wrapper}" if wrapper else ""))
+
+
+def to_lowp_layout(optimizer: LowpOptimizer, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"state", "param_groups", "lowp"}`` for ``optimizer.load_state_dict`` (see the module
+    docstring), every state tensor a plain dense one (or a DTensor of one). Raises ``ValueError``
+    or ``TypeError`` naming the entry for layouts and tensors it cannot translate."""
+    check_optimizer_state_dict(state_dict)
     groups = list(state_dict["param_groups"])
     for i, g in enumerate(groups):
         if not isinstance(g, Mapping) or not isinstance(g.get("params"), (list, tuple)):
