@@ -487,10 +487,11 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
     elements: the snapshot, how many tensors ``gather_many`` received, how many shards' sums were
     exchanged and how many shards' terms torch computed (the others' pieces came from the kernel),
     the steps taken from the cached plan, how many native variants the steps after the first
-    asked for that the first did not, and how many native pieces passes they prepared (the plan
-    keeps the first step's)."""
+    asked for that the first did not, how many native pieces passes they prepared (the plan
+    keeps the first step's), and how many sums the C++ rebuild made."""
     from lowp.optim import sharded_sums, sharding
-    from lowp.optim.kernels.native import kernel as native_kernel
+    from lowp.optim.kernels.native import kernel as native_kernel, rebuild as native_rebuild
+    rebuilt = native_rebuild.CALLS[0]
     opt = lo.StableAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, **BACKENDS[backend])
     counts = {"gathered": 0, "exchanged": 0, "torch terms": 0}
     variants: list[set] = [set()]   # the native variants each step asked for, step by step
@@ -541,7 +542,8 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
         lo.StableAdamW.tensor_terms = real_terms
     return {"snapshot": snapshot(opt, params), "counts": counts,
             "fused": opt.backend.fused_elements if backend == "fused" else -1, "cached": opt._plans.cached_steps,
-            "new variants": len(set().union(*variants[1:]) - variants[0]), "prepared": prepared[:STEPS]}
+            "new variants": len(set().union(*variants[1:]) - variants[0]), "prepared": prepared[:STEPS],
+            "rebuilt": native_rebuild.CALLS[0] - rebuilt}
 
 
 def sums_case(world_size: int) -> dict[str, Any]:

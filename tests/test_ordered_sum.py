@@ -279,15 +279,15 @@ def test_only_runs_given_twice_are_compared_piece_by_piece(monkeypatch):
 
 def test_the_same_runs_again_rebuild_from_kept_indices(monkeypatch):
     """A sharded step sends the same runs every step with other values: the second call with the
-    same head and sizes makes no new :class:`~lowp.optim.ordered_sum._Rebuild` (its checks and
+    same head and sizes makes no new :class:`~lowp.optim.ordered_sum.Rebuild` (its checks and
     indices are kept), and gives each tensor's ordered sum of the new terms bit for bit, as a
     rebuild made afresh does; a value it must refuse (a repeat that disagrees, a term that is no
     fp32 value) is still refused, and only the last few heads are kept."""
     numels = [2 * UNIT + 16 * 7 + 3, 100, UNIT + 1]
     gen = torch.Generator().manual_seed(12)
     made = []
-    real = order._Rebuild.__init__
-    monkeypatch.setattr(order._Rebuild, "__init__", lambda self, *a: made.append(1) or real(self, *a))
+    real = order.Rebuild.__init__
+    monkeypatch.setattr(order.Rebuild, "__init__", lambda self, *a: made.append(1) or real(self, *a))
     monkeypatch.setattr(order, "_REBUILDS", type(order._REBUILDS)())
 
     def runs(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], list[float]]:
@@ -305,7 +305,7 @@ def test_the_same_runs_again_rebuild_from_kept_indices(monkeypatch):
     assert torch.equal(head2, head) and len(made) == 1
     assert order.totals_from_pieces(head2, values2, numels).tolist() == want2
     assert len(made) == 1   # the kept rebuild
-    assert torch.equal(order._Rebuild(head2, tuple(numels)).totals(values2),
+    assert torch.equal(order.Rebuild(head2, tuple(numels)).totals(values2),
                        order.totals_from_pieces(head2, values2, numels))
     bad = values2.clone()
     bad[-1] += 1.0   # the replica's last piece no longer its original's

@@ -20,6 +20,7 @@ import sharded_worker as w
 from lowp.distributed.advisor import FSDP_REDUCES_IN_PARAM_DTYPE
 from lowp.distributed.launch import run_local_group
 from lowp.optim import sharding
+from lowp.optim.kernels.native import rebuild as native_rebuild
 
 STEP_CASES = [("fsdp", name, mode, backend, None, "skip_param")
               for name in w.OPTIMIZERS for mode in w.MODES for backend in ("fused", "unfused")]
@@ -432,7 +433,7 @@ def assert_sums_case(ranks: list[dict], world_size: int) -> None:
     native kernel's element-steps add up to the single process's only when nothing is gathered;
     on the native kernel every step after the first is taken from the cached plan, which exchanges
     the sums itself (with the small parameters gathered as its remainder) with the pieces passes
-    it prepared in the first step."""
+    it prepared in the first step; each exchange's sums are rebuilt in C++ (on either backend)."""
     sharded = (len(w.SUMS_SHAPES) + 1) * w.STEPS if world_size > 1 else 0
     for backend, threshold in w.SUMS_RUNS:
         large = sum(math.prod(s) >= threshold for s in w.SUMS_SHAPES) * w.STEPS if world_size > 1 else 0
@@ -458,6 +459,8 @@ def assert_sums_case(ranks: list[dict], world_size: int) -> None:
             # the native kernel's pieces passes are prepared in the first (full) step, the plan's kept after it
             sums_passes = got["prepared"][0] > 0 if backend == "fused" and not holds_none else got["prepared"][0] == 0
             assert sums_passes and got["prepared"][1:] == [0] * (w.STEPS - 1), (backend, rank, got["prepared"])
+            rebuilds = w.STEPS if world_size > 1 and native_rebuild.available() else 0
+            assert got["rebuilt"] == rebuilds, (backend, rank, got["rebuilt"])
         if backend == "fused" and threshold == 0:
             assert fused == want["fused"] > 0, (fused, want["fused"])
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["ordered_sum", "layout", "layouts", "pieces", "Pieces", "Runs", "total_from_pieces", "totals_from_pieces",
-           "BLOCK", "UNIT", "TERM", "BLOCK_SUM", "UNIT_SUM", "PIECE_SIZE"]
+           "rebuild_for", "Rebuild", "inexact_term", "BLOCK", "UNIT", "TERM", "BLOCK_SUM", "UNIT_SUM", "PIECE_SIZE"]
 
 #: elements per block: 8 fp32 lanes of two elements each
 BLOCK = 16
@@ -369,38 +369,47 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
     index, count)`` (``tensor`` its position in ``numels``), ``values`` (float64) the runs' pieces in
     turn (:class:`Runs`); the runs of all holders in any order, a range held twice (by replicas)
     giving the same runs. Steps 1-4 of the module docstring are redone from the largest pieces
-    given, for all tensors at once (:class:`_Rebuild`; the indices of the last few ``head`` and
+    given, for all tensors at once (:class:`Rebuild`; the indices of the last few ``head`` and
     ``numels`` are kept, as a sharded step gives the same runs every step). ``ValueError`` when a
     term a sum needs is missing or is no fp32 value, or a run is not one of pieces of its tensor
     (outside it, of an unknown kind, repeating a piece with another value, holding more or fewer
     pieces than ``values``)."""
-    if not isinstance(head, torch.Tensor) or head.dtype != torch.int64 or head.dim() != 2 or head.shape[1] != 4:
-        got = f"{head.dtype} of shape {tuple(head.shape)}" if isinstance(head, torch.Tensor) else type(head).__name__
-        raise ValueError(f"head: expected an int64 tensor of shape [runs, 4], got {got}")
     if not isinstance(values, torch.Tensor) or values.dtype != torch.float64 or values.dim() != 1:
         got = f"{values.dtype} of shape {tuple(values.shape)}" if isinstance(values, torch.Tensor) \
             else type(values).__name__
         raise ValueError(f"values: expected a float64 tensor of one dimension, got {got}")
+    return rebuild_for(head, numels).totals(values.detach().cpu())
+
+
+def rebuild_for(head: torch.Tensor, numels: Sequence[int]) -> Rebuild:
+    """The :class:`Rebuild` of the runs ``head`` (int64 ``[r, 4]``, :func:`totals_from_pieces`)
+    of tensors of ``numels`` elements: made, or the one kept from an earlier call with the same
+    ``head`` and ``numels`` (the last :data:`_KEPT_REBUILDS` are kept). ``ValueError`` for runs
+    that are no pieces of their tensors (:func:`totals_from_pieces`)."""
+    if not isinstance(head, torch.Tensor) or head.dtype != torch.int64 or head.dim() != 2 or head.shape[1] != 4:
+        got = f"{head.dtype} of shape {tuple(head.shape)}" if isinstance(head, torch.Tensor) else type(head).__name__
+        raise ValueError(f"head: expected an int64 tensor of shape [runs, 4], got {got}")
     head = head.detach().cpu().contiguous()
     key = (tuple(int(n) for n in numels), head.numpy().tobytes())
-    rebuild = _REBUILDS.pop(key, None) or _Rebuild(head, key[0])
+    rebuild = _REBUILDS.pop(key, None) or Rebuild(head, key[0])
     _REBUILDS[key] = rebuild   # the most recent last
     while len(_REBUILDS) > _KEPT_REBUILDS:
         _REBUILDS.popitem(last=False)
-    return rebuild.totals(values.detach().cpu())
+    return rebuild
 
 
-#: how many :class:`_Rebuild` :func:`totals_from_pieces` keeps (least recently used dropped)
+#: how many :class:`Rebuild` :func:`rebuild_for` keeps (least recently used dropped)
 _KEPT_REBUILDS = 4
-_REBUILDS: OrderedDict[tuple[tuple[int, ...], bytes], _Rebuild] = OrderedDict()
+_REBUILDS: OrderedDict[tuple[tuple[int, ...], bytes], Rebuild] = OrderedDict()
 
 
-class _Rebuild:
+class Rebuild:
     """:func:`totals_from_pieces` for one ``head`` and ``numels``: the runs checked and every index
     made once (where each piece lands: a unit's sum, a block of a unit no holder gave whole, a term
-    of a block split between holders), so that :meth:`totals` only moves values and adds. The
-    tensors' units are laid end to end (tensor ``t``'s unit ``u`` is unit ``base[t] + u``), the
-    blocks of the units without a unit sum likewise (a run of blocks placed by its first one).
+    of a block split between holders), so that :meth:`totals` only moves values and adds (and
+    ``lowp.optim.kernels.native.rebuild`` does the same in C++). The tensors' units are laid end
+    to end (tensor ``t``'s unit ``u`` is unit ``base[t] + u``), the blocks of the units without a
+    unit sum likewise (a run of blocks placed by its first one).
 
     Args:
         head: int64 ``[r, 4]`` on the CPU, contiguous: each run's tensor, kind, first index, count.
@@ -419,7 +428,7 @@ class _Rebuild:
         nblocks = -(-numel // BLOCK)
         nunits = -(-nblocks // per_unit)
         base = torch.cumsum(nunits, 0) - nunits   # each tensor's first unit
-        self.units = int(nunits.sum())
+        self.base, self.nunits, self.units = base, nunits, int(nunits.sum())
         owner = torch.repeat_interleave(torch.arange(self.tensors), nunits)   # each unit's tensor
         whole = torch.zeros(self.units, dtype=torch.bool)
         at = kind == UNIT_SUM
@@ -428,7 +437,7 @@ class _Rebuild:
         self.partial = (~whole).nonzero().flatten()
         empty = torch.zeros(0, dtype=torch.int64)
         self.block_to, self.block_from, self.term_to, self.term_from, self.split = empty, empty, empty, empty, empty
-        self.blocks, self.segments = 0, _Segments(empty)
+        self.blocks, self.sizes, self.segments = 0, empty, _Segments(empty)
         if self.partial.numel():
             self._partial_units(tensor, kind, first, count, offset, numel, nblocks, base, owner, whole)
         # step 4: the tensors of n units together, each row a tensor's units
@@ -446,7 +455,7 @@ class _Rebuild:
         sizes = torch.clamp(nblocks[owner[partial]] - (partial - base[owner[partial]]) * per_unit, max=per_unit)
         row = torch.full((self.units,), -(1 << 62), dtype=torch.int64)   # each unit's first slot; whole: none
         row[partial] = torch.cumsum(sizes, 0) - sizes
-        self.blocks, self.segments = int(sizes.sum()), _Segments(sizes)
+        self.blocks, self.sizes, self.segments = int(sizes.sum()), sizes, _Segments(sizes)
         held = torch.zeros(self.blocks, dtype=torch.bool)
 
         def slot(block: torch.Tensor) -> torch.Tensor:   # a block (among all tensors') in the blocks; < 0: none
@@ -503,14 +512,7 @@ class _Rebuild:
     def totals(self, values: torch.Tensor) -> torch.Tensor:
         """Each tensor's ordered sum (float64) from ``values`` (float64 on the CPU, the runs' pieces
         in turn)."""
-        if values.numel() != self.pieces:
-            raise ValueError(f"pieces: the runs hold {self.pieces} pieces, got {values.numel()} values")
-        if self.repeats is not None:   # pieces given twice must agree bit for bit (else the order would matter)
-            bits = values.view(torch.int64)
-            differ = bits[self.repeats[0]] != bits[self.repeats[1]]
-            if bool(differ.any()):
-                _, _, t, k, i = self.repeats[:, differ][:, 0].tolist()
-                raise ValueError(f"pieces: pieces of kind {k} and index {i} disagree{_which(t, self.tensors)}")
+        self.check_values(values)
         units = torch.zeros(self.units, dtype=torch.float64)
         units[self.unit_to] = values[self.unit_from]
         if self.partial.numel():
@@ -522,7 +524,7 @@ class _Rebuild:
                 terms[self.term_to] = value.float()
                 inexact = (terms[self.term_to].double() != value) & ~value.isnan()
                 if bool(inexact.any()):   # each was an fp32 term: exact in float64
-                    raise ValueError(f"pieces: a term of {float(value[inexact][0])!r}, which is no fp32 value")
+                    raise inexact_term(float(value[inexact][0]))
                 blocks[self.split] = _block_sums(terms)
             units[self.partial] = self.segments.sums(blocks)
         totals = torch.zeros(self.tensors, dtype=torch.float64)
@@ -530,3 +532,20 @@ class _Rebuild:
             totals[of_n] = torch.cat([torch.zeros((of_n.numel(), 1), dtype=torch.float64), units[at_units]],
                                      1).cumsum(1)[:, -1]
         return totals
+
+    def check_values(self, values: torch.Tensor) -> None:
+        """``ValueError`` unless ``values`` holds one value per piece and pieces given twice (a
+        replica's) agree bit for bit (else the order of the runs would decide the sum)."""
+        if values.numel() != self.pieces:
+            raise ValueError(f"pieces: the runs hold {self.pieces} pieces, got {values.numel()} values")
+        if self.repeats is not None:
+            bits = values.view(torch.int64)
+            differ = bits[self.repeats[0]] != bits[self.repeats[1]]
+            if bool(differ.any()):
+                _, _, t, k, i = self.repeats[:, differ][:, 0].tolist()
+                raise ValueError(f"pieces: pieces of kind {k} and index {i} disagree{_which(t, self.tensors)}")
+
+
+def inexact_term(value: float) -> ValueError:
+    """The error of a raw term that is no fp32 value (a holder sends each term exactly)."""
+    return ValueError(f"pieces: a term of {value!r}, which is no fp32 value")

@@ -36,7 +36,8 @@ from lowp.optim.backends import Backend, FusedBackend
 from lowp.optim.collectives import Groups, PeerFailed, all_messages
 from lowp.optim.kernels.checks import Span
 from lowp.optim.kernels.kernel import Kernel, grad_factor, partition
-from lowp.optim.ordered_sum import Pieces, Runs, totals_from_pieces
+from lowp.optim.kernels.native import rebuild as native_rebuild
+from lowp.optim.ordered_sum import Pieces, Runs, rebuild_for
 from lowp.optim.reference import working_grads
 from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
@@ -235,7 +236,8 @@ def _read_messages(everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _set_totals(slices: list[ParamSlice], everyone: torch.Tensor) -> None:
     """Each slice's whole-tensor sum from every rank's message (:func:`_message`, end to end in
-    ``everyone``): :func:`~lowp.optim.ordered_sum.totals_from_pieces` of all their runs at once."""
+    ``everyone``): :func:`~lowp.optim.ordered_sum.totals_from_pieces` of all their runs at once,
+    in C++ where the native kernel builds (:mod:`lowp.optim.kernels.native.rebuild`)."""
     numels = {s.param_id: cast(TensorSum, s.tensor_sum).numel for s in slices}
     ids = sorted(numels)
     head, values = _read_messages(everyone)
@@ -247,7 +249,9 @@ def _set_totals(slices: list[ParamSlice], everyone: torch.Tensor) -> None:
         raise RuntimeError(f"sharded sums: pieces of parameter {int(head[unknown][0, 0])}, which this rank does "
                            f"not step with an exchanged sum (every rank of a mesh must step the same parameters)")
     head[:, 0] = tensor
-    totals = dict(zip(ids, totals_from_pieces(head, values, [numels[i] for i in ids]).tolist()))
+    rebuild = rebuild_for(head, [numels[i] for i in ids])   # kept from the last step when the runs are the same
+    sums = native_rebuild.totals(rebuild, values) if native_rebuild.available() else rebuild.totals(values)
+    totals = dict(zip(ids, sums.tolist()))
     for s in slices:
         cast(TensorSum, s.tensor_sum).total = totals[s.param_id]
 

@@ -1,8 +1,10 @@
 """Building and loading the CPU kernels for ``backend="native"``: the fused optimizer step (a
 translation unit generated per variant by :mod:`~lowp.optim.kernels.native.source` around
 ``simd.h``, ``vector.h`` and ``step.h``, plus ``codes.h`` and ``coded_step.h`` for block-scaled
-states), ``finite.cpp`` (the non-finite gradient check) and ``codes.cpp`` (the codec of
-block-scaled states, :mod:`~lowp.optim.kernels.native.codec`), all in this module's folder.
+states), ``finite.cpp`` (the non-finite gradient check), ``codes.cpp`` (the codec of
+block-scaled states, :mod:`~lowp.optim.kernels.native.codec`) and ``rebuild.cpp`` (sharded
+tensors' sums from their pieces, :mod:`~lowp.optim.kernels.native.rebuild`), all in this module's
+folder.
 
 Nothing is compiled when lowp is installed: the first step of a variant (optimizer rule and
 switches, write-back mode, dtypes, state rounding, diagnostics) compiles one shared object with
@@ -304,6 +306,15 @@ def piece_sums_function(source: str) -> Callable[..., Any]:
     fn.restype = None
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+def rebuild_function() -> Callable[..., Any]:
+    """``lowp_rebuild(values, counts, index table, totals out) -> 0, k + 1 or -1`` of
+    ``native/rebuild.cpp`` (:mod:`lowp.optim.kernels.native.rebuild`)."""
+    fn = _library("rebuild").lowp_rebuild
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return fn
 
 
