@@ -14,7 +14,9 @@ terms in the same order to step bit for bit alike. The order is the native kerne
 4. the tensor: its units' sums added in float64, in unit order from 0.
 
 Every float64 sum starts from ``+0.0`` and adds left to right, so the total does not depend on
-threads, devices or chunking. Steps 1 and 2 are elementwise (exact IEEE operations on any device);
+threads, devices or chunking. A total that is NaN is the one quiet NaN (``float("nan")``): which
+NaN an addition of two NaNs keeps depends on the order of its operands in the machine code, so
+NaN payloads are no part of the order. Steps 1 and 2 are elementwise (exact IEEE operations on any device);
 steps 3 and 4 are sequential scans, taken with :func:`torch.cumsum` on the CPU (a left-to-right
 loop in float64 there).
 
@@ -26,6 +28,7 @@ steps 1-4 from them: the sum of the whole tensor, bit for bit.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
@@ -50,7 +53,8 @@ def ordered_sum(terms: torch.Tensor) -> float:
         return 0.0
     if flat.numel() % BLOCK:
         flat = F.pad(flat, (0, -flat.numel() % BLOCK))
-    return float(_unit_sums(_block_sums(flat).cpu()).cumsum(0)[-1])
+    total = float(_unit_sums(_block_sums(flat).cpu()).cumsum(0)[-1])
+    return math.nan if math.isnan(total) else total
 
 
 def _check_terms(terms: object) -> None:
@@ -374,11 +378,16 @@ def totals_from_pieces(head: torch.Tensor, values: torch.Tensor, numels: Sequenc
     term a sum needs is missing or is no fp32 value, or a run is not one of pieces of its tensor
     (outside it, of an unknown kind, repeating a piece with another value, holding more or fewer
     pieces than ``values``)."""
+    _check_values_type(values)
+    return rebuild_for(head, numels).totals(values.detach().cpu())
+
+
+def _check_values_type(values: object) -> None:
+    """``ValueError`` unless ``values`` is a float64 tensor of one dimension."""
     if not isinstance(values, torch.Tensor) or values.dtype != torch.float64 or values.dim() != 1:
         got = f"{values.dtype} of shape {tuple(values.shape)}" if isinstance(values, torch.Tensor) \
             else type(values).__name__
         raise ValueError(f"values: expected a float64 tensor of one dimension, got {got}")
-    return rebuild_for(head, numels).totals(values.detach().cpu())
 
 
 def rebuild_for(head: torch.Tensor, numels: Sequence[int]) -> Rebuild:
@@ -531,11 +540,12 @@ class Rebuild:
         for of_n, at_units in self.step4:
             totals[of_n] = torch.cat([torch.zeros((of_n.numel(), 1), dtype=torch.float64), units[at_units]],
                                      1).cumsum(1)[:, -1]
-        return totals
+        return torch.where(totals.isnan(), math.nan, totals)   # the one NaN (module docstring)
 
     def check_values(self, values: torch.Tensor) -> None:
         """``ValueError`` unless ``values`` holds one value per piece and pieces given twice (a
         replica's) agree bit for bit (else the order of the runs would decide the sum)."""
+        _check_values_type(values)
         if values.numel() != self.pieces:
             raise ValueError(f"pieces: the runs hold {self.pieces} pieces, got {values.numel()} values")
         if self.repeats is not None:

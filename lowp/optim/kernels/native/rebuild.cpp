@@ -5,6 +5,9 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <limits>
+#include <new>
+#include <stdexcept>
 #include <vector>
 
 namespace {
@@ -25,11 +28,11 @@ inline bool inside(int64_t i, int64_t n) { return i >= 0 && i < n; }
 
 }  // namespace
 
-// totals[t] for every tensor t. Returns 0; k + 1 when term k is no fp32 value (its float64 value
-// changes when rounded to fp32, and is no NaN); -1 when an index is outside its array.
-extern "C" int64_t lowp_rebuild(const double *values, const int64_t *count, const int64_t *const *index,
-                                double *totals) {
+static int64_t rebuild(const double *values, const int64_t *count, const int64_t *const *index, double *totals) {
+  for (int c = 0; c < COUNTS; c++)
+    if (count[c] < 0) return -1;
   const int64_t nvalues = count[VALUES], nunits = count[UNITS], nblocks = count[BLOCKS];
+  if (count[SPLITS] > nblocks) return -1;  // each split block is a block: splits * BLOCK cannot overflow
   std::vector<double> units(nunits, 0.0), blocks(nblocks, 0.0);
   const int64_t *to = index[UNIT_TO], *from = index[UNIT_FROM];
   for (int64_t k = 0; k < count[UNIT_PIECES]; k++) {
@@ -78,7 +81,23 @@ extern "C" int64_t lowp_rebuild(const double *values, const int64_t *count, cons
     if (per_tensor[t] < 0 || !inside(base[t], nunits + 1) || per_tensor[t] > nunits - base[t]) return -1;
     double s = 0.0;
     for (int64_t u = 0; u < per_tensor[t]; u++) s += units[base[t] + u];
-    totals[t] = s;
+    totals[t] = isnan(s) ? std::numeric_limits<double>::quiet_NaN() : s;  // the one NaN (ordered_sum)
   }
   return 0;
+}
+
+// totals[t] for every tensor t. Returns 0; k + 1 when term k is no fp32 value (its float64 value
+// changes when rounded to fp32, and is no NaN); -1 when a size or an index is outside its range;
+// -3 when the units and blocks cannot be allocated (no exception leaves the library).
+extern "C" int64_t lowp_rebuild(const double *values, const int64_t *count, const int64_t *const *index,
+                                double *totals) {
+  try {
+    return rebuild(values, count, index, totals);
+  } catch (const std::bad_alloc &) {
+    return -3;
+  } catch (const std::length_error &) {  // more than a vector can hold
+    return -3;
+  } catch (...) {
+    return -1;
+  }
 }
