@@ -181,13 +181,14 @@ def sums_by_mesh(values: dict[Groups, list[float]]) -> dict[Groups, list[float]]
 
 def all_messages(message: torch.Tensor | None, groups: Groups) -> torch.Tensor | None:
     """The float64 messages (one dimension, lengths may differ between ranks) of every rank of
-    ``groups`` (a mesh's, :class:`~lowp.optim.sharding.MeshGroups`), end to end in rank order:
-    over each group in turn, one all-gather of each rank's length and message padded to the
-    length :data:`_EXPECTED` keeps for the group, which every rank of it knows alike (each saw every
-    length of its last exchange), and a second all-gather of the messages padded to the longest
-    only where one is longer (a group's first exchange, a new layout). A sharded step sends
-    messages of the same lengths every step, so one all-gather each where the lengths and then
-    the messages took two (``message`` itself without a process group).
+    ``groups`` (a mesh's, :class:`~lowp.optim.sharding.MeshGroups`), end to end (each group's
+    ranks in order, group after group): over each group in turn, one all-gather of each rank's
+    length and message padded to the length :data:`_EXPECTED` keeps for the group, which every
+    rank of it knows alike (each saw every length of its last exchange), and a second all-gather
+    of the messages padded to the longest only where one is longer (a group's first exchange, a
+    new layout). A sharded step sends messages of the same lengths every step, so one all-gather
+    each where the lengths and then the messages took two (``message`` itself without a process
+    group).
 
     ``message=None`` says this rank failed: it sends a length of -1, and every rank of the groups
     returns ``None`` (a rank that learns of a failure passes it on to the next group) without

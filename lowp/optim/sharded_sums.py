@@ -19,11 +19,12 @@ terms come from the optimizer's ``tensor_terms`` on the reference's fp32 working
 (:func:`~lowp.optim.reference.working_grads`), the same bits. One exchange per mesh
 (:func:`~lowp.optim.collectives.all_messages` over its sharded dimensions: one all-gather of
 the messages, each with its length, padded to the last step's longest; a replica's ranks send
-nothing to each other) carries
-the pieces of all its parameters, keyed by the parameter's position in the groups (the same on
-every rank of the mesh), as runs of consecutive pieces (:class:`~lowp.optim.ordered_sum.Runs`: at
-most five per shard, 32 bytes each, plus 8 per piece). A shard smaller than a unit sends a sum
-per block of it (8 bytes per 16 elements); larger shards one per unit they hold whole.
+nothing to each other) carries the pieces of all its parameters, keyed by the parameter's
+position in the groups (the same on every rank of the mesh), as runs of consecutive pieces
+(:class:`~lowp.optim.ordered_sum.Runs`: at most five per shard, 32 bytes each, plus 8 per piece).
+A shard smaller than a unit sends a sum per block of it (8 bytes per 16 elements); larger shards
+one per unit they hold whole. Every rank rebuilds each sum from all the pieces, in C++ where the
+native kernel builds (:func:`_set_totals`).
 """
 from __future__ import annotations
 

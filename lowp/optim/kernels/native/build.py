@@ -310,7 +310,7 @@ def piece_sums_function(source: str) -> Callable[..., Any]:
 
 
 def rebuild_function() -> Callable[..., Any]:
-    """``lowp_rebuild(values, counts, index table, totals out) -> 0, k + 1 or -1`` of
+    """``lowp_rebuild(values, counts, index table, totals out) -> 0, k + 1, -1 or -3`` of
     ``native/rebuild.cpp`` (:mod:`lowp.optim.kernels.native.rebuild`)."""
     fn = _library("rebuild").lowp_rebuild
     fn.restype = ctypes.c_int64
