@@ -32,6 +32,7 @@ def test_moved_bytes_counts_every_state_read_and_written(state_dtype, expected):
     assert benchmark("codes_step").moved_bytes(p, opt.state[p]) == expected * numel
 
 
+@pytest.mark.slow   # 6 s, 21 s with a cold kernel cache
 @pytest.mark.skipif(not native_codec.available(), reason="the CPU table times the native backend (x86-64, AVX2)")
 def test_small_run_prints_every_configuration_against_its_floor():
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "memory_accuracy.py"
 
@@ -22,6 +24,7 @@ def _names() -> tuple[list[str], list[str]]:
     return [s.name for s in memory_accuracy.MAIN], [s.name for s in memory_accuracy.ABLATION]
 
 
+@pytest.mark.slow   # 14 s, 31 s with a cold kernel cache; the memory rows' tests run by default (test_cli_memory)
 def test_quick_run_reports_every_configuration(tmp_path: Path) -> None:
     out_json = tmp_path / "results.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmark_helpers import benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "sharded_plan.py"
 
 
+@pytest.mark.slow   # 17 s, 31 s with a cold kernel cache; the plan with a remainder runs by default (test_meshes)
 def test_a_small_run_takes_the_plan_with_a_remainder():
     done = subprocess.run([sys.executable, str(SCRIPT), "--steps", "1", "--scale", "8"], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)

@@ -25,7 +25,9 @@ def test_gpt2_lists_are_gpt2_small():
     assert full[0] == (50257, 768) and full[2 + 2] == (768, 2304)
 
 
-@pytest.mark.parametrize("optimizer,dtensor", [("adamw", False), ("sgd", False), ("lion", False),
+#: sgd and lion run the same script's rows (about 7 s each with a cold kernel cache): the slow suite
+@pytest.mark.parametrize("optimizer,dtensor", [("adamw", False), pytest.param("sgd", False, marks=pytest.mark.slow),
+                                               pytest.param("lion", False, marks=pytest.mark.slow),
                                                pytest.param("adamw", True, marks=pytest.mark.slow)],   # 19 s
                          ids=["adamw", "sgd", "lion", "adamw, DTensor parameters"])
 def test_a_small_run_prints_every_row(optimizer, dtensor):
