@@ -113,9 +113,10 @@ def checked_load(optimizer: LowpOptimizer, read: Callable[[], Mapping[str, Any]]
     parameters take together (:class:`~lowp.optim.collectives.FailTogether`): each rank reads
     (``read()``) and checks its entries (:func:`_read`), and they agree; each places its states
     in this run's layout (collectives where a state arrives in another one), recodes and checks
-    them and their values (:func:`_placed_states`), and they agree again. A rank that fails anywhere in a round (a bad
-    entry on this rank only, out of memory) sends its failure at its next point of agreement, so
-    the others raise :class:`~lowp.optim.collectives.PeerFailed` instead of waiting for it."""
+    them and their values (:func:`_placed_states`), and they agree again. A rank that fails
+    anywhere in a round (a bad entry on this rank only, out of memory) sends its failure at its
+    next point of agreement, so the others raise :class:`~lowp.optim.collectives.PeerFailed`
+    instead of waiting for it."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ranks = collectives.FailTogether(collectives.agreement(params))
     reading: list[_Reading] = []

@@ -72,17 +72,12 @@ def _unit_sums(blocks: torch.Tensor) -> torch.Tensor:
     return F.pad(blocks, (0, -blocks.numel() % per_unit)).view(-1, per_unit).cumsum(1)[:, -1]
 
 
-def _segment_sums(blocks: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """Step 3 over ``blocks`` (float64, on the CPU) cut into consecutive units of ``sizes`` blocks
-    (each at most a unit's): each unit's sum, its blocks added in order from +0.0
-    (:class:`_Segments` of ``sizes``)."""
-    return _Segments(sizes).sums(blocks)
-
-
 class _Segments:
-    """:func:`_segment_sums`'s indices for units of ``sizes`` blocks: the units whose sizes share a
-    power of two ``w`` at or above them are summed together, as rows of ``w`` padded with zeros
-    (which leave a sum unchanged), so at most 12 passes however many sizes there are.
+    """Step 3 over blocks cut into consecutive units of ``sizes`` blocks (each at most a unit's;
+    :meth:`sums`: each unit's sum, its blocks added in order from its first), its indices made
+    once: the units whose sizes share a power of two ``w`` at or above them are summed together,
+    as rows of ``w`` padded with zeros (which leave a sum unchanged), so at most 12 passes however
+    many sizes there are.
 
     Args:
         sizes: int64, each unit's block count (at most a unit's).
