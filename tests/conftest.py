@@ -1,6 +1,7 @@
 """Shared fixtures: every test starts as a fresh process would; ``one_thread`` runs a test with one
 torch thread; ``mypy_run`` is the type check of ``lowp``, started in the background as soon as
-the session's tests are collected."""
+the session's tests are collected, beside a warmer of the native kernels' build cache (the tests
+of :data:`WARM_FIRST` run first in a background process)."""
 from __future__ import annotations
 
 import os
@@ -43,19 +44,49 @@ def _start_mypy() -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+#: The tests that compile the most native kernel variants (about a second each; a fresh machine
+#: has none in its build cache, :mod:`lowp.build_cache`): 160 of the default suite's 290 builds.
+#: A session that runs them runs them first in a background process (:func:`_start_warmer`), at
+#: a lower priority, on the core the session leaves idle, so that when its turn comes each finds
+#: its variants built (the cache takes concurrent builds of one variant: one builds, the other
+#: waits and loads it).
+WARM_FIRST = ("tests/test_fused_native.py::", "tests/test_native_safety.py::test_fuzz_native",
+              "tests/test_registry.py::test_native_")
+_WARMER = pytest.StashKey["subprocess.Popen | None"]()
+#: set in the warmer's environment: its own session starts no type check and no warmer
+_WARMING = "LOWP_TESTS_WARMING"
+
+
+def _start_warmer(session: pytest.Session) -> subprocess.Popen | None:
+    """``python -m pytest`` of the session's tests of :data:`WARM_FIRST` at ``nice`` 10, output
+    discarded (the session runs and reports them itself); ``None`` when there are none."""
+    ids = [item.nodeid for item in session.items if item.nodeid.startswith(WARM_FIRST)]
+    if not ids:
+        return None
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                             "--timeout=600", *ids], cwd=ROOT, env={**os.environ, _WARMING: "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the type check when the session will run it: mypy over torch's stubs takes about a
-    minute without a cache (a fresh clone), single-threaded, and most tests leave a core idle."""
+    """Start the type check when the session will run it (mypy over torch's stubs takes about a
+    minute without a cache, a fresh clone, single-threaded, and most tests leave a core idle),
+    and the warmer of the kernel cache (:data:`WARM_FIRST`), unless this session is the warmer."""
+    if os.environ.get(_WARMING):
+        return
     if any(item.nodeid.endswith(_MYPY_TEST) for item in session.items):
         session.config.stash[_MYPY] = _start_mypy()
+    session.config.stash[_WARMER] = _start_warmer(session)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A type check the session did not wait for (stopped early, ``-x``) is ended with it."""
-    proc = session.config.stash.get(_MYPY, None)
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.communicate()
+    """A type check the session did not wait for (stopped early, ``-x``), and a warmer still
+    running, are ended with it."""
+    for key in (_MYPY, _WARMER):
+        proc = session.config.stash.get(key, None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 @pytest.fixture

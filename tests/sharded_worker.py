@@ -594,9 +594,9 @@ def remainder_failure_case(world_size: int, where: str) -> dict[str, Any]:
             return call   # a job of the rank's own shards
         return fail
 
-    def failing_call(*args, **kwargs):
-        fail()
-    owner, name, failing = ((opt._plans.current.jobs[0].launches[0][0], "call", failing_call) if where == "launch"
+    def failing_stage(*args, **kwargs):
+        return fail   # staged (the remainder's step then runs), failing when it runs
+    owner, name, failing = ((opt._plans.current.jobs[0].launches[0][0], "stage", failing_stage) if where == "launch"
                             else (opt.backend, "prepare", failing_prepare))
     setattr(owner, name, failing)   # an instance attribute over the class's method
     try:

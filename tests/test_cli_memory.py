@@ -40,7 +40,8 @@ def demo_report() -> dict:
 
 def _real_step_bytes(dtype: torch.dtype, build) -> tuple[int, int, dict]:
     """(parameter count, bytes of params + grads + every tensor in opt.state, opt.state) after one
-    real step on the demo model, summed here with t.nbytes."""
+    real step on the demo model, summed here with t.nbytes (``build`` takes the reference backend:
+    the bytes do not depend on it, and it compiles nothing)."""
     torch.manual_seed(1)
     model = CharLM().to(dtype)
     for p in model.parameters():
@@ -67,7 +68,8 @@ def test_lowp_rows_are_the_bytes_of_a_real_adamw_after_a_step(demo_report):
         coded = r["state_dtype"] in CODED_LAYOUTS
         state_dtype = coded_state_dtype(AdamW, r["state_dtype"]) if coded else DTYPES[r["state_dtype"]]
         count, nbytes, state = _real_step_bytes(
-            dtype, lambda ps, mode=r["mode"], state_dtype=state_dtype: AdamW(ps, mode=mode, state_dtype=state_dtype))
+            dtype, lambda ps, mode=r["mode"], state_dtype=state_dtype: AdamW(ps, mode=mode, state_dtype=state_dtype,
+                                                                             backend="foreach"))
         assert demo_report["params"] == count
         assert r["total_bytes"] == nbytes, r["name"]
         assert math.isclose(r["bytes_per_param"], nbytes / count, rel_tol=1e-12)
@@ -190,7 +192,7 @@ def test_torchao_states_are_measured_through_their_inner_tensors():
 
 def test_the_meta_layout_of_factored_states_equals_a_real_step():
     # Adafactor's row/column factors: the meta-device layout equals a real step's bytes
-    count, nbytes, _ = _real_step_bytes(torch.bfloat16, lambda ps: Adafactor(ps, mode="kahan"))
+    count, nbytes, _ = _real_step_bytes(torch.bfloat16, lambda ps: Adafactor(ps, mode="kahan", backend="foreach"))
     fp = layout_on(Adafactor, list(CharLM().parameters()), torch.bfloat16, "kahan", None)
     assert round(fp.total(True) * count) == nbytes
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lowp.optim as lo
 from lowp.optim import base, preflight, sharding
@@ -342,22 +343,40 @@ def test_a_real_ctrl_c_from_outside_never_leaves_half_a_step():
 
 
 @pytest.mark.skipif("native" not in BACKENDS, reason="the cached plan runs the native kernel")
-def test_a_fault_in_a_cached_step_leaves_whole_parameters(monkeypatch):
-    """A cached step whose second job fails before its kernel call: the first job's parameters
-    are stepped whole (weights, states, step counts), the second's untouched, as in a full step."""
+@pytest.mark.parametrize("where", ["stage", "call"])
+def test_a_fault_in_a_cached_step_leaves_whole_parameters(where, monkeypatch):
+    """A cached step whose second launch fails: when staged (``stage``: before any launch runs)
+    nothing changes; when it runs (``call``, after the first job wrote) the first job's
+    parameters are stepped whole (weights, states, step counts), the second's untouched, as in a
+    full step."""
     from lowp.optim.kernels.native.kernel import Launch
     opt, params = _setup("native", "bf16")
     opt.step()                    # a full step, which keeps its plan
     grads = [p.grad.clone() for p in params]
     before = snapshot(opt, params)
     assert len(opt._plans.current.jobs) == 2   # the two groups
-    calls = _fail_on_call(monkeypatch, Launch, "call", call=1)
+    stage, staged = Launch.stage, [0]
+
+    def failing_stage(self, *args, **kwargs):
+        staged[0] += 1
+        if staged[0] == 2 and where == "stage":
+            raise Injected("injected into the second launch's stage")
+        run = stage(self, *args, **kwargs)
+        if staged[0] == 2:
+            def failing_run():
+                raise Injected("injected into the second launch's call")
+            return failing_run
+        return run
+    monkeypatch.setattr(Launch, "stage", failing_stage)
     for p, g in zip(params, grads):
         p.grad = g.clone()
-    with pytest.raises(Injected):
+    with pytest.raises(Injected, match=where):
         opt.step()
-    assert calls[0] == 2
+    assert staged[0] == 2
     after = snapshot(opt, params)
+    if where == "stage":
+        assert same_snapshot(after, before)
+        return
     assert [opt.state[p]["step"] for p in params] == [4, 4, 3, 3]
     assert same_snapshot(after["weights"][2:], before["weights"][2:])
     assert same_snapshot({i: after["state"][i] for i in (2, 3)}, {i: before["state"][i] for i in (2, 3)})
@@ -438,3 +457,77 @@ def test_the_codec_of_decoded_states_is_loaded_before_the_first_write(backend, m
     assert events.count("call") == 2, events
     first_call = events.index("call")
     assert "decode_function" in events[:first_call] and "encode_function" in events[:first_call], events
+
+
+class _FailAt(TorchDispatchMode):
+    """Counts the torch operations run under it and raises ``torch.OutOfMemoryError`` at the
+    ``k``-th (1-based; ``None``: never), as an allocation that fails would; the profiler's
+    markers (torch's ``Optimizer.step`` wrapper opens and closes one) allocate nothing and are
+    not counted."""
+
+    def __init__(self, k: int | None = None) -> None:
+        super().__init__()
+        self.k, self.seen = k, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "profiler":
+            return func(*args, **(kwargs or {}))
+        self.seen += 1
+        if self.seen == self.k:
+            raise torch.OutOfMemoryError(f"injected at operation {self.k} ({func})")
+        return func(*args, **(kwargs or {}))
+
+
+#: configurations whose every slice the native kernel takes: block-scaled states coded in the
+#: kernel (AdamW), a per-tensor reduction summed by it (StableAdamW)
+NATIVE_WHOLE = {"adamw-bf16": (lo.AdamW, "bf16"), "adamw-int8": (lo.AdamW, "int8"),
+                "stableadamw-bf16": (lo.StableAdamW, "bf16")}
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernel")
+@pytest.mark.parametrize("plan", ["full", "cached"])
+@pytest.mark.parametrize("case", list(NATIVE_WHOLE))
+def test_an_operation_failing_anywhere_in_a_native_step_changes_nothing(case, plan):
+    """An out-of-memory error injected at each torch operation of a step in turn, with every
+    slice taken by the native kernel (two jobs; a full step with a strided gradient, whose copy
+    the kernel reads, or a step from the cached plan): everything the writes need is allocated
+    before the first of them (the gradient copies; the stalled counts stay host ints, added only
+    when ``diagnostics()`` reads them), so each fault leaves every weight, state and counter as
+    it was, and the next step gives the bits of a step that never failed."""
+    optimizer, states = NATIVE_WHOLE[case]
+
+    def setup():
+        opt, params = _setup("native", states, optimizer=optimizer)
+        if plan == "cached":
+            opt.step()   # a full step keeps its plan: the next one takes it
+            for p in params:
+                p.grad = p.grad.clone()
+        else:
+            params[0].grad = params[0].grad.t().contiguous().t()
+            assert not params[0].grad.is_contiguous()
+        return opt, params
+
+    opt, params = setup()
+    cached = opt._plans.cached_steps
+    counted = _FailAt()
+    with counted:
+        opt.step()
+    assert opt.backend.reference_elements == 0 and opt.backend.fused_elements > 0   # the native kernel took it all
+    assert opt._plans.cached_steps == cached + (plan == "cached")
+    expected = snapshot(opt, params)
+    raised = 0
+    for k in range(1, counted.seen + 1):
+        opt, params = setup()
+        before = snapshot(opt, params)
+        try:
+            with _FailAt(k):
+                opt.step()
+        except torch.OutOfMemoryError:
+            raised += 1
+            assert same_snapshot(snapshot(opt, params), before), f"changed by a fault at operation {k}"
+            opt.step()
+        assert same_snapshot(snapshot(opt, params), expected), f"operation {k}"
+    if plan == "cached" and states == "bf16":
+        assert counted.seen == 0   # the plan's step is its kernel calls alone: nothing to fail
+    else:
+        assert raised >= counted.seen // 2 > 0, (raised, counted.seen)

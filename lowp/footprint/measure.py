@@ -226,8 +226,11 @@ def lowp_footprints(optimizer: str, target: torch.nn.Module | None = None,
         coded = isinstance(layout, str)
         state_dtype = coded_state_dtype(cls, layout) if isinstance(layout, str) else layout
         model = probe_model(dtype)
-        # the probe's small tensors would keep 16-bit states: codes for all give a large model's bytes
-        opt = cls(model.parameters(), mode=mode, state_dtype=state_dtype, **({"coded_min_numel": 0} if coded else {}))
+        # the probe's small tensors would keep 16-bit states: codes for all give a large model's bytes.
+        # The bytes a step leaves do not depend on the backend: the reference pipeline builds no
+        # kernel (a fresh machine would compile one per configuration, about 30 s for AdamW's)
+        opt = cls(model.parameters(), mode=mode, state_dtype=state_dtype, backend="foreach",
+                  **({"coded_min_numel": 0} if coded else {}))
         opt.step()
         per_element = coded or all(v.numel() == p.numel() for p, s in opt.state.items()
                                    for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)

@@ -35,6 +35,7 @@ from lowp.optim.kernels.kernel import fusable_dtypes, partition
 from lowp.optim.coded import load_codec, run_coded
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
+from lowp.optim.stalled import Stalled, total
 
 
 __all__ = ["Backend", "EagerBackend", "ForeachBackend", "FusedBackend", "register_backend", "get_backend",
@@ -66,7 +67,7 @@ class LowpOptimizer(Protocol):
 
     elementwise: bool
 
-    def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
+    def apply_batch(self, ctx: StepContext, batch: list[ParamSlice]) -> Stalled:
         """The reference pipeline for one batch; returns the stalled count."""
 
     def kernel_spec(self) -> OptimizerSpec | None:
@@ -94,13 +95,13 @@ class Backend(ABC):
         """The chunk size for tensors on ``device``: ``chunk_size``, or the device's default."""
         return self.chunk_size if self.chunk_size is not None else default_chunk_size(device)
 
-    def step(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def step(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """Apply one job's step to every slice; return the stalled-element count (or ``None``):
         :meth:`prepare`, then its call."""
         return self.prepare(optimizer, ctx, slices)()
 
     def prepare(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
-                ) -> Callable[[], torch.Tensor | None]:
+                ) -> Callable[[], Stalled]:
         """One job's step split in two: what can fail before its first write (admission, a
         kernel's build, load and argument checks) is done now, and the returned call writes.
         A step prepares all its jobs before it calls the first (:mod:`lowp.optim.step_plan`).
@@ -125,13 +126,13 @@ class Backend(ABC):
         return None
 
     def prepare_run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
-                    ) -> Callable[[], torch.Tensor | None]:
+                    ) -> Callable[[], Stalled]:
         """:meth:`run` over slices of plain states, prepared (:meth:`prepare`); default: nothing
         to prepare, the call is :meth:`run`."""
         return partial(self.run, optimizer, ctx, slices)
 
     @abstractmethod
-    def run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """Apply the step to every slice, whose states are all plain tensors; return the
         stalled-element count (or ``None``)."""
 
@@ -160,7 +161,7 @@ class Backend(ABC):
         return flags
 
     def take_coded(self, optimizer: "LowpOptimizer", ctx: StepContext, slices: list[ParamSlice]
-                   ) -> tuple[Callable[[], torch.Tensor | None] | None, list[ParamSlice]]:
+                   ) -> tuple[Callable[[], Stalled] | None, list[ParamSlice]]:
         """The step of the slices of a job with coded states (``ctx.coded``) that a kernel decodes
         and encodes itself, prepared (:meth:`prepare`). Returns (the call that steps them and
         returns their stalled count, ``None`` when none was taken; the slices left for the
@@ -171,11 +172,6 @@ class Backend(ABC):
         """The slices, cut into chunks when the optimizer's update is elementwise."""
         for s in slices:
             yield from (s.chunks(self.chunk_for(s.param.device)) if optimizer.elementwise else [s])
-
-
-def _total(counts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    present = [c for c in counts if c is not None]
-    return torch.stack(present).sum() if present else None
 
 
 class EagerBackend(Backend):
@@ -191,7 +187,7 @@ class EagerBackend(Backend):
 
     def run(self, optimizer, ctx, slices):
         """Each chunk through the reference pipeline on its own."""
-        return _total([optimizer.apply_batch(ctx, [piece]) for piece in self.pieces(optimizer, slices)])
+        return total([optimizer.apply_batch(ctx, [piece]) for piece in self.pieces(optimizer, slices)])
 
 
 class ForeachBackend(Backend):
@@ -208,7 +204,7 @@ class ForeachBackend(Backend):
 
     def run(self, optimizer, ctx, slices):
         """Each batch through the reference pipeline."""
-        return _total([optimizer.apply_batch(ctx, batch) for batch in self.batches(optimizer, slices)])
+        return total([optimizer.apply_batch(ctx, batch) for batch in self.batches(optimizer, slices)])
 
     def batches(self, optimizer, slices) -> Iterator[list[ParamSlice]]:
         """The chunks packed into batches of at most ``chunk_size`` elements (a larger chunk alone)."""
@@ -303,7 +299,7 @@ class FusedBackend(Backend):
         calls = [self._fallback(optimizer, ctx, rest)] if rest else []
         if fused:
             calls.append(self.kernel.prepare(spec, ctx, fused))
-        return lambda: _total([call() for call in calls])
+        return lambda: total([call() for call in calls])
 
     def take_coded(self, optimizer, ctx, slices):
         """A kernel with ``steps_codes`` (native, Triton) decodes and encodes block-scaled states
@@ -332,13 +328,13 @@ class FusedBackend(Backend):
             if fusable_dtypes(plain, dtypes, self.kernel.fp16_stochastic):
                 self.kernel.load(spec, plain, dtypes)
 
-    def _fallback(self, optimizer, ctx, slices) -> Callable[[], torch.Tensor | None]:
+    def _fallback(self, optimizer, ctx, slices) -> Callable[[], Stalled]:
         """The fallback's part, prepared; the reference's elements are counted when it runs."""
         run = self.fallback.prepare_run(optimizer, ctx, slices)
         if isinstance(self.fallback, FusedBackend):
             return run
 
-        def counted() -> torch.Tensor | None:
+        def counted() -> Stalled:
             self._reference_elements += sum(s.numel for s in slices)
             return run()
         return counted

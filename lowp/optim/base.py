@@ -45,6 +45,7 @@ from lowp.optim.migrate import check_optimizer_state_dict, to_lowp_layout
 from lowp.optim.preflight import check_seed
 from lowp.optim.randomness import default_seed
 from lowp.optim.spec import OptimizerSpec
+from lowp.optim.stalled import Stalled
 from lowp.optim.state_layout import default_state_dtype
 
 __all__ = ["LowpOptimizer", "TwoMomentOptimizer", "NONFINITE_POLICIES", "default_state_dtype", "check_betas",
@@ -193,7 +194,7 @@ class LowpOptimizer(torch.optim.Optimizer):
         self.skipped_params = 0
         self.skipped_steps = 0
         # per group: (stalled count, elements, sharding.Share) of each job of the last step
-        self._last_stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]] = {}
+        self._last_stalled: dict[int, list[tuple[Stalled, int, sharding.Share]]] = {}
         # parameter -> (group index, index in the group, position over all groups), a cache of
         # lowp.optim.step_plan.prepare_subset
         self._positions: dict[torch.Tensor, tuple[int, int, int]] = {}

@@ -91,6 +91,7 @@ from lowp.optim.kernels.kernel import CHECKS, Kernel, KernelLaunch, PiecesLaunch
 from lowp.optim.ordered_sum import Runs
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
+from lowp.optim.stalled import Stalled, total
 from lowp.optim.writeback import MODES
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
     diagnostics_enabled: bool
     skipped_params: int
     skipped_steps: int
-    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]]
+    _last_stalled: dict[int, list[tuple[Stalled, int, sharding.Share]]]
 
     def check_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyper-parameters."""
@@ -308,7 +309,7 @@ class CachedStep:
         self.state_values = list(optimizer.state.values())
         self.grad_dtypes = grad_dtypes
         self.grad_devices = [t.get_device() for t in targets]   # -1: the CPU
-        self.grad_sizes = [torch.empty((), dtype=d).element_size() for d in grad_dtypes]
+        self.grad_sizes = [d.itemsize for d in grad_dtypes]
         self.grad_align = [size - 1 for size in self.grad_sizes]   # a pointer's low bits that must be 0
         self.dtypes = [t.dtype for t in targets]
         place = {id(p): i for i, p in enumerate(self.all_params)}
@@ -594,6 +595,16 @@ class CachedStep:
             check = CHECKS["off"]
         finite = [True] * len(grads)
         seed = optimizer.seed
+        made: dict[tuple[int, int], dict[str, float]] = {}   # the spec's numbers per group and step
+        # every launch staged (all it allocates) before the first write: a failure there changes nothing
+        staged: list[list[tuple[Callable[[], Stalled], KernelLaunch, list[int]]]] = []
+        for job in self.jobs:
+            step = job.step + 1
+            if (id(job.group), step) not in made:
+                made[id(job.group), step] = self.spec.numbers(job.group, step)
+            factor = gradient_factor(job.group, inv_scale)
+            staged.append([(launch.stage([grads[i] for i in members], made[id(job.group), step], factor, seed, step,
+                                         check), launch, members) for launch, members in job.launches])
         with deferred_interrupts():   # from the exchange on, as a full step: every rank that exchanged writes
             self.exchange_sums(optimizer, grads, inv_scale)
             if rest is not None:
@@ -604,18 +615,13 @@ class CachedStep:
                     optimizer._last_stalled = before
                     raise
                 new_step = False   # the remainder's stalled counts start the step's
-            stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]] = \
+            stalled: dict[int, list[tuple[Stalled, int, sharding.Share]]] = \
                 {} if new_step else optimizer._last_stalled
-            made: dict[tuple[int, int], dict[str, float]] = {}   # the spec's numbers per group and step
-            for job in self.jobs:   # each job's counters advance right after its writes (step_plan)
+            for job, launches in zip(self.jobs, staged):   # each job's counters advance right after its writes
                 step = job.step + 1
-                if (id(job.group), step) not in made:
-                    made[id(job.group), step] = self.spec.numbers(job.group, step)
-                numbers = made[id(job.group), step]
-                factor = gradient_factor(job.group, inv_scale)
                 counts = []
-                for launch, members in job.launches:
-                    counts.append(launch.call([grads[i] for i in members], numbers, factor, seed, step, check))
+                for run, launch, members in launches:
+                    counts.append(run())
                     if check != CHECKS["off"]:
                         for i, ok in zip(members, launch.finite):
                             finite[i] = bool(ok)
@@ -632,7 +638,7 @@ class CachedStep:
                 for i in job.empty:
                     self.states[i]["step"] = step
                 job.step = step
-                stalled.setdefault(job.index, []).append((_total(counts) if self.count else None, numel, job.share))
+                stalled.setdefault(job.index, []).append((total(counts) if self.count else None, numel, job.share))
             everything = all(finite)
             self.steps = [st["step"] for st in self.states]
             optimizer._last_stalled = stalled
@@ -771,16 +777,6 @@ class Plans:
         """Forget the whole step's plan (the next ``step()`` is a full one); the ``step_params``
         plans check their own signatures."""
         self.current = None
-
-
-def _total(counts: list[int | torch.Tensor | None]) -> torch.Tensor:
-    """The stalled count of a job's launches (host ints from the native kernel, device tensors
-    from Triton's) as one int64 tensor."""
-    present = [c for c in counts if c is not None]
-    if len(present) == 1 and isinstance(present[0], torch.Tensor):
-        return present[0]
-    total = sum(present)
-    return total if isinstance(total, torch.Tensor) else torch.tensor(total, dtype=torch.int64)
 
 
 def _launches(kernel: Kernel, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]

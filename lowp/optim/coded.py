@@ -36,6 +36,7 @@ from lowp.optim.kernels.native import codec as native_codec
 from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
+from lowp.optim.stalled import Stalled, total
 
 __all__ = ["run_coded", "load_codec", "Stepper"]
 
@@ -48,10 +49,10 @@ class Stepper(Protocol):
         """The chunk size for tensors on ``device``."""
 
     def take_coded(self, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]
-                   ) -> tuple[Callable[[], torch.Tensor | None] | None, list[ParamSlice]]:
+                   ) -> tuple[Callable[[], Stalled] | None, list[ParamSlice]]:
         """The slices its kernel steps with their codes: (their prepared step, the others)."""
 
-    def run(self, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run(self, optimizer: Any, ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """The step over slices of plain states."""
 
 
@@ -157,7 +158,7 @@ def load_codec(slices: list[ParamSlice]) -> None:
 
 
 def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[ParamSlice],
-              taken: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor | None:
+              taken: Callable[[], Stalled] | None = None) -> Stalled:
     """Run ``backend`` on ``slices`` whose states named in ``ctx.coded`` are codes (each slice
     with their block scales); see the module docstring. ``taken``: the prepared step of the
     slices the backend's kernel takes with their codes (:meth:`Stepper.take_coded`, which left
@@ -169,7 +170,7 @@ def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[P
     whole_blocks = max(BLOCK_SIZES)
     size = backend.chunk_for(slices[0].param.device) if slices else 1
     chunk = max(whole_blocks, size - size % whole_blocks)
-    counts: list[torch.Tensor] = []
+    counts: list[Stalled] = []
     batch: list[_Piece] = []
     held = 0
     if taken is not None:
@@ -202,4 +203,4 @@ def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[P
     flush()
     if not ctx.count:
         return None
-    return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)
+    return total(counts) if counts else 0

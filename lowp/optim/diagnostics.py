@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from lowp.optim import collectives, sharding
+from lowp.optim.stalled import Stalled, value
 
 __all__ = ["report"]
 
@@ -28,7 +29,7 @@ class LowpOptimizer(Protocol):
     state: defaultdict[torch.Tensor, Any]
     skipped_params: int
     skipped_steps: int
-    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]]
+    _last_stalled: dict[int, list[tuple[Stalled, int, sharding.Share]]]
 
 
 def report(optimizer: LowpOptimizer) -> list[dict[str, float]]:
@@ -54,7 +55,7 @@ def report(optimizer: LowpOptimizer) -> list[dict[str, float]]:
 
     for i, group in enumerate(optimizer.param_groups):
         for stalled, numel, share in optimizer._last_stalled.get(i, []):
-            add(i, share, 0, float(stalled) if stalled is not None else math.nan)
+            add(i, share, 0, value(stalled))
             add(i, share, 1, numel)
         for p in group["params"]:
             k = optimizer.state.get(p, {}).get("compensation")

@@ -20,6 +20,7 @@ import torch
 from lowp.optim.randomness import Stream
 from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext
+from lowp.optim.stalled import Stalled, total
 from lowp.optim.storage import store, working_copy
 from lowp.optim.writeback import LOW_PRECISION
 
@@ -70,7 +71,7 @@ def working_grads(ctx: StepContext, batch: list[ParamSlice], scratch: Scratch) -
     return grads
 
 
-def apply_batch(optimizer: LowpOptimizer, ctx: StepContext, batch: list[ParamSlice]) -> torch.Tensor | None:
+def apply_batch(optimizer: LowpOptimizer, ctx: StepContext, batch: list[ParamSlice]) -> Stalled:
     """The reference pipeline for one batch: fp32 working copies, ``update``, store states
     with their rounding, write the weights back with the mode. Returns the stalled count.
     Working copies, random bits and the write-back's temporaries live in ``ctx.scratch``."""
@@ -86,7 +87,7 @@ def apply_batch(optimizer: LowpOptimizer, ctx: StepContext, batch: list[ParamSli
     whole = [s.tensor_sum for s in batch] if ctx.update_weights else []   # a states-only step discards the update
     sums = {"sums": [None if t is None else (t.total, t.numel) for t in whole]} if any(whole) else {}
     updates = optimizer.update(group, weights, grads, states, ctx.step, **sums)
-    counts: list[torch.Tensor] = []
+    counts: list[Stalled] = []
     rounding = group["state_rounding"]
     for i, s in enumerate(batch):
         streams = ctx.streams(s)
@@ -101,4 +102,4 @@ def apply_batch(optimizer: LowpOptimizer, ctx: StepContext, batch: list[ParamSli
         stalled = mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count, scratch)
         if stalled is not None:
             counts.append(stalled)
-    return torch.stack(counts).sum() if ctx.count else None
+    return total(counts) if ctx.count else None

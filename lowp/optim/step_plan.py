@@ -47,6 +47,7 @@ from lowp.optim.codes import scale_name
 from lowp.optim.hyper import real_value
 from lowp.optim.preflight import check_flag
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
+from lowp.optim.stalled import Stalled
 from lowp.optim.writeback import BUFFER_NAMES, MODES, WriteBack, resolve_mode
 
 __all__ = ["Checked", "Remainder", "StepPlan", "prepare", "prepare_subset", "run", "step_all", "step_some"]
@@ -64,7 +65,7 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
     diagnostics_enabled: bool
     skipped_params: int
     skipped_steps: int
-    _last_stalled: dict[int, list[tuple[torch.Tensor | None, int, sharding.Share]]]
+    _last_stalled: dict[int, list[tuple[Stalled, int, sharding.Share]]]
     _positions: dict[torch.Tensor, tuple[int, int, int]]
     _released_by: Any
     _plans: Plans

@@ -19,6 +19,8 @@ from lowp.optim.randomness import Stream, stream_keys
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
+from lowp.optim import stalled
+from lowp.optim.stalled import Stalled
 
 __all__ = ["CHECKS", "Kernel", "KernelLaunch", "PiecesLaunch", "fusable", "fusable_dtypes", "partition", "grad_factor",
            "gradient_factor", "slice_keys", "by_signature", "stream_count", "step_numbers"]
@@ -130,11 +132,18 @@ class KernelLaunch(Protocol):
     def finite(self) -> Iterable[Any]:
         """Per member, whether its gradient was finite at the last checked call."""
 
-    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
-             check: int = 0) -> int | torch.Tensor | None:
+    def stage(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+              check: int = 0) -> Callable[[], Stalled]:
         """The step with the members' gradients, the spec's numbers, the gradient factor, the
-        optimizer's seed and the step count, after the non-finite ``check`` (:data:`CHECKS`);
-        returns the stalled count."""
+        optimizer's seed and the step count, after the non-finite ``check`` (:data:`CHECKS`),
+        with everything it allocates made now (a strided gradient's copy, the arguments' device
+        buffers); the returned call runs it and returns the stalled count
+        (:mod:`lowp.optim.stalled`), allocating nothing. A step stages every launch before the
+        first one writes, so an allocation that fails (out of memory) changes nothing."""
+
+    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+             check: int = 0) -> Stalled:
+        """:meth:`stage` and run at once."""
 
 
 class PiecesLaunch(Protocol):
@@ -184,10 +193,10 @@ class Kernel(ABC):
         return fusable(ctx, s, self.min_numel, self.fp16_stochastic, self.device_types(), spans)
 
     @abstractmethod
-    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """The step over ``slices`` (all admitted); returns the stalled count when ``ctx.count``."""
 
-    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """The step over slices of a job with block-scaled states (``ctx.coded``; each slice with
         their block scales), all admitted by :func:`lowp.optim.kernels.coded_slices.admitted`;
         for kernels with ``steps_codes``. Returns the stalled count when ``ctx.count``."""
@@ -199,17 +208,25 @@ class Kernel(ABC):
         kernels with :attr:`keeps_plans`)."""
         raise NotImplementedError(f"the {self.name} kernel prepares no launches")
 
-    def prepare(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
-                ) -> Callable[[], torch.Tensor | None]:
+    def prepare(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Callable[[], Stalled]:
         """The step over admitted ``slices`` (:meth:`run`, or :meth:`run_coded` when ``ctx.coded``),
         split in two: what can fail before the first write is done now, and the returned call
         does the rest. A kernel with :attr:`keeps_plans` builds, loads and checks its launches
-        here (:meth:`launches`), so the call only runs them (:meth:`call_launches`); the others
-        prepare nothing (their call is the whole step)."""
+        here (:meth:`launches`) and stages each (:meth:`KernelLaunch.stage`: what it allocates),
+        so the call only runs them, allocating nothing; the others prepare nothing (their call
+        is the whole step)."""
         if not self.keeps_plans:
             return partial(self.run_coded if ctx.coded else self.run, spec, ctx, slices)
-        launches = self.launches(spec, ctx, slices)
-        return partial(self.call_launches, spec, ctx, launches, sum(s.numel for s in slices))
+        numbers, factor = spec.numbers(ctx.group, ctx.step), grad_factor(ctx)
+        staged = [launch.stage([s.grad for s in members], numbers, factor, ctx.seed, ctx.step)
+                  for launch, members in self.launches(spec, ctx, slices)]
+        return partial(self._run_staged, staged, sum(s.numel for s in slices), ctx.count)
+
+    def _run_staged(self, staged: list[Callable[[], Stalled]], numel: int, count: bool) -> Stalled:
+        """Run a job's staged launches (:meth:`prepare`): the stalled count when ``count``."""
+        counts = [run() for run in staged]
+        self.fused_elements += numel
+        return stalled.total(counts) if count else None
 
     def load(self, spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> None:
         """Build and load now what a later :meth:`run` at ``ctx`` (plain states) over slices of
@@ -226,12 +243,6 @@ class Kernel(ABC):
         step without writing anything, each with its members; ``None`` (default) when the kernel
         has no such pass (:mod:`lowp.optim.sharded_sums` then computes them with torch)."""
         return None
-
-    def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
-                      launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
-        """Run the prepared ``launches`` of one job, ``numel`` elements in all, at ``ctx``'s step
-        (for kernels with :attr:`keeps_plans`); returns the stalled count when ``ctx.count``."""
-        raise NotImplementedError(f"the {self.name} kernel prepares no launches")
 
     def finite_flags(self, grads: list[torch.Tensor]) -> list[bool | None]:
         """Per gradient: finite (``True``/``False``) as this kernel checks it, ``None`` for the

@@ -25,6 +25,7 @@ from lowp.optim.kernels.compiled.step import chunk_keys, fused_step
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
+from lowp.optim.stalled import Stalled, total
 
 __all__ = ["CompiledKernel", "compiler_available", "CHUNK"]
 
@@ -84,7 +85,7 @@ class CompiledKernel(Kernel):
 
     name = "compiled"
 
-    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """Every slice through the compiled step, chunk by chunk."""
         device = slices[0].param.device
         names = list(slices[0].states)
@@ -104,4 +105,4 @@ class CompiledKernel(Kernel):
                     counts.append(fn(part[0], part[1], None if buf is None else buf[start:end].detach(), part[2:],
                                      h, chunk_keys(keys, first + start, end - start, device)))
         self.fused_elements += sum(s.numel for s in slices)
-        return torch.stack(counts).sum(dtype=torch.int64) if ctx.count else None
+        return total(counts) if ctx.count else None

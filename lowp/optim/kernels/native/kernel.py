@@ -18,7 +18,8 @@ from __future__ import annotations
 import ctypes
 import operator
 from array import array
-from typing import Any, Sequence, cast
+from functools import partial
+from typing import Any, Callable, cast
 
 import torch
 
@@ -27,12 +28,13 @@ from lowp.optim.kernels.checks import (PLAIN_TYPES, all_kernel_memory, check_ker
                                        plain, storage_fits)
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of, without
 from lowp.optim.kernels.native.source import DTYPE_CODES, CodedLayout, Variant, variant_source
-from lowp.optim.kernels.kernel import Kernel, KernelLaunch, by_signature, grad_factor
+from lowp.optim.kernels.kernel import Kernel, by_signature
 from lowp.optim.kernels.native.build import (coded_step_function, finite_function, native_available,
                                              piece_sums_function, step_function, sums_function)
 from lowp.optim.kernels.native.codec import grid_numbers, scale_code
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
+from lowp.optim.stalled import Stalled
 
 __all__ = ["NativeKernel", "Launch", "PiecesCall", "slice_dtypes", "variant_for", "by_coded_signature"]
 
@@ -123,11 +125,11 @@ class NativeKernel(Kernel):
             flags[i] = ok
         return flags
 
-    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """One kernel call per dtype signature (:meth:`launches`); returns the stalled count."""
         return self.prepare(spec, ctx, slices)()
 
-    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """The step over ``slices`` of a job with coded states (``ctx.coded``, all
         :func:`~lowp.optim.kernels.coded_slices.admitted`): one kernel call per dtype signature,
         the scale dtype included (:meth:`launches`); returns the stalled count."""
@@ -145,17 +147,6 @@ class NativeKernel(Kernel):
         signature, each with its members (checked, :func:`check_kernel_args`)."""
         return [(PiecesCall(spec, variant, members), members)
                 for variant, members in _checked_variants(spec, ctx, slices)]
-
-    def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
-                      launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
-        """Each prepared kernel call with its members' gradients; the stalled count as an int64
-        tensor when ``ctx.count``."""
-        numbers = spec.numbers(ctx.group, ctx.step)
-        factor = grad_factor(ctx)
-        stalled = sum(cast(int, launch.call([s.grad for s in members], numbers, factor, ctx.seed, ctx.step))
-                      for launch, members in launches)
-        self.fused_elements += numel
-        return torch.tensor(stalled, dtype=torch.int64) if ctx.count else None
 
     def launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
                  ) -> list[tuple[Launch, list[ParamSlice]]]:
@@ -343,26 +334,36 @@ class Launch:
         self.finite = (ctypes.c_uint8 * n)()
         self.numbers = (ctypes.c_double * (1 + len(variant.numbers)))()
         self.tensor_numbers = (ctypes.c_double * max(1, n * len(variant.program.tensor_numbers)))()
+        self.sums = (ctypes.c_double * n)()   # a per-tensor reduction's sums (lowp_sums), made at each call
+
+    def stage(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+              check: int = 0) -> Callable[[], int]:
+        """The step with the members' ``grads`` (checked), the spec's ``numbers`` and the gradient
+        ``factor``, after the non-finite ``check`` (:data:`~lowp.optim.kernels.kernel.CHECKS`;
+        the flags land in :attr:`finite`), split in two: the copy of a strided or misaligned
+        gradient (:func:`~lowp.optim.kernels.checks.kernel_grad`) is made now, and the returned
+        call runs the kernel and returns the stalled count (a host int), allocating no tensor.
+        The table holds the gradients' pointers for the call only: a kept launch holds no
+        gradient between steps."""
+        if len(grads) != self.n:
+            raise RuntimeError(f"kernel call: {len(grads)} gradients for {self.n} tensors")
+        return partial(self._run, list(map(kernel_grad, grads)), numbers, factor, seed, step, check)
 
     def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
              check: int = 0) -> int:
-        """The step with the members' ``grads`` (checked; a strided or misaligned one is copied,
-        :func:`~lowp.optim.kernels.checks.kernel_grad`), the spec's ``numbers`` and the gradient
-        ``factor``, after the non-finite ``check``
-        (:data:`~lowp.optim.kernels.kernel.CHECKS`; the flags land in :attr:`finite`); returns
-        the stalled count. The table holds the gradients' pointers for the call only: a kept
-        launch holds no gradient between steps."""
+        """:meth:`stage` and run the step at once; returns the stalled count."""
+        return self.stage(grads, numbers, factor, seed, step, check)()
+
+    def _run(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+             check: int) -> int:
         spec, n = self.spec, self.n
-        if len(grads) != n:
-            raise RuntimeError(f"kernel call: {len(grads)} gradients for {n} tensors")
-        grads = list(map(kernel_grad, grads))   # alive until the call returns
         self.table[n:2 * n] = [g.data_ptr() for g in grads]
         values = spec.pick(self.variant.numbers, numbers)
         self.numbers[:] = [factor, *values]
         try:
             if spec.tensor_numbers is not None:
                 per_tensor = self.variant.program.tensor_numbers
-                sums = (ctypes.c_double * n)()
+                sums = self.sums
                 if any(whole is None for whole in self.whole):
                     sums_function(self.source)(n, self.table, self.numel, self.numbers, sums, torch.get_num_threads())
                 for j, whole in enumerate(self.whole):

@@ -22,9 +22,10 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Sequence, cast
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -32,12 +33,13 @@ import torch
 from lowp.optim.codes import Code
 from lowp.optim.kernels.checks import PLAIN_TYPES, kernel_grad
 from lowp.optim.kernels.coded_slices import check_coded_args, codes_of
-from lowp.optim.kernels.kernel import Kernel, KernelLaunch, by_signature, grad_factor, stream_count
+from lowp.optim.kernels.kernel import Kernel, by_signature, stream_count
 from lowp.optim.kernels.triton.source import kernel_source
 from lowp.optim.randomness import stream_key_table
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
+from lowp.optim.stalled import Stalled
 
 __all__ = ["TritonKernel", "TritonLaunch", "triton_available", "BLOCK", "NUM_WARPS", "CODED_BLOCK", "CODED_WARPS",
            "LaunchTables", "launch_tables"]
@@ -114,28 +116,16 @@ class TritonKernel(Kernel):
             raise RuntimeError("backend='triton': triton is not installed")
         super().__init__()
 
-    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """One launch per dtype signature."""
         return self.run_coded(spec, ctx, slices)
 
-    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> torch.Tensor | None:
+    def run_coded(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]) -> Stalled:
         """One launch per dtype signature (the scales' dtype included) over ``slices``, with the
         block scales of the job's coded states (``ctx.coded``; none: a plain step), all admitted
         (:func:`~lowp.optim.kernels.coded_slices.admitted`); the kernel decodes and encodes those
         states in registers. Returns the stalled count."""
         return self.prepare(spec, ctx, slices)()
-
-    def call_launches(self, spec: OptimizerSpec, ctx: StepContext,
-                      launches: Sequence[tuple[KernelLaunch, list[ParamSlice]]], numel: int) -> torch.Tensor | None:
-        """Each prepared launch with its members' gradients; the stalled count (a device tensor)
-        when ``ctx.count``."""
-        numbers = spec.numbers(ctx.group, ctx.step)
-        factor = grad_factor(ctx)
-        counts = [launch.call([s.grad for s in members], numbers, factor, ctx.seed, ctx.step)
-                  for launch, members in launches]
-        self.fused_elements += numel
-        present = [cast(torch.Tensor, c) for c in counts if c is not None]
-        return torch.stack(present).sum() if present else None
 
     def launches(self, spec: OptimizerSpec, ctx: StepContext, slices: list[ParamSlice]
                  ) -> list[tuple[TritonLaunch, list[ParamSlice]]]:
@@ -243,16 +233,17 @@ class TritonLaunch:
         self._found = torch.empty(n + 1, dtype=torch.int32, pin_memory=True) if on_gpu else None
         self._arrived = torch.cuda.Event() if on_gpu else None
 
-    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
-             check: int = 0) -> torch.Tensor | None:
+    def stage(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+              check: int = 0) -> Callable[[], torch.Tensor | None]:
         """The step with the members' ``grads`` (checked; a strided one is copied contiguous), the
         spec's ``numbers`` and the gradient ``factor``, after the non-finite ``check``
         (:data:`~lowp.optim.kernels.kernel.CHECKS`: the check kernel first, its flags read back
-        into :attr:`finite`); returns the stalled count (a device tensor) when counting. No
-        gradient is held after the call."""
-        from lowp.optim.kernels.triton.finite import finite_kernel
-
-        n, tables = self.n, self.tables
+        into :attr:`finite`), split in two: the device memory it needs (the gradient copies, the
+        call's arguments sent in one copy, the per-block stalled counts) is allocated now, and
+        the returned call launches the kernels and returns the stalled counts (the per-block
+        device tensor, :mod:`lowp.optim.stalled`) when counting. No gradient is held after the
+        call."""
+        n = self.n
         if len(grads) != n:
             raise RuntimeError(f"kernel call: {len(grads)} gradients for {n} tensors")
         grads = list(map(kernel_grad, grads))   # alive until the launch is queued
@@ -263,6 +254,21 @@ class TritonLaunch:
                                                                      self.streams).reshape(-1)
         host[numbers_at:end].view(np.float32)[:] = [factor, *self.spec.pick(self.numbers, numbers)]
         sent = torch.from_numpy(host).to(self.device)
+        stalled = torch.empty(self.tables.blocks if self.count else 1, dtype=torch.int32, device=self.device)
+        return partial(self._run, grads, sent, stalled, check)
+
+    def call(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
+             check: int = 0) -> torch.Tensor | None:
+        """:meth:`stage` and launch at once; returns the stalled counts when counting."""
+        return self.stage(grads, numbers, factor, seed, step, check)()
+
+    def _run(self, grads: list[torch.Tensor], sent: torch.Tensor, stalled: torch.Tensor, check: int
+             ) -> torch.Tensor | None:
+        """The launches of a staged call (``grads`` kept alive until they are queued)."""
+        from lowp.optim.kernels.triton.finite import finite_kernel
+
+        n, tables = self.n, self.tables
+        keys_at, flags_at, numbers_at, end = self._layout
         pointers, keys = sent[:keys_at].view(torch.int64), sent[keys_at:flags_at].view(torch.int64)
         flags, h = sent[flags_at:flags_at + 4 * (n + 1)].view(torch.int32), sent[numbers_at:end].view(torch.float32)
         blocks = tables.blocks
@@ -274,7 +280,6 @@ class TritonLaunch:
                 found = self._found
                 found.copy_(flags, non_blocking=True)
                 self._arrived.record()
-        stalled = torch.empty(blocks if self.count else 1, dtype=torch.int32, device=self.device)
         weights, *rest = tables.pointers
         self.kernel[(blocks,)](weights, pointers, *rest, tables.sizes, tables.offsets, tables.block_tensor,
                                tables.block_start, h, keys, stalled, flags, CHECK=check, **self.types)
@@ -282,7 +287,7 @@ class TritonLaunch:
             if self._arrived is not None:
                 self._arrived.synchronize()
             self.finite = [bad == 0 for bad in found[1:n + 1].tolist()]
-        return stalled.sum(dtype=torch.int64) if self.count else None
+        return stalled if self.count else None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,48 @@
+"""A job's count of stalled elements: those whose stored weight the step left unchanged (the
+update was lost to rounding, or was zero), as ``diagnostics()`` reports them.
+
+A count is kept as its producer made it, with no arithmetic once the step has written: a host
+``int`` (the native kernel), a tensor (the reference pipeline; Triton's per-block counts, on the
+device), a tuple of such parts (a job whose slices took several paths), or ``None`` (not
+counted). :func:`value` adds the parts when the diagnostics read them. After a job's first write
+nothing may allocate until its parameters' counters have advanced: an allocation failing there
+(out of memory on a GPU) would leave a parameter with new weights and states but its old step
+count.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Union
+
+import torch
+
+__all__ = ["Stalled", "total", "value"]
+
+#: a stalled count: an ``int``, a tensor of counts, a tuple of parts, or ``None`` (not counted)
+Stalled = Union[int, torch.Tensor, tuple["Stalled", ...], None]
+
+
+def total(counts: Iterable[Stalled]) -> Stalled:
+    """``counts`` as one count, without arithmetic: ``None`` when none was counted, else the one
+    count or the tuple of them."""
+    present = tuple(c for c in counts if c is not None)
+    return None if not present else present[0] if len(present) == 1 else present
+
+
+def value(count: Stalled) -> float:
+    """The number of elements ``count`` stands for: the sum of all its parts' elements (one
+    float64 sum per device for the tensors); NaN for ``None``."""
+    if count is None:
+        return math.nan
+    ints: list[int] = []
+    tensors: dict[torch.device, list[torch.Tensor]] = {}
+    todo: list[Stalled] = [count]
+    while todo:
+        part = todo.pop()
+        if isinstance(part, tuple):
+            todo.extend(part)
+        elif isinstance(part, torch.Tensor):
+            tensors.setdefault(part.device, []).append(part.reshape(-1).double())
+        elif part is not None:
+            ints.append(part)
+    return float(sum(ints)) + sum(float(torch.cat(parts).sum()) for parts in tensors.values())

@@ -1,0 +1,26 @@
+"""A job's stalled count (lowp/optim/stalled.py): kept as its producers made it, added when read."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowp.optim import stalled
+
+
+def test_total_keeps_the_counts_without_arithmetic():
+    t = torch.tensor([2, 5], dtype=torch.int32)
+    assert stalled.total([]) is None and stalled.total([None, None]) is None
+    assert stalled.total([None, 7]) == 7
+    assert stalled.total([t, None]) is t
+    kept = stalled.total([3, None, t])
+    assert isinstance(kept, tuple) and kept[0] == 3 and kept[1] is t
+
+
+def test_value_adds_every_part_exactly():
+    per_block = torch.tensor([1, 2, 3], dtype=torch.int32)      # Triton's per-block counts
+    reference = torch.tensor(10, dtype=torch.int64)             # the reference pipeline's
+    nested = (4, (per_block, (reference, 2**40)), torch.zeros(0, dtype=torch.int32))
+    assert stalled.value(nested) == 4 + 6 + 10 + 2**40
+    assert stalled.value(0) == 0.0 and stalled.value(per_block) == 6.0
+    assert math.isnan(stalled.value(None))
