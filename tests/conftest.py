@@ -4,7 +4,9 @@ the session's tests are collected, beside a warmer of the native kernels' build 
 of :data:`WARM_FIRST` run first in a background process)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,15 +59,29 @@ _WARMER = pytest.StashKey["subprocess.Popen | None"]()
 _WARMING = "LOWP_TESTS_WARMING"
 
 
+#: the fewest of the session's tests of :data:`WARM_FIRST` worth a warmer (a few selected tests
+#: would only run twice at once)
+_WARM_MIN_TESTS = 20
+
+
 def _start_warmer(session: pytest.Session) -> subprocess.Popen | None:
-    """``python -m pytest`` of the session's tests of :data:`WARM_FIRST` at ``nice`` 10, output
-    discarded (the session runs and reports them itself); ``None`` when there are none."""
+    """``python -m pytest`` of the session's tests of :data:`WARM_FIRST` in a process group of
+    its own (its children end with it), output discarded (the session runs and reports them
+    itself), without the session's ``PYTEST_ADDOPTS`` (a shared ``--basetemp`` or report file);
+    ``None`` for fewer than :data:`_WARM_MIN_TESTS` of them or a session that only collects."""
     ids = [item.nodeid for item in session.items if item.nodeid.startswith(WARM_FIRST)]
-    if not ids:
+    if len(ids) < _WARM_MIN_TESTS or session.config.option.collectonly:
         return None
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                             "--timeout=600", *ids], cwd=ROOT, env={**os.environ, _WARMING: "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
+                             "--timeout=600", *ids], cwd=ROOT, env={**env, _WARMING: "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The warmer's session runs at ``nice`` 10: it takes the cores the session leaves idle."""
+    if os.environ.get(_WARMING):
+        os.nice(10)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -80,13 +96,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A type check the session did not wait for (stopped early, ``-x``), and a warmer still
-    running, are ended with it."""
-    for key in (_MYPY, _WARMER):
-        proc = session.config.stash.get(key, None)
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    """A type check the session did not wait for (stopped early, ``-x``) is ended with it, and
+    so is a warmer still running, with every process it started."""
+    proc = session.config.stash.get(_MYPY, None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    warmer = session.config.stash.get(_WARMER, None)
+    if warmer is not None and warmer.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(warmer.pid, signal.SIGKILL)
+        warmer.communicate()
 
 
 @pytest.fixture

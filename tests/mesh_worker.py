@@ -162,11 +162,13 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
 #: step: translating it ("translate": lowp.optim.migrate.to_lowp_layout, which may dequantize a
 #: third-party state), reading a group ("read"; both before the first agreement), checking a
 #: state laid out again from ``Shard(1)`` (between the collectives that lay out the others),
-#: checking the values (before the second agreement); on the reference (a full step) and on the
-#: native kernel (the step 1 of a cached plan)
+#: checking the values (before the second agreement); preparing StableAdamW's step before the
+#: sums' exchange ("stage": staging a kernel launch, the reference backend's preparation); on the
+#: reference (a full step) and on the native kernel (the step 1 of a cached plan)
 FAILURES = [("StableAdamW", "pieces", "foreach"), ("StableAdamW", "pieces", "native"), ("AdamW", "flags", "foreach"),
             ("AdamW", "flags", "native"), ("AdamW", "load", "foreach"), ("AdamW", "translate", "foreach"),
-            ("AdamW", "read", "foreach"), ("AdamW", "place", "foreach"), ("StableAdamW", "interrupt", "native")]
+            ("AdamW", "read", "foreach"), ("AdamW", "place", "foreach"), ("StableAdamW", "interrupt", "native"),
+            ("StableAdamW", "stage", "native"), ("StableAdamW", "stage", "foreach")]
 #: the failures that happen in a load
 LOADS = ("load", "translate", "read", "place")
 
@@ -196,7 +198,10 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
                         "load": (checkpointing, "_value_problem"), "translate": (base, "to_lowp_layout"),
                         "read": (type(opt), "check_group"),
                         "place": (type(opt), "check_state"),
-                        "interrupt": (sharded_sums, "exchange_pieces")}[where]
+                        "interrupt": (sharded_sums, "exchange_pieces"),
+                        # preparing the step's jobs, before the sums' exchange (the kernel's launches staged)
+                        "stage": (native_kernel.Launch, "stage") if backend == "native"
+                        else (type(opt.backend), "prepare")}[where]
     real = getattr(owner, attribute)
     out: dict[str, Any] = {"stage": stage, "error": None, "unchanged": None}
 

@@ -519,8 +519,8 @@ def sums_run(params: list[torch.Tensor], set_grad, backend: str, threshold: int)
         counts["gathered"] += len(tensors)
         return real_gather(tensors)
 
-    def exchange_pieces(slices, make):
-        real_exchange(slices, make)
+    def exchange_pieces(slices, make, failed=None):
+        real_exchange(slices, make, failed)
         counts["exchanged"] += sum(s.tensor_sum.total is not None for s in slices)
     sharding.gather_many, sharded_sums.exchange_pieces = gather_many, exchange_pieces
     sharded_sums.MIN_NUMEL = sharded_sums.CUDA_REFERENCE_MIN_NUMEL = threshold

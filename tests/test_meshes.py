@@ -70,7 +70,8 @@ def test_each_mesh_steps_as_one_process(four_ranks, k):
 
 
 #: per failure of mesh_worker.FAILURES: the error the other rank of the stage raises
-PEER_ERRORS = {"pieces": "ExchangeError: sharded sums: another rank could not make its pieces",
+PEER_ERRORS = {"pieces": "ExchangeError: sharded sums: another rank failed before its part",
+               "stage": "ExchangeError: sharded sums: another rank failed before its part",
                "flags": "PeerFailed: another rank failed before the ranks agreed on their checks",
                "load": "PeerFailed: another rank failed before the ranks agreed on their checks",
                "translate": "PeerFailed: another rank failed before the ranks agreed on their checks",
@@ -99,8 +100,9 @@ def test_messages_of_the_lengths_of_the_last_exchange_take_one_all_gather(four_r
 
 @pytest.mark.parametrize("k", range(len(w.FAILURES)), ids=lambda k: "-".join(w.FAILURES[k]))
 def test_a_rank_that_fails_before_a_collective_fails_its_stage_cleanly(four_ranks, k):
-    """Rank 3 fails (injected) while making its pieces of StableAdamW's sums, checking its
-    gradients for the agreement on non-finite ones, or in a load: translating the state dict
+    """Rank 3 fails (injected) while making its pieces of StableAdamW's sums, preparing its step
+    before their exchange (staging the kernel's launches; the reference's preparation), checking
+    its gradients for the agreement on non-finite ones, or in a load: translating the state dict
     (which may run a third-party ``dequantize``), reading a group, checking a
     state laid out again while rank 2 goes on to lay out the next parameter's (a redistribution),
     checking the values. It still takes part in the next collective, so rank 2 raises instead of

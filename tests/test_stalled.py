@@ -24,3 +24,24 @@ def test_value_adds_every_part_exactly():
     assert stalled.value(nested) == 4 + 6 + 10 + 2**40
     assert stalled.value(0) == 0.0 and stalled.value(per_block) == 6.0
     assert math.isnan(stalled.value(None))
+
+
+def test_a_job_without_elements_counts_zero_on_the_cached_plan_as_on_a_full_step():
+    """A group whose fp32 parameter is empty has a job with no kernel launch: it counts 0
+    stalled elements (not "not counted", which would make the group's fraction unknown), on
+    the step from the cached plan as on a full step."""
+    import lowp.optim as lo
+    from lowp.optim.kernels import native_available
+
+    backend = "native" if native_available() else "foreach"
+    weights = [torch.zeros(64, dtype=torch.bfloat16), torch.zeros(0)]   # zero updates: every element stalls
+    opt = lo.AdamW([{"params": weights}], lr=1e-3, weight_decay=0.0, backend=backend, seed=0)
+    fractions = []
+    for _ in range(3):
+        for w in weights:
+            w.grad = torch.zeros_like(w)
+        opt.step()
+        fractions.append(opt.diagnostics()[0]["stalled_fraction"])
+    assert fractions == [1.0, 1.0, 1.0]
+    if backend == "native":
+        assert opt._plans.cached_steps == 2

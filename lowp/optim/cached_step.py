@@ -531,7 +531,8 @@ class CachedStep:
             return list(map(local.__getitem__, self.group_order))
         return collectives.agree_by(flags, self.agreement, optimizer.nonfinite == "skip_step")
 
-    def exchange_sums(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None) -> None:
+    def exchange_sums(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
+                      failed: Exception | None = None) -> None:
         """The whole-tensor sums of the plan's shards of a per-tensor optimizer (StableAdamW under
         FSDP2) for the step with ``grads``, at each job's next step: the pieces by the kernel's
         passes the plan keeps (``_Job.pieces``: no admission, layout or pointer table made again;
@@ -540,9 +541,12 @@ class CachedStep:
         and the remainder's gathers); for a kernel without such a pass, the kept slices with
         their new gradients through :func:`lowp.optim.sharded_sums.exchange`. Every sum is
         cleared first, so a launch never reads a sum of an earlier step; nothing else is
-        written."""
+        written. ``failed``: this rank's error in staging the step (out of memory), raised after
+        the exchange told it to the other ranks (here and now without sums to exchange)."""
         summed = [job for job in self.jobs if job.sums]
         if not summed:
+            if failed is not None:
+                raise failed
             return
         for job in summed:
             for _, s in job.sums:
@@ -550,7 +554,7 @@ class CachedStep:
         if any(job.pieces is None for job in summed):   # a kernel without a pass: the pieces from torch
             jobs = [(StepContext(job.group, MODES[job.mode], job.step + 1, inv_scale, optimizer.seed, self.count,
                                  coded=job.coded), [replace(s, grad=grads[i]) for i, s in job.sums]) for job in summed]
-            sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), jobs, admitted=True)
+            sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), jobs, admitted=True, failed=failed)
             return
         slices = {i: s for job in summed for i, s in job.sums}
         calls = [(job, call, members) for job in summed for call, members in cast(list, job.pieces)]
@@ -566,7 +570,7 @@ class CachedStep:
                                   gradient_factor(job.group, inv_scale))
             return made + [Runs.empty()] * len(empty)
         order = [i for _, _, members in calls for i in members] + empty
-        sharded_sums.exchange_pieces([slices[i] for i in order], make)
+        sharded_sums.exchange_pieces([slices[i] for i in order], make, failed)
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
@@ -598,15 +602,19 @@ class CachedStep:
         made: dict[tuple[int, int], dict[str, float]] = {}   # the spec's numbers per group and step
         # every launch staged (all it allocates) before the first write: a failure there changes nothing
         staged: list[list[tuple[Callable[[], Stalled], KernelLaunch, list[int]]]] = []
-        for job in self.jobs:
-            step = job.step + 1
-            if (id(job.group), step) not in made:
-                made[id(job.group), step] = self.spec.numbers(job.group, step)
-            factor = gradient_factor(job.group, inv_scale)
-            staged.append([(launch.stage([grads[i] for i in members], made[id(job.group), step], factor, seed, step,
-                                         check), launch, members) for launch, members in job.launches])
+        failure = None
+        try:
+            for job in self.jobs:
+                step = job.step + 1
+                if (id(job.group), step) not in made:
+                    made[id(job.group), step] = self.spec.numbers(job.group, step)
+                factor = gradient_factor(job.group, inv_scale)
+                staged.append([(launch.stage([grads[i] for i in members], made[id(job.group), step], factor, seed,
+                                             step, check), launch, members) for launch, members in job.launches])
+        except Exception as exc:   # told to the ranks of the sums' exchange, which then raises it
+            failure = exc
         with deferred_interrupts():   # from the exchange on, as a full step: every rank that exchanged writes
-            self.exchange_sums(optimizer, grads, inv_scale)
+            self.exchange_sums(optimizer, grads, inv_scale, failure)
             if rest is not None:
                 before = {k: list(v) for k, v in optimizer._last_stalled.items()}
                 try:
@@ -638,7 +646,8 @@ class CachedStep:
                 for i in job.empty:
                     self.states[i]["step"] = step
                 job.step = step
-                stalled.setdefault(job.index, []).append((total(counts) if self.count else None, numel, job.share))
+                count = (total(counts) if counts else 0) if self.count else None   # a job of empty shards: 0
+                stalled.setdefault(job.index, []).append((count, numel, job.share))
             everything = all(finite)
             self.steps = [st["step"] for st in self.states]
             optimizer._last_stalled = stalled

@@ -132,20 +132,21 @@ def _pieces(optimizer: SumsOptimizer, ctx: StepContext, slices: list[ParamSlice]
 
 
 def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[ParamSlice]]],
-             admitted: bool = False) -> None:
+             admitted: bool = False, failed: Exception | None = None) -> None:
     """Set ``tensor_sum.total`` of every slice of ``jobs`` that has a
     :class:`~lowp.optim.slices.TensorSum`, its pieces made from its terms (:func:`_pieces`, a
     job at a time) and exchanged (:func:`exchange_pieces`). ``admitted``: the backend's kernel
     took every slice of ``jobs`` in a step whose plan holds (a cached plan's: its tensors the
     same, its gradients checked), so its pieces pass takes them all without their admission
-    again; default ``False``."""
+    again; default ``False``. ``failed``: this rank's error before the exchange (:func:`exchange_pieces`)."""
     parts = [(ctx, [s for s in slices if s.tensor_sum is not None]) for ctx, slices in jobs]
     parts = [(ctx, part) for ctx, part in parts if part]
     exchange_pieces([s for _, part in parts for s in part],
-                    lambda: [runs for ctx, part in parts for runs in _pieces(optimizer, ctx, part, admitted)])
+                    lambda: [runs for ctx, part in parts for runs in _pieces(optimizer, ctx, part, admitted)], failed)
 
 
-def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Runs]]) -> None:
+def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Runs]],
+                    failed: Exception | None = None) -> None:
     """Set ``tensor_sum.total`` of every one of ``slices`` (each with a
     :class:`~lowp.optim.slices.TensorSum`) from its pieces, ``make()`` (one per slice, in their
     order): one exchange of the pieces of all of them per mesh (over the process groups of the
@@ -155,10 +156,11 @@ def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Ru
     parameters (the collectives); a rank with no such slice makes no call, and neither does any
     other rank of its meshes (they step the same parameters).
 
-    When this rank cannot make its pieces (``make`` raises: an error, out of memory), it still
-    takes part in every exchange, sending a failure instead of its message, then raises its error:
-    the ranks it exchanges with raise :class:`ExchangeError` rather than wait for it. Nothing is
-    written either way."""
+    When this rank cannot make its pieces (``make`` raises: an error, out of memory), or failed
+    before the exchange (``failed``: preparing its step's jobs), it still takes part in every
+    exchange, sending a failure instead of its message, then raises its error: the ranks it
+    exchanges with raise :class:`ExchangeError` rather than wait for it. Nothing is written
+    either way."""
     if any(s.tensor_sum is None for s in slices):   # before any collective: the same on every rank
         raise ValueError("slices: expected shards that each have a TensorSum (an exchanged whole-tensor sum)")
     by_mesh: dict[Groups, list[int]] = {}
@@ -170,6 +172,8 @@ def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Ru
     made: Sequence[Runs] = ()
     failure: Exception | None = None
     try:
+        if failed is not None:
+            raise failed
         made = make()
         if len(made) != len(slices):
             raise RuntimeError(f"sharded sums: the pieces of {len(made)} shards, expected {len(slices)}")
@@ -195,8 +199,8 @@ def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Ru
     if failure is not None:
         raise failure
     if failed_elsewhere:
-        raise ExchangeError("sharded sums: another rank could not make its pieces of a per-tensor sum (its own "
-                            "error says why); no rank wrote anything of this step")
+        raise ExchangeError("sharded sums: another rank failed before its part of the exchange of per-tensor sums "
+                            "(its own error says why); no rank wrote anything of this step")
 
 
 def _message(made: list[tuple[ParamSlice, Runs]]) -> torch.Tensor:
@@ -258,7 +262,7 @@ def _set_totals(slices: list[ParamSlice], everyone: torch.Tensor) -> None:
 
 
 class ExchangeError(PeerFailed):
-    """Another rank could not make its pieces of a per-tensor sum: the step wrote nothing.
+    """Another rank failed before its part of the exchange of per-tensor sums: the step wrote nothing.
 
     Args:
         message: what failed, and that nothing was written.

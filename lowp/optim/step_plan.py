@@ -413,10 +413,11 @@ class StepPlan:
         optimizer = self.optimizer
         backend = optimizer.backend if update_weights else get_backend("foreach", optimizer.backend.chunk_size)
         groups = {id(g): (i, g) for i, g in enumerate(optimizer.param_groups)}
-        # every job prepared (admitted, its kernels built, loaded and checked) before the first
-        # writes; the jobs of gathered copies run first: an error in one of them (out of memory on
-        # the full copies) comes before any write of the optimizer's own tensors
-        prepared = []
+        # every job prepared (admitted, its kernels built, loaded and checked, its launches staged)
+        # before the first writes, a failure told to the other ranks of the sums' exchange; the
+        # jobs of gathered copies run first: an error in one of them (out of memory on the full
+        # copies) comes before any write of the optimizer's own tensors
+        jobs = []
         sharded: list[tuple[StepContext, list[ParamSlice]]] = []
         for key, slices in sorted(self.jobs.items(), key=lambda job: bool(self.counters.get(job[0]))):
             gid, mode_name, step, _, _, _, _, coded = key
@@ -424,11 +425,19 @@ class StepPlan:
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
                               optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
                               coded=coded)
-            prepared.append((key, index, sum(s.numel for s in slices), backend.prepare(optimizer, ctx, slices)))
+            jobs.append((key, index, ctx, slices))
             if update_weights and any(s.tensor_sum is not None for s in slices):
                 sharded.append((ctx, slices))
+        prepared = []
+        failure = None
+        try:
+            for key, index, ctx, slices in jobs:
+                prepared.append((key, index, sum(s.numel for s in slices), backend.prepare(optimizer, ctx, slices)))
+        except Exception as exc:   # told to the ranks of the sums' exchange, which then raises it
+            failure = exc
+        del jobs
         # the shards' sums, read only (a states-only step discards the update that reads them)
-        sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), sharded)
+        sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), sharded, failed=failure)
         del sharded   # no context outlives its job's call (its scratch buffers)
         if new_step and update_weights:
             optimizer._last_stalled = {}

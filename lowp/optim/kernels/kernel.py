@@ -226,7 +226,7 @@ class Kernel(ABC):
         """Run a job's staged launches (:meth:`prepare`): the stalled count when ``count``."""
         counts = [run() for run in staged]
         self.fused_elements += numel
-        return stalled.total(counts) if count else None
+        return (stalled.total(counts) if counts else 0) if count else None
 
     def load(self, spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> None:
         """Build and load now what a later :meth:`run` at ``ctx`` (plain states) over slices of

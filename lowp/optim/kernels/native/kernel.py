@@ -334,7 +334,7 @@ class Launch:
         self.finite = (ctypes.c_uint8 * n)()
         self.numbers = (ctypes.c_double * (1 + len(variant.numbers)))()
         self.tensor_numbers = (ctypes.c_double * max(1, n * len(variant.program.tensor_numbers)))()
-        self.sums = (ctypes.c_double * n)()   # a per-tensor reduction's sums (lowp_sums), made at each call
+        self.sums = (ctypes.c_double * n)()   # a per-tensor reduction's sums (lowp_sums), written by each call
 
     def stage(self, grads: list[torch.Tensor], numbers: dict[str, float], factor: float, seed: int, step: int,
               check: int = 0) -> Callable[[], int]:
