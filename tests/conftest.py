@@ -79,9 +79,18 @@ def _start_warmer(session: pytest.Session) -> subprocess.Popen | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The warmer's session runs at ``nice`` 10: it takes the cores the session leaves idle."""
-    if os.environ.get(_WARMING):
-        os.nice(10)
+    """The warmer's session runs at ``nice`` 10 (it takes the cores the session leaves idle) and,
+    on Linux, ends with its process group when the session's process dies, however it dies
+    (``PR_SET_PDEATHSIG``, prctl(2)): a CI job killed on a timeout leaves no warmer behind."""
+    if not os.environ.get(_WARMING):
+        return
+    os.nice(10)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        if os.getppid() == 1:   # the session died before the call
+            os.killpg(0, signal.SIGKILL)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -103,9 +112,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         proc.kill()
         proc.communicate()
     warmer = session.config.stash.get(_WARMER, None)
-    if warmer is not None and warmer.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(warmer.pid, signal.SIGKILL)
+    if warmer is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(warmer.pid, signal.SIGKILL)   # its children too, even when it has ended
         warmer.communicate()
 
 

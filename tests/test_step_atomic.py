@@ -531,3 +531,45 @@ def test_an_operation_failing_anywhere_in_a_native_step_changes_nothing(case, pl
         assert counted.seen == 0   # the plan's step is its kernel calls alone: nothing to fail
     else:
         assert raised >= counted.seen // 2 > 0, (raised, counted.seen)
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernel")
+@pytest.mark.parametrize("plan", ["full", "cached"])
+def test_a_failed_staging_frees_what_was_staged_at_once(plan, monkeypatch):
+    """The second launch's staging fails (out of memory): the error is raised (after the sums'
+    exchange has been told, here without one) and nothing keeps the first launch's staged
+    gradient copy alive once the error is dropped, without the garbage collector (no reference
+    cycle through the error's traceback): a retry after freeing memory has it back."""
+    import gc
+    import weakref
+
+    from lowp.optim.kernels.native import kernel as native_kernel
+    opt, params = _setup("native", "bf16")
+    if plan == "cached":
+        opt.step()   # keeps its plan, which takes contiguous gradients only: the copy is made here
+        for p in params:
+            p.grad = p.grad.clone()
+    copies: list = []
+    real_copy, real_stage = native_kernel.kernel_grad, native_kernel.Launch.stage
+
+    def copying(g):
+        copy = g.clone()   # as a strided gradient's copy
+        copies.append(weakref.ref(copy))
+        return copy
+
+    def stage(self, *args, **kwargs):
+        if copies:
+            raise torch.OutOfMemoryError("injected into the second launch's staging")
+        return real_stage(self, *args, **kwargs)
+    monkeypatch.setattr(native_kernel, "kernel_grad", copying)
+    monkeypatch.setattr(native_kernel.Launch, "stage", stage)
+    before = snapshot(opt, params)
+    gc.disable()
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            opt.step()
+        del caught
+        assert copies and all(ref() is None for ref in copies), "a staged copy outlived the failed step"
+    finally:
+        gc.enable()
+    assert same_snapshot(snapshot(opt, params), before)

@@ -546,7 +546,10 @@ class CachedStep:
         summed = [job for job in self.jobs if job.sums]
         if not summed:
             if failed is not None:
-                raise failed
+                try:
+                    raise failed
+                finally:   # the traceback holds this frame: no reference cycle through it
+                    failed = None
             return
         for job in summed:
             for _, s in job.sums:
@@ -554,7 +557,10 @@ class CachedStep:
         if any(job.pieces is None for job in summed):   # a kernel without a pass: the pieces from torch
             jobs = [(StepContext(job.group, MODES[job.mode], job.step + 1, inv_scale, optimizer.seed, self.count,
                                  coded=job.coded), [replace(s, grad=grads[i]) for i, s in job.sums]) for job in summed]
-            sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), jobs, admitted=True, failed=failed)
+            try:
+                sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), jobs, admitted=True, failed=failed)
+            finally:
+                failed = None
             return
         slices = {i: s for job in summed for i, s in job.sums}
         calls = [(job, call, members) for job in summed for call, members in cast(list, job.pieces)]
@@ -570,7 +576,10 @@ class CachedStep:
                                   gradient_factor(job.group, inv_scale))
             return made + [Runs.empty()] * len(empty)
         order = [i for _, _, members in calls for i in members] + empty
-        sharded_sums.exchange_pieces([slices[i] for i in order], make, failed)
+        try:
+            sharded_sums.exchange_pieces([slices[i] for i in order], make, failed)
+        finally:
+            failed = None
 
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
@@ -603,18 +612,23 @@ class CachedStep:
         # every launch staged (all it allocates) before the first write: a failure there changes nothing
         staged: list[list[tuple[Callable[[], Stalled], KernelLaunch, list[int]]]] = []
         failure = None
-        try:
-            for job in self.jobs:
-                step = job.step + 1
-                if (id(job.group), step) not in made:
-                    made[id(job.group), step] = self.spec.numbers(job.group, step)
-                factor = gradient_factor(job.group, inv_scale)
-                staged.append([(launch.stage([grads[i] for i in members], made[id(job.group), step], factor, seed,
-                                             step, check), launch, members) for launch, members in job.launches])
-        except Exception as exc:   # told to the ranks of the sums' exchange, which then raises it
-            failure = exc
-        with deferred_interrupts():   # from the exchange on, as a full step: every rank that exchanged writes
-            self.exchange_sums(optimizer, grads, inv_scale, failure)
+        # from the staging on, as a full step: Ctrl-C waits, and every rank that exchanged writes
+        with deferred_interrupts():
+            try:
+                for job in self.jobs:
+                    step = job.step + 1
+                    if (id(job.group), step) not in made:
+                        made[id(job.group), step] = self.spec.numbers(job.group, step)
+                    factor = gradient_factor(job.group, inv_scale)
+                    staged.append([(launch.stage([grads[i] for i in members], made[id(job.group), step], factor,
+                                                 seed, step, check), launch, members)
+                                   for launch, members in job.launches])
+            except Exception as exc:   # told to the ranks of the sums' exchange, which then raises it
+                failure = exc
+            try:
+                self.exchange_sums(optimizer, grads, inv_scale, failure)
+            finally:
+                failure = None   # the raised error's traceback holds this frame: no cycle keeps the staging alive
             if rest is not None:
                 before = {k: list(v) for k, v in optimizer._last_stalled.items()}
                 try:

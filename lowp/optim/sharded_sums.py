@@ -141,8 +141,12 @@ def exchange(optimizer: SumsOptimizer, jobs: Sequence[tuple[StepContext, list[Pa
     again; default ``False``. ``failed``: this rank's error before the exchange (:func:`exchange_pieces`)."""
     parts = [(ctx, [s for s in slices if s.tensor_sum is not None]) for ctx, slices in jobs]
     parts = [(ctx, part) for ctx, part in parts if part]
-    exchange_pieces([s for _, part in parts for s in part],
-                    lambda: [runs for ctx, part in parts for runs in _pieces(optimizer, ctx, part, admitted)], failed)
+    try:
+        exchange_pieces([s for _, part in parts for s in part],
+                        lambda: [runs for ctx, part in parts for runs in _pieces(optimizer, ctx, part, admitted)],
+                        failed)
+    finally:
+        failed = None   # no reference cycle through the raised error's traceback
 
 
 def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Runs]],
@@ -197,7 +201,10 @@ def exchange_pieces(slices: Sequence[ParamSlice], make: Callable[[], Sequence[Ru
             except Exception as exc:   # told to the ranks of the later meshes as a failure
                 failure = exc
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:   # the traceback holds this frame: no reference cycle keeps the caller's memory alive
+            failure = failed = None
     if failed_elsewhere:
         raise ExchangeError("sharded sums: another rank failed before its part of the exchange of per-tensor sums "
                             "(its own error says why); no rank wrote anything of this step")

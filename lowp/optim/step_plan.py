@@ -437,7 +437,10 @@ class StepPlan:
             failure = exc
         del jobs
         # the shards' sums, read only (a states-only step discards the update that reads them)
-        sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), sharded, failed=failure)
+        try:
+            sharded_sums.exchange(cast(sharded_sums.SumsOptimizer, optimizer), sharded, failed=failure)
+        finally:
+            failure = None   # the raised error's traceback holds this frame: no cycle keeps the prepared jobs alive
         del sharded   # no context outlives its job's call (its scratch buffers)
         if new_step and update_weights:
             optimizer._last_stalled = {}
