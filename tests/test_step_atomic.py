@@ -550,7 +550,7 @@ def test_a_failed_staging_frees_what_was_staged_at_once(plan, monkeypatch):
         for p in params:
             p.grad = p.grad.clone()
     copies: list = []
-    real_copy, real_stage = native_kernel.kernel_grad, native_kernel.Launch.stage
+    real_stage = native_kernel.Launch.stage
 
     def copying(g):
         copy = g.clone()   # as a strided gradient's copy
