@@ -1,5 +1,6 @@
 """Generic tests generated from the registry of optimizers (lowp/optim/registry.py), as torch's
-``optim_db``: every optimizer x its example keyword sets x write-back mode x backend x dtype.
+``optim_db``: every optimizer x its example keyword sets x write-back mode x backend x dtype
+(part of the product in the slow suite: :func:`_native_product`).
 
 Every fused case asserts that its kernel really ran (the backend's per-kernel element counts,
 ``fused_helpers.assert_fused``); :func:`test_a_disabled_kernel_fails_its_cases` proves that these
@@ -63,9 +64,18 @@ def test_registry_lists_every_optimizer():
     assert {cls.__name__ for cls in FUSED} >= {"SGD", "Adam", "AdamW", "Lion", "RAdam", "Adan"}
 
 
+def _native_product() -> list:
+    """Every optimizer example x write-back mode: by default every example in ``kahan`` and every
+    mode with each optimizer's first example; the rest of the product in the slow suite (about 40
+    more kernel variants, a second each to build on a fresh machine; the native fuzz of
+    test_native_safety.py also runs each mode and each optimizer against the reference)."""
+    return [pytest.param(cls, kw, mode, id=f"{_id(cls)}-{_id(kw)}-{mode}",
+                         marks=[pytest.mark.slow] if mode != "kahan" and kw is not cls.examples[0] else [])
+            for cls, kw in NATIVE_CASES for mode in MODES]
+
+
 @pytest.mark.skipif(not native_here(), reason="the native kernel needs x86-64 with AVX2 and g++")
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("cls,kw", NATIVE_CASES, ids=_id)
+@pytest.mark.parametrize("cls,kw,mode", _native_product())
 def test_native_bit_identical(cls, kw, mode):
     """bf16 weights, default (bf16, stochastically rounded) states."""
     kw = dict(kw, steps=STEPS, shapes=SHAPES_NATIVE)
