@@ -17,6 +17,15 @@ def test_total_keeps_the_counts_without_arithmetic():
     assert isinstance(kept, tuple) and kept[0] == 3 and kept[1] is t
 
 
+def test_added_sums_each_devices_tensors_into_one_and_the_ints_into_one():
+    chunks = [torch.tensor(3), torch.tensor([1, 2], dtype=torch.int32), None, (torch.tensor(4), 5)]
+    kept = stalled.added(chunks)
+    assert isinstance(kept, tuple) and kept[0] == 5 and torch.equal(kept[1], torch.tensor(10))
+    assert kept[1].dtype == torch.int64
+    assert stalled.added([7, 8]) == 15 and stalled.added([None]) is None
+    assert stalled.value(stalled.added(chunks)) == stalled.value(tuple(chunks[:2] + chunks[3:])) == 15
+
+
 def test_value_adds_every_part_exactly():
     per_block = torch.tensor([1, 2, 3], dtype=torch.int32)      # Triton's per-block counts
     reference = torch.tensor(10, dtype=torch.int64)             # the reference pipeline's

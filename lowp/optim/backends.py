@@ -35,7 +35,7 @@ from lowp.optim.kernels.kernel import fusable_dtypes, partition
 from lowp.optim.coded import load_codec, run_coded
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
-from lowp.optim.stalled import Stalled, total
+from lowp.optim.stalled import Stalled, added, total
 
 
 __all__ = ["Backend", "EagerBackend", "ForeachBackend", "FusedBackend", "register_backend", "get_backend",
@@ -187,7 +187,7 @@ class EagerBackend(Backend):
 
     def run(self, optimizer, ctx, slices):
         """Each chunk through the reference pipeline on its own."""
-        return total([optimizer.apply_batch(ctx, [piece]) for piece in self.pieces(optimizer, slices)])
+        return added([optimizer.apply_batch(ctx, [piece]) for piece in self.pieces(optimizer, slices)])
 
 
 class ForeachBackend(Backend):
@@ -204,7 +204,7 @@ class ForeachBackend(Backend):
 
     def run(self, optimizer, ctx, slices):
         """Each batch through the reference pipeline."""
-        return total([optimizer.apply_batch(ctx, batch) for batch in self.batches(optimizer, slices)])
+        return added([optimizer.apply_batch(ctx, batch) for batch in self.batches(optimizer, slices)])
 
     def batches(self, optimizer, slices) -> Iterator[list[ParamSlice]]:
         """The chunks packed into batches of at most ``chunk_size`` elements (a larger chunk alone)."""

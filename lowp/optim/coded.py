@@ -36,7 +36,7 @@ from lowp.optim.kernels.native import codec as native_codec
 from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
-from lowp.optim.stalled import Stalled, total
+from lowp.optim.stalled import Stalled, added
 
 __all__ = ["run_coded", "load_codec", "Stepper"]
 
@@ -203,4 +203,4 @@ def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[P
     flush()
     if not ctx.count:
         return None
-    return total(counts) if counts else 0
+    return added(counts) if counts else 0

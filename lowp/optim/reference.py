@@ -20,7 +20,7 @@ import torch
 from lowp.optim.randomness import Stream
 from lowp.optim.scratch import Scratch
 from lowp.optim.slices import ParamSlice, StepContext
-from lowp.optim.stalled import Stalled, total
+from lowp.optim.stalled import Stalled, added
 from lowp.optim.storage import store, working_copy
 from lowp.optim.writeback import LOW_PRECISION
 
@@ -102,4 +102,4 @@ def apply_batch(optimizer: LowpOptimizer, ctx: StepContext, batch: list[ParamSli
         stalled = mode.apply(s.param, weights[i], updates[i], s.buffer, streams, ctx.count, scratch)
         if stalled is not None:
             counts.append(stalled)
-    return total(counts) if ctx.count else None
+    return added(counts) if ctx.count else None

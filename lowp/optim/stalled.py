@@ -16,7 +16,7 @@ from typing import Iterable, Union
 
 import torch
 
-__all__ = ["Stalled", "total", "value"]
+__all__ = ["Stalled", "total", "added", "value"]
 
 #: a stalled count: an ``int``, a tensor of counts, a tuple of parts, or ``None`` (not counted)
 Stalled = Union[int, torch.Tensor, tuple["Stalled", ...], None]
@@ -27,6 +27,25 @@ def total(counts: Iterable[Stalled]) -> Stalled:
     count or the tuple of them."""
     present = tuple(c for c in counts if c is not None)
     return None if not present else present[0] if len(present) == 1 else present
+
+
+def added(counts: Iterable[Stalled]) -> Stalled:
+    """``counts`` added now, for the paths that allocate anyway (the reference pipeline, whose
+    chunks would otherwise keep a tensor each until the next step): the tensors of one device
+    into one int64 tensor, the ints into one int; ``None`` when none was counted."""
+    flat: list[Stalled] = list(counts)
+    ints: list[int] = []
+    tensors: dict[torch.device, list[torch.Tensor]] = {}
+    while flat:
+        part = flat.pop()
+        if isinstance(part, tuple):
+            flat.extend(part)
+        elif isinstance(part, torch.Tensor):
+            tensors.setdefault(part.device, []).append(part.reshape(-1).to(torch.int64))
+        elif part is not None:
+            ints.append(part)
+    sums: list[Stalled] = [torch.cat(parts).sum() for parts in tensors.values()]
+    return total(([sum(ints)] if ints else []) + sums)
 
 
 def value(count: Stalled) -> float:
