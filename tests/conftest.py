@@ -1,12 +1,9 @@
 """Shared fixtures: every test starts as a fresh process would; ``one_thread`` runs a test with one
 torch thread; ``mypy_run`` is the type check of ``lowp``, started in the background as soon as
-the session's tests are collected, beside a warmer of the native kernels' build cache (the tests
-of :data:`WARM_FIRST` run first in a background process)."""
+the session's tests are collected."""
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,76 +43,19 @@ def _start_mypy() -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-#: The tests that compile the most native kernel variants (about a second each; a fresh machine
-#: has none in its build cache, :mod:`lowp.build_cache`): 160 of the default suite's 290 builds.
-#: A session that runs them runs them first in a background process (:func:`_start_warmer`), at
-#: a lower priority, on the core the session leaves idle, so that when its turn comes each finds
-#: its variants built (the cache takes concurrent builds of one variant: one builds, the other
-#: waits and loads it).
-WARM_FIRST = ("tests/test_fused_native.py::", "tests/test_native_safety.py::test_fuzz_native",
-              "tests/test_registry.py::test_native_")
-_WARMER = pytest.StashKey["subprocess.Popen | None"]()
-#: set in the warmer's environment: its own session starts no type check and no warmer
-_WARMING = "LOWP_TESTS_WARMING"
-
-
-#: the fewest of the session's tests of :data:`WARM_FIRST` worth a warmer (a few selected tests
-#: would only run twice at once)
-_WARM_MIN_TESTS = 20
-
-
-def _start_warmer(session: pytest.Session) -> subprocess.Popen | None:
-    """``python -m pytest`` of the session's tests of :data:`WARM_FIRST` in a process group of
-    its own (its children end with it), output discarded (the session runs and reports them
-    itself), without the session's ``PYTEST_ADDOPTS`` (a shared ``--basetemp`` or report file);
-    ``None`` for fewer than :data:`_WARM_MIN_TESTS` of them or a session that only collects."""
-    ids = [item.nodeid for item in session.items if item.nodeid.startswith(WARM_FIRST)]
-    if len(ids) < _WARM_MIN_TESTS or session.config.option.collectonly:
-        return None
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                             "--timeout=600", *ids], cwd=ROOT, env={**env, _WARMING: "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """The warmer's session runs at ``nice`` 10 (it takes the cores the session leaves idle) and,
-    on Linux, ends with its process group when the session's process dies, however it dies
-    (``PR_SET_PDEATHSIG``, prctl(2)): a CI job killed on a timeout leaves no warmer behind."""
-    if not os.environ.get(_WARMING):
-        return
-    os.nice(10)
-    if sys.platform.startswith("linux"):
-        import ctypes
-        signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-        if os.getppid() == 1:   # the session died before the call
-            os.killpg(0, signal.SIGKILL)
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the type check when the session will run it (mypy over torch's stubs takes about a
-    minute without a cache, a fresh clone, single-threaded, and most tests leave a core idle),
-    and the warmer of the kernel cache (:data:`WARM_FIRST`), unless this session is the warmer."""
-    if os.environ.get(_WARMING):
-        return
+    """Start the type check when the session will run it: mypy over torch's stubs takes about a
+    minute without a cache (a fresh clone), single-threaded, and most tests leave a core idle."""
     if any(item.nodeid.endswith(_MYPY_TEST) for item in session.items):
         session.config.stash[_MYPY] = _start_mypy()
-    session.config.stash[_WARMER] = _start_warmer(session)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A type check the session did not wait for (stopped early, ``-x``) is ended with it, and
-    so is a warmer still running, with every process it started."""
+    """A type check the session did not wait for (stopped early, ``-x``) is ended with it."""
     proc = session.config.stash.get(_MYPY, None)
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.communicate()
-    warmer = session.config.stash.get(_WARMER, None)
-    if warmer is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(warmer.pid, signal.SIGKILL)   # its children too, even when it has ended
-        warmer.communicate()
 
 
 @pytest.fixture
