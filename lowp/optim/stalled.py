@@ -4,7 +4,8 @@ update was lost to rounding, or was zero), as ``diagnostics()`` reports them.
 A count is kept as its producer made it, with no arithmetic once the step has written: a host
 ``int`` (the native kernel), a tensor (the reference pipeline; Triton's per-block counts, on the
 device), a tuple of such parts (a job whose slices took several paths), or ``None`` (not
-counted). :func:`value` adds the parts when the diagnostics read them. After a job's first write
+counted). :func:`value` adds the parts when the diagnostics read them; :func:`added` adds
+them at once, for the reference pipeline. After a job's first write
 nothing may allocate until its parameters' counters have advanced: an allocation failing there
 (out of memory on a GPU) would leave a parameter with new weights and states but its old step
 count.
@@ -29,10 +30,8 @@ def total(counts: Iterable[Stalled]) -> Stalled:
     return None if not present else present[0] if len(present) == 1 else present
 
 
-def added(counts: Iterable[Stalled]) -> Stalled:
-    """``counts`` added now, for the paths that allocate anyway (the reference pipeline, whose
-    chunks would otherwise keep a tensor each until the next step): the tensors of one device
-    into one int64 tensor, the ints into one int; ``None`` when none was counted."""
+def _parts(counts: Iterable[Stalled]) -> tuple[list[int], dict[torch.device, list[torch.Tensor]]]:
+    """The ints and, per device, the flattened int64 tensors of ``counts`` (tuples opened)."""
     flat: list[Stalled] = list(counts)
     ints: list[int] = []
     tensors: dict[torch.device, list[torch.Tensor]] = {}
@@ -44,24 +43,22 @@ def added(counts: Iterable[Stalled]) -> Stalled:
             tensors.setdefault(part.device, []).append(part.reshape(-1).to(torch.int64))
         elif part is not None:
             ints.append(part)
+    return ints, tensors
+
+
+def added(counts: Iterable[Stalled]) -> Stalled:
+    """``counts`` added now, for the paths that allocate anyway (the reference pipeline, whose
+    chunks would otherwise keep a tensor each until the next step): the tensors of one device
+    into one int64 tensor, the ints into one int; ``None`` when none was counted."""
+    ints, tensors = _parts(counts)
     sums: list[Stalled] = [torch.cat(parts).sum() for parts in tensors.values()]
     return total(([sum(ints)] if ints else []) + sums)
 
 
 def value(count: Stalled) -> float:
     """The number of elements ``count`` stands for: the sum of all its parts' elements (one
-    float64 sum per device for the tensors); NaN for ``None``."""
+    int64 sum per device for the tensors); NaN for ``None``."""
     if count is None:
         return math.nan
-    ints: list[int] = []
-    tensors: dict[torch.device, list[torch.Tensor]] = {}
-    todo: list[Stalled] = [count]
-    while todo:
-        part = todo.pop()
-        if isinstance(part, tuple):
-            todo.extend(part)
-        elif isinstance(part, torch.Tensor):
-            tensors.setdefault(part.device, []).append(part.reshape(-1).double())
-        elif part is not None:
-            ints.append(part)
+    ints, tensors = _parts([count])
     return float(sum(ints)) + sum(float(torch.cat(parts).sum()) for parts in tensors.values())
