@@ -13,6 +13,7 @@ block-scaled state is stepped like a contiguous one.
 """
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -42,17 +43,18 @@ class Injected(RuntimeError):
     """The fault the tests raise."""
 
 
-def _setup(backend: str, states: str, mode: str = "kahan", optimizer: type = lo.AdamW):
+def _setup(backend: str, states: str, mode: str = "kahan", optimizer: type = lo.AdamW, chunk_size: int | None = None,
+           device: str = "cpu"):
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter((torch.randn(*shape, generator=gen) * 0.1).bfloat16())
+    params = [torch.nn.Parameter((torch.randn(*shape, generator=gen) * 0.1).bfloat16().to(device))
               for shape in ((8, 64), (64,), (3, 64), (5,))]
     opt = optimizer([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}], lr=1e-2,
-                   weight_decay=0.1, mode=mode, backend=backend, seed=5, **STATES[states])
+                   weight_decay=0.1, mode=mode, backend=backend, seed=5, chunk_size=chunk_size, **STATES[states])
 
     def grads(step: int) -> None:
         g = torch.Generator().manual_seed(100 + step)
         for p in params:
-            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            p.grad = torch.randn(p.shape, generator=g).bfloat16().to(device)
     for step in range(2):
         grads(step)
         opt.step()
@@ -342,19 +344,10 @@ def test_a_real_ctrl_c_from_outside_never_leaves_half_a_step():
         assert child.returncode == 0, out
 
 
-@pytest.mark.skipif("native" not in BACKENDS, reason="the cached plan runs the native kernel")
-@pytest.mark.parametrize("where", ["stage", "call"])
-def test_a_fault_in_a_cached_step_leaves_whole_parameters(where, monkeypatch):
-    """A cached step whose second launch fails: when staged (``stage``: before any launch runs)
-    nothing changes; when it runs (``call``, after the first job wrote) the first job's
-    parameters are stepped whole (weights, states, step counts), the second's untouched, as in a
-    full step."""
+def _fail_the_second_launch(monkeypatch, where: str) -> list[int]:
+    """The native kernel's second launch staged in a step fails: when staged (``where="stage"``)
+    or when it runs (``"call"``). Returns the count of launches staged (one item)."""
     from lowp.optim.kernels.native.kernel import Launch
-    opt, params = _setup("native", "bf16")
-    opt.step()                    # a full step, which keeps its plan
-    grads = [p.grad.clone() for p in params]
-    before = snapshot(opt, params)
-    assert len(opt._plans.current.jobs) == 2   # the two groups
     stage, staged = Launch.stage, [0]
 
     def failing_stage(self, *args, **kwargs):
@@ -368,6 +361,22 @@ def test_a_fault_in_a_cached_step_leaves_whole_parameters(where, monkeypatch):
             return failing_run
         return run
     monkeypatch.setattr(Launch, "stage", failing_stage)
+    return staged
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the cached plan runs the native kernel")
+@pytest.mark.parametrize("where", ["stage", "call"])
+def test_a_fault_in_a_cached_step_leaves_whole_parameters(where, monkeypatch):
+    """A cached step whose second launch fails: when staged (``stage``: before any launch runs)
+    nothing changes; when it runs (``call``, after the first job wrote) the first job's
+    parameters are stepped whole (weights, states, step counts), the second's untouched, as in a
+    full step."""
+    opt, params = _setup("native", "bf16")
+    opt.step()                    # a full step, which keeps its plan
+    grads = [p.grad.clone() for p in params]
+    before = snapshot(opt, params)
+    assert len(opt._plans.current.jobs) == 2   # the two groups
+    staged = _fail_the_second_launch(monkeypatch, where)
     for p, g in zip(params, grads):
         p.grad = g.clone()
     with pytest.raises(Injected, match=where):
@@ -573,3 +582,174 @@ def test_a_failed_staging_frees_what_was_staged_at_once(plan, monkeypatch):
     finally:
         gc.enable()
     assert same_snapshot(snapshot(opt, params), before)
+
+
+def _reference_faults(backend: str, states: str, device: str = "cpu") -> set[tuple[bool, ...]]:
+    """A fault (out of memory) injected at each torch operation of a reference step in turn
+    (chunks of 128 elements): each parameter is checked to be left exactly as before or exactly
+    as a step that never failed leaves it, and the error to say how many were stepped; returns
+    the (stepped per parameter) outcomes seen."""
+    base, base_params = _setup(backend, states, chunk_size=128, device=device)
+
+    def fresh():
+        opt, params = copy.deepcopy((base, base_params))
+        for p, q in zip(params, base_params):
+            p.grad = q.grad.clone()
+        return opt, params
+
+    opt, params = fresh()
+    before = snapshot(opt, params)
+    counted = _FailAt()
+    with counted:
+        opt.step()
+    after = snapshot(opt, params)
+    outcomes = set()
+    for k in range(1, counted.seen + 1):
+        opt, params = fresh()
+        try:
+            with _FailAt(k):
+                opt.step()
+        except torch.OutOfMemoryError as exc:
+            now = snapshot(opt, params)
+            assert now["groups"] == before["groups"] and now["extras"] == before["extras"]
+            stepped = []
+            for i in range(len(params)):
+                parts = (now["weights"][i], now["state"][i])
+                stepped.append(same_snapshot(parts, (after["weights"][i], after["state"][i])))
+                assert stepped[-1] or same_snapshot(parts, (before["weights"][i], before["state"][i])), \
+                    f"parameter {i} left half-stepped by a fault at operation {k} of {counted.seen}"
+            outcomes.add(tuple(stepped))
+            notes = getattr(exc, "__notes__", [])   # the error says how many were stepped
+            assert notes == ([f"lowp: the step failed while writing: {sum(stepped)} of 4 parameters were stepped "
+                              "whole (weights, states and step count), the others are as they were"]
+                             if any(stepped) and sys.version_info >= (3, 11) else []), (k, notes)
+        else:
+            assert same_snapshot(snapshot(opt, params), after), k
+    # the parameters stepped are those written before the fault, in order: none (a fault before
+    # the writes), the first (in the first job, after its first parameter), the first job's, ...
+    assert all(o == tuple(i < sum(o) for i in range(4)) for o in outcomes), outcomes
+    assert {(False,) * 4, (True, False, False, False), (True, True, False, False)} <= outcomes, outcomes
+    return outcomes
+
+
+@pytest.mark.parametrize("states", list(STATES))
+@pytest.mark.parametrize("backend", ["foreach", pytest.param("eager", marks=pytest.mark.slow)])
+def test_an_operation_failing_anywhere_in_a_reference_step_leaves_whole_parameters(backend, states):
+    """An out-of-memory error injected at each torch operation of a step on the reference pipeline
+    in turn (chunks of 128 elements: the (8, 64) weight is cut over several batches, and with
+    block-scaled states over two pieces of whole blocks): the reference pipeline allocates as it
+    writes, but each batch's writes are copied first and put back on a failure, and a parameter
+    cut over several batches is held until its last one is written (:mod:`lowp.optim.journal`),
+    so every parameter is left either exactly as before (weight, states, counter) or exactly as a
+    step that never failed leaves it, the parameters of a job in order. Before, a fault inside a
+    job left its parameters partly written with their counters behind."""
+    _reference_faults(backend, states)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("room", ["device", "host"])
+def test_a_reference_step_on_the_gpu_keeps_whole_parameters(room, monkeypatch):
+    """The same on CUDA tensors (``foreach``, int8 / uint8 states); with ``room="host"`` every flat
+    copy the journal makes on the device fails (out of memory), so its copies go to the host, and
+    are put back from there."""
+    from lowp.optim import journal
+
+    if room == "host":
+        cat, inside = torch.cat, [False]
+
+        def full_device_cat(tensors, *args, **kwargs):
+            if inside[0] and tensors and tensors[0].is_cuda:
+                raise torch.OutOfMemoryError("injected: no room on the device for the journal's copies")
+            return cat(tensors, *args, **kwargs)
+
+        save = journal.Journal.save
+
+        def saving(self, writes):
+            inside[0] = True
+            try:
+                save(self, writes)
+            finally:
+                inside[0] = False
+        monkeypatch.setattr(torch, "cat", full_device_cat)
+        monkeypatch.setattr(journal.Journal, "save", saving)
+    _reference_faults("foreach", "int8", device="cuda")
+
+
+def test_a_compiled_call_that_fails_leaves_whole_parameters(monkeypatch):
+    """The ``compiled`` kernel steps chunk by chunk, and a call can fail after the calls before it
+    wrote (its first call compiles; its outputs allocate): its chunks' writes are copied first and
+    put back (:mod:`lowp.optim.journal`). Here the compiled function is replaced by one that
+    writes every tensor of its chunk and fails on the fourth call, the last chunk of the (8, 64)
+    weight cut into chunks of 128: that weight, its states and buffer (chunks 1-3 written) are put
+    back whole; nothing else changed."""
+    from lowp.optim.kernels.compiled import kernel as compiled
+
+    opt, params = _setup("foreach", "bf16")
+    opt.backend = lo.backends.get_backend("compiled")   # no compile: the calls are replaced below
+    before = snapshot(opt, params)
+    calls = []
+
+    def function(*args, **kwargs):
+        def call(p, g, buf, states, h, keys):
+            calls.append(p.numel())
+            for t in (p, buf, *states):
+                t.fill_(len(calls))
+            if len(calls) == 4:
+                raise torch.OutOfMemoryError("injected in a compiled call")
+            return torch.zeros((), dtype=torch.int32)
+        return call
+
+    monkeypatch.setattr(compiled, "CHUNK", 128)
+    monkeypatch.setattr(compiled, "_function", function)
+    with pytest.raises(torch.OutOfMemoryError, match="compiled call"):
+        opt.step()
+    assert calls == [128] * 4   # the kernel took the weight, and failed in its last chunk
+    assert same_snapshot(snapshot(opt, params), before)
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="the native kernel")
+@pytest.mark.parametrize("plan", ["full", "cached"])
+def test_a_launch_failing_after_another_of_its_job_leaves_whole_parameters(plan, monkeypatch):
+    """One job of two launches (a bf16 and an fp32 gradient: two kernel variants) whose second
+    launch fails when it runs (as a Triton launch whose first-call compile fails would): the first
+    launch's parameter is stepped whole and counts the step, the second is as it was, and the
+    error says so; in a full step and in a cached plan's."""
+
+    def setup():
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter((torch.randn(64, generator=gen) * 0.1).bfloat16()) for _ in range(2)]
+        params[1].grad_dtype = torch.float32   # an fp32 gradient (mixed-precision accumulation)
+        opt = lo.AdamW(params, lr=1e-2, backend="native", seed=5)
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 + step)
+            params[0].grad = torch.randn(64, generator=g).bfloat16()
+            params[1].grad = torch.randn(64, generator=g)
+            if step < 2:
+                opt.step()
+        if plan == "full":
+            opt._plans.drop()
+        return opt, params
+
+    clean, clean_params = setup()
+    clean.step()
+    after = snapshot(clean, clean_params)
+    opt, params = setup()
+    before = snapshot(opt, params)
+    cached = opt._plans.cached_steps
+    staged = _fail_the_second_launch(monkeypatch, "call")
+    with pytest.raises(Injected) as raised:
+        opt.step()
+    assert staged[0] == 2 and opt._plans.cached_steps == cached + (plan == "cached")   # one job, two launches
+    now = snapshot(opt, params)
+    stepped = [same_snapshot((now["weights"][i], now["state"][i]), (after["weights"][i], after["state"][i]))
+               for i in range(2)]
+    untouched = [same_snapshot((now["weights"][i], now["state"][i]), (before["weights"][i], before["state"][i]))
+                 for i in range(2)]
+    assert sorted(zip(stepped, untouched)) == [(False, True), (True, False)], (stepped, untouched)
+    if sys.version_info >= (3, 11):
+        assert "1 of 2 parameters were stepped whole" in "".join(raised.value.__notes__)
+    monkeypatch.undo()
+    for p, q in zip(params, clean_params):   # the plan is dropped; the next step is a full one again
+        p.grad = q.grad.clone()
+    opt.step()

@@ -16,6 +16,9 @@ not admit. Kernels read the optimizer's spec (:mod:`lowp.optim.spec`) only.
 Temporaries are bounded by design: elementwise optimizers see parameters cut into flat chunks
 of at most ``chunk_size`` elements, so a step allocates a few fp32 copies of one chunk, never of
 the whole model, and the batches of one backend call reuse them (:mod:`lowp.optim.scratch`).
+The reference pipeline keeps each parameter whole should a batch fail part-way
+(:func:`run_batches`, :mod:`lowp.optim.journal`): a copy of what each batch writes, and of a
+parameter cut over several batches until its last one.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from lowp.optim.kernels import coded_slices
 from lowp.optim.kernels.checks import Span, overlapping
 from lowp.optim.kernels.kernel import fusable_dtypes, partition
 from lowp.optim.coded import load_codec, run_coded
+from lowp.optim.journal import Journal
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
 from lowp.optim.stalled import Stalled, added, total
@@ -40,7 +44,7 @@ from lowp.optim.stalled import Stalled, added, total
 
 __all__ = ["Backend", "EagerBackend", "ForeachBackend", "FusedBackend", "register_backend", "get_backend",
            "BACKENDS", "backend_for", "AUTO_MIN_NUMEL", "AUTO_MIN_NUMEL_NATIVE", "DEFAULT_CHUNK_SIZE",
-           "DEFAULT_CUDA_CHUNK_SIZE", "default_chunk_size"]
+           "DEFAULT_CUDA_CHUNK_SIZE", "default_chunk_size", "run_batches", "written"]
 
 #: Elements per chunk (and per ``foreach`` batch) of the reference pipeline. Each torch op costs
 #: a few microseconds of dispatch and thread wake-up besides its work: on 2 cores an AdamW step
@@ -174,6 +178,32 @@ class Backend(ABC):
             yield from (s.chunks(self.chunk_for(s.param.device)) if optimizer.elementwise else [s])
 
 
+def written(ctx: StepContext, s: ParamSlice) -> list[torch.Tensor]:
+    """The tensors a step at ``ctx`` writes for slice ``s``: its states, and unless the step is
+    states-only its weight and mode buffer."""
+    weights = [s.param, *([s.buffer] if s.buffer is not None else [])] if ctx.update_weights else []
+    return [*weights, *s.states.values()]
+
+
+def run_batches(optimizer: "LowpOptimizer", ctx: StepContext, batches: list[list[ParamSlice]]) -> Stalled:
+    """The reference pipeline (``optimizer.apply_batch``) over one job's ``batches``, each parameter
+    stepped whole or left as it was: what a batch writes is copied before it writes and put back
+    if it fails, a parameter cut over several batches is held until its last piece is written, and
+    the parameters written whole join ``ctx.stepped`` (:class:`~lowp.optim.journal.Journal`;
+    ``None``: the caller keeps them whole, the batches just run). Returns the stalled count."""
+    journal = Journal((s.param_id for batch in batches for s in batch), ctx.stepped)
+    count: Stalled = None
+    try:
+        for batch in batches:
+            journal.save([(s.param_id, written(ctx, s)) for s in batch])
+            count = added([count, optimizer.apply_batch(ctx, batch)])   # before the batch counts as written
+            journal.written(s.param_id for s in batch)
+    except BaseException:
+        journal.restore()
+        raise
+    return count
+
+
 class EagerBackend(Backend):
     """One tensor (chunk) at a time: the simplest path and the smallest temporaries.
 
@@ -186,8 +216,8 @@ class EagerBackend(Backend):
     name = "eager"
 
     def run(self, optimizer, ctx, slices):
-        """Each chunk through the reference pipeline on its own."""
-        return added([optimizer.apply_batch(ctx, [piece]) for piece in self.pieces(optimizer, slices)])
+        """Each chunk through the reference pipeline on its own (:func:`run_batches`)."""
+        return run_batches(optimizer, ctx, [[piece] for piece in self.pieces(optimizer, slices)])
 
 
 class ForeachBackend(Backend):
@@ -203,8 +233,8 @@ class ForeachBackend(Backend):
     name = "foreach"
 
     def run(self, optimizer, ctx, slices):
-        """Each batch through the reference pipeline."""
-        return added([optimizer.apply_batch(ctx, batch) for batch in self.batches(optimizer, slices)])
+        """Each batch through the reference pipeline (:func:`run_batches`)."""
+        return run_batches(optimizer, ctx, list(self.batches(optimizer, slices)))
 
     def batches(self, optimizer, slices) -> Iterator[list[ParamSlice]]:
         """The chunks packed into batches of at most ``chunk_size`` elements (a larger chunk alone)."""

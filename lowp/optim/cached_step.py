@@ -91,7 +91,8 @@ from lowp.optim.kernels.kernel import CHECKS, Kernel, KernelLaunch, PiecesLaunch
 from lowp.optim.ordered_sum import Runs
 from lowp.optim.slices import ParamSlice, StepContext, TensorSum
 from lowp.optim.spec import OptimizerSpec
-from lowp.optim.stalled import Stalled, total
+from lowp.optim.journal import note_stepped
+from lowp.optim.stalled import Stalled, of_job
 from lowp.optim.writeback import MODES
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class StepPlan(Protocol):
     """What a cached plan reads of a full step's plan (:class:`lowp.optim.step_plan.StepPlan`)."""
 
     jobs: dict[tuple, list[ParamSlice]]   # keyed by (group id, mode, step, dtype, device, names, share, coded)
-    counters: dict[tuple, list[dict[str, Any]]]
+    counters: dict[tuple, dict[int, dict[str, Any]]]   # per job: parameter id -> its state
     gathered: list[Any]
 
 class Remainder(Protocol):
@@ -146,6 +147,8 @@ class Executable(Protocol):
 __all__ = ["CachedStep", "Plans", "Remainder", "structure"]
 
 _TENSOR = torch.Tensor
+#: a plan's staged launches, per job: (the staged call, its launch, its members' positions)
+Staged = list[list[tuple[Callable[[], Stalled], KernelLaunch, list[int]]]]
 #: a kept slice's gradient between steps: none (a plan never holds a step's gradient)
 _NO_GRAD = torch.empty(0)
 _TENSOR_TYPE = {torch.Tensor}
@@ -405,7 +408,7 @@ class CachedStep:
                 return None
             first = len(stepped)
             position = {id(s): first + j for j, s in enumerate(slices)}
-            for s, state, owner, target in zip(slices, plan.counters[key], owners, made):
+            for s, state, owner, target in zip(slices, plan.counters[key].values(), owners, made):
                 names = [*s.states, *(n for n in (MODES[mode].buffer_name,) if n),
                          *(scale_name(c.name) for c in coded)]
                 if not all(_local_of(state[name]) is not None for name in names) \
@@ -581,6 +584,22 @@ class CachedStep:
         finally:
             failed = None
 
+    def _stage(self, grads: list[torch.Tensor], inv_scale: float | None, seed: int, check: int) -> Staged:
+        """Every launch of every job staged at its next step count (:meth:`KernelLaunch.stage`: all
+        a launch allocates), one list per job of (call, launch, members): a failure here comes
+        before the first write and changes nothing."""
+        staged = []
+        made: dict[tuple[int, int], dict[str, float]] = {}   # the spec's numbers per group and step
+        for job in self.jobs:
+            step = job.step + 1
+            if (id(job.group), step) not in made:
+                made[id(job.group), step] = self.spec.numbers(job.group, step)
+            factor = gradient_factor(job.group, inv_scale)
+            staged.append([(launch.stage([grads[i] for i in members], made[id(job.group), step], factor,
+                                         seed, step, check), launch, members)
+                           for launch, members in job.launches])
+        return staged
+
     def run(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
             checked: bool, new_step: bool = True, force_check: bool = False,
             rest: Executable | None = None) -> tuple[bool, bool]:
@@ -607,22 +626,12 @@ class CachedStep:
                 return False, True
             check = CHECKS["off"]
         finite = [True] * len(grads)
-        seed = optimizer.seed
-        made: dict[tuple[int, int], dict[str, float]] = {}   # the spec's numbers per group and step
-        # every launch staged (all it allocates) before the first write: a failure there changes nothing
-        staged: list[list[tuple[Callable[[], Stalled], KernelLaunch, list[int]]]] = []
+        staged: Staged = []
         failure = None
         # from the staging on, as a full step: Ctrl-C waits, and every rank that exchanged writes
         with deferred_interrupts():
             try:
-                for job in self.jobs:
-                    step = job.step + 1
-                    if (id(job.group), step) not in made:
-                        made[id(job.group), step] = self.spec.numbers(job.group, step)
-                    factor = gradient_factor(job.group, inv_scale)
-                    staged.append([(launch.stage([grads[i] for i in members], made[id(job.group), step], factor,
-                                                 seed, step, check), launch, members)
-                                   for launch, members in job.launches])
+                staged = self._stage(grads, inv_scale, optimizer.seed, check)
             except Exception as exc:   # told to the ranks of the sums' exchange, which then raises it
                 failure = exc
             try:
@@ -639,29 +648,15 @@ class CachedStep:
                 new_step = False   # the remainder's stalled counts start the step's
             stalled: dict[int, list[tuple[Stalled, int, sharding.Share]]] = \
                 {} if new_step else optimizer._last_stalled
-            for job, launches in zip(self.jobs, staged):   # each job's counters advance right after its writes
-                step = job.step + 1
-                counts = []
-                for run, launch, members in launches:
-                    counts.append(run())
-                    if check != CHECKS["off"]:
-                        for i, ok in zip(members, launch.finite):
-                            finite[i] = bool(ok)
-                if policy == "skip_step" and not all(finite):
-                    optimizer.skipped_steps += 1   # the only call wrote nothing
-                    return False, True
-                numel = job.numel   # the elements stepped: a skipped tensor's are not (as in a full step)
-                for _, members in job.launches:
-                    for i in members:
-                        if finite[i]:
-                            self.states[i]["step"] = step
-                        else:
-                            numel -= self.numels[i]
-                for i in job.empty:
-                    self.states[i]["step"] = step
-                job.step = step
-                count = (total(counts) if counts else 0) if self.count else None   # a job of empty shards: 0
-                stalled.setdefault(job.index, []).append((count, numel, job.share))
+            try:
+                self._run_staged(staged, check, policy == "skip_step", finite, stalled)
+            except BaseException as exc:
+                note_stepped(exc, sum(st["step"] != old for st, old in zip(self.states, self.steps)),
+                             len(self.states))
+                raise
+            if policy == "skip_step" and not all(finite):
+                optimizer.skipped_steps += 1   # the only call wrote nothing
+                return False, True
             everything = all(finite)
             self.steps = [st["step"] for st in self.states]
             optimizer._last_stalled = stalled
@@ -672,6 +667,34 @@ class CachedStep:
                 rest.write_back()
             self.taken += 1
         return everything, everything
+
+    def _run_staged(self, staged: Staged, check: int, skip_step: bool, finite: list[bool],
+                    stalled: dict[int, list[tuple[Stalled, int, sharding.Share]]]) -> None:
+        """Run the staged launches (:meth:`_stage`) job by job, each launch's counters advanced right
+        after its writes (a later launch may fail: its Triton kernel's first-call compile) and each
+        job's stalled count added to ``stalled``; the launches' non-finite flags into ``finite``.
+        ``skip_step``: a non-finite gradient stops it before any counter advances (the plan's
+        only call checked and wrote nothing)."""
+        for job, launches in zip(self.jobs, staged):
+            step = job.step + 1
+            counts = []
+            numel = job.numel   # the elements stepped: a skipped tensor's are not (as in a full step)
+            for run, launch, members in launches:
+                counts.append(run())
+                if check != CHECKS["off"]:
+                    for i, ok in zip(members, launch.finite):
+                        finite[i] = bool(ok)
+                if skip_step and not all(finite):
+                    return
+                for i in members:   # a launch's parameters count the step as soon as it wrote them
+                    if finite[i]:
+                        self.states[i]["step"] = step
+                    else:
+                        numel -= self.numels[i]
+            for i in job.empty:
+                self.states[i]["step"] = step
+            job.step = step
+            stalled.setdefault(job.index, []).append((of_job(counts, self.count), numel, job.share))
 
 
 class Plans:

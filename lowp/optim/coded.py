@@ -11,7 +11,9 @@ state). A piece holds at most ``chunk`` elements (the backend's ``chunk_size`` r
 whole blocks of the largest size, at least one such block; a non-contiguous parameter is one
 piece), and a batch is run as soon as it holds ``chunk`` elements or more (so less than twice
 that), so the decoded fp32 copies of one batch are the only extra memory, as for the backend's
-own fp32 working copies.
+own fp32 working copies, besides the copies that keep each parameter whole should a batch fail
+part-way (its weights, buffers, codes and scales; :mod:`lowp.optim.journal`): a parameter
+counts the step once its last piece is encoded.
 
 The pieces of a parameter do not change the result (every block is encoded from its own values
 with the random bits of its own elements), so the step is the same on every backend, for any
@@ -32,6 +34,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from lowp.optim.codes import BLOCK_SIZES, SCALE_DTYPES, decode, encode
+from lowp.optim.journal import Journal
 from lowp.optim.kernels.native import codec as native_codec
 from lowp.optim.kernels.checks import kernel_memory
 from lowp.optim.randomness import Stream
@@ -78,6 +81,18 @@ class _Piece:
             t = t[self.start // 2:(self.end + 1) // 2] if c.code.bits == 4 else t[self.start:self.end]
         blocks = self.scales[c.name][self.start // block:(self.end + block - 1) // block]
         return t, blocks
+
+
+def _written(ctx: StepContext, piece: _Piece, coded: list[CodedState], block: int) -> list[torch.Tensor]:
+    """What the step writes of ``piece``: its weight and buffer (unless the step is states-only),
+    the codes and block scales of its coded states, its part of the plain ones."""
+    s = piece.source
+    out = [piece.part(s.param), *([piece.part(s.buffer)] if s.buffer is not None else [])] \
+        if ctx.update_weights else []
+    by_name = {c.name: c for c in coded}
+    for name, t in s.states.items():
+        out += list(piece.codes(by_name[name], block)) if name in by_name else [piece.part(t)]
+    return out
 
 
 def _native(pieces: list[_Piece], coded: list[CodedState], block: int) -> bool:
@@ -170,37 +185,44 @@ def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[P
     whole_blocks = max(BLOCK_SIZES)
     size = backend.chunk_for(slices[0].param.device) if slices else 1
     chunk = max(whole_blocks, size - size % whole_blocks)
-    counts: list[Stalled] = []
-    batch: list[_Piece] = []
-    held = 0
-    if taken is not None:
-        stalled = taken()
-        if stalled is not None:
-            counts.append(stalled)
-    decoded = replace(ctx, coded=())   # the same scratch: the backend sees plain states
-
-    def flush() -> None:
-        nonlocal held
-        if not batch:
-            return
-        native = _native(batch, coded, block)
-        plain = _decode(ctx, batch, coded, block, native)
-        stalled = backend.run(optimizer, decoded, plain)
-        if stalled is not None:
-            counts.append(stalled)
-        _encode(ctx, batch, plain, coded, block, native)
-        batch.clear()
-        held = 0
-
+    count = taken() if taken is not None else None
+    pieces = []
     for s in slices:
         n, flat = s.numel, s.param.is_contiguous()
         bounds = [(a, min(a + chunk, n)) for a in range(0, n, chunk)] if flat and optimizer.elementwise else [(0, n)]
-        for start, end in bounds:
-            batch.append(_Piece(s, s.scales, start, end, whole=not flat))
-            held += end - start
+        pieces += [_Piece(s, s.scales, start, end, whole=not flat) for start, end in bounds]
+    # the same scratch: the backend sees plain states; this journal keeps them whole, not the backend's
+    decoded = replace(ctx, coded=(), stepped=None)
+    stepped = ctx.stepped if ctx.stepped is not None else set()
+    stepped.update(s.param_id for s in slices if not s.numel)   # nothing to write
+    journal = Journal((p.source.param_id for p in pieces), stepped)
+    batch: list[_Piece] = []
+
+    def flush() -> None:
+        nonlocal count
+        if not batch:
+            return
+        journal.save([(p.source.param_id, _written(ctx, p, coded, block)) for p in batch])
+        native = _native(batch, coded, block)
+        plain = _decode(ctx, batch, coded, block, native)
+        stalled = backend.run(optimizer, decoded, plain)
+        _encode(ctx, batch, plain, coded, block, native)
+        count = added([count, stalled])   # before the batch counts as written
+        journal.written(p.source.param_id for p in batch)
+        batch.clear()
+
+    try:
+        held = 0
+        for piece in pieces:
+            batch.append(piece)
+            held += piece.end - piece.start
             if held >= chunk:
                 flush()
-    flush()
+                held = 0
+        flush()
+    except BaseException:
+        journal.restore()
+        raise
     if not ctx.count:
         return None
-    return added(counts) if counts else 0
+    return count if count is not None else 0

@@ -137,6 +137,12 @@ class StepContext:
             only (a states-only step, :meth:`~lowp.optim.base.LowpOptimizer.step_params`).
         coded: the states kept as block-scaled codes, the same for every slice of the call
             (default: none).
+        stepped: the ids of the parameters the call has stepped whole, filled as it writes (the
+            reference pipeline and the ``compiled`` kernel keep the others whole,
+            :mod:`lowp.optim.journal`): when a later part of the job fails, the step advances
+            these parameters' counters and no other's (default: a new, empty set). ``None``: the
+            caller keeps the parameters whole itself (the step of decoded block-scaled states,
+            :mod:`lowp.optim.coded`): nothing is recorded or copied.
     """
 
     group: dict[str, Any]
@@ -148,6 +154,7 @@ class StepContext:
     scratch: Scratch = field(default_factory=Scratch, repr=False, compare=False)
     update_weights: bool = True
     coded: tuple[CodedState, ...] = ()
+    stepped: set[int] | None = field(default_factory=set, repr=False, compare=False)
 
     def streams(self, s: ParamSlice) -> RandomStreams:
         """The random streams of slice ``s`` at this step."""

@@ -17,7 +17,7 @@ from typing import Iterable, Union
 
 import torch
 
-__all__ = ["Stalled", "total", "added", "value"]
+__all__ = ["Stalled", "total", "of_job", "added", "value"]
 
 #: a stalled count: an ``int``, a tensor of counts, a tuple of parts, or ``None`` (not counted)
 Stalled = Union[int, torch.Tensor, tuple["Stalled", ...], None]
@@ -28,6 +28,15 @@ def total(counts: Iterable[Stalled]) -> Stalled:
     count or the tuple of them."""
     present = tuple(c for c in counts if c is not None)
     return None if not present else present[0] if len(present) == 1 else present
+
+
+def of_job(counts: list[Stalled], counted: bool) -> Stalled:
+    """A kernel job's count from its launches' ``counts`` (:func:`total`): 0 for a job without
+    launches (its shards are all empty: nothing stepped, nothing stalled), ``None`` when the step
+    does not count (``counted`` false)."""
+    if not counted:
+        return None
+    return total(counts) if counts else 0
 
 
 def _parts(counts: Iterable[Stalled]) -> tuple[list[int], dict[torch.device, list[torch.Tensor]]]:

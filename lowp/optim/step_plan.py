@@ -1,4 +1,4 @@
-"""One step of a lowp optimizer, all or nothing: prepared, planned, executed.
+"""One step of a lowp optimizer, whole per parameter: prepared, planned, executed.
 
 1. **Prepare** (:func:`prepare`, :func:`prepare_subset`): every group's hyper-parameters and every
    (parameter, gradient, state, buffer) the step reads or writes are checked before anything
@@ -23,8 +23,11 @@ and so is the native codec that decodes and encodes those states.
 What remains is an error while the jobs write, on checked input: running out of memory for
 temporaries (the reference pipeline's fp32 copies of slices a kernel does not take, coded states
 decoded outside a kernel, a non-contiguous gradient's copy), or a kernel that compiles on its
-first call (``compiled``; Triton's JIT on a launch's first signature). The parameters of the
-jobs before it are then stepped whole, the rest untouched. With every slice and coded state
+first call (``compiled``; Triton's JIT on a launch's first signature). Every parameter is then
+stepped whole or left as it was: the jobs before it are stepped, and within the failing job the
+reference pipeline and the ``compiled`` kernel put back what they had written of the parameters
+they had not finished (:mod:`lowp.optim.journal`), whose counters stay; the error says how many
+were stepped. With every slice and coded state
 taken by the ``native`` kernel the writes are the prepared kernel calls alone. :func:`step_all` is a
 whole ``step()``, :func:`step_some` the ``step_params`` of gradient release
 (:mod:`lowp.optim.release`); both run :func:`run`.
@@ -45,6 +48,7 @@ from lowp.optim.backends import Backend, get_backend
 from lowp.optim.cached_step import Plans
 from lowp.optim.codes import scale_name
 from lowp.optim.hyper import real_value
+from lowp.optim.journal import note_stepped
 from lowp.optim.preflight import check_flag
 from lowp.optim.slices import CodedState, ParamSlice, StepContext
 from lowp.optim.stalled import Stalled
@@ -357,7 +361,7 @@ class StepPlan:
     def __init__(self, optimizer: LowpOptimizer, todo: list[tuple[Checked, torch.Tensor]]) -> None:
         self.optimizer = optimizer
         self.jobs: dict[tuple, list[ParamSlice]] = defaultdict(list)
-        self.counters: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+        self.counters: dict[tuple, dict[int, dict[str, Any]]] = defaultdict(dict)   # parameter id -> state
         self.gathered: list[tuple[sharding.Gathered, dict[str, Any], int]] = []
         undo = _Undo()
         try:
@@ -383,7 +387,7 @@ class StepPlan:
                 key = (id(group), mode.name, step, p.dtype, p.device, names, share, tuple(p_coded))
                 self.jobs[key].append(piece)
                 if full is None:
-                    self.counters[key].append(state)
+                    self.counters[key][piece.param_id] = state
                 else:
                     self.gathered.append((full, state, step))
         except BaseException:
@@ -407,7 +411,9 @@ class StepPlan:
         reference pipeline), every one prepared first (:meth:`~lowp.optim.backends.Backend.prepare`:
         a kernel's build, load or argument check that fails changes nothing), those of gathered
         copies only run first. Each parameter's step counter
-        advances right after the job that wrote its weight and states; a gathered DTensor
+        advances right after the job that wrote its weight and states (when a job fails part-way,
+        those of the parameters it stepped whole, ``ctx.stepped``: the reference pipeline puts
+        the others back, :mod:`lowp.optim.journal`); a gathered DTensor
         parameter's job writes its gathered copies only, whose shards and counter
         :meth:`write_back` writes."""
         optimizer = self.optimizer
@@ -432,7 +438,8 @@ class StepPlan:
         failure = None
         try:
             for key, index, ctx, slices in jobs:
-                prepared.append((key, index, sum(s.numel for s in slices), backend.prepare(optimizer, ctx, slices)))
+                prepared.append((key, index, sum(s.numel for s in slices), ctx.stepped,
+                                 backend.prepare(optimizer, ctx, slices)))
         except Exception as exc:   # told to the ranks of the sums' exchange, which then raises it
             failure = exc
         del jobs
@@ -444,12 +451,22 @@ class StepPlan:
         del sharded   # no context outlives its job's call (its scratch buffers)
         if new_step and update_weights:
             optimizer._last_stalled = {}
+        done = 0   # the optimizer's own parameters stepped so far (not those of gathered copies)
         while prepared:   # each call dropped once run: its context's scratch buffers go with it
-            key, index, numel, call = prepared.pop(0)
-            stalled = call()
+            key, index, numel, stepped, call = prepared.pop(0)
             step, share = key[2], key[6]
-            for state in self.counters[key]:
+            try:
+                stalled = call()
+            except BaseException as exc:   # those it stepped whole count the step, the others are as they were
+                for param_id, state in self.counters[key].items():
+                    if param_id in (stepped or ()):
+                        state["step"] = step
+                        done += 1
+                note_stepped(exc, done, sum(map(len, self.counters.values())))
+                raise
+            for state in self.counters[key].values():
                 state["step"] = step
+            done += len(self.counters[key])
             if update_weights:
                 optimizer._last_stalled.setdefault(index, []).append((stalled, numel, share))
 

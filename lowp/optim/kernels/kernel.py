@@ -218,15 +218,23 @@ class Kernel(ABC):
         if not self.keeps_plans:
             return partial(self.run_coded if ctx.coded else self.run, spec, ctx, slices)
         numbers, factor = spec.numbers(ctx.group, ctx.step), grad_factor(ctx)
-        staged = [launch.stage([s.grad for s in members], numbers, factor, ctx.seed, ctx.step)
-                  for launch, members in self.launches(spec, ctx, slices)]
-        return partial(self._run_staged, staged, sum(s.numel for s in slices), ctx.count)
+        staged = [(launch.stage([s.grad for s in members], numbers, factor, ctx.seed, ctx.step),
+                   [s.param_id for s in members]) for launch, members in self.launches(spec, ctx, slices)]
+        return partial(self._run_staged, staged, sum(s.numel for s in slices), ctx.stepped, ctx.count)
 
-    def _run_staged(self, staged: list[Callable[[], Stalled]], numel: int, count: bool) -> Stalled:
-        """Run a job's staged launches (:meth:`prepare`): the stalled count when ``count``."""
-        counts = [run() for run in staged]
+    def _run_staged(self, staged: list[tuple[Callable[[], Stalled], list[int]]], numel: int,
+                    stepped: set[int] | None, count: bool) -> Stalled:
+        """Run a job's staged launches (:meth:`prepare`), each with its parameters' ids, which join
+        ``stepped`` once it ran (the context's: a later launch, a Triton kernel's first-call
+        compile, or a later part of the job may fail, :mod:`lowp.optim.journal`); the stalled
+        count when ``count``."""
+        counts = []
+        for run, param_ids in staged:
+            counts.append(run())
+            if stepped is not None:
+                stepped.update(param_ids)
         self.fused_elements += numel
-        return (stalled.total(counts) if counts else 0) if count else None
+        return stalled.of_job(counts, count)
 
     def load(self, spec: OptimizerSpec, ctx: StepContext, dtypes: tuple[torch.dtype | None, ...]) -> None:
         """Build and load now what a later :meth:`run` at ``ctx`` (plain states) over slices of

@@ -7,6 +7,10 @@ graphs per dtype signature, and the step's numbers travel in a tensor, so LR sch
 counts never recompile. Inductor emits one vectorised, OpenMP-parallel C++ loop on CPU (Triton on
 CUDA) that reads the weight, gradient, states and buffer once and writes them once.
 
+A call can fail after the calls before it wrote (its first call compiles; its outputs
+allocate): each chunk's writes are copied first and put back on a failure, and a parameter counts
+the step once its last chunk is written (:mod:`lowp.optim.journal`).
+
 It fuses every spec with an elementwise rule; the backend runs the reference for the rest
 (:func:`~lowp.optim.kernels.kernel.fusable`: fp64 weights, fp16 tensors with stochastic rounding,
 non-contiguous tensors, tensors of fewer than two elements, shards along a later dimension).
@@ -22,6 +26,7 @@ import torch
 from lowp.optim.kernels.compiled.bitcast import vector_bitcasts
 from lowp.optim.kernels.kernel import Kernel, slice_keys, step_numbers
 from lowp.optim.kernels.compiled.step import chunk_keys, fused_step
+from lowp.optim.journal import Journal
 from lowp.optim.rule import Program
 from lowp.optim.slices import ParamSlice, StepContext
 from lowp.optim.spec import OptimizerSpec
@@ -93,16 +98,24 @@ class CompiledKernel(Kernel):
         stochastic = tuple(ctx.group["state_rounding"] == "stochastic" for _ in names)
         h = step_numbers(spec, program, ctx, device)
         counts = []
-        with vector_bitcasts():  # takes effect when a call compiles
-            for s in slices:
-                tensors = [_flat(t) for t in (s.param, s.grad.reshape(-1), *(s.states[n] for n in names))]
-                buf = _flat(s.buffer) if s.buffer is not None else None
-                keys, first = slice_keys(ctx, s), s.index.first()
-                for start in range(0, s.numel, CHUNK):
-                    end = min(start + CHUNK, s.numel)
-                    fn = _function(program, ctx.mode.name, stochastic, ctx.count, dynamic=end - start != CHUNK)
-                    part = [t[start:end].detach() for t in tensors]
-                    counts.append(fn(part[0], part[1], None if buf is None else buf[start:end].detach(), part[2:],
-                                     h, chunk_keys(keys, first + start, end - start, device)))
+        journal = Journal((s.param_id for s in slices for _ in range(0, s.numel, CHUNK)), ctx.stepped)
+        try:
+            with vector_bitcasts():  # takes effect when a call compiles
+                for s in slices:
+                    tensors = [_flat(t) for t in (s.param, s.grad.reshape(-1), *(s.states[n] for n in names))]
+                    buf = _flat(s.buffer) if s.buffer is not None else None
+                    keys, first = slice_keys(ctx, s), s.index.first()
+                    for start in range(0, s.numel, CHUNK):
+                        end = min(start + CHUNK, s.numel)
+                        fn = _function(program, ctx.mode.name, stochastic, ctx.count, dynamic=end - start != CHUNK)
+                        part = [t[start:end].detach() for t in tensors]
+                        written = [part[0], *part[2:], *([buf[start:end]] if buf is not None else [])]
+                        journal.save([(s.param_id, written)])   # a failing call (its compile) puts them back
+                        counts.append(fn(part[0], part[1], None if buf is None else buf[start:end].detach(), part[2:],
+                                         h, chunk_keys(keys, first + start, end - start, device)))
+                        journal.written([s.param_id])
+        except BaseException:
+            journal.restore()
+            raise
         self.fused_elements += sum(s.numel for s in slices)
         return total(counts) if ctx.count else None
