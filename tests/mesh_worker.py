@@ -300,8 +300,51 @@ def messages_case(rank: int) -> dict[str, Any]:
     return {"got": got, "gathers": gathers}
 
 
+#: the backends of :func:`counts_case`: a full step's agreement (``foreach``), a cached plan's (``native``)
+COUNTS = ("foreach", "native")
+
+
+def counts_case(rank: int, backend: str) -> dict[str, Any]:
+    """AdamW on ``backend`` on the ``stages`` layout whose step 1 finds rank 3's step count of
+    stage 1's first parameter one ahead of rank 2's (as a step that failed part-way on rank 3 after
+    stepping that parameter, and a loop that went on, would leave it): the error of each rank of
+    that step, whether every parameter, state and count of the rank's stage is as before it, whether
+    a cached plan was there, and the snapshot after the run, the count put back (stage 0 steps on
+    undisturbed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    stage = rank // 2
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None))
+              for p in full_params("stages", stage)]
+    opt = make_optimizer("AdamW", params, "skip_param", fused=backend == "native")
+    out: dict[str, Any] = {"stage": stage, "error": None, "unchanged": None}
+    for t in range(STEPS):
+        for p, g in zip(params, full_grads("stages", stage, t, None)):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
+        if t == 1 and stage == 1:
+            out["planned"] = opt._plans.current is not None
+            if rank == 3:
+                opt.state[params[0]]["step"] += 1
+            before = snapshot(opt, params), [opt.state[p]["step"] for p in params]
+            try:
+                opt.step()
+            except Exception as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+            after = snapshot(opt, params), [opt.state[p]["step"] for p in params]
+            out["unchanged"] = sorted(before[0]) == sorted(after[0]) and before[1] == after[1] and all(
+                torch.equal(before[0][k].view(torch.uint8), after[0][k].view(torch.uint8)) for k in before[0])
+            if rank == 3:
+                opt.state[params[0]]["step"] -= 1
+        opt.step()
+    out["snapshot"] = snapshot(opt, params)
+    return out
+
+
 def session(rank: int, world_size: int, cases: list) -> dict[str, Any]:
     assert world_size == 4, world_size
     return {"messages": messages_case(rank), "cases": [mesh_case(rank, *case) for case in cases],
             "failures": [failure_case(rank, *failure) for failure in FAILURES],
-            "remainder": [remainder_case(rank) for _ in range(2)]}
+            "remainder": [remainder_case(rank) for _ in range(2)],
+            "counts": [counts_case(rank, backend) for backend in COUNTS]}

@@ -702,10 +702,35 @@ def test_a_compiled_call_that_fails_leaves_whole_parameters(monkeypatch):
 
     monkeypatch.setattr(compiled, "CHUNK", 128)
     monkeypatch.setattr(compiled, "_function", function)
+    monkeypatch.setattr(compiled, "_CALLED", set())
     with pytest.raises(torch.OutOfMemoryError, match="compiled call"):
         opt.step()
     assert calls == [128] * 4   # the kernel took the weight, and failed in its last chunk
     assert same_snapshot(snapshot(opt, params), before)
+
+
+def test_the_compiled_kernel_copies_the_chunks_of_the_calls_that_compile(monkeypatch):
+    """Only the first call of a compiled function with a given signature (device, dtypes) compiles:
+    only those calls' chunks are copied first, so a step whose calls are all known adds no copies."""
+    from lowp.optim import journal
+    from lowp.optim.kernels.compiled import kernel as compiled
+
+    opt, params = _setup("foreach", "bf16")
+    opt.backend = lo.backends.get_backend("compiled")
+
+    def call(p, g, buf, states, h, keys):
+        return torch.zeros((), dtype=torch.int32)
+    saved = []
+    save = journal.Journal.save
+    monkeypatch.setattr(journal.Journal, "save", lambda self, writes: saved.append(len(writes)) or save(self, writes))
+    monkeypatch.setattr(compiled, "CHUNK", 128)
+    monkeypatch.setattr(compiled, "_function", lambda *args, **kwargs: call)
+    monkeypatch.setattr(compiled, "_CALLED", set())
+    opt.step()
+    first = len(saved)
+    assert 0 < first < opt.backend.fused_elements // 128   # a few signatures, more chunks
+    opt.step()
+    assert len(saved) == first   # every call known: nothing copied
 
 
 @pytest.mark.skipif("native" not in BACKENDS, reason="the native kernel")

@@ -28,8 +28,9 @@ DTensor placed like it: the plan keeps the local tensors and the boxes'
 offsets (the random streams). Their non-finite check must agree over the ranks, as a full
 step's does (:func:`lowp.optim.collectives.agree`): each step checks the local gradients first and
 all-reduces the flags, in the order of the parameters in the groups, the same collective a
-full step makes, so ranks whose plans hold and ranks taking a full step agree; only when every
-flag holds does the kernel run (without its own check). A skipped step is skipped here; a
+full step makes (the DTensor parameters' step counts compared in it), so ranks whose plans hold
+and ranks taking a full step agree; only when every flag holds does the kernel run (without its
+own check). A skipped step is skipped here; a
 parameter to skip hands the step, with the agreed flags, to a full step (:meth:`Plans.try_step`).
 
 A per-tensor optimizer's shards whose sums a full step exchanges (StableAdamW under FSDP2,
@@ -325,7 +326,10 @@ class CachedStep:
         self.remainder_at = [place[id(p)] for p in self.remainder]
         flagged = self.stepped_at + self.remainder_at
         self.group_order = sorted(range(len(flagged)), key=flagged.__getitem__)
-        self.agreement = collectives.agreement([[*stepped, *self.remainder][i] for i in self.group_order])
+        agreed = [[*stepped, *self.remainder][i] for i in self.group_order]
+        self.agreement = collectives.agreement(agreed)
+        # their states, whose step counts the agreement compares (a DTensor parameter's only, as a full step)
+        self.counted = [optimizer.state[p] if not _plain(p) else None for p in agreed]
         # DTensors (parameters, states): each keeps its local tensor; a parameter its layout too
         # (its box picks the random streams; a state's layout is read by nothing the plan runs)
         self.wrappers = [t for t in (*stepped, *self.owned_tensors) if not _plain(t)]
@@ -532,7 +536,8 @@ class CachedStep:
         def flags() -> list[bool]:
             local = optimizer.backend.finite_flags([*grads, *rest])
             return list(map(local.__getitem__, self.group_order))
-        return collectives.agree_by(flags, self.agreement, optimizer.nonfinite == "skip_step")
+        counts = [None if st is None else int(st.get("step", 0)) for st in self.counted]
+        return collectives.agree_by(flags, self.agreement, optimizer.nonfinite == "skip_step", counts)
 
     def exchange_sums(self, optimizer: LowpOptimizer, grads: list[torch.Tensor], inv_scale: float | None,
                       failed: Exception | None = None) -> None:
@@ -796,7 +801,11 @@ class Plans:
         if plan is None or grads is None:
             return None
         self.cached_steps += 1
-        finite, holds = plan.run(optimizer, grads, inv_scale, False, new_step, force_check)
+        try:
+            finite, holds = plan.run(optimizer, grads, inv_scale, False, new_step, force_check)
+        except BaseException:   # as try_step: the next call is a full one, which checks again
+            del self.subsets[key]
+            raise
         if not holds:
             del self.subsets[key]
         return finite

@@ -193,9 +193,9 @@ def run_coded(backend: Stepper, optimizer: Any, ctx: StepContext, slices: list[P
         pieces += [_Piece(s, s.scales, start, end, whole=not flat) for start, end in bounds]
     # the same scratch: the backend sees plain states; this journal keeps them whole, not the backend's
     decoded = replace(ctx, coded=(), stepped=None)
-    stepped = ctx.stepped if ctx.stepped is not None else set()
-    stepped.update(s.param_id for s in slices if not s.numel)   # nothing to write
-    journal = Journal((p.source.param_id for p in pieces), stepped)
+    if ctx.stepped is not None:
+        ctx.stepped.update(s.param_id for s in slices if not s.numel)   # nothing to write
+    journal = Journal((p.source.param_id for p in pieces), ctx.stepped)
     batch: list[_Piece] = []
 
     def flush() -> None:

@@ -23,13 +23,15 @@ import torch.distributed as dist
 
 from lowp.optim.sharding import MeshGroups, is_dtensor
 
-__all__ = ["Groups", "Agreement", "agreement", "agree", "agree_by", "FailTogether", "PeerFailed", "sums_by_mesh",
-           "all_messages"]
+__all__ = ["Groups", "Agreement", "Counts", "agreement", "agree", "agree_by", "FailTogether", "PeerFailed",
+           "CountsDiffer", "sums_by_mesh", "all_messages"]
 
 #: the process groups of a mesh's dimensions of more than one rank, in mesh order
 Groups = tuple[dist.ProcessGroup, ...]
 #: per mesh: its groups and the positions of its parameters in a list of parameters
 Agreement = list[tuple[Groups, list[int]]]
+#: per position of an agreement: a step count all ranks of its mesh must hold, or ``None``
+Counts = Sequence["int | None"]
 
 
 def _distributed() -> bool:
@@ -52,7 +54,8 @@ def agreement(params: Sequence[torch.Tensor]) -> Agreement:
     return [(groups, sorted(members + plain)) for groups, members in by_mesh.items()]
 
 
-def agree_by(compute: Callable[[], Sequence[bool]], plan: Agreement, whole: bool = False) -> list[bool]:
+def agree_by(compute: Callable[[], Sequence[bool]], plan: Agreement, whole: bool = False,
+             counts: Counts | None = None) -> list[bool]:
     """This rank's flags, ``compute()``, each flag of ``plan``'s positions true only when true on
     every rank of its mesh: per mesh, one all-reduce (MIN) over each group (unchanged without a
     process group).
@@ -68,8 +71,12 @@ def agree_by(compute: Callable[[], Sequence[bool]], plan: Agreement, whole: bool
     When ``compute`` raises (an ``Exception``: out of memory, a bad tensor on this rank only),
     this rank still takes part in every all-reduce of ``plan``, sending -1 in place of its flags,
     then raises its error; a rank that receives a -1 passes it on to its next mesh and raises
-    :class:`PeerFailed` rather than decide, so no rank waits for a rank that will not come."""
-    return FailTogether(plan).agree(compute, whole)
+    :class:`PeerFailed` rather than decide, so no rank waits for a rank that will not come.
+
+    ``counts``: per position, a step count that every rank of the position's mesh must hold alike
+    (``None``: none to compare), sent in the same all-reduces (its minimum and the minimum of its
+    negation); where they differ every rank raises :class:`CountsDiffer` alike, before acting."""
+    return FailTogether(plan).agree(compute, whole, counts)
 
 
 class FailTogether:
@@ -109,50 +116,86 @@ class FailTogether:
             self._told = True
             raise
 
-    def agree(self, compute: Callable[[], Sequence[bool]], whole: bool = False) -> list[bool]:
-        """:func:`agree_by` of ``compute()`` over the plan; when ``compute`` raises, this rank sends
-        its failure in one round (unless a round inside ``compute`` already carried one) and
-        raises its error."""
+    def agree(self, compute: Callable[[], Sequence[bool]], whole: bool = False,
+              counts: Counts | None = None) -> list[bool]:
+        """:func:`agree_by` of ``compute()`` over the plan (and of ``counts``); when ``compute``
+        raises, this rank sends its failure in one round (unless a round inside ``compute``
+        already carried one) and raises its error."""
         self._told = False
         try:
             flags = list(compute())
         except Exception:
             if self._active() and not self._told:
-                _reduced(None, self.plan)
+                _reduced(None, self.plan, counts)
             raise
         if not self._active():
             return flags
-        agreed, every = _reduced(flags, self.plan)
+        agreed, every = _reduced(flags, self.plan, counts)
         return [False] * len(flags) if whole and not every else agreed
 
 
-def _reduced(flags: list[bool] | None, plan: Agreement) -> tuple[list[bool], bool]:
+def _reduced(flags: list[bool] | None, plan: Agreement, counts: Counts | None = None
+             ) -> tuple[list[bool], bool]:
     """:func:`agree_by`'s all-reduces: the agreed flags and "every flag true" (``flags=None``:
-    this rank failed). Raises :class:`PeerFailed` when another rank failed."""
+    this rank failed), with ``counts`` compared. Raises :class:`PeerFailed` when another rank
+    failed, :class:`CountsDiffer` when a count differs between ranks."""
     failed = flags is None
     agreed = list(flags or [])
     every = all(agreed)
+    differ: dict[int, tuple[int, int]] = {}
     for groups, members in plan:
-        sent = [-1] * (len(members) + 1) if failed else [int(agreed[i]) for i in members] + [int(every)]
-        t = torch.tensor(sent, dtype=torch.int32, device=_device(groups))
-        *values, all_true = _all_reduce(t, groups, dist.ReduceOp.MIN).tolist()
+        n = len(members)
+        sent = [-1] * (n + 1) if failed else [int(agreed[i]) for i in members] + [int(every)]
+        if counts is not None:   # min(count) and min(-count): equal counts when min = -min(-count)
+            held = [counts[i] or 0 for i in members]
+            sent += held + [-c for c in held]
+        t = torch.tensor(sent, dtype=torch.int64, device=_device(groups))
+        got = _all_reduce(t, groups, dist.ReduceOp.MIN).tolist()
+        values, all_true = got[:n], got[n]
         if min(values + [all_true]) < 0:
             failed = True   # passed on to the next mesh's ranks
             continue
         for i, ok in zip(members, values):
             agreed[i] = bool(ok)
         every = every and bool(all_true)
+        for i, low, high in zip(members, got[n + 1:2 * n + 1], got[2 * n + 1:]):
+            if low != -high:
+                differ[i] = (low, -high)
     if failed and flags is not None:
         raise PeerFailed("another rank failed before the ranks agreed on their checks (its own error says why); "
                          "no rank acted on them")
+    if differ:
+        raise CountsDiffer(differ)
     return agreed, every
 
 
-def agree(compute: Callable[[], Sequence[bool]], params: Sequence[torch.Tensor], whole: bool = False) -> list[bool]:
+def agree(compute: Callable[[], Sequence[bool]], params: Sequence[torch.Tensor], whole: bool = False,
+          counts: Counts | None = None) -> list[bool]:
     """:func:`agree_by` the :func:`agreement` of ``params`` (a step's non-finite flags, a load's
     checks: ``skip_param`` decides alike on every rank that holds the parameter, ``skip_step``
-    and an aborted load, ``whole``, on every rank whose parameters share a rank with this one's)."""
-    return agree_by(compute, agreement(params), whole)
+    and an aborted load, ``whole``, on every rank whose parameters share a rank with this one's;
+    a step's ``counts``, its DTensor parameters' step counts)."""
+    return agree_by(compute, agreement(params), whole, counts)
+
+
+class CountsDiffer(RuntimeError):
+    """The ranks that hold a parameter hold different step counts for it: a step failed part-way
+    on some of them and the loop went on (lowp's error said how many parameters it had stepped),
+    or a checkpoint was loaded on some ranks only. Every rank of the mesh raises it alike, before
+    the step writes anything: stepping on would give the parameter's shards different bias
+    corrections and random streams.
+
+    Args:
+        differ: per position among the agreed parameters, the (lowest, highest) count of its ranks.
+    """
+
+    def __init__(self, differ: dict[int, tuple[int, int]]) -> None:
+        self.differ = differ
+        first, (low, high) = min(differ.items())
+        super().__init__(f"step counts differ between the ranks that hold {len(differ)} parameter(s) (the first, "
+                         f"at position {first} of the step's parameters with a gradient: {low} on one rank, {high} "
+                         f"on another): a step failed on some ranks only, or a checkpoint was loaded on some ranks "
+                         f"only; nothing was stepped on any rank: load one checkpoint on every rank")
 
 
 class PeerFailed(RuntimeError):

@@ -14,8 +14,9 @@ makes each parameter stepped whole or left as it was:
   dropped and its id joins ``stepped`` (:attr:`~lowp.optim.slices.StepContext.stepped`), whose
   counters the step advances even when a later batch of the job fails;
 - on a failure, :meth:`Journal.restore` copies the held copies back, in reverse order, with
-  ``copy_`` from contiguous copies of the same dtype and shape, which allocates nothing
-  (distinct parameters never share memory: :mod:`lowp.optim.preflight` refuses them).
+  ``copy_`` from copies of the same dtype and shape, which allocates nothing (a host copy keeps
+  its tensor's strides); distinct parameters never share memory (:mod:`lowp.optim.preflight`
+  refuses them).
 
 Memory: a batch's written bytes in their own dtypes (for AdamW with bf16 weights, states and a
 Kahan buffer 8 bytes per element, against about 50 for the batch's fp32 working copies), freed
@@ -37,16 +38,16 @@ _HOST = torch.device("cpu")
 
 
 def _flat(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-    """Contiguous copies of ``tensors`` (one dtype and device), with the offset of each: one flat
-    copy on their device (each at its offset), or, when that device is out of memory, a copy of
-    each on the host (each at 0)."""
+    """Copies of ``tensors`` (one dtype and device), with the offset of each: one flat copy on
+    their device (each at its offset), or, when that device is out of memory, a copy of each on
+    the host in its own layout (offset -1: the whole copy), so that neither taking it nor putting
+    it back needs device memory (a dense tensor's strides are kept)."""
     try:
         flat = torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors])
     except torch.OutOfMemoryError:
         if tensors[0].device == _HOST:
             raise
-        return [t.to(_HOST, copy=True, memory_format=torch.contiguous_format).view(-1) for t in tensors], \
-            [0] * len(tensors)
+        return [t.to(_HOST, copy=True) for t in tensors], [-1] * len(tensors)
     offsets = list(accumulate((t.numel() for t in tensors), initial=0))
     return [flat] * len(tensors), offsets[:-1]
 
@@ -66,7 +67,7 @@ class Journal:
         self.active = stepped is not None
         self.left = Counter(pieces) if self.active else Counter()
         self.stepped: set[int] = stepped if stepped is not None else set()
-        #: per parameter id: (order saved, target, flat copy, offset of the target's copy in it)
+        #: per parameter id: (order saved, target, copy, offset of the target's copy in it or -1)
         self.held: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, int]]] = {}
         self.saved = 0
 
@@ -99,12 +100,22 @@ class Journal:
                 self.stepped.add(param_id)
 
     def restore(self) -> None:
-        """Put every held copy back, the last saved first, and drop them."""
+        """Put every held copy back, the last saved first, and drop them; should one fail, the
+        others are still put back, then its error is raised."""
         entries = sorted((e for held in self.held.values() for e in held), key=lambda e: e[0], reverse=True)
         self.held = {}
+        failed: BaseException | None = None
         with torch.no_grad():
             for _, target, flat, offset in entries:
-                target.copy_(flat[offset:offset + target.numel()].view(target.shape))
+                try:
+                    target.copy_(flat if offset < 0 else flat[offset:offset + target.numel()].view(target.shape))
+                except BaseException as exc:   # every other copy still goes back
+                    failed = failed or exc
+        if failed is not None:
+            try:
+                raise failed
+            finally:
+                failed = None
 
 
 def note_stepped(exc: BaseException, done: int, planned: int) -> None:

@@ -156,12 +156,20 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def finite_flags(optimizer: LowpOptimizer, grads: list[torch.Tensor], params: list[torch.Tensor],
                  force: bool = False) -> list[bool]:
-    """Per (local) gradient: finite; for DTensor parameters finite on every rank. All ``True``
-    without a look under ``nonfinite="off"``, unless ``force``."""
+    """Per (local) gradient: finite; for DTensor parameters finite on every rank, whose step counts
+    are compared in the same all-reduces (:class:`~lowp.optim.collectives.CountsDiffer` on every
+    rank when they differ). All ``True`` without a look under ``nonfinite="off"``, unless
+    ``force``."""
     if optimizer.nonfinite == "off" and not force:
         return [True] * len(grads)
     return collectives.agree(lambda: optimizer.backend.finite_flags(grads), params,
-                            optimizer.nonfinite == "skip_step")
+                            optimizer.nonfinite == "skip_step", step_counts(optimizer, params))
+
+
+def step_counts(optimizer: LowpOptimizer, params: Sequence[torch.Tensor]) -> list[int | None]:
+    """The step count of each DTensor parameter of ``params`` (0 before its first step), ``None``
+    for a plain tensor: what every rank that holds a parameter must hold alike."""
+    return [None if not sharding.is_dtensor(p) else int(optimizer.state.get(p, {}).get("step", 0)) for p in params]
 
 
 def _checked_param(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, index: int) -> Checked:

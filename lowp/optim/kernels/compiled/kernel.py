@@ -7,9 +7,12 @@ graphs per dtype signature, and the step's numbers travel in a tensor, so LR sch
 counts never recompile. Inductor emits one vectorised, OpenMP-parallel C++ loop on CPU (Triton on
 CUDA) that reads the weight, gradient, states and buffer once and writes them once.
 
-A call can fail after the calls before it wrote (its first call compiles; its outputs
-allocate): each chunk's writes are copied first and put back on a failure, and a parameter counts
-the step once its last chunk is written (:mod:`lowp.optim.journal`).
+A call can fail after the calls before it wrote: the first call of a function with a signature
+(device and dtypes) compiles. Such a chunk's writes are copied first and put back on a failure,
+with those of the parameter's chunks before it, and a parameter counts the step once its last
+chunk is written (:mod:`lowp.optim.journal`). The calls after the first are not copied: what
+they allocate is a few bytes (the stalled count), and the copies would add half again to the
+step's memory traffic.
 
 It fuses every spec with an elementwise rule; the backend runs the reference for the rest
 (:func:`~lowp.optim.kernels.kernel.fusable`: fp64 weights, fp16 tensors with stochastic rounding,
@@ -51,6 +54,8 @@ def compiler_available() -> bool:
 #: the remainders (< CHUNK) through the dynamic one. 2**21 elements keep the per-call overhead
 #: (about 50 us of guards and wrappers, measured) near 1% of a call's memory traffic.
 CHUNK = 1 << 21
+#: the (function, device, dtypes) signatures called once in this process: compiled
+_CALLED: set[tuple[Any, ...]] = set()
 
 #: Compiled variants by (program, mode, state roundings, count, dynamic).
 _FUNCTIONS: dict[tuple, Callable[..., Any]] = {}
@@ -110,9 +115,12 @@ class CompiledKernel(Kernel):
                         fn = _function(program, ctx.mode.name, stochastic, ctx.count, dynamic=end - start != CHUNK)
                         part = [t[start:end].detach() for t in tensors]
                         written = [part[0], *part[2:], *([buf[start:end]] if buf is not None else [])]
-                        journal.save([(s.param_id, written)])   # a failing call (its compile) puts them back
+                        signature = (fn, device, *(t.dtype for t in part), buf.dtype if buf is not None else None)
+                        if signature not in _CALLED:   # its call compiles: should that fail, put them back
+                            journal.save([(s.param_id, written)])
                         counts.append(fn(part[0], part[1], None if buf is None else buf[start:end].detach(), part[2:],
                                          h, chunk_keys(keys, first + start, end - start, device)))
+                        _CALLED.add(signature)
                         journal.written([s.param_id])
         except BaseException:
             journal.restore()
