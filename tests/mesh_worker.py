@@ -300,33 +300,44 @@ def messages_case(rank: int) -> dict[str, Any]:
     return {"got": got, "gathers": gathers}
 
 
-#: the backends of :func:`counts_case`: a full step's agreement (``foreach``), a cached plan's (``native``)
-COUNTS = ("foreach", "native")
+#: (layout, backend) of :func:`counts_case`: a full step's agreement (``foreach``), a cached plan's
+#: (``native``), a parameter on a sub-mesh (``submesh``: on mesh["a"], next to one on the whole mesh)
+COUNTS = [("stages", "foreach"), ("stages", "native"), ("submesh", "foreach")]
+#: per layout of :data:`COUNTS`: the rank whose count is one ahead, of which parameter
+AHEAD = {"stages": (3, 0), "submesh": (2, 1)}
 
 
-def counts_case(rank: int, backend: str) -> dict[str, Any]:
-    """AdamW on ``backend`` on the ``stages`` layout whose step 1 finds rank 3's step count of
-    stage 1's first parameter one ahead of rank 2's (as a step that failed part-way on rank 3 after
-    stepping that parameter, and a loop that went on, would leave it): the error of each rank of
-    that step, whether every parameter, state and count of the rank's stage is as before it, whether
-    a cached plan was there, and the snapshot after the run, the count put back (stage 0 steps on
-    undisturbed)."""
+def counts_case(rank: int, layout: str, backend: str) -> dict[str, Any]:
+    """AdamW on ``backend`` on ``layout`` whose step 1 finds one rank's step count of a parameter
+    one ahead of the others' (:data:`AHEAD`: as a step that failed part-way on that rank after
+    stepping the parameter, and a loop that went on, would leave it; under ``stages`` in stage 1,
+    under ``submesh`` the sub-mesh parameter in the column of ranks 0 and 2): the error of each
+    rank of that step, whether every parameter, state and count it holds is as before it, whether
+    a cached plan was there, and the snapshot after the run, the count put back (under ``stages``
+    stage 0 steps on undisturbed)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    stage = rank // 2
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
-    params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None))
-              for p in full_params("stages", stage)]
+    stage = rank // 2 if layout == "stages" else 0
+    if layout == "stages":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+        layouts = [(mesh, [Shard(0)])] * len(shapes(layout, stage))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        layouts = [(mesh, [Shard(0), Shard(0)]), (mesh["a"], [Shard(0)])]
+    params = [torch.nn.Parameter(distribute_tensor(p, m, placed, src_data_rank=None))
+              for p, (m, placed) in zip(full_params(layout, stage), layouts)]
     opt = make_optimizer("AdamW", params, "skip_param", fused=backend == "native")
     out: dict[str, Any] = {"stage": stage, "error": None, "unchanged": None}
+    ahead_rank, ahead = AHEAD[layout]
+    involved = stage == 1 if layout == "stages" else True
     for t in range(STEPS):
-        for p, g in zip(params, full_grads("stages", stage, t, None)):
-            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
-        if t == 1 and stage == 1:
+        for p, g in zip(params, full_grads(layout, stage, t, None)):
+            p.grad = distribute_tensor(g.clone(), p.device_mesh, p.placements, src_data_rank=None)
+        if t == 1 and involved:
             out["planned"] = opt._plans.current is not None
-            if rank == 3:
-                opt.state[params[0]]["step"] += 1
+            if rank == ahead_rank:
+                opt.state[params[ahead]]["step"] += 1
             before = snapshot(opt, params), [opt.state[p]["step"] for p in params]
             try:
                 opt.step()
@@ -335,8 +346,8 @@ def counts_case(rank: int, backend: str) -> dict[str, Any]:
             after = snapshot(opt, params), [opt.state[p]["step"] for p in params]
             out["unchanged"] = sorted(before[0]) == sorted(after[0]) and before[1] == after[1] and all(
                 torch.equal(before[0][k].view(torch.uint8), after[0][k].view(torch.uint8)) for k in before[0])
-            if rank == 3:
-                opt.state[params[0]]["step"] -= 1
+            if rank == ahead_rank:
+                opt.state[params[ahead]]["step"] -= 1
         opt.step()
     out["snapshot"] = snapshot(opt, params)
     return out
@@ -347,4 +358,4 @@ def session(rank: int, world_size: int, cases: list) -> dict[str, Any]:
     return {"messages": messages_case(rank), "cases": [mesh_case(rank, *case) for case in cases],
             "failures": [failure_case(rank, *failure) for failure in FAILURES],
             "remainder": [remainder_case(rank) for _ in range(2)],
-            "counts": [counts_case(rank, backend) for backend in COUNTS]}
+            "counts": [counts_case(rank, *case) for case in COUNTS]}

@@ -133,26 +133,35 @@ def test_a_rank_that_fails_before_a_collective_fails_its_stage_cleanly(four_rank
             assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, {key} differs"
 
 
-@pytest.mark.parametrize("k", range(len(w.COUNTS)), ids=lambda k: w.COUNTS[k])
+@pytest.mark.parametrize("k", range(len(w.COUNTS)), ids=lambda k: "-".join(w.COUNTS[k]))
 def test_step_counts_that_differ_between_ranks_stop_the_step_on_each(four_ranks, k):
-    """Rank 3 holds a parameter's step count one ahead of rank 2's (a step that failed part-way on
-    rank 3 and a loop that went on): the non-finite flags' all-reduce compares the DTensor
-    parameters' counts too, so both ranks raise ``CountsDiffer`` before anything is written, on a
-    full step (``foreach``) and on a cached plan's (``native``: rank 2 takes the plan, rank 3, whose
-    count no longer matches it, a full step; their all-reduces are the same); with the count put
-    back, the run gives the single-process bits, and the other stage never noticed."""
-    backend = w.COUNTS[k]
-    want = {stage: w.reference("stages", stage, "AdamW", "skip_param", None) for stage in (0, 1)}
+    """One rank holds a parameter's step count one ahead of the others' (a step that failed
+    part-way on it and a loop that went on): the non-finite flags' all-reduce compares the
+    DTensor parameters' counts too, so every rank that holds the parameter raises
+    ``CountsDiffer`` before anything is written: on a full step (``foreach``), on a cached plan's
+    (``native``: rank 2 takes the plan, rank 3, whose count no longer matches it, a full step;
+    their all-reduces are the same), and for a parameter on a sub-mesh (``submesh``: its count
+    differs within one column; every position's count travels in the whole mesh's all-reduce too,
+    so the other column, which holds the same count twice, raises as well, and no rank writes its
+    shards of the parameter on the whole mesh). With the count put back, the run gives the
+    single-process bits; under ``stages`` the other stage never noticed."""
+    layout, backend = w.COUNTS[k]
+    stages = (0, 1) if layout == "stages" else (0,)
+    want = {stage: w.reference(layout, stage, "AdamW", "skip_param", None) for stage in stages}
+    involved = [rank >= 2 if layout == "stages" else True for rank in range(4)]
+    position = w.AHEAD[layout][1]
     errors = [r["counts"][k]["error"] for r in four_ranks]
-    assert errors[:2] == [None, None], errors
-    for error in errors[2:]:
-        assert error.startswith("CountsDiffer: step counts differ between the ranks that hold 1 parameter(s) (the "
-                                "first, at position 0 of the step's parameters with a gradient: 1 on one rank, 2 on "
-                                "another)"), errors
+    for rank, error in enumerate(errors):
+        if not involved[rank]:
+            assert error is None, errors
+            continue
+        assert error.startswith(f"CountsDiffer: step counts differ between the ranks that hold 1 parameter(s) (the "
+                                f"first, at position {position} of the step's parameters with a gradient: 1 on one "
+                                f"rank, 2 on another)"), errors
     for rank, results in enumerate(four_ranks):
         got = results["counts"][k]
-        assert got["unchanged"] is (None if rank < 2 else True), (rank, got["unchanged"])
-        if rank >= 2:
+        assert got["unchanged"] is (True if involved[rank] else None), (rank, got["unchanged"])
+        if involved[rank]:
             assert got["planned"] is (backend == "native"), (rank, got)
         for key, t in want[got["stage"]]["snapshot"].items():
             assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, {key} differs"

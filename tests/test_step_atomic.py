@@ -709,6 +709,37 @@ def test_a_compiled_call_that_fails_leaves_whole_parameters(monkeypatch):
     assert same_snapshot(snapshot(opt, params), before)
 
 
+def test_a_compiled_call_that_compiles_after_known_ones_puts_back_the_whole_parameter(monkeypatch):
+    """The compiled functions are kept (one static for whole chunks, one dynamic for remainders,
+    as ``_function`` keeps them): a weight of 512 in chunks of 200 calls the static one twice and
+    the dynamic one for its last 112, which fails (its compile); the second static call compiled
+    nothing, yet its chunk goes back with the others: the parameter had a call to compile."""
+    from lowp.optim.kernels.compiled import kernel as compiled
+
+    opt, params = _setup("foreach", "bf16")
+    opt.backend = lo.backends.get_backend("compiled")
+    before = snapshot(opt, params)
+    calls = []
+
+    def kept(dynamic: bool):
+        def call(p, g, buf, states, h, keys):
+            calls.append((dynamic, p.numel()))
+            for t in (p, buf, *states):
+                t.fill_(len(calls))
+            if dynamic:
+                raise torch.OutOfMemoryError("injected in a compiling call")
+            return torch.zeros((), dtype=torch.int32)
+        return call
+    functions = {False: kept(False), True: kept(True)}
+    monkeypatch.setattr(compiled, "CHUNK", 200)
+    monkeypatch.setattr(compiled, "_function", lambda *args, dynamic: functions[dynamic])
+    monkeypatch.setattr(compiled, "_CALLED", set())
+    with pytest.raises(torch.OutOfMemoryError, match="compiling call"):
+        opt.step()
+    assert calls == [(False, 200), (False, 200), (True, 112)]
+    assert same_snapshot(snapshot(opt, params), before)
+
+
 def test_the_compiled_kernel_copies_the_chunks_of_the_calls_that_compile(monkeypatch):
     """Only the first call of a compiled function with a given signature (device, dtypes) compiles:
     only those calls' chunks are copied first, so a step whose calls are all known adds no copies."""

@@ -804,7 +804,7 @@ class Plans:
         try:
             finite, holds = plan.run(optimizer, grads, inv_scale, False, new_step, force_check)
         except BaseException:   # as try_step: the next call is a full one, which checks again
-            del self.subsets[key]
+            self.subsets.pop(key, None)
             raise
         if not holds:
             del self.subsets[key]

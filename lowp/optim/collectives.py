@@ -75,7 +75,8 @@ def agree_by(compute: Callable[[], Sequence[bool]], plan: Agreement, whole: bool
 
     ``counts``: per position, a step count that every rank of the position's mesh must hold alike
     (``None``: none to compare), sent in the same all-reduces (its minimum and the minimum of its
-    negation); where they differ every rank raises :class:`CountsDiffer` alike, before acting."""
+    negation), every position's in each mesh's; where they differ every rank of the meshes that
+    hold the parameter raises :class:`CountsDiffer` alike, before acting."""
     return FailTogether(plan).agree(compute, whole, counts)
 
 
@@ -143,12 +144,15 @@ def _reduced(flags: list[bool] | None, plan: Agreement, counts: Counts | None = 
     agreed = list(flags or [])
     every = all(agreed)
     differ: dict[int, tuple[int, int]] = {}
+    # every position's count in every mesh's all-reduce (as a plain tensor's flag): a sub-mesh's
+    # parameter (FSDP2 with tensor parallelism: on mesh["dp"]) is then compared over the whole mesh
+    # too, so every rank of it raises alike, whichever mesh comes first
+    positions = sorted({i for _, members in plan for i in members}) if counts is not None else []
+    held = [counts[i] or 0 for i in positions] if counts is not None else []
     for groups, members in plan:
         n = len(members)
         sent = [-1] * (n + 1) if failed else [int(agreed[i]) for i in members] + [int(every)]
-        if counts is not None:   # min(count) and min(-count): equal counts when min = -min(-count)
-            held = [counts[i] or 0 for i in members]
-            sent += held + [-c for c in held]
+        sent += held + [-c for c in held]   # min(count) and min(-count): equal counts when min = -min(-count)
         t = torch.tensor(sent, dtype=torch.int64, device=_device(groups))
         got = _all_reduce(t, groups, dist.ReduceOp.MIN).tolist()
         values, all_true = got[:n], got[n]
@@ -158,7 +162,8 @@ def _reduced(flags: list[bool] | None, plan: Agreement, counts: Counts | None = 
         for i, ok in zip(members, values):
             agreed[i] = bool(ok)
         every = every and bool(all_true)
-        for i, low, high in zip(members, got[n + 1:2 * n + 1], got[2 * n + 1:]):
+        k = len(positions)
+        for i, low, high in zip(positions, got[n + 1:n + 1 + k], got[n + 1 + k:]):
             if low != -high:
                 differ[i] = (low, -high)
     if failed and flags is not None:

@@ -436,9 +436,10 @@ class StepPlan:
         for key, slices in sorted(self.jobs.items(), key=lambda job: bool(self.counters.get(job[0]))):
             gid, mode_name, step, _, _, _, _, coded = key
             index, group = groups[gid]
+            # a job of gathered copies only: a failure writes nothing of the optimizer's own, no journal
             ctx = StepContext(group, MODES[mode_name], step, inv_scale, optimizer.seed,
                               optimizer.diagnostics_enabled and update_weights, update_weights=update_weights,
-                              coded=coded)
+                              coded=coded, stepped=set() if self.counters.get(key) else None)
             jobs.append((key, index, ctx, slices))
             if update_weights and any(s.tensor_sum is not None for s in slices):
                 sharded.append((ctx, slices))

@@ -8,11 +8,13 @@ counts never recompile. Inductor emits one vectorised, OpenMP-parallel C++ loop 
 CUDA) that reads the weight, gradient, states and buffer once and writes them once.
 
 A call can fail after the calls before it wrote: the first call of a function with a signature
-(device and dtypes) compiles. Such a chunk's writes are copied first and put back on a failure,
-with those of the parameter's chunks before it, and a parameter counts the step once its last
-chunk is written (:mod:`lowp.optim.journal`). The calls after the first are not copied: what
-they allocate is a few bytes (the stalled count), and the copies would add half again to the
-step's memory traffic.
+(device, dtypes, a size of 0, 1 or more) compiles. The chunks of a parameter any of whose calls
+has a signature not called before in this process are copied first and put back should one of
+its calls fail, and a parameter counts the step once its last chunk is written
+(:mod:`lowp.optim.journal`). The others are not copied: their calls allocate a few bytes (the
+stalled count), and the copies would add half again to the step's memory traffic. (A recompile
+of a signature already called, after ``torch.compiler.reset()`` or a dtype guard of torch's own,
+is not foreseen.)
 
 It fuses every spec with an elementwise rule; the backend runs the reference for the rest
 (:func:`~lowp.optim.kernels.kernel.fusable`: fp64 weights, fp16 tensors with stochastic rounding,
@@ -54,7 +56,7 @@ def compiler_available() -> bool:
 #: the remainders (< CHUNK) through the dynamic one. 2**21 elements keep the per-call overhead
 #: (about 50 us of guards and wrappers, measured) near 1% of a call's memory traffic.
 CHUNK = 1 << 21
-#: the (function, device, dtypes) signatures called once in this process: compiled
+#: the (function, size of 0, 1 or 2 for more, device, dtypes) signatures called in this process: compiled
 _CALLED: set[tuple[Any, ...]] = set()
 
 #: Compiled variants by (program, mode, state roundings, count, dynamic).
@@ -110,14 +112,17 @@ class CompiledKernel(Kernel):
                     tensors = [_flat(t) for t in (s.param, s.grad.reshape(-1), *(s.states[n] for n in names))]
                     buf = _flat(s.buffer) if s.buffer is not None else None
                     keys, first = slice_keys(ctx, s), s.index.first()
-                    for start in range(0, s.numel, CHUNK):
-                        end = min(start + CHUNK, s.numel)
-                        fn = _function(program, ctx.mode.name, stochastic, ctx.count, dynamic=end - start != CHUNK)
+                    dtypes = (*(t.dtype for t in tensors), buf.dtype if buf is not None else None)
+                    chunks = [(start, min(start + CHUNK, s.numel)) for start in range(0, s.numel, CHUNK)]
+                    signatures = [(_function(program, ctx.mode.name, stochastic, ctx.count, dynamic=b - a != CHUNK),
+                                   min(b - a, 2), device, dtypes) for a, b in chunks]   # sizes 0, 1: specialised
+                    compiles = not _CALLED.issuperset(signatures)   # a call of this parameter compiles
+                    for (start, end), signature in zip(chunks, signatures):
+                        fn = signature[0]
                         part = [t[start:end].detach() for t in tensors]
-                        written = [part[0], *part[2:], *([buf[start:end]] if buf is not None else [])]
-                        signature = (fn, device, *(t.dtype for t in part), buf.dtype if buf is not None else None)
-                        if signature not in _CALLED:   # its call compiles: should that fail, put them back
-                            journal.save([(s.param_id, written)])
+                        if compiles:   # should a call fail, the parameter's chunks written before it go back
+                            journal.save([(s.param_id, [part[0], *part[2:],
+                                                        *([buf[start:end]] if buf is not None else [])])])
                         counts.append(fn(part[0], part[1], None if buf is None else buf[start:end].detach(), part[2:],
                                          h, chunk_keys(keys, first + start, end - start, device)))
                         _CALLED.add(signature)
