@@ -278,19 +278,14 @@ for n, o in (a, b):
     train(n, o, 1, start=1)
 h.remove(); same(a, b)
 assert a[1].skipped_params == b[1].skipped_params == 1"""),
-    Case("accumulation_mismatch_with_the_loop", "local", REF, """
+    # hooks that step every 2nd pass under a loop that steps every 3rd: refused at the loop's first
+    # step (it would otherwise drop a pass's gradient at each zero_grad), the hooks' step kept
+    Case("accumulation_mismatch_with_the_loop", "local", NET, """
 h = release_gradients(opt, accumulation_steps=2)
-for t in range(6):                  # steps every 2nd pass; the loop's zero_grad drops pass 2's gradient
+for t in range(3):
     loss(net, t).backward()
-    if t % 3 == 2:
-        opt.step(); opt.zero_grad()
-    loss(ref[0], t).backward()
-    if t % 2 == 1:
-        ref[1].step(); ref[1].zero_grad()
-    if t % 3 == 2:
-        ref[1].zero_grad()
-assert h.backward_passes == 6 and steps_of(opt, net[0].weight) == 3
-same((net, opt), ref)"""),
+opt.step()""", (ValueError, r"^accumulation_steps: optimizer.step\(\) came after 3 backward passes since "
+                r"release_gradients, but the hooks were registered with accumulation_steps=2"), atomic=False),
     Case("retain_graph_two_passes", "local", REF, """
 h = release_gradients(opt, accumulation_steps=2)
 for n in (net, ref[0]):
@@ -399,7 +394,8 @@ BUCKETS = [
          (TypeError, r"^bucket: .*got NoneType")),
     Case("bucket_buffer_not_a_tensor", "group1", G1, "alltoall_fp32_hook(ReduceState(), FakeBucket([1.0, 2.0]))",
          (TypeError, r"^bucket: its buffer\(\) is a list, expected a tensor")),
-    _bucket("bucket_int32", "x.int()", TypeError, r"^bucket: gradients of dtype torch.int32; expected"),
+    _bucket("bucket_int32", "x.int()", TypeError,
+            r"^bucket: gradients of dtype torch.int32; \w+ reduces torch.bfloat16, torch.float16, torch.float32"),
     _bucket("bucket_bool", "x > 0", TypeError, r"^bucket: gradients of dtype torch.bool"),
     _bucket("bucket_complex", "x.to(torch.complex64)", TypeError, r"^bucket: gradients of dtype torch.complex64"),
     _bucket("bucket_meta", "x.to('meta')", TypeError, r"^bucket: on the meta device"),
