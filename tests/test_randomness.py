@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lowp.optim.randomness import (ElementIndex, RandomStreams, Stream, random16, random16_int, random16_range,
-                                    stream_key, stream_keys)
+from lowp.optim.randomness import (ElementIndex, RandomStreams, Stream, fold_key, hash32_int, random16,
+                                    random16_int, random16_range, stream_key, stream_keys)
 
 
 def test_random16_matches_the_integer_reference_across_the_64_bit_range():
@@ -55,8 +55,9 @@ def test_element_index_of_a_shard_along_dim_1_enumerates_the_global_positions():
 
 
 def test_random16_range_equals_random16_across_2_31_and_2_32_boundaries():
-    """The int32 fast path (pieces cut at multiples of 2**31, high bits folded into the key, xor of
-    counts for aligned starts, add otherwise) draws the bits of random16 on the int64 indices."""
+    """The int32 fast path (pieces cut at multiples of 2**32, high bits folded into the key, xor of
+    counts for aligned pairs, add otherwise, odd and even starts) draws the bits of random16 on the
+    int64 indices."""
     key = stream_key(1, 2, 3, Stream.COMPENSATION)
     for first in (0, 1000, 1 << 17, (1 << 31) - 7, (1 << 32) - 100, 1 << 32, (5 << 32) - 3, (3 << 31) - 1):
         for n in (1, 16, 300, (1 << 12) + 3):
@@ -73,3 +74,45 @@ def test_stream_keys_and_random_streams_use_the_same_keys_and_indices():
     contiguous = RandomStreams(9, 4, 2, ElementIndex(offset=(1 << 32) - 10))
     assert torch.equal(contiguous.bits(Stream.WEIGHT, (20,)),
                        random16(torch.arange((1 << 32) - 10, (1 << 32) + 10), stream_key(9, 4, 2, Stream.WEIGHT)))
+
+
+def test_the_two_elements_of_a_pair_take_the_halves_of_one_hash():
+    """random16's definition: elements 2k and 2k + 1 read hash32(lo32(i) // 2 ^ fold) low half first."""
+    key = stream_key(3, 1, 4, Stream.STATE)
+    for first in (0, 1 << 20, (1 << 32) - 2, (7 << 32) + 10):
+        for k in range(4):
+            i = first + 2 * k
+            h = hash32_int(((i & 0xFFFFFFFF) >> 1) ^ fold_key(key, i >> 32))
+            assert (random16_int(i, key), random16_int(i + 1, key)) == (h & 0xFFFF, h >> 16)
+
+
+def _unhash32(x: int) -> int:
+    """The inverse of hash32 (each of its steps is invertible: an xor-shift by s >= 16 is its own
+    inverse, the multipliers are odd)."""
+    x ^= x >> 16
+    x = (x * pow(0x846CA68B, -1, 1 << 32)) & 0xFFFFFFFF
+    x ^= (x >> 15) ^ (x >> 30)
+    x = (x * pow(0x7FEB352D, -1, 1 << 32)) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_hash32_is_a_bijection_so_a_pairs_halves_are_uniform_and_independent_over_a_full_period():
+    """hash32 has an inverse (checked on a sample of words), so over the 2**31 pairs of one high half
+    and a key the (low, high) halves of the pair hashes are 2**31 distinct 32-bit words."""
+    words = [0, 1, 0xFFFFFFFF, 0x80000000] + torch.randint(0, 1 << 32, (2000,), dtype=torch.int64).tolist()
+    assert all(_unhash32(hash32_int(w)) == w for w in words)
+    assert len({hash32_int(w) for w in words}) == len(set(words))
+
+
+def test_the_halves_of_a_pair_are_independent_and_unbiased_on_a_tensor():
+    """On 2**20 pairs of one stream: the joint histogram of the top 4 bits of the two elements of a
+    pair (256 cells) and each element's mean fit independent uniform 16-bit draws."""
+    bits = random16(torch.arange(1 << 21, dtype=torch.int64) + 12345678, stream_key(0, 1, 0, Stream.STATE))
+    even, odd = bits[0::2], bits[1::2]   # 12345678 is even: the pairs are (even, odd)
+    cells = torch.bincount((even >> 12) * 16 + (odd >> 12), minlength=256).double()
+    expected = (1 << 20) / 256
+    chi2 = float(((cells - expected) ** 2 / expected).sum())
+    assert chi2 < 330   # 255 degrees of freedom: p < 1e-3 above 330.5
+    for half in (even, odd):
+        assert abs(float(half.double().mean()) - 32767.5) < 4 * 18918 / 1024   # 4 sigma of 2**20 draws
+    assert abs(float(torch.corrcoef(torch.stack([even.double(), odd.double()]))[0, 1])) < 4 / 1024

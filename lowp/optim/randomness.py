@@ -12,10 +12,17 @@ any number of ranks, cut into any chunks, or run by any backend (reference, nati
 torch.compile, Triton) draws the same bits for the same element. Nothing needs checkpointing
 beyond the seed and the step counters.
 
-``random16`` hashes the low 32 bits of ``i`` with the key, after folding the high 32 bits into the
-key, so elements ``i`` and ``i + 2**32`` draw different bits::
+``random16`` hashes half the low 32 bits of ``i`` with the key, after folding the high 32 bits
+into the key (so elements ``i`` and ``i + 2**32`` draw different bits), and hands elements ``2k``
+and ``2k + 1`` the low and the high 16 bits of one hash::
 
-    random16(i, key) = hash32(lo32(i) ^ key ^ hash32(hi32(i))) >> 16      (hash32(0) = 0)
+    random16(i, key) = (h >> 16 * (i & 1)) & 0xFFFF,   h = hash32(lo32(i) // 2 ^ key ^ hash32(hi32(i)))
+
+(``hash32(0) = 0``). One 32-bit hash thus serves two elements: a step that rounds three streams
+per element (AdamW's two moments and the Kahan compensation) hashes 1.5 times per element instead
+of 3. ``hash32`` is a bijection of 32-bit words, so over the ``2**31`` pairs of one ``hi32(i)`` the
+two halves take every one of the ``2**32`` combinations exactly once: each element's 16 bits are
+uniform, and the two elements of a pair are independent.
 
 The default seed is ``torch.initial_seed()``; in a process group of several ranks it is rank 0's
 (:func:`default_seed`), so replicas of a parameter (DistributedDataParallel, replicated DTensor
@@ -163,7 +170,8 @@ def hash32_int(x: int) -> int:
 
 def random16_int(index: int, key: int) -> int:
     """16 random bits of global element ``index`` (``0 <= index < 2**63``) in the stream ``key``."""
-    return hash32_int((index & _MASK32) ^ key ^ hash32_int(index >> 32)) >> 16
+    h = hash32_int(((index & _MASK32) >> 1) ^ key ^ hash32_int(index >> 32))
+    return (h >> 16 * (index & 1)) & 0xFFFF
 
 
 def as_int32(value: int) -> int:
@@ -185,9 +193,10 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 def random16(index: torch.Tensor, key: int) -> torch.Tensor:
     """:func:`random16_int` elementwise on an int64 tensor of global indices; int32 result in
     ``[0, 2**16)``."""
-    lo = (index & _MASK32).to(torch.int32)   # int64 -> int32 keeps the low 32 bits (two's complement)
+    pair = ((index & _MASK32) >> 1).to(torch.int32)   # below 2**31: exact in int32
     hi = hash32((index >> 32).to(torch.int32))
-    return (hash32(lo ^ hi ^ as_int32(key)) >> 16) & 0xFFFF
+    half = ((index & 1) << 4).to(torch.int32)
+    return (hash32(pair ^ hi ^ as_int32(key)) >> half) & 0xFFFF
 
 
 #: hash32's constants as 0-dim int32 tensors: a Python int argument costs each op a conversion
@@ -227,45 +236,63 @@ def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | 
     """``random16(arange(first, first + n), key)`` for each key, as one ``(len(keys), n)`` int32
     tensor (one pass per operation for all streams) with 32-bit arithmetic only.
 
-    The range is cut where the low 32 bits of the index cross a multiple of ``2**31``: within a
-    piece the int32 counts do not wrap and the high bits are constant, so their hash is folded
-    into the key once (:func:`fold_key`). ``hash32``'s first step ``x ^ (x >> 16)`` is linear over
-    xor, and in a piece that starts at a multiple ``lo`` of a power of two at least its length
-    (chunks of whole tensors) ``lo + k == lo ^ k``, so there the step is one xor of the cached
-    ``k ^ (k >> 16)`` with ``c ^ (c >> 16)`` for ``c = lo ^ folded key``; other pieces add their
-    counts and mix in full. The last xor-shift of ``hash32`` leaves the top 16 bits unchanged, so
-    it is skipped: ``random16 = (x >> 16) & 0xFFFF`` with ``x`` the value after the second multiply.
-    With a ``scratch`` the result and its temporary live in its buffers ``"random"`` and
-    ``"random temporary"``.
+    The range is cut where the index crosses a multiple of ``2**32``: within a piece the high bits
+    are constant, so their hash is folded into the key once (:func:`fold_key`), and the pairs
+    ``lo32(i) // 2`` stay below ``2**31``. Each piece hashes its pairs (:func:`_pair_hashes`) and
+    reads the 32-bit hashes as 16-bit halves, low half first (the element order of
+    :func:`random16`): torch's tensors are little-endian. With a ``scratch`` the result and the
+    temporaries live in its buffers ``"random"``, ``"random pairs"`` and ``"random temporary"``.
     """
     device = torch.device(device)
-    if scratch is None:
-        x, t = torch.empty((len(keys), n), dtype=torch.int32, device=device), torch.empty(n, dtype=torch.int32,
-                                                                                           device=device)
-    else:
-        x, t = scratch.take("random", (len(keys), n), torch.int32, device), scratch.take("random temporary", (n,),
-                                                                                        torch.int32, device)
+    x = (torch.empty((len(keys), n), dtype=torch.int32, device=device) if scratch is None
+         else scratch.take("random", (len(keys), n), torch.int32, device))
     j = 0
     while j < n:
         index = first + j
         lo = index & _MASK32
-        end = min(n, j + (1 << 31) - (lo & 0x7FFFFFFF))
-        piece, size = x[:, j:end], end - j
-        folds = [fold_key(key, index >> 32) for key in keys]
-        if lo & ((1 << (size - 1).bit_length()) - 1) == 0:
-            mixed = _cached_arange(_MIXED_COUNTS, size, device, mixed=True)
-            torch.bitwise_xor(mixed.unsqueeze(0), _column([_xorshift16(lo ^ f) for f in folds], device), out=piece)
-        else:
-            counts = torch.add(_cached_arange(_COUNTS, size, device, mixed=False), as_int32(lo))
-            torch.bitwise_xor(counts.unsqueeze(0), _column(folds, device), out=piece)
-            for row in piece.unbind():
-                row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT16, out=t[:size]).bitwise_and_(_LOW16))
+        end = min(n, j + (1 << 32) - lo)
+        size, odd = end - j, lo & 1
+        pairs = (odd + size + 1) >> 1   # pairs lo // 2 .. (lo + size - 1) // 2
+        hashes = _pair_hashes(lo >> 1, pairs, [fold_key(key, index >> 32) for key in keys], device, scratch)
+        x[:, j:end].copy_(hashes.view(torch.int16)[:, odd:odd + size])
         j = end
+    return x.bitwise_and_(_LOW16)
+
+
+def _pair_hashes(pair: int, m: int, folds: list[int], device: torch.device, scratch: Scratch | None) -> torch.Tensor:
+    """``hash32(pair + k ^ fold)`` for ``k < m`` and each fold, as a ``(len(folds), m)`` int32
+    tensor (``pair + m <= 2**31``).
+
+    ``hash32``'s first step ``x ^ (x >> 16)`` is linear over xor, and when ``pair`` is a multiple
+    of a power of two at least ``m`` (chunks of whole tensors) ``pair + k == pair ^ k``, so there
+    the step is one xor of the cached ``k ^ (k >> 16)`` with ``c ^ (c >> 16)`` for ``c = pair ^
+    fold``; otherwise the counts are added and mixed in full.
+    """
+    if scratch is None:
+        x, t = (torch.empty((len(folds), m), dtype=torch.int32, device=device),
+                torch.empty(m, dtype=torch.int32, device=device))
+    else:
+        x, t = (scratch.take("random pairs", (len(folds), m), torch.int32, device),
+                scratch.take("random temporary", (m,), torch.int32, device))
+    if pair & ((1 << (m - 1).bit_length()) - 1) == 0:
+        mixed = _cached_arange(_MIXED_COUNTS, m, device, mixed=True)
+        torch.bitwise_xor(mixed.unsqueeze(0), _column([_xorshift16(pair ^ f) for f in folds], device), out=x)
+    else:
+        counts = torch.add(_cached_arange(_COUNTS, m, device, mixed=False), pair)
+        torch.bitwise_xor(counts.unsqueeze(0), _column(folds, device), out=x)
+        _xorshift_rows(x, _SHIFT16, _LOW16, t)
     x.mul_(_MUL1)
-    for row in x.unbind():   # one row at a time: the temporary stays one row long
-        row.bitwise_xor_(torch.bitwise_right_shift(row, _SHIFT15, out=t).bitwise_and_(_LOW17))
+    _xorshift_rows(x, _SHIFT15, _LOW17, t)
     x.mul_(_MUL2)
-    return x.bitwise_right_shift_(_SHIFT16).bitwise_and_(_LOW16)
+    _xorshift_rows(x, _SHIFT16, _LOW16, t)
+    return x
+
+
+def _xorshift_rows(x: torch.Tensor, shift: torch.Tensor, low: torch.Tensor, t: torch.Tensor) -> None:
+    """``x ^= (x >> shift) & low`` (a logical shift of the int32 words), one row at a time: the
+    temporary ``t`` stays one row long."""
+    for row in x.unbind():
+        row.bitwise_xor_(torch.bitwise_right_shift(row, shift, out=t).bitwise_and_(low))
 
 
 def _column(values: list[int], device: torch.device) -> torch.Tensor | int:

@@ -17,10 +17,12 @@ static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) {
 static inline void write_back_lanes(const Pointers &p, int64_t i, const Rng &rng, const vf w[2], const vf u[2],
                                     vi still[2]) {
   vi top[2], rem[2];
+  vu noise[2];
+  rng.template bits<WEIGHT_STREAM>(noise);
   for (int h = 0; h < 2; h++) {
     const vf sum = w[h] + u[h];
     const vu x = (vu)sum;  // unsigned: the carries wrap as the int32 arithmetic of the reference
-    const vu b2 = ((sum != sum) ? (x | 0x00400000u) : x + (rng.template bits<WEIGHT_STREAM>(h) >> 8)) & ~0xFFu;
+    const vu b2 = ((sum != sum) ? (x | 0x00400000u) : x + (noise[h] >> 8)) & ~0xFFu;
     top[h] = (vi)(b2 + 0x8000u) >> 16;
     rem[h] = (vi)(b2 - ((vu)top[h] << 16)) >> 8;
     still[h] = (vi)(b2 == (vu)w[h]);

@@ -6,11 +6,13 @@ static inline void write_back_lanes(const Pointers &p, int64_t i, const Rng &rng
                                     vi still[2]) {
   vf b[2], newb[2], neww[2];
   load<BT>(p.b, i, b[0], b[1]);
+  vu noise[2];
+  rng.template bits<COMPENSATION_STREAM>(noise);
   for (int h = 0; h < 2; h++) {
     vf v = b[h] + u[h];
     neww[h] = round_to<WT>(w[h] + v);
     vf change = neww[h] - w[h];
-    newb[h] = stochastic_to<BT>(v - change, rng.template bits<COMPENSATION_STREAM>(h));
+    newb[h] = stochastic_to<BT>(v - change, noise[h]);
     still[h] = change == 0.0f;
   }
   store<BT>(p.b, i, newb[0], newb[1]);

@@ -6,8 +6,10 @@ static inline void load_weight(const Pointers &p, int64_t i, vf w[2]) { load<WT>
 static inline void write_back_lanes(const Pointers &p, int64_t i, const Rng &rng, const vf w[2], const vf u[2],
                                     vi still[2]) {
   vf neww[2];
+  vu noise[2];
+  rng.template bits<WEIGHT_STREAM>(noise);
   for (int h = 0; h < 2; h++) {
-    neww[h] = stochastic_to<WT>(w[h] + u[h], rng.template bits<WEIGHT_STREAM>(h));
+    neww[h] = stochastic_to<WT>(w[h] + u[h], noise[h]);
     still[h] = neww[h] == w[h];
   }
   store<WT>(p.w, i, neww[0], neww[1]);

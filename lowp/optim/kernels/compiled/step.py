@@ -8,17 +8,19 @@ single loop (Inductor: vectorised C++ on CPU, Triton on CUDA). Nothing here allo
 full-size buffer once compiled; run eagerly it is a (slow) readable reference of the same math.
 
 Stochastic rounding draws the counter-based bits of :mod:`lowp.optim.randomness` (the same bits as
-every other backend): element ``i`` of stream ``s`` gets ``random16(i, key_s)``. Inside a chunk
-everything is int32 (so Inductor keeps 16-wide bf16 vectors on AVX2): :func:`chunk_keys` folds the
-high 32 bits of the chunk's global indices into the keys on the host, and a chunk whose indices
-cross a multiple of ``2**32`` switches to the next fold at element ``split``::
+every other backend): element ``i`` of stream ``s`` gets ``random16(i, key_s)``, a half of the hash
+of its pair ``lo32(i) // 2``. Inside a chunk everything is int32 (so Inductor keeps 16-wide bf16
+vectors on AVX2): :func:`chunk_keys` folds the high 32 bits of the chunk's global indices into the
+keys on the host, and a chunk whose indices cross a multiple of ``2**32`` switches to the next
+fold at element ``split``::
 
-    j < split:   x = (j + (lo - 2**31)) ^ (key ^ hash32(hi) ^ 2**31)    (= lo + j, xor-ed with the fold)
-    j >= split:  x = (j - split) ^ (key ^ hash32(hi + 1))
-    bits = random16 of x (the last xor-shift of hash32 skipped: it leaves the top 16 bits alone)
+    j < split:   y = j + (lo - 2**31),  pair = (y >> 1) + 2**30,  fold = key ^ hash32(hi)
+    j >= split:  y = j - split,          pair = y >> 1,            fold = key ^ hash32(hi + 1)
+    bits = (hash32(pair ^ fold) >> 16 * (y & 1)) & 0xFFFF
 
 with ``lo, hi`` the low and high halves of the chunk's first global index. Biasing ``lo`` by
-``2**31`` keeps every int32 sum in range (no signed overflow); the bias cancels in the xor.
+``2**31`` keeps every int32 sum in range (no signed overflow): ``y + 2**31 = lo + j``, whose half
+is ``(y >> 1) + 2**30`` (an arithmetic shift) and whose parity is ``y``'s.
 """
 from __future__ import annotations
 
@@ -30,30 +32,27 @@ from lowp.optim.rule import Program
 from lowp.optim.writeback import MODES
 from lowp.optim.writeback.traced import bf16_of, nearest, stochastic_bf16
 
-__all__ = ["fused_step", "chunk_keys", "random16", "stochastic_bf16", "nearest", "bf16_of"]
+__all__ = ["fused_step", "chunk_keys", "stochastic_bf16", "nearest", "bf16_of"]
 
 _BIAS = 1 << 31
 
 
 def chunk_keys(keys: list[int], first: int, n: int, device: torch.device) -> torch.Tensor:
     """The int32 numbers of one chunk of ``n`` elements whose first global index is ``first``:
-    ``[lo - 2**31, split, (fold(hi) ^ 2**31, fold(hi + 1)) per stream]`` (module docstring)."""
+    ``[lo - 2**31, split, (fold(hi), fold(hi + 1)) per stream]`` (module docstring)."""
     lo, hi = first & 0xFFFFFFFF, first >> 32
     values = [as_int32(lo - _BIAS), min(n, (1 << 32) - lo)]
     for key in keys:
-        values += [as_int32(fold_key(key, hi) ^ _BIAS), as_int32(fold_key(key, hi + 1))]
+        values += [as_int32(fold_key(key, hi)), as_int32(fold_key(key, hi + 1))]
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def random16(x: torch.Tensor) -> torch.Tensor:
-    """The top 16 bits of :func:`~lowp.optim.randomness.hash32` (int32 in ``[0, 2**16)``)."""
-    return (hash32(x) >> 16) & 0xFFFF
-
-
 def _stream_bits(j: torch.Tensor, before: torch.Tensor, keys: torch.Tensor, stream: int) -> torch.Tensor:
-    """:func:`random16` of every element of the chunk in stream ``stream`` (see :func:`chunk_keys`)."""
-    x = j + torch.where(before, keys[0], -keys[1])
-    return random16(x ^ torch.where(before, keys[2 + 2 * stream], keys[3 + 2 * stream]))
+    """The random bits of every element of the chunk in stream ``stream`` (see :func:`chunk_keys`)."""
+    y = j + torch.where(before, keys[0], -keys[1])
+    pair = (y >> 1) + (before.to(torch.int32) << 30)
+    h = hash32(pair ^ torch.where(before, keys[2 + 2 * stream], keys[3 + 2 * stream]))
+    return (h >> ((y & 1) << 4)) & 0xFFFF
 
 
 def fused_step(program: Program, mode: str, state_stochastic: tuple[bool, ...], count: bool,

@@ -126,7 +126,7 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
             most[J] = peak_of(most[J], v);
           }
         } else {
-          store<ST[J]>(p.s[J], e, state_value<J>(out[0][J], rng, 0), state_value<J>(out[1][J], rng, 1));
+          store_state<J>(p.s[J], e, out[0][J], out[1][J], rng);
         }
       });
     }
@@ -168,10 +168,10 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
           if constexpr (coded_state(J)) {
             constexpr int KIND = CODE_KINDS[J];
             constexpr bool FIXED = ALL_FIXED && (!fp8_kind<KIND>() || SR);
+            vu noise[2] = {};
+            if constexpr (SR) rng.template bits<STATE_STREAM + J>(noise);
             vi c[2];
-            for (int h = 0; h < 2; h++)
-              c[h] = code_lanes<KIND, SR, FIXED>(t[J][k][h], bs[J], grid[J],
-                                                 SR ? rng.template bits<STATE_STREAM + J>(h) : vu{});
+            for (int h = 0; h < 2; h++) c[h] = code_lanes<KIND, SR, FIXED>(t[J][k][h], bs[J], grid[J], noise[h]);
             Storage<KIND>::store_lanes(p.s[J], e, c[0], c[1]);
           }
         });

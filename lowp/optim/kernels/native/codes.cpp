@@ -32,8 +32,8 @@ struct CountedNoise {
     folded.fold(&key, g);
     const uint32_t lo = (uint32_t)g;
     const vu lanes = (vu){0, 1, 2, 3, 4, 5, 6, 7} + lo;
-    if (__builtin_expect(lo <= 0xFFFFFFF8u, 1)) return random16(lanes ^ bcu(folded.k0[0]));
-    return random16(lanes ^ folded.wrapped(0, lanes, lo));
+    if (__builtin_expect(lo <= 0xFFFFFFF8u, 1)) return random16(lanes, bcu(folded.k0[0]));
+    return random16(lanes, folded.wrapped(0, lanes, lo));
   }
   // the noise of a block of ``n`` elements padded to a multiple of 8 (the bits are computed: no read)
   inline CountedNoise &padded(int64_t, int32_t *) { return *this; }

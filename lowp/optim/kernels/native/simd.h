@@ -71,9 +71,9 @@ static inline vi widen(vhs x) { return (vi)_mm256_cvtepi16_epi32((__m128i)x); }
 static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
 
 // ---- counter-based random bits (lowp/optim/randomness.py) ---------------------------------------
-// random16(i, key) = hash32(lo32(i) ^ key ^ hash32(hi32(i))) >> 16. The key with the high half
-// folded in is computed per block on the host side of the vectors (scalar_hash32, FoldedKeys);
-// hash32's last xor-shift leaves the top 16 bits alone, so random16 skips it.
+// random16(i, key) = half (i & 1) of hash32(lo32(i) / 2 ^ key ^ hash32(hi32(i))): elements 2k and 2k + 1
+// take the low and the high 16 bits of one hash. The key with the high half folded in is computed
+// per block on the host side of the vectors (scalar_hash32, FoldedKeys).
 static inline uint32_t scalar_hash32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -102,16 +102,21 @@ static inline void stream_keys(uint64_t seed, uint64_t step, uint64_t param_id, 
 static inline vu mix16(vu x) { return x ^ (x >> 16); }
 static inline uint32_t mix16(uint32_t x) { return x ^ (x >> 16); }
 
-// random16 of x whose first step is done: mixed = mix16(x).
-static inline vu random16_mixed(vu mixed) {
+// hash32 of x whose first step is done (mixed = mix16(x)), but for its last xor-shift, which leaves
+// the top 16 bits alone: high16 and low16 read hash32's two halves from it.
+static inline vu hash32_mixed(vu mixed) {
   vu x = mixed * 0x7FEB352Du;
   x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x >> 16;
+  return x * 0x846CA68Bu;
 }
+static inline vu high16(vu unfinished) { return unfinished >> 16; }
+static inline vu low16(vu unfinished) { return (unfinished ^ (unfinished >> 16)) & 0xFFFFu; }
 
-static inline vu random16(vu x) { return random16_mixed(mix16(x)); }
-
+// random16 of lanes whose low index halves are ``lo`` under a key (folded, not mixed) per lane.
+static inline vu random16(vu lo, vu key) {
+  const vu x = hash32_mixed(mix16((lo >> 1) ^ key));
+  return ((x ^ (x >> 16)) >> ((lo & 1u) << 4)) & 0xFFFFu;
+}
 
 // The keys of N random streams folded with the high half of an element index, cached for the
 // high half ``hi`` of the last block seen: k0[s] = key[s] ^ hash32(hi) and, for the lanes of a

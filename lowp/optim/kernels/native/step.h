@@ -45,13 +45,26 @@ struct StreamKeys {
   vu key[2][STREAMS];
 };
 
-// The random streams of one block of BLOCK elements: the low 32 bits of the global index of the
-// even and odd lanes, and the StreamKeys of the block, which many blocks share (an Rng holds them
-// by pointer: copying them with every block cost the step 2-4% of its instructions).
+// The random streams of one block of BLOCK elements: half the low 32 bits of the global index of
+// the even and odd lanes (the pairs of random16), and the StreamKeys of the block, which many blocks
+// share (an Rng holds them by pointer: copying them with every block cost the step 2-4% of its
+// instructions). When the block's first index is even, lane l's two elements are one pair: one hash
+// per lane and stream gives both lanes' bits.
 struct Rng {
-  vu lo[2];
+  vu pair[2];
   const StreamKeys *keys;
-  template <int S> inline vu bits(int h) const { return random16_mixed(mix16(lo[h]) ^ keys->key[h][S]); }
+  bool shared;
+  // The 16 random bits of stream S of the even (out[0]) and odd (out[1]) lanes.
+  template <int S> inline void bits(vu out[2]) const {
+    const vu x = hash32_mixed(mix16(pair[0]) ^ keys->key[0][S]);
+    if (__builtin_expect(shared, 1)) {
+      out[0] = low16(x);
+      out[1] = high16(x);
+      return;
+    }
+    out[0] = high16(x);  // odd elements in the even lanes, even ones in the odd lanes
+    out[1] = low16(hash32_mixed(mix16(pair[1]) ^ keys->key[1][S]));
+  }
 };
 
 // The streams of one tensor: its keys (stream_key per stream), folded with the high half of the
@@ -66,7 +79,8 @@ struct TensorStreams {
     const uint32_t lo = (uint32_t)first;
     vu even;
     for (int l = 0; l < LANES; l++) even[l] = 2 * l;
-    const Rng r{{even + lo, even + (lo + 1u)}, &out};
+    const vu lanes[2] = {even + lo, even + (lo + 1u)};
+    const Rng r{{lanes[0] >> 1, lanes[1] >> 1}, &out, (first & 1) == 0};
     if (__builtin_expect(lo <= 0xFFFFFFFFu - (BLOCK - 1), 1)) {  // the block stays below the next multiple of 2^32
       for (int h = 0; h < 2; h++)
         for (int s = 0; s < STREAMS; s++)
@@ -75,7 +89,7 @@ struct TensorStreams {
     }
     for (int h = 0; h < 2; h++)
       for (int s = 0; s < STREAMS; s++)
-        if (used_stream(s)) out.key[h][s] = mix16(folded.wrapped(s, r.lo[h], lo));
+        if (used_stream(s)) out.key[h][s] = mix16(folded.wrapped(s, lanes[h], lo));
     return r;
   }
 };
@@ -97,7 +111,8 @@ struct GroupRng {
   GroupRng &operator=(const GroupRng &) = delete;
   // the Rng of the block from group element ``j``
   inline Rng at(int64_t j) {
-    if (__builtin_expect(one_half, 1)) return Rng{{rng0.lo[0] + (uint32_t)j, rng0.lo[1] + (uint32_t)j}, rng0.keys};
+    if (__builtin_expect(one_half, 1))  // j is a multiple of BLOCK: the pairs move on by j / 2
+      return Rng{{rng0.pair[0] + (uint32_t)(j >> 1), rng0.pair[1] + (uint32_t)(j >> 1)}, rng0.keys, rng0.shared};
     return streams.at(first + j, crossing);
   }
 };
@@ -109,10 +124,16 @@ template <int DT> static inline vf stochastic_to(vf x, vu noise) {
   else return x;
 }
 
-// The stored value of new state J: stochastic rounding for 16-bit states when asked, else nearest.
-template <int J> static inline vf state_value(vf x, const Rng &rng, int h) {
-  if constexpr (SR && ST[J] != F32) return stochastic_to<ST[J]>(x, rng.template bits<STATE_STREAM + J>(h));
-  else return round_to<ST[J]>(x);
+// New state J of a block (even, odd lanes) stored: stochastic rounding for 16-bit states when asked,
+// else nearest.
+template <int J> static inline void store_state(void *ptr, int64_t i, const vf &even, const vf &odd, const Rng &rng) {
+  if constexpr (SR && ST[J] != F32) {
+    vu noise[2];
+    rng.template bits<STATE_STREAM + J>(noise);
+    store<ST[J]>(ptr, i, stochastic_to<ST[J]>(even, noise[0]), stochastic_to<ST[J]>(odd, noise[1]));
+  } else {
+    store<ST[J]>(ptr, i, round_to<ST[J]>(even), round_to<ST[J]>(odd));
+  }
 }
 
 // The write-back mode: load_weight(p, i, w), the weight of a block as (even, odd) fp32 vectors
@@ -148,7 +169,7 @@ static inline void update_block(const Pointers &p, int64_t i, const rule_uniform
   for (int h = 0; h < 2; h++) u[h] = rule(r, w[h], g[h], s[h], out[h]);
   for_states([&](auto j) {
     constexpr int J = decltype(j)::value;
-    store<ST[J]>(p.s[J], i, state_value<J>(out[0][J], rng, 0), state_value<J>(out[1][J], rng, 1));
+    store_state<J>(p.s[J], i, out[0][J], out[1][J], rng);
   });
 }
 
