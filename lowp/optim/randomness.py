@@ -12,17 +12,23 @@ any number of ranks, cut into any chunks, or run by any backend (reference, nati
 torch.compile, Triton) draws the same bits for the same element. Nothing needs checkpointing
 beyond the seed and the step counters.
 
-``random16`` hashes half the low 32 bits of ``i`` with the key, after folding the high 32 bits
-into the key (so elements ``i`` and ``i + 2**32`` draw different bits), and hands elements ``2k``
-and ``2k + 1`` the low and the high 16 bits of one hash::
+``random16`` hashes the pair index ``p = i // 2`` as the elements' own indices would be hashed
+(its low 32 bits with the key, after folding its high 32 bits into the key, so pairs ``2**32``
+apart draw different bits) and hands elements ``2k`` and ``2k + 1`` the low and the high 16 bits
+of their pair's hash::
 
-    random16(i, key) = (h >> 16 * (i & 1)) & 0xFFFF,   h = hash32(lo32(i) // 2 ^ key ^ hash32(hi32(i)))
+    random16(i, key) = (h >> 16 * (i & 1)) & 0xFFFF,   h = hash32(lo32(p) ^ key ^ hash32(hi32(p))),  p = i // 2
 
-(``hash32(0) = 0``). One 32-bit hash thus serves two elements: a step that rounds three streams
-per element (AdamW's two moments and the Kahan compensation) hashes 1.5 times per element instead
-of 3. ``hash32`` is a bijection of 32-bit words, so over the ``2**31`` pairs of one ``hi32(i)`` the
-two halves take every one of the ``2**32`` combinations exactly once: each element's 16 bits are
-uniform, and the two elements of a pair are independent.
+(``hash32(0) = 0``). One 32-bit hash thus serves two elements: the reference and the native
+kernel hash 1.5 times per element for a step that rounds three streams (AdamW's two moments and
+the Kahan compensation) instead of 3 times. ``hash32`` is a bijection of 32-bit words, so over the
+``2**32`` pairs of one ``hi32(p)`` its input takes every word once, and so does its output: the
+two halves take every one of the ``2**32`` combinations of values exactly once. Each element's
+16 bits are uniform, and the two elements of a pair independent, over that period.
+
+Backends work per ``2**32`` elements of one ``hi = hi32(i)``, where ``lo32(p) = lo32(i) // 2 +
+(hi & 1) * 2**31``: they xor ``lo32(i) // 2`` with :func:`fold_key`, which folds ``hash32(hi //
+2)`` and the top bit ``(hi & 1) * 2**31`` into the key.
 
 The default seed is ``torch.initial_seed()``; in a process group of several ranks it is rank 0's
 (:func:`default_seed`), so replicas of a parameter (DistributedDataParallel, replicated DTensor
@@ -38,6 +44,7 @@ import array
 import functools
 import itertools
 import math
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -153,9 +160,10 @@ def stream_key_table(seed: int, step: int, param_ids: np.ndarray, streams: int) 
 
 
 def fold_key(key: int, hi: int) -> int:
-    """``key ^ hash32(hi)``: the key that :func:`random16` applies to the low 32 bits of every index
-    whose high 32 bits are ``hi`` (so a range of indices with one ``hi`` needs only 32-bit math)."""
-    return (key ^ hash32_int(hi)) & _MASK32
+    """``key ^ hash32(hi // 2) ^ (hi & 1) * 2**31``: the key that :func:`random16` xors with
+    ``lo32(i) // 2`` for every index ``i`` whose high 32 bits are ``hi`` (so a range of indices
+    with one ``hi`` needs only 32-bit math)."""
+    return (key ^ hash32_int(hi >> 1) ^ ((hi & 1) << 31)) & _MASK32
 
 
 def hash32_int(x: int) -> int:
@@ -170,7 +178,8 @@ def hash32_int(x: int) -> int:
 
 def random16_int(index: int, key: int) -> int:
     """16 random bits of global element ``index`` (``0 <= index < 2**63``) in the stream ``key``."""
-    h = hash32_int(((index & _MASK32) >> 1) ^ key ^ hash32_int(index >> 32))
+    pair = index >> 1
+    h = hash32_int((pair & _MASK32) ^ key ^ hash32_int(pair >> 32))
     return (h >> 16 * (index & 1)) & 0xFFFF
 
 
@@ -193,10 +202,11 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 def random16(index: torch.Tensor, key: int) -> torch.Tensor:
     """:func:`random16_int` elementwise on an int64 tensor of global indices; int32 result in
     ``[0, 2**16)``."""
-    pair = ((index & _MASK32) >> 1).to(torch.int32)   # below 2**31: exact in int32
-    hi = hash32((index >> 32).to(torch.int32))
+    pair = index >> 1
+    lo = (pair & _MASK32).to(torch.int32)   # int64 -> int32 keeps the low 32 bits (two's complement)
+    hi = hash32((pair >> 32).to(torch.int32))
     half = ((index & 1) << 4).to(torch.int32)
-    return (hash32(pair ^ hi ^ as_int32(key)) >> half) & 0xFFFF
+    return (hash32(lo ^ hi ^ as_int32(key)) >> half) & 0xFFFF
 
 
 #: hash32's constants as 0-dim int32 tensors: a Python int argument costs each op a conversion
@@ -240,7 +250,7 @@ def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | 
     are constant, so their hash is folded into the key once (:func:`fold_key`), and the pairs
     ``lo32(i) // 2`` stay below ``2**31``. Each piece hashes its pairs (:func:`_pair_hashes`) and
     reads the 32-bit hashes as 16-bit halves, low half first (the element order of
-    :func:`random16`): torch's tensors are little-endian. With a ``scratch`` the result and the
+    :func:`random16`). With a ``scratch`` the result and the
     temporaries live in its buffers ``"random"``, ``"random pairs"`` and ``"random temporary"``.
     """
     device = torch.device(device)
@@ -254,9 +264,17 @@ def random16_ranges(first: int, n: int, keys: list[int], device: torch.device | 
         size, odd = end - j, lo & 1
         pairs = (odd + size + 1) >> 1   # pairs lo // 2 .. (lo + size - 1) // 2
         hashes = _pair_hashes(lo >> 1, pairs, [fold_key(key, index >> 32) for key in keys], device, scratch)
-        x[:, j:end].copy_(hashes.view(torch.int16)[:, odd:odd + size])
+        x[:, j:end].copy_(_halves(hashes)[:, odd:odd + size])
         j = end
     return x.bitwise_and_(_LOW16)
+
+
+def _halves(hashes: torch.Tensor) -> torch.Tensor:
+    """The 16-bit halves of int32 ``hashes`` (rows of ``m``), low half first: ``(rows, 2 m)``
+    int16 values (sign-extended when widened; :func:`random16_ranges` masks them)."""
+    if sys.byteorder == "little":   # the int32 words' own bytes: no pass over them
+        return hashes.view(torch.int16)
+    return torch.stack([hashes, hashes >> 16], dim=-1).to(torch.int16).flatten(-2)
 
 
 def _pair_hashes(pair: int, m: int, folds: list[int], device: torch.device, scratch: Scratch | None) -> torch.Tensor:

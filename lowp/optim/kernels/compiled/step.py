@@ -9,13 +9,13 @@ full-size buffer once compiled; run eagerly it is a (slow) readable reference of
 
 Stochastic rounding draws the counter-based bits of :mod:`lowp.optim.randomness` (the same bits as
 every other backend): element ``i`` of stream ``s`` gets ``random16(i, key_s)``, a half of the hash
-of its pair ``lo32(i) // 2``. Inside a chunk everything is int32 (so Inductor keeps 16-wide bf16
+of its pair ``i // 2``. Inside a chunk everything is int32 (so Inductor keeps 16-wide bf16
 vectors on AVX2): :func:`chunk_keys` folds the high 32 bits of the chunk's global indices into the
 keys on the host, and a chunk whose indices cross a multiple of ``2**32`` switches to the next
 fold at element ``split``::
 
-    j < split:   y = j + (lo - 2**31),  pair = (y >> 1) + 2**30,  fold = key ^ hash32(hi)
-    j >= split:  y = j - split,          pair = y >> 1,            fold = key ^ hash32(hi + 1)
+    j < split:   y = j + (lo - 2**31),  pair = (y >> 1) + 2**30,  fold = fold_key(key, hi)
+    j >= split:  y = j - split,          pair = y >> 1,            fold = fold_key(key, hi + 1)
     bits = (hash32(pair ^ fold) >> 16 * (y & 1)) & 0xFFFF
 
 with ``lo, hi`` the low and high halves of the chunk's first global index. Biasing ``lo`` by

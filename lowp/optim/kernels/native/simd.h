@@ -71,15 +71,22 @@ static inline vi widen(vhs x) { return (vi)_mm256_cvtepi16_epi32((__m128i)x); }
 static inline vf select(vi mask, vf a, vf b) { return mask ? a : b; }
 
 // ---- counter-based random bits (lowp/optim/randomness.py) ---------------------------------------
-// random16(i, key) = half (i & 1) of hash32(lo32(i) / 2 ^ key ^ hash32(hi32(i))): elements 2k and 2k + 1
-// take the low and the high 16 bits of one hash. The key with the high half folded in is computed
-// per block on the host side of the vectors (scalar_hash32, FoldedKeys).
+// random16(i, key) = half (i & 1) of hash32(lo32(p) ^ key ^ hash32(hi32(p))) for the pair p = i / 2:
+// elements 2k and 2k + 1 take the low and the high 16 bits of one hash. Per 2^32 elements of one
+// hi = hi32(i), lo32(p) = lo32(i) / 2 + (hi & 1) 2^31: the lanes xor lo32(i) / 2 with the key folded
+// with hash32(hi / 2) and that top bit (fold_key), computed per block on the host side of the
+// vectors (scalar_hash32, FoldedKeys).
 static inline uint32_t scalar_hash32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
   x *= 0x846CA68Bu;
   return x ^ (x >> 16);
+}
+
+// lowp/optim/randomness.py's fold_key: the key of the indices whose high half is ``hi``.
+static inline uint32_t fold_key(uint32_t key, uint64_t hi) {
+  return key ^ scalar_hash32((uint32_t)(hi >> 1)) ^ ((uint32_t)(hi & 1) << 31);
 }
 
 // The stream keys of one parameter at one step, as lowp/optim/randomness.py's stream_keys (bit for
@@ -119,8 +126,8 @@ static inline vu random16(vu lo, vu key) {
 }
 
 // The keys of N random streams folded with the high half of an element index, cached for the
-// high half ``hi`` of the last block seen: k0[s] = key[s] ^ hash32(hi) and, for the lanes of a
-// block that cross into the next multiple of 2^32, k1[s] = key[s] ^ hash32(hi + 1). The step
+// high half ``hi`` of the last block seen: k0[s] = fold_key(key[s], hi) and, for the lanes of a
+// block that cross into the next multiple of 2^32, k1[s] = fold_key(key[s], hi + 1). The step
 // (step.h, the streams of a tensor, 16 elements as even and odd lanes) and the codec (codes.h, one
 // stream, 8 consecutive elements) lay the lanes out differently; the keys are these.
 template <int N> struct FoldedKeys {
@@ -132,8 +139,8 @@ template <int N> struct FoldedKeys {
     if ((first >> 32) == hi) return;
     hi = first >> 32;
     for (int s = 0; s < N; s++) {
-      k0[s] = keys[s] ^ scalar_hash32((uint32_t)hi);
-      k1[s] = keys[s] ^ scalar_hash32((uint32_t)(hi + 1));
+      k0[s] = fold_key(keys[s], hi);
+      k1[s] = fold_key(keys[s], hi + 1);
     }
   }
   // Stream s's key per lane for the low index halves ``lanes`` of a block whose element 0 has low

@@ -41,12 +41,13 @@ def hash32(x):
 @triton.jit
 def random16(index, KEYS, STREAM: tl.constexpr):
     """randomness.random16 of the int64 global ``index`` in stream ``STREAM`` of the tensor whose
-    keys ``KEYS`` points at: a half (``index & 1``) of the hash of the pair ``lo32(index) // 2``."""
+    keys ``KEYS`` points at: a half (``index & 1``) of the hash of its pair ``index // 2``."""
     key = tl.load(KEYS + STREAM).to(tl.uint32)
-    pair = ((index & 0xFFFFFFFF) >> 1).to(tl.uint32)
-    hi = (index >> 32).to(tl.uint32)
+    pair = index >> 1
+    lo = (pair & 0xFFFFFFFF).to(tl.uint32)
+    hi = (pair >> 32).to(tl.uint32)
     half = ((index & 1) << 4).to(tl.uint32)
-    return ((hash32(pair ^ key ^ hash32(hi)) >> half) & 0xFFFF).to(tl.int32)
+    return ((hash32(lo ^ key ^ hash32(hi)) >> half) & 0xFFFF).to(tl.int32)
 
 
 @triton.jit
