@@ -122,3 +122,13 @@ def test_the_halves_of_a_pair_are_independent_and_unbiased_on_a_tensor():
     for half in (even, odd):
         assert abs(float(half.double().mean()) - 32767.5) < 4 * 18918 / 1024   # 4 sigma of 2**20 draws
     assert abs(float(torch.corrcoef(torch.stack([even.double(), odd.double()]))[0, 1])) < 4 / 1024
+
+
+def test_a_big_endian_host_reads_the_same_halves(monkeypatch):
+    """random16_ranges reads the hashes' 16-bit halves through the int32 words' bytes on a
+    little-endian host and by shifts otherwise: both give random16's bits."""
+    import sys
+    key = stream_key(2, 7, 1, Stream.STATE)
+    want = random16(torch.arange(999, 999 + 301, dtype=torch.int64), key)
+    monkeypatch.setattr(sys, "byteorder", "big")
+    assert torch.equal(random16_range(999, 301, key), want)
