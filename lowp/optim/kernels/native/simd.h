@@ -122,7 +122,7 @@ static inline vu low16(vu unfinished) { return (unfinished ^ (unfinished >> 16))
 // random16 of lanes whose low index halves are ``lo`` under a key (folded, not mixed) per lane.
 static inline vu random16(vu lo, vu key) {
   const vu x = hash32_mixed(mix16((lo >> 1) ^ key));
-  return ((x ^ (x >> 16)) >> ((lo & 1u) << 4)) & 0xFFFFu;
+  return (lo & 1u) != 0u ? high16(x) : low16(x);
 }
 
 // The keys of N random streams folded with the high half of an element index, cached for the
