@@ -503,3 +503,24 @@ def test_the_library_reference_itself_equals_the_kernel_on_fp32_weights():
             opt.step()
         runs.append(p)
     assert torch.equal(*runs)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) reads the built library")
+@pytest.mark.parametrize("kw", [{}, dict(mode="exact8", state_dtype=dict(exp_avg=torch.int8, exp_avg_sq=torch.uint8))],
+                         ids=["defaults", "5 bytes per parameter"])
+def test_the_step_libraries_prefetch(tmp_path, monkeypatch, kw):
+    """The unit loops' software prefetch (step.h's prefetch_group) is in the built step: GCC once
+    deleted it silently (an out-of-line call with prefetches as its only effect), which only a
+    timing would have shown."""
+    import subprocess
+
+    monkeypatch.setenv("LOWP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_LOADED", {})
+    p = torch.nn.Parameter(torch.randn(4096).bfloat16())
+    p.grad = torch.randn(4096).bfloat16()
+    opt = lo.AdamW([p], lr=1e-3, backend="native", **kw)
+    opt.step()
+    assert_fused(opt, 4096)
+    (library,) = (tmp_path / "kernels").glob("step-*.so")
+    listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    assert listing.count("prefetch") >= 5   # weight, gradient, buffer and two states' streams

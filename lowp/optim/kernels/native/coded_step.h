@@ -182,6 +182,14 @@ __attribute__((always_inline)) static inline void coded_group(const Pointers &p,
   }
 }
 
+// Byte offsets of state J's elements, its codes' when it is coded (step.h's prefetch_group).
+struct CodedBytes {
+  template <int J> static inline int64_t of(int64_t i) {
+    if constexpr (coded_state(J)) return code_offset<CODE_KINDS[J]>(i);
+    else return PlainBytes::of<J>(i);
+  }
+};
+
 // Bytes of ``count`` elements of role ``role`` (coded states: their codes).
 static inline int64_t role_bytes(int role, int64_t count) {
   if (role >= 3 && coded_state(role - 3)) return CODE_BITS[role - 3] == 4 ? (count + 1) / 2 : count;
@@ -229,9 +237,12 @@ extern "C" int64_t lowp_coded_step(int64_t tensors, void *const *ptrs, const int
     void *own[NSTATES + 1] = {};
     for (int j = 0; j < NSTATES; j++) own[j] = scales[j * tensors + tensor];
     int64_t i = start;
-    for (; i + CODED_GROUP <= end; i += CODED_GROUP)
+    for (; i + CODED_GROUP <= end; i += CODED_GROUP) {
+      if (i + (PREFETCH_GROUPS + 1) * CODED_GROUP <= end)
+        prefetch_group<CODED_GROUP, CodedBytes>(p, i + PREFETCH_GROUPS * CODED_GROUP);
       coded_group<false>(p, i, own, i / CODE_BLOCK, base + i, SUBS, CODED_GROUP, streams, r, factor, grid.data(),
                          stalled);
+    }
     if (i < end) coded_tail(p, i, end - i, own, base, streams, r, factor, grid.data(), stalled);
   });
 }
