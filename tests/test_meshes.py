@@ -76,7 +76,8 @@ PEER_ERRORS = {"pieces": "ExchangeError: sharded sums: another rank failed befor
                "load": "PeerFailed: another rank failed before the ranks agreed on their checks",
                "translate": "PeerFailed: another rank failed before the ranks agreed on their checks",
                "read": "PeerFailed: another rank failed before the ranks agreed on their checks",
-               "place": "PeerFailed: another rank failed before the ranks agreed on their checks"}
+               "place": "PeerFailed: another rank failed before the ranks agreed on their checks",
+               "states": "PeerFailed: another rank failed before the ranks agreed on their checks"}
 
 
 def test_messages_of_the_lengths_of_the_last_exchange_take_one_all_gather(four_ranks):
@@ -102,8 +103,10 @@ def test_messages_of_the_lengths_of_the_last_exchange_take_one_all_gather(four_r
 def test_a_rank_that_fails_before_a_collective_fails_its_stage_cleanly(four_ranks, k):
     """Rank 3 fails (injected) while making its pieces of StableAdamW's sums, preparing its step
     before their exchange (staging the kernel's launches; the reference's preparation), checking
-    its gradients for the agreement on non-finite ones, or in a load: translating the state dict
-    (which may run a third-party ``dequantize``), reading a group, checking a
+    its gradients for the agreement on non-finite ones, making the states of a full step of
+    StableAdamW or Adafactor (made before that agreement, so its failure travels in it), or in a
+    load: translating the state dict (which may run a third-party ``dequantize``), reading a
+    group, checking a
     state laid out again while rank 2 goes on to lay out the next parameter's (a redistribution),
     checking the values. It still takes part in the next collective, so rank 2 raises instead of
     waiting for it, rank 3 raises its own error, neither changed anything (the load, made again

@@ -38,7 +38,7 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol, Sequence, cast
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, cast
 
 import torch
 
@@ -94,8 +94,8 @@ class LowpOptimizer(backends.LowpOptimizer, Protocol):
                    coded_states: list[CodedState] | None = None) -> dict[str, Any]:
         """Create the missing state entries of ``p``."""
 
-    def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor],
-                      force: bool = False) -> list[bool]:
+    def _finite_flags(self, grads: list[torch.Tensor], params: list[torch.Tensor], force: bool = False,
+                      before: Callable[[list[bool]], None] | None = None) -> list[bool]:
         """:func:`finite_flags`, bound."""
 
 
@@ -133,16 +133,20 @@ class _Undo:
         if state and any(n in state for n in BUFFER_NAMES if n != mode.buffer_name):
             self.weights.append((p, sharding.local(p).detach().clone()))
 
-    def restore(self, states: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Put back every remembered state entry and weight."""
+    def restore(self, states: dict[torch.Tensor, dict[str, Any]], only: Sequence[torch.Tensor] | None = None) -> None:
+        """Put back every remembered state entry and weight (``only``: those of these parameters)."""
+        keep = None if only is None else {id(p) for p in only}
         for p, entries in reversed(self.entries):
+            if keep is not None and id(p) not in keep:
+                continue
             if entries is None:
                 states.pop(p, None)
             else:
                 states[p].clear()
                 states[p].update(entries)
         for p, weight in self.weights:
-            sharding.local(p).detach().copy_(weight)
+            if keep is None or id(p) in keep:
+                sharding.local(p).detach().copy_(weight)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -155,14 +159,21 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def finite_flags(optimizer: LowpOptimizer, grads: list[torch.Tensor], params: list[torch.Tensor],
-                 force: bool = False) -> list[bool]:
+                 force: bool = False, before: Callable[[list[bool]], None] | None = None) -> list[bool]:
     """Per (local) gradient: finite; for DTensor parameters finite on every rank, whose step counts
     are compared in the same all-reduces (:class:`~lowp.optim.collectives.CountsDiffer` on every
     rank when they differ). All ``True`` without a look under ``nonfinite="off"``, unless
-    ``force``."""
+    ``force``. ``before(flags)`` runs with this rank's own flags before they are agreed (the step
+    makes its missing states there, :func:`run`): an error in it reaches the other ranks in the
+    agreement's all-reduces (:class:`~lowp.optim.collectives.PeerFailed` there) instead of leaving
+    them waiting in the step's later collectives (gathers, the exchange of sharded sums)."""
+    def compute(flags: list[bool]) -> list[bool]:
+        if before is not None:
+            before(flags)
+        return flags
     if optimizer.nonfinite == "off" and not force:
-        return [True] * len(grads)
-    return collectives.agree(lambda: optimizer.backend.finite_flags(grads), params,
+        return compute([True] * len(grads))
+    return collectives.agree(lambda: compute(optimizer.backend.finite_flags(grads)), params,
                             optimizer.nonfinite == "skip_step", step_counts(optimizer, params))
 
 
@@ -321,7 +332,12 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
         subset: Sequence[torch.Tensor] | None = None, agreed: list[bool] | None = None) -> bool:
     """Step the checked ``todo`` (:func:`prepare`): the non-finite policy (skipped when the
     gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
-    ``nonfinite="off"``), then a :class:`StepPlan` (states created, nothing written) and its
+    ``nonfinite="off"``), with the missing states of the parameters this rank found finite made
+    before the flags are agreed over the ranks (:func:`finite_flags`: running out of memory there
+    makes every rank of the agreement raise, none waits in a later collective; under
+    ``nonfinite="off"`` there is no agreement to carry it), taken back on any error before the
+    plan is made and for the parameters another rank's flags skip; then a :class:`StepPlan`
+    (nothing written) and its
     :meth:`~StepPlan.execute` (the writes, with Ctrl-C held until they are done). ``keep_plan``:
     keep the plan for the next steps (:meth:`lowp.optim.cached_step.Plans.after_full_step`), of a
     whole ``step()`` or of ``step_params(subset)``. ``agreed``: the non-finite flags of ``todo``,
@@ -333,12 +349,28 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
     grads = [sharding.local_grad(p) for p in params]
     if agreed is not None and len(agreed) != len(todo):
         raise RuntimeError(f"step: {len(agreed)} agreed non-finite flags for {len(todo)} parameters with a gradient")
-    finite = agreed if agreed is not None else \
-        [True] * len(todo) if checked else optimizer._finite_flags(grads, params, force_check)
-    if not all(finite) and optimizer.nonfinite == "skip_step":
-        optimizer.skipped_steps += 1
-        return False
-    plan = StepPlan(optimizer, [(t, g) for t, g, ok in zip(todo, grads, finite) if ok])
+    made = _Undo()   # the states made for this step, taken back unless it plans them
+
+    def make_states(flags: list[bool]) -> None:
+        for t, ok in zip(todo, flags):
+            if ok:
+                made.remember(optimizer.state, t.param, t.mode)
+                optimizer.init_state(t.group, t.param, t.mode, t.coded)
+    try:
+        if agreed is not None or checked:
+            finite = agreed if agreed is not None else [True] * len(todo)
+            make_states(finite)
+        else:   # the states made before the flags' agreement: a failure reaches every rank in it
+            finite = optimizer._finite_flags(grads, params, force_check, make_states)
+        if not all(finite) and optimizer.nonfinite == "skip_step":
+            made.restore(optimizer.state)
+            optimizer.skipped_steps += 1
+            return False
+        made.restore(optimizer.state, [p for p, ok in zip(params, finite) if not ok])   # skipped on another rank
+        plan = StepPlan(optimizer, [(t, g) for t, g, ok in zip(todo, grads, finite) if ok])
+    except BaseException:
+        made.restore(optimizer.state)
+        raise
     with deferred_interrupts():
         plan.execute(inv_scale, new_step, update_weights)
         optimizer.skipped_params += finite.count(False)
