@@ -5,7 +5,9 @@
    changes, a gradient sharing memory with a weight the step writes included.
 2. **Plan** (:class:`StepPlan`): the parameters with finite gradients (the ``nonfinite`` policy)
    get their missing states and buffers (zeros, or a mode switch's folded buffer,
-   :mod:`lowp.optim.state_layout`) and their sharded slices gathered, and are grouped into jobs;
+   :mod:`lowp.optim.state_layout`; :func:`run` makes them inside the check whose flags the ranks
+   agree on, so a failure there reaches every rank) and their sharded slices gathered, and are
+   grouped into jobs;
    nothing a step reads is written, and on any error (a failed gather, an interrupt) every state
    entry and folded weight is put back.
 3. **Execute** (:meth:`StepPlan.execute`): every job is first prepared by the optimizer's backend
