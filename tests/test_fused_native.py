@@ -505,13 +505,18 @@ def test_the_library_reference_itself_equals_the_kernel_on_fp32_weights():
     assert torch.equal(*runs)
 
 
+FIVE_BYTES = dict(mode="exact8", state_dtype=dict(exp_avg=torch.int8, exp_avg_sq=torch.uint8))
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) reads the built library")
-@pytest.mark.parametrize("kw", [{}, dict(mode="exact8", state_dtype=dict(exp_avg=torch.int8, exp_avg_sq=torch.uint8))],
+@pytest.mark.parametrize("kw,lines", [({}, 5 * 8),   # weight, gradient, compensation, two states: 512 bytes each
+                                      (FIVE_BYTES, 2 * 8 + 3 * 4)],   # bf16 weight, gradient; 1-byte remainder, codes
                          ids=["defaults", "5 bytes per parameter"])
-def test_the_step_libraries_prefetch(tmp_path, monkeypatch, kw):
-    """The unit loops' software prefetch (step.h's prefetch_group) is in the built step: GCC once
-    deleted it silently (an out-of-line call with prefetches as its only effect), which only a
-    timing would have shown."""
+def test_the_step_libraries_prefetch(tmp_path, monkeypatch, kw, lines):
+    """The unit loops' software prefetch (step.h's prefetch_group) is in the built step, every
+    64-byte line of every stream of a 256-element group (the loops unrolled): GCC deleted it
+    silently twice (an out-of-line call with prefetches as its only effect: the whole group's,
+    then the states' through for_states' lambda), which only a timing would have shown."""
     import subprocess
 
     monkeypatch.setenv("LOWP_CACHE_DIR", str(tmp_path))
@@ -523,4 +528,5 @@ def test_the_step_libraries_prefetch(tmp_path, monkeypatch, kw):
     assert_fused(opt, 4096)
     (library,) = (tmp_path / "kernels").glob("step-*.so")
     listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
-    assert listing.count("prefetch") >= 5   # weight, gradient, buffer and two states' streams
+    count = listing.count("prefetch")
+    assert count >= lines and count % lines == 0, (count, lines)   # whole groups' worth

@@ -278,6 +278,7 @@ static constexpr int64_t PREFETCH_GROUPS = 2;
 // Ask for the ``bytes`` from ``base + offset``, for writing when RW (one request per 64-byte line).
 template <int RW> __attribute__((always_inline)) static inline void prefetch_bytes(const void *base, int64_t offset, int64_t bytes) {
   const char *a = (const char *)base + offset;
+#pragma GCC unroll 16
   for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(a + k, RW, 3);
 }
 
@@ -286,6 +287,16 @@ struct PlainBytes {
   template <int J> static constexpr int64_t of(int64_t i) { return i * itemsize(ST[J]); }
 };
 
+// Prefetch elements [i, i + COUNT) of states J, J + 1, ... of ``p`` (for_states' lambda is not
+// always inlined, and a call of it that only prefetches was deleted like prefetch_group's).
+template <int64_t COUNT, typename Bytes, int J = 0>
+__attribute__((always_inline)) static inline void prefetch_states(const Pointers &p, int64_t i) {
+  if constexpr (J < NSTATES) {
+    prefetch_bytes<1>(p.s[J], Bytes::template of<J>(i), Bytes::template of<J>(COUNT));
+    prefetch_states<COUNT, Bytes, J + 1>(p, i);
+  }
+}
+
 // Prefetch elements [i, i + COUNT) of every role of ``p`` (the gradient for reading, the others for
 // writing: the step writes them back); ``Bytes::of<J>``: state J's byte offsets.
 template <int64_t COUNT, typename Bytes = PlainBytes>
@@ -293,10 +304,7 @@ __attribute__((always_inline)) static inline void prefetch_group(const Pointers 
   prefetch_bytes<0>(p.g, i * itemsize(GT), COUNT * itemsize(GT));
   prefetch_bytes<1>(p.w, i * itemsize(WT), COUNT * itemsize(WT));
   if (p.b) prefetch_bytes<1>(p.b, i * itemsize(BT), COUNT * itemsize(BT));
-  for_states([&](auto j) {
-    constexpr int J = decltype(j)::value;
-    prefetch_bytes<1>(p.s[J], Bytes::template of<J>(i), Bytes::template of<J>(COUNT));
-  });
+  prefetch_states<COUNT, Bytes>(p, i);
 }
 
 static const vi ALL_VALID[2] = {(vi){} - 1, (vi){} - 1};
