@@ -164,8 +164,9 @@ def mesh_case(rank: int, layout: str, name: str, nonfinite: str, nan_at) -> dict
 #: state laid out again from ``Shard(1)`` (between the collectives that lay out the others),
 #: checking the values (before the second agreement); preparing StableAdamW's step before the
 #: sums' exchange ("stage": staging a kernel launch, the reference backend's preparation); making the
-#: states of a full step ("states": before the sums' exchange, where the other rank would wait); on
-#: the reference (a full step) and on the native kernel (the step 1 of a cached plan)
+#: states of the first step ("states", at step 0: before the sums' exchange or the gathers, where
+#: the other rank would wait, with the other rank's new states to take back); on the reference (a
+#: full step) and on the native kernel (the step 1 of a cached plan)
 FAILURES = [("StableAdamW", "pieces", "foreach"), ("StableAdamW", "pieces", "native"), ("AdamW", "flags", "foreach"),
             ("AdamW", "flags", "native"), ("AdamW", "load", "foreach"), ("AdamW", "translate", "foreach"),
             ("AdamW", "read", "foreach"), ("AdamW", "place", "foreach"), ("StableAdamW", "interrupt", "native"),
@@ -213,10 +214,11 @@ def failure_case(rank: int, name: str, where: str, backend: str) -> dict[str, An
             signal.raise_signal(signal.SIGINT)
             return
         raise MemoryError(f"injected into rank 3's {where}")
+    failing_step = 0 if where == "states" else 1
     for t in range(STEPS):
         for p, g in zip(params, full_grads("stages", stage, t, None)):
             p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
-        if t == 1 and stage == 1:
+        if t == failing_step and stage == 1:
             before = snapshot(opt, params)
             out["planned"] = opt._plans.current is not None   # the step comes from the cached plan
             saved = opt.state_dict() if where in LOADS else None
@@ -355,9 +357,35 @@ def counts_case(rank: int, layout: str, backend: str) -> dict[str, Any]:
     return out
 
 
+def first_step_nan_case(rank: int) -> dict[str, Any]:
+    """AdamW (``skip_param``, reference backend) on the ``stages`` layout whose first step has a
+    NaN in stage 1's second parameter, in rank 2's shard only: rank 3 makes that parameter's states
+    before the flags are agreed, then takes them back. The state keys of each parameter right
+    after the first step, and the snapshot after every step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    stage = rank // 2
+    nan_at = (1, 1, 5, 0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    params = [torch.nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=None))
+              for p in full_params("stages", stage)]
+    opt = make_optimizer("AdamW", params, "skip_param")
+    out: dict[str, Any] = {"stage": stage}
+    for t in range(STEPS):
+        for p, g in zip(params, full_grads("stages", stage, t, nan_at)):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
+        opt.step()
+        if t == 0:
+            out["keys"] = [sorted(opt.state.get(p, {})) for p in params]
+    out["snapshot"] = snapshot(opt, params)
+    return out
+
+
 def session(rank: int, world_size: int, cases: list) -> dict[str, Any]:
     assert world_size == 4, world_size
     return {"messages": messages_case(rank), "cases": [mesh_case(rank, *case) for case in cases],
+            "first_step_nan": first_step_nan_case(rank),
             "failures": [failure_case(rank, *failure) for failure in FAILURES],
             "remainder": [remainder_case(rank) for _ in range(2)],
             "counts": [counts_case(rank, *case) for case in COUNTS]}

@@ -945,6 +945,6 @@ def placement_errors(world_size: int) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()
-        warned[shape] = [str(w.message) for w in caught]
+        warned[shape] = [(str(w.message), w.filename.rsplit("/", 1)[-1]) for w in caught]
     return {"partial": message, "unchanged": torch.equal(p.to_local(), local), "warned": warned,
             "off_rule": off_rule}

@@ -136,6 +136,24 @@ def test_a_rank_that_fails_before_a_collective_fails_its_stage_cleanly(four_rank
             assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, {key} differs"
 
 
+def test_states_made_for_a_parameter_another_rank_skips_are_taken_back(four_ranks):
+    """A NaN in rank 2's shard of a parameter at the first step: rank 3, whose shard is finite,
+    makes the parameter's states before the ranks agree on the flags (so that running out of
+    memory there would reach rank 2), then takes them back: right after the step neither rank
+    holds a state of it, as the single-process run, whose snapshot after every step both equal."""
+    want = {stage: w.reference("stages", stage, "AdamW", "skip_param", (1, 1, 5, 0)) for stage in (0, 1)}
+    for rank, results in enumerate(four_ranks):
+        got = results["first_step_nan"]
+        if rank >= 2:
+            assert got["keys"][1] == [], (rank, got["keys"])
+            assert got["keys"][0] and got["keys"][2], (rank, got["keys"])
+        else:
+            assert all(got["keys"]), (rank, got["keys"])
+        assert sorted(got["snapshot"]) == sorted(want[got["stage"]]["snapshot"])
+        for key, t in want[got["stage"]]["snapshot"].items():
+            assert torch.equal(_bits(got["snapshot"][key]), _bits(t)), f"rank {rank}, {key} differs"
+
+
 @pytest.mark.parametrize("k", range(len(w.COUNTS)), ids=lambda k: "-".join(w.COUNTS[k]))
 def test_step_counts_that_differ_between_ranks_stop_the_step_on_each(four_ranks, k):
     """One rank holds a parameter's step count one ahead of the others' (a step that failed

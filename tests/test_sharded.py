@@ -535,7 +535,8 @@ def test_unsupported_placement_is_refused(two_ranks):
         assert re.search(r"local tensor of shape \(3,\) where Shard's rule \(torch\.chunk\) gives \(8,\)",
                          results["errors"]["off_rule"]), results["errors"]["off_rule"]
         split, whole = results["errors"]["warned"][(3, 33000)], results["errors"]["warned"][(2, 33024)]
-        assert len(split) == 1 and "(3, 33000)" in split[0] and "replicated" in split[0], split
+        assert len(split) == 1 and "(3, 33000)" in split[0][0] and "replicated" in split[0][0], split
+        assert split[0][1] == "sharded_worker.py", split   # points at the user's step() call
         assert whole == []
 
 

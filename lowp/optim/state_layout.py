@@ -21,6 +21,7 @@ ones; the optimizer binds both (and :func:`state_dtypes`, :func:`coded_states`) 
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
@@ -233,6 +234,15 @@ def check_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor
                                    mode.buffer_name)
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of :func:`warnings.warn` called by this function's caller that names the
+    first frame outside lowp and torch (the user's ``step()``, however deep the step's call chain)."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("lowp", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def init_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor, mode: WriteBack,
                coded_states: list[CodedState] | None = None) -> dict[str, Any]:
     """The state of ``p`` with everything a step in ``mode`` needs: ``step`` and the
@@ -251,7 +261,7 @@ def init_state(optimizer: LowpOptimizer, group: dict[str, Any], p: torch.Tensor,
                       f"split blocks of {group['state_block']} elements, so its block-scaled states are "
                       f"replicated on every rank and it is stepped whole (an all-gather per step); a "
                       f"smaller state_block, coded_min_numel above its size (16-bit states) or a group "
-                      f"with 16-bit states avoids it", stacklevel=5)
+                      f"with 16-bit states avoids it", stacklevel=_user_stacklevel())
     for name in optimizer.state_names(group, p):   # DTensor parameters: sharded like p
         if name in state:
             continue

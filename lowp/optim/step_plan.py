@@ -336,10 +336,11 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
     gradients are ``checked`` already; ``force_check`` skips non-finite ones even with
     ``nonfinite="off"``), with the missing states of the parameters this rank found finite made
     before the flags are agreed over the ranks (:func:`finite_flags`: running out of memory there
-    makes every rank of the agreement raise, none waits in a later collective; under
-    ``nonfinite="off"`` there is no agreement to carry it), taken back on any error before the
-    plan is made and for the parameters another rank's flags skip; then a :class:`StepPlan`
-    (nothing written) and its
+    makes every rank of the agreement raise, none waits in a later collective), taken back on any
+    error before the plan is made and for the parameters another rank's flags skip. A step that
+    makes no agreement (``nonfinite="off"``, gradients ``checked`` by a GradScaler, flags
+    ``agreed`` by a cached plan) makes them without one, so there such a failure still leaves the
+    other ranks waiting. Then a :class:`StepPlan` (nothing written) and its
     :meth:`~StepPlan.execute` (the writes, with Ctrl-C held until they are done). ``keep_plan``:
     keep the plan for the next steps (:meth:`lowp.optim.cached_step.Plans.after_full_step`), of a
     whole ``step()`` or of ``step_params(subset)``. ``agreed``: the non-finite flags of ``todo``,
@@ -354,6 +355,8 @@ def run(optimizer: LowpOptimizer, todo: list[Checked], inv_scale: float | None, 
     made = _Undo()   # the states made for this step, taken back unless it plans them
 
     def make_states(flags: list[bool]) -> None:
+        if optimizer.nonfinite == "skip_step" and not all(flags):
+            return   # this rank skips the step: nothing to make
         for t, ok in zip(todo, flags):
             if ok:
                 made.remember(optimizer.state, t.param, t.mode)
